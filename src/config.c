@@ -1,0 +1,105 @@
+/* Process defaults from TMS_* environment and each thread's region settings. */
+#include "config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+static pthread_once_t defaults_once = PTHREAD_ONCE_INIT;
+static struct tms_defaults defaults;  /* written once under defaults_once */
+
+static _Thread_local struct tms_region thread_region;
+static _Thread_local int thread_region_ready;
+
+int tms_backup_kind_parse(const char *name, int *kind)
+{
+    if (strcmp(name, "pinned") == 0) *kind = TMS_BACKUP_PINNED;
+    else if (strcmp(name, "mmap") == 0) *kind = TMS_BACKUP_MMAP;
+    else return TMS_E_ARG;
+    return TMS_OK;
+}
+
+const char *tms_backup_kind_name(int kind)
+{
+    return kind == TMS_BACKUP_PINNED ? "pinned" : "mmap";
+}
+
+int tms_parse_bytes(const char *s, size_t *out)
+{
+    if (!s || !isdigit((unsigned char)s[0])) return TMS_E_ARG;
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno) return TMS_E_ARG;
+    unsigned shift = 0;
+    if (*end) {
+        if (!strcasecmp(end, "k") || !strcasecmp(end, "kib") || !strcasecmp(end, "kb")) shift = 10;
+        else if (!strcasecmp(end, "m") || !strcasecmp(end, "mib") || !strcasecmp(end, "mb")) shift = 20;
+        else if (!strcasecmp(end, "g") || !strcasecmp(end, "gib") || !strcasecmp(end, "gb")) shift = 30;
+        else return TMS_E_ARG;
+    }
+    if (shift && v > (~0ULL >> shift)) return TMS_E_ARG;
+    *out = (size_t)(v << shift);
+    return TMS_OK;
+}
+
+static int parse_bool(const char *s, int *out)
+{
+    static const char *const yes[] = {"1", "true", "yes", "on"};
+    static const char *const no[] = {"0", "false", "no", "off", ""};
+    for (size_t i = 0; i < sizeof yes / sizeof *yes; i++)
+        if (!strcasecmp(s, yes[i])) return *out = 1, TMS_OK;
+    for (size_t i = 0; i < sizeof no / sizeof *no; i++)
+        if (!strcasecmp(s, no[i])) return *out = 0, TMS_OK;
+    return TMS_E_ARG;
+}
+
+static void env_bool(const char *var, int *out)
+{
+    const char *s = getenv(var);
+    if (s && parse_bool(s, out) != TMS_OK && !defaults.parse_error.status)
+        tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                 "%s='%s' is not a boolean (use 1/0, true/false, yes/no, on/off)", var, s);
+}
+
+static void load_defaults(void)
+{
+    defaults.init_backup_kind = TMS_BACKUP_DEFAULT;
+    env_bool("TMS_INIT_ENABLE", &defaults.init_enable);
+    env_bool("TMS_INIT_ENABLE_CPU_BACKUP", &defaults.init_backup);
+    env_bool("TMS_RETAIN_CPU_BACKUP", &defaults.retain_backup);
+    const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
+    if (kind && *kind && tms_backup_kind_parse(kind, &defaults.init_backup_kind) != TMS_OK &&
+        !defaults.parse_error.status)
+        tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                 "TMS_INIT_CPU_BACKUP_BACKEND='%s' is not a backup backend (use 'pinned' or 'mmap')", kind);
+    const char *chunk = getenv("TMS_CHUNK_BYTES");
+    if (chunk && *chunk && tms_parse_bytes(chunk, &defaults.chunk_bytes) != TMS_OK) {
+        defaults.chunk_bytes = 0;
+        if (!defaults.parse_error.status)
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                     "TMS_CHUNK_BYTES='%s' is not a size (e.g. 67108864, 64MiB, 1GiB)", chunk);
+    }
+}
+
+const struct tms_defaults *tms_defaults(void)
+{
+    pthread_once(&defaults_once, load_defaults);
+    return &defaults;
+}
+
+struct tms_region *tms_region_current(void)
+{
+    if (!thread_region_ready) {
+        const struct tms_defaults *d = tms_defaults();
+        thread_region.active = d->init_enable;
+        thread_region.tag_id = TMS_TAG_DEFAULT_ID;
+        thread_region.backup = d->init_backup;
+        thread_region.backup_kind = d->init_backup_kind;
+        thread_region_ready = 1;
+    }
+    return &thread_region;
+}

@@ -1,0 +1,50 @@
+/* Process defaults from TMS_* environment and each thread's region settings. */
+#ifndef TMS_CONFIG_H
+#define TMS_CONFIG_H
+
+#include <stddef.h>
+
+#include "error.h"
+
+enum tms_backup_kind {
+    TMS_BACKUP_PINNED = 0,  /* page-locked host memory */
+    TMS_BACKUP_MMAP = 1,    /* pageable anonymous memory, returned to the OS on resume */
+};
+/* mmap is the default: it reaches link speed without keeping memory pinned
+ * between cycles (issue 4); pinning 8 GiB alone costs ~3 s (DESIGN). */
+#define TMS_BACKUP_DEFAULT TMS_BACKUP_MMAP
+
+#define TMS_TAG_DEFAULT_ID 0  /* the tag "default", interned first */
+
+/* What an allocation made by this thread now gets. */
+struct tms_region {
+    int active;       /* inside a region and not disabled */
+    int tag_id;
+    int backup;       /* keep a host copy across pause */
+    int backup_kind;  /* enum tms_backup_kind */
+};
+
+struct tms_defaults {
+    int init_enable;             /* TMS_INIT_ENABLE */
+    int init_backup;             /* TMS_INIT_ENABLE_CPU_BACKUP */
+    int init_backup_kind;        /* TMS_INIT_CPU_BACKUP_BACKEND */
+    int retain_backup;           /* TMS_RETAIN_CPU_BACKUP */
+    size_t chunk_bytes;          /* TMS_CHUNK_BYTES; 0 = one physical handle per allocation */
+    struct tms_err parse_error;  /* status != 0 if a variable was malformed */
+};
+
+/* Parsed once per process. A malformed variable leaves the safe default in
+ * place (hooks cannot raise) and is reported through parse_error, which the
+ * Python module raises at import. */
+const struct tms_defaults *tms_defaults(void);
+
+/* The calling thread's settings, initialised from the defaults on first use. */
+struct tms_region *tms_region_current(void);
+
+int tms_backup_kind_parse(const char *name, int *kind);
+const char *tms_backup_kind_name(int kind);
+
+/* "64MiB", "2GiB", "1048576": bytes, with optional KiB/MiB/GiB (or K/M/G). */
+int tms_parse_bytes(const char *s, size_t *out);
+
+#endif

@@ -1,0 +1,65 @@
+/* The VMM core: the process's one allocation table and its pause/resume state machine. */
+#ifndef TMS_CORE_H
+#define TMS_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backup.h"
+#include "config.h"
+#include "error.h"
+
+enum tms_alloc_state { TMS_ACTIVE = 0, TMS_PAUSED = 1 };
+
+/* One row of tms_core_list(): a copy, safe to read without the core lock. */
+struct tms_alloc_info {
+    uint64_t ptr;
+    size_t size;         /* requested */
+    size_t reserved;     /* after rounding to the granularity */
+    int device;
+    int tag_id;
+    int state;           /* enum tms_alloc_state */
+    int backup;          /* backup enabled for this allocation */
+    int backup_kind;
+    int has_host_copy;   /* a host backup exists now (paused, or retained) */
+    int n_chunks;
+};
+
+/* Interns tag (any non-empty string) and returns its id; ids are never reused. */
+int tms_core_tag_id(const char *tag, int *id, struct tms_err *err);
+/* Name of an interned tag; the string lives for the process. */
+const char *tms_core_tag_name(int id);
+
+/* Allocates size bytes on device (-1: the calling thread's current device)
+ * with the settings of region r. size 0 gives NULL, like cudaMalloc.
+ * TMS_E_OOM when the device is full or the margin would be crossed. */
+int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **ptr, struct tms_err *err);
+
+/* Frees an allocation (active or paused) and drops its backup.
+ * TMS_E_NOT_FOUND if ptr is not an allocation of the core. */
+int tms_core_free(void *ptr, struct tms_err *err);
+
+/* Cheap test used by the hooks to route cudaFree. */
+int tms_core_owns(const void *ptr);
+
+/* tag NULL = every tag. A tag with no allocations is a no-op. Pausing a tag
+ * whose allocations are all paused (or resuming one all active) is
+ * TMS_E_STATE naming the tag. */
+int tms_core_pause(const char *tag, struct tms_err *err);
+int tms_core_resume(const char *tag, struct tms_err *err);
+
+/* The host backup covering [ptr, ptr+n): *out gets a new reference (caller
+ * unrefs) and *offset the position of ptr in it; *out = NULL if the
+ * allocation has no host copy now. TMS_E_NOT_FOUND / TMS_E_ARG if the range
+ * is not inside one allocation. */
+int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *offset, struct tms_err *err);
+
+/* A copy of the table (caller frees *rows). */
+int tms_core_list(struct tms_alloc_info **rows, size_t *count, struct tms_err *err);
+
+void tms_core_set_margin(size_t bytes);
+size_t tms_core_margin(void);
+void tms_core_set_retain(int retain);
+int tms_core_retain(void);
+
+#endif

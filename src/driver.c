@@ -1,0 +1,73 @@
+/* Chooses and loads the process's one VMM backend. */
+#include "driver.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+static pthread_mutex_t driver_lock = PTHREAD_MUTEX_INITIALIZER;
+static const struct tms_driver *driver_chosen;  /* guarded by driver_lock */
+static const struct tms_driver *driver_ready;   /* loaded; written once under the lock */
+
+static const struct tms_driver *driver_by_name(const char *name)
+{
+    if (strcmp(name, "cuda") == 0) return &tms_driver_cuda;
+    if (strcmp(name, "host") == 0) return &tms_driver_host;
+    return NULL;
+}
+
+int tms_driver_select(const char *name, struct tms_err *err)
+{
+    const struct tms_driver *want = driver_by_name(name);
+    if (!want)
+        return tms_fail(err, TMS_E_ARG, 0, "unknown backend '%s' (expected 'cuda' or 'host')", name);
+    int rc = TMS_OK;
+    pthread_mutex_lock(&driver_lock);
+    const struct tms_driver *have = driver_ready ? driver_ready : driver_chosen;
+    if (have && have != want)
+        rc = tms_fail(err, TMS_E_STATE, 0, "backend '%s' is already in use; cannot switch to '%s'",
+                      have->name, name);
+    else
+        driver_chosen = want;
+    pthread_mutex_unlock(&driver_lock);
+    return rc;
+}
+
+int tms_driver_get(const struct tms_driver **out, struct tms_err *err)
+{
+    const struct tms_driver *ready = __atomic_load_n(&driver_ready, __ATOMIC_ACQUIRE);
+    if (ready) {
+        *out = ready;
+        return TMS_OK;
+    }
+    int rc = TMS_OK;
+    pthread_mutex_lock(&driver_lock);
+    if (!driver_ready) {
+        const struct tms_driver *d = driver_chosen;
+        if (!d) {
+            const char *env = getenv("TMS_BACKEND");
+            d = (env && *env) ? driver_by_name(env) : &tms_driver_cuda;
+            if (!d)
+                rc = tms_fail(err, TMS_E_ARG, 0,
+                              "TMS_BACKEND='%s' is not a backend (expected 'cuda' or 'host')", env);
+        }
+        /* A failed load is not cached: a later call may succeed (driver
+         * installed, env fixed) and each caller gets the message. */
+        if (rc == TMS_OK)
+            rc = d->load(err);
+        if (rc == TMS_OK) {
+            driver_chosen = d;
+            __atomic_store_n(&driver_ready, d, __ATOMIC_RELEASE);
+        }
+    }
+    if (rc == TMS_OK)
+        *out = driver_ready;
+    pthread_mutex_unlock(&driver_lock);
+    return rc;
+}
+
+const char *tms_driver_loaded_name(void)
+{
+    const struct tms_driver *d = __atomic_load_n(&driver_ready, __ATOMIC_ACQUIRE);
+    return d ? d->name : NULL;
+}

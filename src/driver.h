@@ -1,0 +1,81 @@
+/* The platform contract: one table of function pointers per VMM backend. */
+#ifndef TMS_DRIVER_H
+#define TMS_DRIVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "error.h"
+
+/*
+ * Conventions every backend keeps:
+ *  - Each operation returns int: 0 on success, otherwise the backend's own
+ *    code (CUresult, hipError_t, errno). The core turns codes into messages
+ *    with code_name(), the operation, the address and the size.
+ *  - Out-parameters are never NULL.
+ *  - Sizes and addresses handed to reserve/create/map/unmap are already
+ *    multiples of granularity(device).
+ *  - Device ordinals are valid for the backend (the core checks them with
+ *    device_count first).
+ *  - No operation calls back into the core or into Python, and none holds a
+ *    lock of its own across a call into another backend function.
+ */
+
+typedef uint64_t tms_va;     /* device virtual address */
+typedef uint64_t tms_phys;   /* physical memory handle */
+
+struct tms_driver {
+    const char *name;
+
+    /* Resolve entry points and initialise; called once by driver.c.
+     * On failure fills err (TMS_E_NO_DRIVER or TMS_E_DRIVER). */
+    int (*load)(struct tms_err *err);
+
+    int (*is_oom)(int code);                 /* does code mean "out of memory"? */
+    int (*is_shutdown)(int code);            /* driver already torn down (process exit)? */
+    const char *(*code_name)(int code);
+
+    int (*device_count)(int *count);
+    /* The device the calling thread's runtime would allocate on. */
+    int (*current_device)(int *device);
+    int (*granularity)(int device, size_t *bytes);
+    int (*mem_get_info)(int device, size_t *free_bytes, size_t *total_bytes);
+
+    /* pre: size multiple of alignment. */
+    int (*reserve)(size_t size, size_t alignment, tms_va *va);
+    /* pre: nothing mapped in [va, va+size). */
+    int (*unreserve)(tms_va va, size_t size);
+    int (*create)(int device, size_t size, tms_phys *handle);
+    /* pre: handle not mapped anywhere. */
+    int (*release)(tms_phys handle);
+    /* Maps handle at va and grants device read-write access.
+     * pre: [va, va+size) reserved and unmapped; size == the handle's size. */
+    int (*map)(int device, tms_va va, size_t size, tms_phys handle);
+    /* pre: [va, va+size) mapped; no work in flight touches it. */
+    int (*unmap)(tms_va va, size_t size);
+
+    /* Waits for all work queued on device (every stream). */
+    int (*synchronize)(int device);
+    /* Synchronous copies. pre: the device range is mapped. */
+    int (*copy_to_host)(int device, void *dst, tms_va src, size_t n);
+    int (*copy_to_device)(int device, tms_va dst, const void *src, size_t n);
+
+    /* Page-locked host memory (plain memory on the host backend). */
+    int (*host_alloc_pinned)(size_t size, void **ptr);
+    int (*host_free_pinned)(void *ptr, size_t size);
+};
+
+extern const struct tms_driver tms_driver_cuda;
+extern const struct tms_driver tms_driver_host;
+
+/* The process's backend, loaded on first use (TMS_BACKEND, else cuda).
+ * Returns TMS_OK and sets *out, or fills err. Thread-safe. */
+int tms_driver_get(const struct tms_driver **out, struct tms_err *err);
+
+/* Chooses the backend before first use; TMS_E_STATE if another is loaded. */
+int tms_driver_select(const char *name, struct tms_err *err);
+
+/* Name of the loaded backend, or NULL if none is loaded yet. */
+const char *tms_driver_loaded_name(void);
+
+#endif

@@ -1,0 +1,251 @@
+/* Host backend: VMM emulated on memfd + mmap, so every core path runs without a GPU. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "driver.h"
+
+/* 2 MiB like the H100's granularity, so rounding behaves as on the GPU. */
+#define HOST_GRANULARITY ((size_t)2 << 20)
+#define HOST_MAX_DEVICES 8
+#define HOST_FAULT_OPS 6
+
+/* An emulated device of TMS_HOST_DEVICE_BYTES (default 16 GiB) capacity:
+ * create fails with ENOMEM past it, which is how OOM paths run in CI. */
+static size_t host_capacity;                     /* set once in load */
+static int host_device_count;                    /* set once in load */
+static size_t host_used[HOST_MAX_DEVICES];       /* atomic */
+
+/* TMS_FAULT="op:n[,op:n…]": the n-th call (1-based) of op fails once. */
+static const char *const fault_op_names[HOST_FAULT_OPS] = {
+    "create", "map", "unmap", "copy_to_host", "copy_to_device", "host_alloc",
+};
+enum { FAULT_CREATE, FAULT_MAP, FAULT_UNMAP, FAULT_TO_HOST, FAULT_TO_DEVICE, FAULT_HOST_ALLOC };
+static long fault_at[HOST_FAULT_OPS];            /* set once in load; 0 = never */
+static long fault_calls[HOST_FAULT_OPS];         /* atomic */
+
+static int fault_hit(int op)
+{
+    long n = __atomic_add_fetch(&fault_calls[op], 1, __ATOMIC_RELAXED);
+    return fault_at[op] != 0 && n == fault_at[op];
+}
+
+static int parse_size_env(const char *var, size_t fallback, size_t *out, struct tms_err *err)
+{
+    const char *s = getenv(var);
+    if (!s || !*s) {
+        *out = fallback;
+        return TMS_OK;
+    }
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end || v == 0 || s[0] == '-')
+        return tms_fail(err, TMS_E_ARG, 0, "%s='%s' is not a positive integer", var, s);
+    *out = (size_t)v;
+    return TMS_OK;
+}
+
+static int parse_faults(struct tms_err *err)
+{
+    const char *s = getenv("TMS_FAULT");
+    if (!s || !*s) return TMS_OK;
+    char buf[256];
+    if (strlen(s) >= sizeof buf) return tms_fail(err, TMS_E_ARG, 0, "TMS_FAULT is too long");
+    strcpy(buf, s);
+    char *save = NULL;
+    for (char *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        char *colon = strchr(item, ':');
+        char *end = NULL;
+        long n = colon ? strtol(colon + 1, &end, 10) : 0;
+        int op = -1;
+        if (colon) {
+            *colon = '\0';
+            for (int i = 0; i < HOST_FAULT_OPS; i++)
+                if (strcmp(item, fault_op_names[i]) == 0) op = i;
+        }
+        if (op < 0 || n <= 0 || !end || *end)
+            return tms_fail(err, TMS_E_ARG, 0,
+                            "TMS_FAULT='%s' is malformed (expected op:n with op one of create, map, "
+                            "unmap, copy_to_host, copy_to_device, host_alloc)", s);
+        fault_at[op] = n;
+    }
+    return TMS_OK;
+}
+
+static int host_load(struct tms_err *err)
+{
+    size_t devices = 0;
+    int rc = parse_size_env("TMS_HOST_DEVICE_BYTES", (size_t)16 << 30, &host_capacity, err);
+    if (!rc) rc = parse_size_env("TMS_HOST_DEVICES", 2, &devices, err);
+    if (!rc && devices > HOST_MAX_DEVICES)
+        rc = tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_DEVICES=%zu exceeds %d", devices, HOST_MAX_DEVICES);
+    if (!rc) rc = parse_faults(err);
+    if (!rc) host_device_count = (int)devices;
+    return rc;
+}
+
+static int host_is_oom(int code) { return code == ENOMEM; }
+static int host_is_shutdown(int code) { (void)code; return 0; }
+static const char *host_code_name(int code) { return strerror(code); }
+
+static int host_device_count_fn(int *count)
+{
+    *count = host_device_count;
+    return 0;
+}
+
+static int host_current_device(int *device)
+{
+    *device = 0;
+    return 0;
+}
+
+static int host_granularity(int device, size_t *bytes)
+{
+    (void)device;
+    *bytes = HOST_GRANULARITY;
+    return 0;
+}
+
+static int host_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes)
+{
+    size_t used = __atomic_load_n(&host_used[device], __ATOMIC_RELAXED);
+    *total_bytes = host_capacity;
+    *free_bytes = used < host_capacity ? host_capacity - used : 0;
+    return 0;
+}
+
+static int host_reserve(size_t size, size_t alignment, tms_va *va)
+{
+    /* Over-reserve and trim so the range starts on the alignment. */
+    size_t span = size + alignment;
+    char *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return errno;
+    uintptr_t start = ((uintptr_t)p + alignment - 1) & ~(uintptr_t)(alignment - 1);
+    size_t head = start - (uintptr_t)p;
+    if (head) munmap(p, head);
+    size_t tail = span - head - size;
+    if (tail) munmap((char *)start + size, tail);
+    *va = start;
+    return 0;
+}
+
+static int host_unreserve(tms_va va, size_t size)
+{
+    return munmap((void *)(uintptr_t)va, size) ? errno : 0;
+}
+
+/* A handle is a memfd; its size is what was created (fstat gives it back). */
+static int host_create(int device, size_t size, tms_phys *handle)
+{
+    if (fault_hit(FAULT_CREATE)) return ENOMEM;
+    size_t used = __atomic_add_fetch(&host_used[device], size, __ATOMIC_RELAXED);
+    if (used > host_capacity) {
+        __atomic_sub_fetch(&host_used[device], size, __ATOMIC_RELAXED);
+        return ENOMEM;
+    }
+    int fd = memfd_create("tms-host-device", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+        int e = errno;
+        if (fd >= 0) close(fd);
+        __atomic_sub_fetch(&host_used[device], size, __ATOMIC_RELAXED);
+        return e;
+    }
+    /* Encode the device in the high bits: release must give its bytes back. */
+    *handle = ((tms_phys)device << 32) | (tms_phys)(unsigned)fd;
+    return 0;
+}
+
+static int host_release(tms_phys handle)
+{
+    int fd = (int)(handle & 0xffffffffu);
+    int device = (int)(handle >> 32);
+    off_t size = lseek(fd, 0, SEEK_END);
+    if (size < 0) return errno;
+    if (close(fd) != 0) return errno;
+    __atomic_sub_fetch(&host_used[device], (size_t)size, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static int host_map(int device, tms_va va, size_t size, tms_phys handle)
+{
+    (void)device;
+    if (fault_hit(FAULT_MAP)) return ENOMEM;
+    int fd = (int)(handle & 0xffffffffu);
+    void *p = mmap((void *)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+    return p == MAP_FAILED ? errno : 0;
+}
+
+/* Back to an inaccessible reservation: touching it now faults, as on a GPU. */
+static int host_unmap(tms_va va, size_t size)
+{
+    if (fault_hit(FAULT_UNMAP)) return EIO;
+    void *p = mmap((void *)(uintptr_t)va, size, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? errno : 0;
+}
+
+static int host_synchronize(int device)
+{
+    (void)device;
+    return 0;
+}
+
+static int host_copy_to_host(int device, void *dst, tms_va src, size_t n)
+{
+    (void)device;
+    if (fault_hit(FAULT_TO_HOST)) return EIO;
+    memcpy(dst, (const void *)(uintptr_t)src, n);
+    return 0;
+}
+
+static int host_copy_to_device(int device, tms_va dst, const void *src, size_t n)
+{
+    (void)device;
+    if (fault_hit(FAULT_TO_DEVICE)) return EIO;
+    memcpy((void *)(uintptr_t)dst, src, n);
+    return 0;
+}
+
+static int host_alloc_pinned(size_t size, void **ptr)
+{
+    if (fault_hit(FAULT_HOST_ALLOC)) return ENOMEM;
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return errno;
+    /* Page-locked memory is resident: mimic it so RSS reflects the backup. */
+    memset(p, 0, size);
+    *ptr = p;
+    return 0;
+}
+
+static int host_free_pinned(void *ptr, size_t size)
+{
+    return munmap(ptr, size) ? errno : 0;
+}
+
+const struct tms_driver tms_driver_host = {
+    .name = "host",
+    .load = host_load,
+    .is_oom = host_is_oom,
+    .is_shutdown = host_is_shutdown,
+    .code_name = host_code_name,
+    .device_count = host_device_count_fn,
+    .current_device = host_current_device,
+    .granularity = host_granularity,
+    .mem_get_info = host_mem_get_info,
+    .reserve = host_reserve,
+    .unreserve = host_unreserve,
+    .create = host_create,
+    .release = host_release,
+    .map = host_map,
+    .unmap = host_unmap,
+    .synchronize = host_synchronize,
+    .copy_to_host = host_copy_to_host,
+    .copy_to_device = host_copy_to_device,
+    .host_alloc_pinned = host_alloc_pinned,
+    .host_free_pinned = host_free_pinned,
+};

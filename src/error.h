@@ -1,0 +1,34 @@
+/* Status codes and the error record every core operation fills on failure. */
+#ifndef TMS_ERROR_H
+#define TMS_ERROR_H
+
+#include <stddef.h>
+
+/* Library status: 0 = success. The Python face maps each to one exception. */
+enum tms_status {
+    TMS_OK = 0,
+    TMS_E_OOM,        /* device memory exhausted (or margin hit): recoverable */
+    TMS_E_HOST_OOM,   /* host memory for a backup could not be had */
+    TMS_E_DRIVER,     /* a driver call failed; driver_code says which code */
+    TMS_E_NO_DRIVER,  /* the backend's library could not be loaded */
+    TMS_E_STATE,      /* operation not allowed in the current state (double pause…) */
+    TMS_E_ARG,        /* bad argument */
+    TMS_E_NOT_FOUND,  /* pointer not owned by the core */
+};
+
+/* Filled by the failing call, owned by the caller (on its stack): no error
+ * state is shared between calls or threads. */
+struct tms_err {
+    int status;
+    int driver_code;
+    char msg[384];
+};
+
+/* Records status + formatted message; returns status so callers can
+ * `return tms_fail(err, ...)`. err may be NULL (hooks that only need the code). */
+int tms_fail(struct tms_err *err, int status, int driver_code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+const char *tms_status_name(int status);
+
+#endif

@@ -1,0 +1,456 @@
+/* The CPython face of the core: module _tms_preload or _tms_torch, one per hook variant. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+
+#include "config.h"
+#include "core.h"
+#include "driver.h"
+#include "hook.h"
+#include "py_weak.h"
+
+#ifndef TMS_VARIANT
+#error "TMS_VARIANT must be defined (preload or torch)"
+#endif
+#define TMS_STR_(x) #x
+#define TMS_STR(x) TMS_STR_(x)
+#define TMS_CAT_(a, b) a##b
+#define TMS_CAT(a, b) TMS_CAT_(a, b)
+#define TMS_MODULE_NAME "_tms_" TMS_STR(TMS_VARIANT)
+
+int tms_preload_is_interposed(void);  /* hook_preload.c / hook_torch.c */
+
+/* Module state: Python objects only. */
+typedef struct {
+    PyObject *error;          /* _tms.Error(RuntimeError) */
+    PyObject *oom_error;      /* _tms.OutOfMemoryError(Error, MemoryError) */
+    PyTypeObject *view_type;  /* _tms.BackupView: buffer over a host backup */
+} module_state;
+
+static module_state *state_of(PyObject *module) { return (module_state *)PyModule_GetState(module); }
+
+/* The one place a library status becomes a Python exception. */
+static PyObject *raise_err(PyObject *module, const struct tms_err *err)
+{
+    module_state *st = state_of(module);
+    PyObject *type;
+    switch (err->status) {
+    case TMS_E_OOM:
+    case TMS_E_HOST_OOM: type = st->oom_error; break;
+    case TMS_E_ARG:
+    case TMS_E_NOT_FOUND: type = PyExc_ValueError; break;
+    case TMS_E_DRIVER:
+    case TMS_E_NO_DRIVER:
+    case TMS_E_STATE: type = st->error; break;
+    default:
+        PyErr_Format(st->error, "torch_memory_saver: unrecognised status %d: %s", err->status, err->msg);
+        return NULL;
+    }
+    PyErr_Format(type, "torch_memory_saver: %s", err->msg[0] ? err->msg : tms_status_name(err->status));
+    return NULL;
+}
+
+/* ---- region settings (thread-local in C) ----------------------------------- */
+
+PyDoc_STRVAR(set_region_doc,
+"set_region($module, active, tag, enable_cpu_backup, cpu_backup_backend, /)\n--\n\n"
+"Set the calling thread's region: allocations it makes while active are pauseable.");
+
+static PyObject *py_set_region(PyObject *module, PyObject *args)
+{
+    int active, backup;
+    const char *tag, *kind_name;
+    if (!PyArg_ParseTuple(args, "psps:set_region", &active, &tag, &backup, &kind_name)) return NULL;
+    int kind;
+    if (tms_backup_kind_parse(kind_name, &kind) != TMS_OK)
+        return PyErr_Format(PyExc_ValueError,
+                            "cpu_backup_backend must be 'pinned' or 'mmap', got '%s'", kind_name);
+    struct tms_err err = {0};
+    int tag_id;
+    if (tms_core_tag_id(tag, &tag_id, &err)) return raise_err(module, &err);
+    struct tms_region *r = tms_region_current();
+    r->active = active;
+    r->tag_id = tag_id;
+    r->backup = backup;
+    r->backup_kind = kind;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(get_region_doc,
+"get_region($module, /)\n--\n\n"
+"The calling thread's region as (active, tag, enable_cpu_backup, cpu_backup_backend).");
+
+static PyObject *py_get_region(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    const struct tms_region *r = tms_region_current();
+    return Py_BuildValue("(Nsns)", PyBool_FromLong(r->active), tms_core_tag_name(r->tag_id),
+                         (Py_ssize_t)0 + r->backup, tms_backup_kind_name(r->backup_kind));
+}
+
+/* ---- pause / resume ---------------------------------------------------------- */
+
+typedef int (*tag_op)(const char *, struct tms_err *);
+
+static PyObject *run_tag_op(PyObject *module, PyObject *arg, tag_op op, const char *name)
+{
+    const char *tag = NULL;
+    if (arg != Py_None) {
+        if (!PyUnicode_Check(arg))
+            return PyErr_Format(PyExc_TypeError, "%s: tag must be a str or None, not %.100s", name,
+                                Py_TYPE(arg)->tp_name);
+        tag = PyUnicode_AsUTF8(arg);
+        if (!tag) return NULL;
+        if (!*tag) return PyErr_Format(PyExc_ValueError, "%s: tag must be a non-empty string", name);
+    }
+    struct tms_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = op(tag, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(pause_doc, "pause($module, tag, /)\n--\n\nRelease the memory of tag (None: all tags).");
+static PyObject *py_pause(PyObject *module, PyObject *tag) { return run_tag_op(module, tag, tms_core_pause, "pause"); }
+
+PyDoc_STRVAR(resume_doc, "resume($module, tag, /)\n--\n\nMap tag's memory back at the same addresses.");
+static PyObject *py_resume(PyObject *module, PyObject *tag) { return run_tag_op(module, tag, tms_core_resume, "resume"); }
+
+/* ---- direct allocation (host backend, tests) --------------------------------- */
+
+PyDoc_STRVAR(malloc_doc,
+"malloc($module, size, device=-1, /)\n--\n\n"
+"Allocate through the core with the calling thread's region settings, as the hooks do.");
+
+static PyObject *py_malloc(PyObject *module, PyObject *args)
+{
+    Py_ssize_t size;
+    int device = -1;
+    if (!PyArg_ParseTuple(args, "n|i:malloc", &size, &device)) return NULL;
+    if (size < 0) return PyErr_Format(PyExc_ValueError, "malloc: size must be >= 0, got %zd", size);
+    if (!tms_region_current()->active)
+        return PyErr_Format(PyExc_ValueError, "malloc of %zd bytes outside a region: enter region() first", size);
+    struct tms_err err = {0};
+    void *ptr = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_core_alloc((size_t)size, device, tms_region_current(), &ptr, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
+    return PyLong_FromVoidPtr(ptr);
+}
+
+PyDoc_STRVAR(free_doc, "free($module, ptr, /)\n--\n\nFree an allocation made by the core (active or paused).");
+
+static PyObject *py_free(PyObject *module, PyObject *arg)
+{
+    void *ptr = PyLong_AsVoidPtr(arg);
+    if (!ptr && PyErr_Occurred()) return NULL;
+    struct tms_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_core_free(ptr, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
+    Py_RETURN_NONE;
+}
+
+/* ---- host backups as Python buffers ------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    struct tms_backup *backup;  /* one reference, dropped in dealloc */
+    char *start;
+    Py_ssize_t len;
+} backup_view;
+
+static int view_getbuffer(PyObject *self, Py_buffer *view, int flags)
+{
+    backup_view *v = (backup_view *)self;
+    return PyBuffer_FillInfo(view, self, v->start, v->len, 0, flags);
+}
+
+static void view_dealloc(PyObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    tms_backup_unref(((backup_view *)self)->backup);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+static PyType_Slot view_slots[] = {
+    {Py_bf_getbuffer, view_getbuffer},
+    {Py_tp_dealloc, view_dealloc},
+    {Py_tp_doc, "Host backup bytes of a paused (or retained) allocation; keeps them alive."},
+    {0, NULL},
+};
+
+static PyType_Spec view_spec = {
+    .name = "torch_memory_saver." TMS_MODULE_NAME ".BackupView",
+    .basicsize = sizeof(backup_view),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = view_slots,
+};
+
+PyDoc_STRVAR(get_cpu_backup_doc,
+"get_cpu_backup($module, ptr, nbytes, /)\n--\n\n"
+"A writable memoryview of the host backup of [ptr, ptr+nbytes), or None if the\n"
+"allocation holding ptr has no host copy now. The view keeps the bytes alive.");
+
+static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
+{
+    unsigned long long ptr;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "Kn:get_cpu_backup", &ptr, &nbytes)) return NULL;
+    if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "get_cpu_backup: nbytes must be >= 0, got %zd", nbytes);
+    struct tms_err err = {0};
+    struct tms_backup *b = NULL;
+    size_t offset = 0;
+    if (tms_core_backup_of(ptr, (size_t)nbytes, &b, &offset, &err)) return raise_err(module, &err);
+    if (!b) Py_RETURN_NONE;
+    module_state *st = state_of(module);
+    backup_view *v = PyObject_New(backup_view, st->view_type);
+    if (!v) {
+        tms_backup_unref(b);
+        return NULL;
+    }
+    v->backup = b;
+    v->start = (char *)b->host + offset;
+    v->len = nbytes;
+    PyObject *mv = PyMemoryView_FromObject((PyObject *)v);
+    Py_DECREF(v);
+    return mv;
+}
+
+/* ---- introspection ----------------------------------------------------------- */
+
+PyDoc_STRVAR(allocations_doc,
+"allocations($module, /)\n--\n\nA list of dicts, one per allocation the core holds.");
+
+static PyObject *py_allocations(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    struct tms_err err = {0};
+    struct tms_alloc_info *rows = NULL;
+    size_t n = 0;
+    if (tms_core_list(&rows, &n, &err)) return raise_err(module, &err);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        const struct tms_alloc_info *r = &rows[i];
+        PyObject *d = Py_BuildValue(
+            "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:i}", "ptr", (unsigned long long)r->ptr, "size",
+            (Py_ssize_t)r->size, "reserved", (Py_ssize_t)r->reserved, "device", r->device, "tag",
+            tms_core_tag_name(r->tag_id), "state", r->state == TMS_PAUSED ? "paused" : "active", "cpu_backup",
+            r->backup ? Py_True : Py_False, "cpu_backup_backend", tms_backup_kind_name(r->backup_kind),
+            "has_cpu_backup", r->has_host_copy ? Py_True : Py_False, "chunks", r->n_chunks);
+        if (!d) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+    }
+    free(rows);
+    return list;
+}
+
+PyDoc_STRVAR(set_margin_doc, "set_memory_margin_bytes($module, n, /)\n--\n\nAllocations fail with OOM if they would leave fewer than n bytes free.");
+
+static PyObject *py_set_margin(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    if (!PyLong_Check(arg))
+        return PyErr_Format(PyExc_TypeError, "memory_margin_bytes must be an int, not %.100s", Py_TYPE(arg)->tp_name);
+    if (PyObject_RichCompareBool(arg, Py_False, Py_LT) == 1)
+        return PyErr_Format(PyExc_ValueError, "memory_margin_bytes must be >= 0, got %R", arg);
+    size_t n = PyLong_AsSize_t(arg);
+    if (n == (size_t)-1 && PyErr_Occurred()) return NULL;
+    tms_core_set_margin(n);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(get_margin_doc, "get_memory_margin_bytes($module, /)\n--\n\n");
+static PyObject *py_get_margin(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    return PyLong_FromSize_t(tms_core_margin());
+}
+
+PyDoc_STRVAR(set_retain_doc, "set_retain_cpu_backup($module, retain, /)\n--\n\nKeep host backups across resume.");
+static PyObject *py_set_retain(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    int v = PyObject_IsTrue(arg);
+    if (v < 0) return NULL;
+    tms_core_set_retain(v);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(get_retain_doc, "get_retain_cpu_backup($module, /)\n--\n\n");
+static PyObject *py_get_retain(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    return PyBool_FromLong(tms_core_retain());
+}
+
+PyDoc_STRVAR(use_backend_doc, "use_backend($module, name, /)\n--\n\nChoose 'cuda' or 'host' before first use.");
+static PyObject *py_use_backend(PyObject *module, PyObject *arg)
+{
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    struct tms_err err = {0};
+    if (tms_driver_select(name, &err)) return raise_err(module, &err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(backend_doc, "backend($module, /)\n--\n\nLoad the backend if needed and return its name.");
+static PyObject *py_backend(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    const struct tms_driver *drv;
+    struct tms_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_driver_get(&drv, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
+    return PyUnicode_FromString(drv->name);
+}
+
+PyDoc_STRVAR(loaded_backend_doc, "loaded_backend($module, /)\n--\n\nName of the loaded backend, or None.");
+static PyObject *py_loaded_backend(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    const char *name = tms_driver_loaded_name();
+    if (!name) Py_RETURN_NONE;
+    return PyUnicode_FromString(name);
+}
+
+PyDoc_STRVAR(preload_active_doc,
+"preload_active($module, /)\n--\n\nTrue if this library's cudaMalloc is the one the process uses (LD_PRELOAD).");
+static PyObject *py_preload_active(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    return PyBool_FromLong(tms_preload_is_interposed());
+}
+
+PyDoc_STRVAR(library_path_doc, "library_path($module, /)\n--\n\nPath of this shared library.");
+static PyObject *py_library_path(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    Dl_info info;
+    if (!dladdr((void *)py_library_path, &info) || !info.dli_fname)
+        return PyErr_Format(PyExc_OSError, "dladdr cannot name the library holding " TMS_MODULE_NAME);
+    return PyUnicode_DecodeFSDefault(info.dli_fname);
+}
+
+PyDoc_STRVAR(last_hook_error_doc, "last_hook_error($module, /)\n--\n\nMessage of this thread's last failed hook call.");
+static PyObject *py_last_hook_error(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    return PyUnicode_FromString(tms_hook_last_error());
+}
+
+PyDoc_STRVAR(defaults_doc, "defaults($module, /)\n--\n\nProcess defaults read from TMS_* environment variables.");
+static PyObject *py_defaults(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    const struct tms_defaults *d = tms_defaults();
+    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:n}", "init_enable", d->init_enable ? Py_True : Py_False,
+                         "init_enable_cpu_backup", d->init_backup ? Py_True : Py_False,
+                         "init_cpu_backup_backend", tms_backup_kind_name(d->init_backup_kind),
+                         "retain_cpu_backup", d->retain_backup ? Py_True : Py_False, "chunk_bytes",
+                         (Py_ssize_t)d->chunk_bytes);
+}
+
+static PyMethodDef module_methods[] = {
+    {"set_region", py_set_region, METH_VARARGS, set_region_doc},
+    {"get_region", py_get_region, METH_NOARGS, get_region_doc},
+    {"pause", py_pause, METH_O, pause_doc},
+    {"resume", py_resume, METH_O, resume_doc},
+    {"malloc", py_malloc, METH_VARARGS, malloc_doc},
+    {"free", py_free, METH_O, free_doc},
+    {"get_cpu_backup", py_get_cpu_backup, METH_VARARGS, get_cpu_backup_doc},
+    {"allocations", py_allocations, METH_NOARGS, allocations_doc},
+    {"set_memory_margin_bytes", py_set_margin, METH_O, set_margin_doc},
+    {"get_memory_margin_bytes", py_get_margin, METH_NOARGS, get_margin_doc},
+    {"set_retain_cpu_backup", py_set_retain, METH_O, set_retain_doc},
+    {"get_retain_cpu_backup", py_get_retain, METH_NOARGS, get_retain_doc},
+    {"use_backend", py_use_backend, METH_O, use_backend_doc},
+    {"backend", py_backend, METH_NOARGS, backend_doc},
+    {"loaded_backend", py_loaded_backend, METH_NOARGS, loaded_backend_doc},
+    {"preload_active", py_preload_active, METH_NOARGS, preload_active_doc},
+    {"library_path", py_library_path, METH_NOARGS, library_path_doc},
+    {"last_hook_error", py_last_hook_error, METH_NOARGS, last_hook_error_doc},
+    {"defaults", py_defaults, METH_NOARGS, defaults_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int module_exec(PyObject *module)
+{
+    const struct tms_defaults *d = tms_defaults();
+    if (d->parse_error.status) {
+        PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s", d->parse_error.msg);
+        return -1;
+    }
+    module_state *st = state_of(module);
+    st->error = PyErr_NewExceptionWithDoc("torch_memory_saver." TMS_MODULE_NAME ".Error",
+                                          "A torch_memory_saver operation failed; the message says which and why.",
+                                          PyExc_RuntimeError, NULL);
+    if (!st->error) return -1;
+    PyObject *oom_bases = PyTuple_Pack(2, st->error, PyExc_MemoryError);
+    if (!oom_bases) return -1;
+    st->oom_error = PyErr_NewExceptionWithDoc("torch_memory_saver." TMS_MODULE_NAME ".OutOfMemoryError",
+                                              "Device or host memory ran out (or the margin was reached).",
+                                              oom_bases, NULL);
+    Py_DECREF(oom_bases);
+    if (!st->oom_error) return -1;
+    st->view_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &view_spec, NULL);
+    if (!st->view_type) return -1;
+    if (PyModule_AddObjectRef(module, "Error", st->error) < 0) return -1;
+    if (PyModule_AddObjectRef(module, "OutOfMemoryError", st->oom_error) < 0) return -1;
+    if (PyModule_AddObjectRef(module, "BackupView", (PyObject *)st->view_type) < 0) return -1;
+    if (PyModule_AddStringConstant(module, "VARIANT", TMS_STR(TMS_VARIANT)) < 0) return -1;
+    return 0;
+}
+
+static int module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    module_state *st = state_of(module);
+    Py_VISIT(st->error);
+    Py_VISIT(st->oom_error);
+    Py_VISIT(st->view_type);
+    return 0;
+}
+
+static int module_clear(PyObject *module)
+{
+    module_state *st = state_of(module);
+    Py_CLEAR(st->error);
+    Py_CLEAR(st->oom_error);
+    Py_CLEAR(st->view_type);
+    return 0;
+}
+
+static void module_free(void *module) { module_clear((PyObject *)module); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = TMS_MODULE_NAME,
+    .m_doc = "torch_memory_saver core (" TMS_STR(TMS_VARIANT) " hook variant).",
+    .m_size = sizeof(module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+TMS_EXPORT PyObject *TMS_CAT(PyInit__tms_, TMS_VARIANT)(void) { return PyModuleDef_Init(&module_def); }
