@@ -37,9 +37,23 @@ TMS_EXPORT int cudaFree(void *ptr)
     return real ? real(ptr) : TMS_CUDA_ERROR_INITIALIZATION;
 }
 
-/* For the Python layer: is this library's cudaMalloc the one the process
- * resolves (i.e. was it loaded through LD_PRELOAD)? */
-int tms_preload_is_interposed(void)
+/* A hidden alias names this library's own definition: taking &cudaMalloc
+ * would go through the GOT and find whichever definition wins. */
+extern int tms_own_cuda_malloc(void **ptr, size_t size)
+    __attribute__((alias("cudaMalloc"), visibility("hidden")));
+
+/* For the Python layer: 1 if this library's cudaMalloc is the one the
+ * process resolves (loaded through LD_PRELOAD); 0 if none or another is;
+ * *winner names the library that defines the one that wins, if any. */
+int tms_preload_is_interposed(const char **winner)
 {
-    return dlsym(RTLD_DEFAULT, "cudaMalloc") == (void *)cudaMalloc;
+    /* The main program's handle searches the global scope only, which is
+     * what PyTorch's references resolve against first; RTLD_DEFAULT from
+     * here would also search this library's own local scope. */
+    void *global = dlopen(NULL, RTLD_NOW);
+    void *found = global ? dlsym(global, "cudaMalloc") : NULL;
+    if (global) dlclose(global);
+    Dl_info info;
+    *winner = (found && dladdr(found, &info)) ? info.dli_fname : NULL;
+    return found == (void *)tms_own_cuda_malloc;
 }

@@ -19,7 +19,7 @@
 #define TMS_CAT(a, b) TMS_CAT_(a, b)
 #define TMS_MODULE_NAME "_tms_" TMS_STR(TMS_VARIANT)
 
-int tms_preload_is_interposed(void);  /* hook_preload.c / hook_torch.c */
+int tms_preload_is_interposed(const char **winner);  /* hook_preload.c / hook_torch.c */
 
 /* Module state: Python objects only. */
 typedef struct {
@@ -329,11 +329,17 @@ static PyObject *py_loaded_backend(PyObject *module, PyObject *unused)
 }
 
 PyDoc_STRVAR(preload_active_doc,
-"preload_active($module, /)\n--\n\nTrue if this library's cudaMalloc is the one the process uses (LD_PRELOAD).");
+"preload_active($module, /)\n--\n\n"
+"(active, winner): active is True if this library's cudaMalloc is the one the\n"
+"process uses (loaded through LD_PRELOAD); winner is the path of the library\n"
+"whose cudaMalloc the process resolves, or None.");
 static PyObject *py_preload_active(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
-    return PyBool_FromLong(tms_preload_is_interposed());
+    const char *winner = NULL;
+    int active = tms_preload_is_interposed(&winner);
+    if (!winner) return Py_BuildValue("(NO)", PyBool_FromLong(active), Py_None);
+    return Py_BuildValue("(Ns)", PyBool_FromLong(active), winner);
 }
 
 PyDoc_STRVAR(library_path_doc, "library_path($module, /)\n--\n\nPath of this shared library.");

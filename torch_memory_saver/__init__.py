@@ -1,0 +1,10 @@
+"""Release the GPU memory behind chosen tensors and give it back later at the
+same virtual addresses, optionally keeping the contents on the host."""
+from ._preload import configure_subprocess
+from .entrypoint import TorchMemorySaver
+
+__version__ = "0.1.0"
+
+torch_memory_saver = TorchMemorySaver()
+
+__all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "__version__"]

@@ -1,0 +1,71 @@
+"""Command line: `python -m torch_memory_saver {demo,info,preload-path,run}`."""
+import argparse
+import os
+import sys
+
+from . import _library, _preload
+
+
+def _cmd_preload_path(args):
+    print(_library.path("preload"))
+    return 0
+
+
+def _cmd_run(args):
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("torch_memory_saver run: give a command after --", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = _preload.preload_env_value(env.get("LD_PRELOAD", ""))
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as e:
+        print(f"torch_memory_saver run: cannot run {command[0]!r}: {e}", file=sys.stderr)
+        return 127
+
+
+def _cmd_info(args):
+    from . import __version__
+
+    print(f"torch_memory_saver {__version__}")
+    print(f"python            {sys.version.split()[0]}")
+    for mode in _library.HOOK_MODES:
+        try:
+            print(f"{mode + ' library':<18}{_library.path(mode)}")
+        except ImportError as e:
+            print(f"{mode + ' library':<18}missing ({e})")
+    core = _library.load("preload")
+    try:
+        backend = core.backend()
+    except Exception as e:  # the reason is the information here
+        backend = f"unavailable: {e}"
+    print(f"backend           {backend}")
+    print(f"preload active    {core.preload_active()[0]}")
+    print(f"defaults          {core.defaults()}")
+    return 0
+
+
+def _cmd_demo(args):
+    from . import _demo
+
+    return _demo.main(args.hook_mode)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m torch_memory_saver")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="pause/resume a few GiB and print free memory and timings")
+    demo.add_argument("--hook-mode", choices=_library.HOOK_MODES, default="torch")
+    demo.set_defaults(fn=_cmd_demo)
+    sub.add_parser("info", help="version, libraries, backend").set_defaults(fn=_cmd_info)
+    sub.add_parser("preload-path", help="print the preload library's path").set_defaults(fn=_cmd_preload_path)
+    run = sub.add_parser("run", help="run a command with the preload library on LD_PRELOAD")
+    run.add_argument("command", nargs=argparse.REMAINDER)
+    run.set_defaults(fn=_cmd_run)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

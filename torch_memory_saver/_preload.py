@@ -1,0 +1,56 @@
+"""LD_PRELOAD handling for the preload hook mode."""
+import contextlib
+import os
+
+from . import _library
+
+_ENV = "LD_PRELOAD"
+
+
+def _entries(value: str):
+    # ld.so accepts both separators.
+    return [e for e in value.replace(":", " ").split() if e]
+
+
+def _is_ours(entry: str, ours: str) -> bool:
+    try:
+        return os.path.samefile(entry, ours)
+    except OSError:
+        return False
+
+
+def preload_env_value(current: str = "") -> str:
+    """LD_PRELOAD with this package's preload library first, other entries kept."""
+    ours = _library.path("preload")
+    others = [e for e in _entries(current) if not _is_ours(e, ours)]
+    return " ".join([ours] + others)
+
+
+@contextlib.contextmanager
+def configure_subprocess():
+    """Within the block, child processes start with the preload library in
+    LD_PRELOAD (in front of whatever else it holds); restored on exit."""
+    previous = os.environ.get(_ENV)
+    os.environ[_ENV] = preload_env_value(previous or "")
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_ENV, None)
+        else:
+            os.environ[_ENV] = previous
+
+
+def check_interposed(core) -> None:
+    """Raises if this process's cudaMalloc is not the preload library's."""
+    active, winner = core.preload_active()
+    if active:
+        return
+    ours = core.library_path()
+    where = f"the process's cudaMalloc comes from {winner}" if winner else "no cudaMalloc is interposed"
+    raise RuntimeError(
+        f"torch_memory_saver: hook_mode='preload' needs {ours} in LD_PRELOAD when the process starts "
+        f"({where}). Start the process with `python -m torch_memory_saver run -- <command>`, or inside "
+        f"`with torch_memory_saver.configure_subprocess():`, or with LD_PRELOAD={ours}; "
+        f"or set torch_memory_saver.hook_mode = 'torch' before first use."
+    )

@@ -1,0 +1,277 @@
+"""The process singleton: regions, pause/resume, backups, hook-mode glue."""
+import contextlib
+import logging
+import os
+import threading
+from typing import Optional
+
+from . import _library, _preload
+
+logger = logging.getLogger("torch_memory_saver")
+
+_TAG_DEFAULT = "default"
+_BACKUP_BACKENDS = ("pinned", "mmap")
+
+
+def _check_tag(tag, *, allow_none=False, what="tag"):
+    if tag is None and allow_none:
+        return
+    if not isinstance(tag, str):
+        raise TypeError(f"torch_memory_saver: {what} must be a str{' or None' if allow_none else ''}, "
+                        f"not {type(tag).__name__}")
+    if not tag:
+        raise ValueError(f"torch_memory_saver: {what} must be a non-empty string")
+
+
+class TorchMemorySaver:
+    """Process-wide entry point (use the `torch_memory_saver` instance)."""
+
+    def __init__(self):
+        self._hook_mode = "preload"
+        self._impl: Optional[_Impl] = None
+        self._init_lock = threading.Lock()
+        self._pending_margin = 0
+        self._pending_retain = None
+
+    # ---- configuration -------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    @property
+    def hook_mode(self) -> str:
+        return self._hook_mode
+
+    @hook_mode.setter
+    def hook_mode(self, value: str):
+        if value not in _library.HOOK_MODES:
+            raise ValueError(f"torch_memory_saver: hook_mode must be 'preload' or 'torch', got {value!r}")
+        if self._impl is not None and value != self._hook_mode:
+            raise RuntimeError(
+                f"torch_memory_saver: hook_mode is already {self._hook_mode!r} (in use since the first "
+                f"region/pause/resume); set hook_mode before first use")
+        self._hook_mode = value
+
+    @property
+    def memory_margin_bytes(self) -> int:
+        return self._impl.core.get_memory_margin_bytes() if self._impl else self._pending_margin
+
+    @memory_margin_bytes.setter
+    def memory_margin_bytes(self, value: int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"torch_memory_saver: memory_margin_bytes must be an int, not {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"torch_memory_saver: memory_margin_bytes must be >= 0, got {value}")
+        if self._impl:
+            self._impl.core.set_memory_margin_bytes(value)
+        else:
+            self._pending_margin = value
+
+    @property
+    def retain_cpu_backup(self) -> bool:
+        if self._impl:
+            return self._impl.core.get_retain_cpu_backup()
+        if self._pending_retain is not None:
+            return self._pending_retain
+        return _library.load(self._hook_mode).defaults()["retain_cpu_backup"]
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value: bool):
+        if not isinstance(value, bool):
+            raise TypeError(f"torch_memory_saver: retain_cpu_backup must be a bool, not {type(value).__name__}")
+        if self._impl:
+            self._impl.core.set_retain_cpu_backup(value)
+        else:
+            self._pending_retain = value
+
+    # ---- regions -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False,
+               cpu_backup_backend: Optional[str] = None):
+        """Allocations made by this thread inside are pauseable under `tag`."""
+        _check_tag(tag)
+        kind = self._backup_backend(enable_cpu_backup, cpu_backup_backend)
+        impl = self._ensure_impl()
+        with impl.region(tag, bool(enable_cpu_backup), kind):
+            yield
+
+    @contextlib.contextmanager
+    def disable(self):
+        """Allocations inside are ordinary, even within a region."""
+        impl = self._ensure_impl()
+        with impl.disable():
+            yield
+
+    @contextlib.contextmanager
+    def cuda_graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global",
+                   tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False):
+        """Like `torch.cuda.graph`, with the graph's memory pauseable under `tag`."""
+        _check_tag(tag)
+        kind = self._backup_backend(enable_cpu_backup, None)
+        impl = self._ensure_impl()
+        with impl.cuda_graph(cuda_graph, pool, stream, capture_error_mode, tag, bool(enable_cpu_backup), kind):
+            yield
+
+    # ---- pause / resume ------------------------------------------------------
+
+    def pause(self, tag: Optional[str] = None):
+        """Release the memory of `tag` (all tags if None); backed-up tags copy to host first."""
+        _check_tag(tag, allow_none=True)
+        self._ensure_impl().core.pause(tag)
+
+    def resume(self, tag: Optional[str] = None):
+        """Map `tag`'s memory back at the same addresses; backed-up contents are restored."""
+        _check_tag(tag, allow_none=True)
+        self._ensure_impl().core.resume(tag)
+
+    def get_cpu_backup(self, x, zero_copy: bool = False):
+        """Host copy of tensor `x` while its allocation is paused with backup (or
+        retained), else None. zero_copy=True aliases the backup instead of copying."""
+        import torch
+
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"torch_memory_saver: get_cpu_backup expects a torch.Tensor, not {type(x).__name__}")
+        core = self._ensure_impl().core
+        if x.numel() == 0:
+            return torch.empty(x.shape, dtype=x.dtype)
+        item = x.element_size()
+        span = (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * item
+        view = core.get_cpu_backup(x.data_ptr(), span)
+        if view is None:
+            return None
+        host = torch.frombuffer(view, dtype=torch.uint8).view(x.dtype).as_strided(x.shape, x.stride())
+        return host if zero_copy else host.clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def configure_subprocess():
+        return _preload.configure_subprocess()
+
+    # ---- internals -----------------------------------------------------------
+
+    def _backup_backend(self, enable_cpu_backup, cpu_backup_backend):
+        if not isinstance(enable_cpu_backup, bool):
+            raise TypeError(f"torch_memory_saver: enable_cpu_backup must be a bool, "
+                            f"not {type(enable_cpu_backup).__name__}")
+        if cpu_backup_backend is None:
+            return _library.load(self._hook_mode).defaults()["init_cpu_backup_backend"]
+        if cpu_backup_backend not in _BACKUP_BACKENDS:
+            raise ValueError(f"torch_memory_saver: cpu_backup_backend must be 'pinned' or 'mmap', "
+                             f"got {cpu_backup_backend!r}")
+        if not enable_cpu_backup:
+            raise ValueError(f"torch_memory_saver: cpu_backup_backend={cpu_backup_backend!r} needs "
+                             f"enable_cpu_backup=True")
+        return cpu_backup_backend
+
+    def _ensure_impl(self) -> "_Impl":
+        if self._impl is None:
+            with self._init_lock:
+                if self._impl is None:
+                    impl = _Impl(self._hook_mode)
+                    impl.core.set_memory_margin_bytes(self._pending_margin)
+                    if self._pending_retain is not None:
+                        impl.core.set_retain_cpu_backup(self._pending_retain)
+                    self._impl = impl
+        return self._impl
+
+    @property
+    def _core(self):
+        """The native module in use (for tests and the host backend)."""
+        return self._ensure_impl().core
+
+
+class _Impl:
+    def __init__(self, hook_mode: str):
+        self.hook_mode = hook_mode
+        self.core = _library.load(hook_mode)
+        self._pools = {}
+        self._pools_lock = threading.Lock()
+        self._allocator = None
+        self._on_gpu = None
+        if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+            raise RuntimeError("torch_memory_saver: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is not "
+                               "supported (PyTorch then maps memory itself instead of calling cudaMalloc)")
+
+    def on_gpu(self) -> bool:
+        """True on the CUDA backend (torch pools are used); False on the host backend."""
+        if self._on_gpu is None:
+            backend = self.core.backend()  # raises with the reason if no driver
+            if backend == "cuda" and self.hook_mode == "preload":
+                _preload.check_interposed(self.core)
+            self._on_gpu = backend == "cuda"
+        return self._on_gpu
+
+    # Pools keep region allocations in segments of their own, so PyTorch's
+    # cache never hands region memory to code outside the region or back.
+    def _pool(self, tag, backup, kind, device):
+        import torch
+
+        key = (tag, backup, kind, device)
+        with self._pools_lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                if self.hook_mode == "torch":
+                    if self._allocator is None:
+                        self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
+                            self.core.library_path(), "tms_torch_malloc", "tms_torch_free")
+                    pool = torch.cuda.MemPool(self._allocator.allocator())
+                else:
+                    pool = torch.cuda.MemPool()
+                self._pools[key] = pool
+        return pool
+
+    @contextlib.contextmanager
+    def _thread_region(self, active, tag, backup, kind):
+        previous = self.core.get_region()
+        self.core.set_region(active, tag, backup, kind)
+        try:
+            yield
+        finally:
+            self.core.set_region(*previous)
+
+    @contextlib.contextmanager
+    def _pools_on_all_devices(self, make_pool):
+        import torch
+
+        with contextlib.ExitStack() as stack:
+            for device in range(torch.cuda.device_count()):
+                stack.enter_context(torch.cuda.use_mem_pool(make_pool(device), device=device))
+            yield
+
+    @contextlib.contextmanager
+    def region(self, tag, backup, kind):
+        if not self.on_gpu():
+            with self._thread_region(True, tag, backup, kind):
+                yield
+            return
+        with self._pools_on_all_devices(lambda device: self._pool(tag, backup, kind, device)):
+            with self._thread_region(True, tag, backup, kind):
+                yield
+
+    @contextlib.contextmanager
+    def disable(self):
+        _, tag, backup, kind = self.core.get_region()
+        if not self.on_gpu():
+            with self._thread_region(False, tag, backup, kind):
+                yield
+            return
+        import torch
+
+        # A fresh default-allocator pool, dropped after: ordinary memory that
+        # never mixes with region segments.
+        with self._pools_on_all_devices(lambda device: torch.cuda.MemPool()):
+            with self._thread_region(False, tag, backup, kind):
+                yield
+
+    @contextlib.contextmanager
+    def cuda_graph(self, graph, pool, stream, capture_error_mode, tag, backup, kind):
+        import torch
+
+        if not self.on_gpu():
+            raise RuntimeError("torch_memory_saver: cuda_graph needs the CUDA backend")
+        if pool is None and self.hook_mode == "torch":
+            pool = self._pool(tag, backup, kind, torch.cuda.current_device()).id
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+            with self._thread_region(True, tag, backup, kind):
+                yield
