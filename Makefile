@@ -2,7 +2,7 @@
 PYTHON ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: build reinstall test test-gpu demo bench sanitize clean
+.PHONY: build deps reinstall test demo bench sanitize clean
 
 # Both variants compiled in place (torch_memory_saver/_tms_*.so) for tests.
 build:
@@ -13,11 +13,19 @@ reinstall:
 	$(PYTHON) -m pip uninstall -y torch_memory_saver >/dev/null 2>&1 || true
 	$(PYTHON) -m pip install --no-build-isolation .
 
-test: build
+# torch and pytest only if missing: `pip install torch==2.13.0` takes the CPU
+# wheel from disk on CI machines; GPU machines already have their torch.
+deps:
+	@$(PYTHON) -c "import torch, pytest" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0 pytest
+
+test: deps build
 	$(PYTHON) -m pytest -q tests
 
-demo: build
-	$(PYTHON) -m torch_memory_saver demo
+# Installs the package, then runs the demo from outside the source tree so the
+# installed copy is the one imported.
+demo:
+	$(PYTHON) -m pip install -q .
+	cd /tmp && $(PYTHON) -m torch_memory_saver demo
 
 bench: build
 	$(PYTHON) -m benchmarks.run

@@ -16,7 +16,7 @@ def _gpu_available() -> bool:
 
 
 def _row(step, free, ms):
-    print(f"| {step:<34} | {free / GiB:>10.2f} | {ms:>9.1f} |")
+    print(f"| {step:<40} | {free / GiB:>10.2f} | {ms:>9.1f} |")
 
 
 def _step(step, fn, measure):
@@ -35,8 +35,8 @@ def _gpu_demo(hook_mode):
     tms.hook_mode = hook_mode
     free = lambda: (torch.cuda.synchronize(), torch.cuda.mem_get_info()[0])[1]  # noqa: E731
     print(f"GPU: {torch.cuda.get_device_name()}, hook_mode={hook_mode}\n")
-    print("| step                               | free (GiB) | time (ms) |")
-    print("|------------------------------------|-----------:|----------:|")
+    print(f"| {'step':<40} | free (GiB) | time (ms) |")
+    print(f"|{'-' * 42}|-----------:|----------:|")
     _row("start", free(), 0)
     t0 = time.perf_counter()
     with tms.region(tag="kv_cache"):
@@ -73,8 +73,8 @@ def _host_demo(hook_mode):
     size = GiB // 4
     print("No GPU here: the same walk-through on the host backend (VMM emulated on memfd),")
     print("showing this process's resident memory (RSS) instead of free GPU memory.\n")
-    print("| step                               | RSS (GiB)  | time (ms) |")
-    print("|------------------------------------|-----------:|----------:|")
+    print(f"| {'step':<40} | RSS (GiB)  | time (ms) |")
+    print(f"|{'-' * 42}|-----------:|----------:|")
     _row("start", _rss(), 0)
     with tms.region(tag="kv_cache"):
         kv = core.malloc(size)
