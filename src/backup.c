@@ -53,21 +53,3 @@ void tms_backup_unref(struct tms_backup *b)
         munmap(b->host, b->size);
     free(b);
 }
-
-int tms_backup_save(struct tms_backup *b, int device, tms_va va, size_t n, struct tms_err *err)
-{
-    int rc = b->drv->copy_to_host(device, b->host, va, n);
-    if (rc)
-        return tms_fail(err, TMS_E_DRIVER, rc, "backup copy of %zu bytes from device %d at 0x%llx to host failed: %s (%d)",
-                        n, device, (unsigned long long)va, b->drv->code_name(rc), rc);
-    return TMS_OK;
-}
-
-int tms_backup_restore(const struct tms_backup *b, int device, tms_va va, size_t n, struct tms_err *err)
-{
-    int rc = b->drv->copy_to_device(device, va, b->host, n);
-    if (rc)
-        return tms_fail(err, TMS_E_DRIVER, rc, "restore copy of %zu bytes from host to device %d at 0x%llx failed: %s (%d)",
-                        n, device, (unsigned long long)va, b->drv->code_name(rc), rc);
-    return TMS_OK;
-}

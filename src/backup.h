@@ -23,8 +23,4 @@ int tms_backup_new(const struct tms_driver *drv, int kind, size_t size, struct t
 void tms_backup_ref(struct tms_backup *b);
 void tms_backup_unref(struct tms_backup *b);
 
-/* Copies n bytes between the device range at va and the buffer's start. */
-int tms_backup_save(struct tms_backup *b, int device, tms_va va, size_t n, struct tms_err *err);
-int tms_backup_restore(const struct tms_backup *b, int device, tms_va va, size_t n, struct tms_err *err);
-
 #endif

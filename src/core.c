@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "driver.h"
+#include "transfer.h"
 
 struct tms_alloc {
     tms_va va;
@@ -21,7 +22,6 @@ struct tms_alloc {
     tms_phys *handles;       /* n_chunks entries; points at one_handle when n_chunks == 1 */
     tms_phys one_handle;
     struct tms_backup *host_copy;  /* paused with backup, or retained after resume */
-    int fresh_backup;              /* host_copy was made by the pause in progress */
     struct tms_alloc *next;        /* hash chain */
 };
 
@@ -417,11 +417,66 @@ static int synchronize_devices_locked(const struct tms_driver *drv, const struct
     return TMS_OK;
 }
 
+/* The selected allocations in the given state, as a fresh array. */
+static int collect_locked(const struct selection *s, int state, struct tms_alloc ***out, size_t *count,
+                          struct tms_err *err)
+{
+    size_t n = state == TMS_ACTIVE ? s->active : s->paused, i = 0;
+    struct tms_alloc **list = calloc(n ? n : 1, sizeof *list);
+    if (!list) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory listing %zu allocations", n);
+    FOR_EACH_ALLOC(a) {
+        if (selected(a, s) && a->state == state) list[i++] = a;
+    }
+    *out = list;
+    *count = i;
+    return TMS_OK;
+}
+
+static struct tms_transfer transfer_of(const struct tms_alloc *a)
+{
+    return (struct tms_transfer){
+        .device = a->device, .dev = a->va, .host = a->host_copy->host, .n = a->size,
+        .host_pinned = a->host_copy->kind == TMS_BACKUP_PINNED,
+    };
+}
+
+/* Makes (or reuses) the host copies and fills them. On failure every host
+ * copy this call touched is dropped: the device still holds the truth, and
+ * a half-overwritten retained copy must not be served as a backup. */
+static int backup_all(const struct tms_driver *drv, struct tms_alloc **list, size_t n, struct tms_err *err)
+{
+    struct tms_transfer *copies = calloc(n ? n : 1, sizeof *copies);
+    if (!copies) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", n);
+    size_t k = 0;
+    int rc = TMS_OK;
+    for (size_t i = 0; i < n && !rc; i++) {
+        struct tms_alloc *a = list[i];
+        if (!a->backup) continue;
+        if (a->host_copy && a->host_copy->kind != a->backup_kind) {
+            tms_backup_unref(a->host_copy);
+            a->host_copy = NULL;
+        }
+        if (!a->host_copy) rc = tms_backup_new(drv, a->backup_kind, a->size, &a->host_copy, err);
+        if (!rc) copies[k++] = transfer_of(a);
+    }
+    if (!rc) rc = tms_transfer_run(drv, 1, copies, k, err);
+    free(copies);
+    if (rc) {
+        for (size_t i = 0; i < n; i++) {
+            tms_backup_unref(list[i]->host_copy);
+            list[i]->host_copy = NULL;
+        }
+    }
+    return rc;
+}
+
 int tms_core_pause(const char *tag, struct tms_err *err)
 {
     const struct tms_driver *drv;
     int rc = tms_driver_get(&drv, err);
     if (rc) return rc;
+    struct tms_alloc **list = NULL;
+    size_t n = 0;
     pthread_mutex_lock(&core_lock);
     struct selection s;
     if (!select_locked(tag, &s) || (s.active == 0 && s.paused == 0)) goto out;
@@ -430,37 +485,14 @@ int tms_core_pause(const char *tag, struct tms_err *err)
                       tag ? "tag '" : "all tags", tag ? tag : "", tag ? "'" : "", s.paused);
         goto out;
     }
+    if ((rc = collect_locked(&s, TMS_ACTIVE, &list, &n, err))) goto out;
     /* Queued kernels may still write the memory: copy and unmap only after. */
     if ((rc = synchronize_devices_locked(drv, &s, TMS_ACTIVE, err))) goto out;
-
-    /* Phase 1, all backups: a failure here undoes this call's new backups
-     * and leaves every allocation active, so no byte is lost. */
-    FOR_EACH_ALLOC(a) {
-        a->fresh_backup = 0;
-        if (!selected(a, &s) || a->state != TMS_ACTIVE || !a->backup) continue;
-        if (a->host_copy && a->host_copy->kind != a->backup_kind) {
-            tms_backup_unref(a->host_copy);
-            a->host_copy = NULL;
-        }
-        if (!a->host_copy) {
-            if ((rc = tms_backup_new(drv, a->backup_kind, a->size, &a->host_copy, err))) break;
-            a->fresh_backup = 1;
-        }
-        if ((rc = tms_backup_save(a->host_copy, a->device, a->va, a->size, err))) break;
-    }
-    if (rc) {
-        FOR_EACH_ALLOC(a) {
-            if (!a->fresh_backup) continue;
-            tms_backup_unref(a->host_copy);
-            a->host_copy = NULL;
-            a->fresh_backup = 0;
-        }
-        goto out;
-    }
-    /* Phase 2, unmap: an allocation whose unmap fails stays active and whole. */
-    int first_rc = 0;
-    FOR_EACH_ALLOC(a) {
-        if (!selected(a, &s) || a->state != TMS_ACTIVE) continue;
+    /* All backups first: if one fails, nothing has been unmapped yet. */
+    if ((rc = backup_all(drv, list, n, err))) goto out;
+    /* Then unmap: an allocation whose unmap fails stays active and whole. */
+    for (size_t i = 0; i < n; i++) {
+        struct tms_alloc *a = list[i];
         const char *name = tag_name_locked(a->tag_id);
         struct tms_err one_err = {0};
         int one = unmap_chunks(drv, a, name, &one_err);
@@ -468,14 +500,14 @@ int tms_core_pause(const char *tag, struct tms_err *err)
             a->state = TMS_PAUSED;
             one = release_chunks(drv, a, name, &one_err);
         }
-        if (one && !first_rc) {
-            first_rc = one;
+        if (one && !rc) {
+            rc = one;
             if (err) *err = one_err;
         }
     }
-    rc = first_rc;
 out:
     pthread_mutex_unlock(&core_lock);
+    free(list);
     return rc;
 }
 
@@ -484,6 +516,9 @@ int tms_core_resume(const char *tag, struct tms_err *err)
     const struct tms_driver *drv;
     int rc = tms_driver_get(&drv, err);
     if (rc) return rc;
+    struct tms_alloc **list = NULL;
+    struct tms_transfer *copies = NULL;
+    size_t n = 0, mapped = 0, k = 0;
     pthread_mutex_lock(&core_lock);
     struct selection s;
     if (!select_locked(tag, &s) || (s.active == 0 && s.paused == 0)) goto out;
@@ -492,16 +527,36 @@ int tms_core_resume(const char *tag, struct tms_err *err)
                       tag ? "tag '" : "all tags", tag ? tag : "", tag ? "'" : "", s.active);
         goto out;
     }
+    if ((rc = collect_locked(&s, TMS_PAUSED, &list, &n, err))) goto out;
+    copies = calloc(n, sizeof *copies);
+    if (!copies) {
+        rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu restores", n);
+        goto out;
+    }
+    /* Map what fits; on the first failure (typically OOM) stop, so the rest
+     * stay paused with their backups and a retry resumes them. */
+    for (; mapped < n; mapped++) {
+        struct tms_alloc *a = list[mapped];
+        if ((rc = map_chunks(drv, a, tag_name_locked(a->tag_id), err))) break;
+        if (a->host_copy) copies[k++] = transfer_of(a);
+    }
+    struct tms_err copy_err = {0};
+    int copy_rc = tms_transfer_run(drv, 0, copies, k, &copy_err);
+    if (copy_rc && !rc) {
+        rc = copy_rc;
+        if (err) *err = copy_err;
+    }
+    /* An allocation is active only once all its bytes are back; one whose
+     * restore failed is unmapped again and stays paused with its backup. */
     int retain = tms_core_retain();
-    /* Allocation by allocation: one that fails stays paused with its backup,
-     * the ones before it stay resumed, and a retry resumes the rest. */
-    FOR_EACH_ALLOC(a) {
-        if (!selected(a, &s) || a->state != TMS_PAUSED) continue;
-        const char *name = tag_name_locked(a->tag_id);
-        if ((rc = map_chunks(drv, a, name, err))) break;
-        if (a->host_copy && (rc = tms_backup_restore(a->host_copy, a->device, a->va, a->size, err))) {
+    for (size_t i = 0, c = 0; i < mapped; i++) {
+        struct tms_alloc *a = list[i];
+        int restored = !a->host_copy || copies[c].done == copies[c].n;
+        if (a->host_copy) c++;
+        if (!restored) {
+            const char *name = tag_name_locked(a->tag_id);
             if (unmap_chunks(drv, a, name, NULL) == TMS_OK) (void)release_chunks(drv, a, name, NULL);
-            break;
+            continue;
         }
         a->state = TMS_ACTIVE;
         if (a->host_copy && !retain) {
@@ -511,6 +566,8 @@ int tms_core_resume(const char *tag, struct tms_err *err)
     }
 out:
     pthread_mutex_unlock(&core_lock);
+    free(list);
+    free(copies);
     return rc;
 }
 

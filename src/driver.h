@@ -23,6 +23,7 @@
 
 typedef uint64_t tms_va;     /* device virtual address */
 typedef uint64_t tms_phys;   /* physical memory handle */
+typedef struct tms_stream_opaque *tms_stream;  /* an ordered queue of copies on one device */
 
 struct tms_driver {
     const char *name;
@@ -56,9 +57,15 @@ struct tms_driver {
 
     /* Waits for all work queued on device (every stream). */
     int (*synchronize)(int device);
-    /* Synchronous copies. pre: the device range is mapped. */
-    int (*copy_to_host)(int device, void *dst, tms_va src, size_t n);
-    int (*copy_to_device)(int device, tms_va dst, const void *src, size_t n);
+    /* A copy queue of its own on device, independent of the user's streams.
+     * Streams live for the process. */
+    int (*stream_create)(int device, tms_stream *stream);
+    /* Queues a copy of n bytes between host and the device range at dev.
+     * pre: the range is mapped; host stays valid until stream_wait returns.
+     * host may be pageable (the copy is then synchronous). */
+    int (*copy_async)(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream);
+    /* Waits for every copy queued on stream. */
+    int (*stream_wait)(int device, tms_stream stream);
 
     /* Page-locked host memory (plain memory on the host backend). */
     int (*host_alloc_pinned)(size_t size, void **ptr);

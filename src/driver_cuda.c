@@ -53,7 +53,6 @@ static struct cuda_api cu;
 struct cuda_device {
     int ready;                /* atomic: 1 once the fields below are set */
     tms_CUcontext ctx;        /* primary context, retained for the process's life */
-    tms_CUstream copy_stream; /* backup copies, separate from the user's streams */
     size_t granularity;
 };
 
@@ -147,8 +146,8 @@ static tms_CUmemAllocationProp device_prop(int device)
     return prop;
 }
 
-/* Retains the primary context (the one the runtime and PyTorch use) and
- * creates the copy stream on first use of a device. */
+/* Retains the primary context (the one the runtime and PyTorch use) on
+ * first use of a device. */
 static int device_get(int device, struct cuda_device **out)
 {
     if (device < 0 || device >= CUDA_MAX_DEVICES) return TMS_CUDA_ERROR_INVALID_DEVICE;
@@ -162,22 +161,13 @@ static int device_get(int device, struct cuda_device **out)
     if (!d->ready) {
         tms_CUdevice dev = 0;
         tms_CUcontext ctx = NULL;
-        tms_CUstream stream = NULL;
         size_t gran = 0;
         tms_CUmemAllocationProp prop = device_prop(device);
         rc = cu.cuDeviceGet(&dev, device);
         if (!rc) rc = cu.cuDevicePrimaryCtxRetain(&ctx, dev);
         if (!rc) rc = cu.cuMemGetAllocationGranularity(&gran, &prop, TMS_CU_MEM_ALLOC_GRANULARITY_MINIMUM);
-        if (!rc) rc = cu.cuCtxPushCurrent(ctx);
-        if (!rc) {
-            rc = cu.cuStreamCreate(&stream, TMS_CU_STREAM_NON_BLOCKING);
-            tms_CUcontext popped;
-            int pop_rc = cu.cuCtxPopCurrent(&popped);
-            if (!rc) rc = pop_rc;
-        }
         if (!rc) {
             d->ctx = ctx;
-            d->copy_stream = stream;
             d->granularity = gran;
             __atomic_store_n(&d->ready, 1, __ATOMIC_RELEASE);
         }
@@ -257,24 +247,36 @@ static int cuda_synchronize(int device)
     WITH_DEVICE_CONTEXT(device, d, cu.cuCtxSynchronize());
 }
 
-static int copy_and_wait(struct cuda_device *d, int to_host, void *host, tms_va dev, size_t n)
-{
-    int rc = to_host ? cu.cuMemcpyDtoHAsync(host, dev, n, d->copy_stream)
-                     : cu.cuMemcpyHtoDAsync(dev, host, n, d->copy_stream);
-    int sync_rc = cu.cuStreamSynchronize(d->copy_stream);
-    return rc ? rc : sync_rc;
-}
-
-static int cuda_copy_to_host(int device, void *dst, tms_va src, size_t n)
+static int cuda_stream_create(int device, tms_stream *stream)
 {
     struct cuda_device *d;
-    WITH_DEVICE_CONTEXT(device, d, copy_and_wait(d, 1, dst, src, n));
+    tms_CUstream created = NULL;
+    int rc = device_get(device, &d);
+    if (rc) return rc;
+    if ((rc = cu.cuCtxPushCurrent(d->ctx))) return rc;
+    rc = cu.cuStreamCreate(&created, TMS_CU_STREAM_NON_BLOCKING);
+    tms_CUcontext popped;
+    int pop_rc = cu.cuCtxPopCurrent(&popped);
+    if (!rc) *stream = (tms_stream)created;
+    return rc ? rc : pop_rc;
 }
 
-static int cuda_copy_to_device(int device, tms_va dst, const void *src, size_t n)
+static int queue_copy(int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
+{
+    return to_host ? cu.cuMemcpyDtoHAsync(host, dev, n, (tms_CUstream)stream)
+                   : cu.cuMemcpyHtoDAsync(dev, host, n, (tms_CUstream)stream);
+}
+
+static int cuda_copy_async(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
 {
     struct cuda_device *d;
-    WITH_DEVICE_CONTEXT(device, d, copy_and_wait(d, 0, (void *)src, dst, n));
+    WITH_DEVICE_CONTEXT(device, d, queue_copy(to_host, host, dev, n, stream));
+}
+
+static int cuda_stream_wait(int device, tms_stream stream)
+{
+    (void)device;  /* a stream carries its context */
+    return cu.cuStreamSynchronize((tms_CUstream)stream);
 }
 
 static int cuda_host_alloc_pinned(size_t size, void **ptr)
@@ -307,8 +309,9 @@ const struct tms_driver tms_driver_cuda = {
     .map = cuda_map,
     .unmap = cuda_unmap,
     .synchronize = cuda_synchronize,
-    .copy_to_host = cuda_copy_to_host,
-    .copy_to_device = cuda_copy_to_device,
+    .stream_create = cuda_stream_create,
+    .copy_async = cuda_copy_async,
+    .stream_wait = cuda_stream_wait,
     .host_alloc_pinned = cuda_host_alloc_pinned,
     .host_free_pinned = cuda_host_free_pinned,
 };

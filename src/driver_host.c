@@ -195,19 +195,25 @@ static int host_synchronize(int device)
     return 0;
 }
 
-static int host_copy_to_host(int device, void *dst, tms_va src, size_t n)
+static int host_stream_create(int device, tms_stream *stream)
 {
     (void)device;
-    if (fault_hit(FAULT_TO_HOST)) return EIO;
-    memcpy(dst, (const void *)(uintptr_t)src, n);
+    *stream = (tms_stream)(uintptr_t)1;  /* copies run at once: a stream is only a token */
     return 0;
 }
 
-static int host_copy_to_device(int device, tms_va dst, const void *src, size_t n)
+static int host_copy_async(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
 {
-    (void)device;
-    if (fault_hit(FAULT_TO_DEVICE)) return EIO;
-    memcpy((void *)(uintptr_t)dst, src, n);
+    (void)device, (void)stream;
+    if (fault_hit(to_host ? FAULT_TO_HOST : FAULT_TO_DEVICE)) return EIO;
+    if (to_host) memcpy(host, (const void *)(uintptr_t)dev, n);
+    else memcpy((void *)(uintptr_t)dev, host, n);
+    return 0;
+}
+
+static int host_stream_wait(int device, tms_stream stream)
+{
+    (void)device, (void)stream;
     return 0;
 }
 
@@ -244,8 +250,9 @@ const struct tms_driver tms_driver_host = {
     .map = host_map,
     .unmap = host_unmap,
     .synchronize = host_synchronize,
-    .copy_to_host = host_copy_to_host,
-    .copy_to_device = host_copy_to_device,
+    .stream_create = host_stream_create,
+    .copy_async = host_copy_async,
+    .stream_wait = host_stream_wait,
     .host_alloc_pinned = host_alloc_pinned,
     .host_free_pinned = host_free_pinned,
 };

@@ -8,6 +8,7 @@
 #include "core.h"
 #include "driver.h"
 #include "hook.h"
+#include "transfer.h"
 #include "py_weak.h"
 
 #ifndef TMS_VARIANT
@@ -319,6 +320,24 @@ static PyObject *py_backend(PyObject *module, PyObject *unused)
     return PyUnicode_FromString(drv->name);
 }
 
+PyDoc_STRVAR(warm_backups_doc,
+"warm_backups($module, /)\n--\n\n"
+"Start the copy workers and pin their staging buffers now rather than in the\n"
+"first backed-up pause.");
+static PyObject *py_warm_backups(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    const struct tms_driver *drv;
+    struct tms_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_driver_get(&drv, &err);
+    if (!rc) rc = tms_transfer_warm(drv, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(loaded_backend_doc, "loaded_backend($module, /)\n--\n\nName of the loaded backend, or None.");
 static PyObject *py_loaded_backend(PyObject *module, PyObject *unused)
 {
@@ -387,6 +406,7 @@ static PyMethodDef module_methods[] = {
     {"use_backend", py_use_backend, METH_O, use_backend_doc},
     {"backend", py_backend, METH_NOARGS, backend_doc},
     {"loaded_backend", py_loaded_backend, METH_NOARGS, loaded_backend_doc},
+    {"warm_backups", py_warm_backups, METH_NOARGS, warm_backups_doc},
     {"preload_active", py_preload_active, METH_NOARGS, preload_active_doc},
     {"library_path", py_library_path, METH_NOARGS, library_path_doc},
     {"last_hook_error", py_last_hook_error, METH_NOARGS, last_hook_error_doc},

@@ -189,6 +189,7 @@ class _Impl:
         self._pools_lock = threading.Lock()
         self._allocator = None
         self._on_gpu = None
+        self._warm = False
         if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
             raise RuntimeError("torch_memory_saver: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is not "
                                "supported (PyTorch then maps memory itself instead of calling cudaMalloc)")
@@ -241,6 +242,9 @@ class _Impl:
 
     @contextlib.contextmanager
     def region(self, tag, backup, kind):
+        if backup and not self._warm:
+            self.core.warm_backups()  # pins the staging once, not in the first pause
+            self._warm = True
         if not self.on_gpu():
             with self._thread_region(True, tag, backup, kind):
                 yield

@@ -1,0 +1,277 @@
+/* Backup copies at link speed: a pool of worker threads moving blocks through pinned staging. */
+#include "transfer.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/*
+ * Why this shape (issue 4, figures from DESIGN on the lent H100):
+ *  - a DMA into pageable memory runs 8-15 GB/s, into pinned memory ~55 GB/s,
+ *    but pinning fresh memory costs ~3 s per 8 GiB; so copies go through a
+ *    small pinned staging area reused across cycles;
+ *  - one thread fills fresh pages at ~2 GB/s, 8-16 threads at ~40 GB/s, so
+ *    the host side of the copy is spread over worker threads;
+ *  - each worker owns two staging slots and two streams: while one slot's
+ *    DMA runs, it copies the other slot on the host side.
+ */
+#define BLOCK_BYTES ((size_t)8 << 20)
+#define MAX_WORKERS 32
+#define DEFAULT_MAX_WORKERS 16
+#define MAX_DEVICES 64
+
+struct block {
+    size_t item;
+    size_t offset;
+    size_t len;
+};
+
+struct job {
+    const struct tms_driver *drv;
+    int to_host;
+    struct tms_transfer *items;
+    const struct block *blocks;
+    size_t n_blocks;
+    size_t next_block;   /* atomic: next block to claim */
+    int failed;          /* atomic */
+    pthread_mutex_t err_lock;
+    struct tms_err err;  /* first error, under err_lock */
+};
+
+struct worker {
+    pthread_t thread;
+    unsigned long start_seq;              /* job_seq when created: jobs after it are ours */
+    void *slot[2];                        /* pinned staging, BLOCK_BYTES each */
+    tms_stream stream[MAX_DEVICES][2];    /* created on first use of a device */
+};
+
+/* The pool: created once per process (again in a forked child, whose
+ * threads did not survive the fork). */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;  /* guards all below */
+static pthread_cond_t job_posted = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t job_finished = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER;   /* one job at a time */
+static struct worker *workers;
+static int worker_count;
+static pid_t pool_pid;
+static unsigned long job_seq;
+static struct job *current_job;
+static int workers_busy;
+
+static void job_fail(struct job *j, struct tms_err *e)
+{
+    pthread_mutex_lock(&j->err_lock);
+    if (!j->failed) j->err = *e;
+    __atomic_store_n(&j->failed, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&j->err_lock);
+}
+
+static int fail_driver(struct job *j, const char *what, const struct block *b, int rc)
+{
+    const struct tms_transfer *it = &j->items[b->item];
+    struct tms_err e;
+    tms_fail(&e, j->drv->is_oom(rc) ? TMS_E_OOM : TMS_E_DRIVER, rc,
+             "%s of %zu bytes %s device %d at 0x%llx (allocation offset %zu of %zu) failed: %s (%d)", what, b->len,
+             j->to_host ? "from" : "to", it->device, (unsigned long long)(it->dev + b->offset), b->offset, it->n,
+             j->drv->code_name(rc), rc);
+    job_fail(j, &e);
+    return rc;
+}
+
+static tms_stream *stream_for(struct worker *w, struct job *j, const struct block *b, int slot)
+{
+    int device = j->items[b->item].device;
+    if (device < 0 || device >= MAX_DEVICES) {
+        struct tms_err e;
+        tms_fail(&e, TMS_E_ARG, 0, "device %d is beyond the %d devices backups support", device, MAX_DEVICES);
+        job_fail(j, &e);
+        return NULL;
+    }
+    tms_stream *s = &w->stream[device][slot];
+    if (!*s) {
+        int rc = j->drv->stream_create(device, s);
+        if (rc) {
+            *s = NULL;
+            fail_driver(j, "stream create for copy", b, rc);
+            return NULL;
+        }
+    }
+    return s;
+}
+
+static ssize_t claim(struct job *j)
+{
+    if (__atomic_load_n(&j->failed, __ATOMIC_ACQUIRE)) return -1;
+    size_t b = __atomic_fetch_add(&j->next_block, 1, __ATOMIC_RELAXED);
+    return b < j->n_blocks ? (ssize_t)b : -1;
+}
+
+/* Waits for the copy of block b in slot to land, then (device->host) moves
+ * it out of staging and credits its bytes. */
+static void finish(struct worker *w, struct job *j, ssize_t b, int slot)
+{
+    if (b < 0) return;
+    const struct block *blk = &j->blocks[b];
+    struct tms_transfer *it = &j->items[blk->item];
+    int rc = j->drv->stream_wait(it->device, w->stream[it->device][slot]);
+    if (rc) {
+        fail_driver(j, j->to_host ? "backup copy" : "restore copy", blk, rc);
+        return;
+    }
+    if (j->to_host && !it->host_pinned) memcpy((char *)it->host + blk->offset, w->slot[slot], blk->len);
+    __atomic_add_fetch(&it->done, blk->len, __ATOMIC_RELAXED);
+}
+
+static void worker_run(struct worker *w, struct job *j)
+{
+    ssize_t in_slot[2] = {-1, -1};  /* block whose copy occupies each slot */
+    int cur = 0;
+    for (ssize_t b; (b = claim(j)) >= 0; cur ^= 1) {
+        const struct block *blk = &j->blocks[b];
+        struct tms_transfer *it = &j->items[blk->item];
+        /* Host->device reuses the slot only once its previous DMA is done. */
+        if (!j->to_host) finish(w, j, in_slot[cur], cur), in_slot[cur] = -1;
+        tms_stream *s = stream_for(w, j, blk, cur);
+        if (!s) break;
+        char *host = (char *)it->host + blk->offset;
+        void *staging = it->host_pinned ? host : w->slot[cur];
+        if (!j->to_host && !it->host_pinned) memcpy(staging, host, blk->len);
+        int rc = j->drv->copy_async(it->device, j->to_host, staging, it->dev + blk->offset, blk->len, *s);
+        if (rc) {
+            fail_driver(j, j->to_host ? "backup copy" : "restore copy", blk, rc);
+            break;
+        }
+        in_slot[cur] = b;
+        /* Device->host: drain the other slot while this DMA runs. */
+        if (j->to_host) finish(w, j, in_slot[cur ^ 1], cur ^ 1), in_slot[cur ^ 1] = -1;
+    }
+    /* Nothing may stay in flight: the caller frees or unmaps after return. */
+    finish(w, j, in_slot[0], 0);
+    finish(w, j, in_slot[1], 1);
+}
+
+static void *worker_main(void *arg)
+{
+    struct worker *w = arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);  /* signals belong to the application's threads */
+    pthread_mutex_lock(&pool_lock);
+    unsigned long seen = w->start_seq;
+    for (;;) {
+        while (job_seq == seen) pthread_cond_wait(&job_posted, &pool_lock);
+        seen = job_seq;
+        struct job *j = current_job;
+        pthread_mutex_unlock(&pool_lock);
+        worker_run(w, j);
+        pthread_mutex_lock(&pool_lock);
+        if (--workers_busy == 0) pthread_cond_broadcast(&job_finished);
+    }
+    return NULL;
+}
+
+static int wanted_workers(void)
+{
+    const char *env = getenv("TMS_BACKUP_THREADS");
+    long n = env ? strtol(env, NULL, 10) : 0;
+    if (n <= 0) {
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        n = cpus < 2 ? 2 : cpus;
+        if (n > DEFAULT_MAX_WORKERS) n = DEFAULT_MAX_WORKERS;
+    }
+    return n > MAX_WORKERS ? MAX_WORKERS : (int)n;
+}
+
+static void pool_discard_locked(const struct tms_driver *drv)
+{
+    for (int i = 0; i < worker_count; i++)
+        for (int s = 0; s < 2; s++)
+            if (workers[i].slot[s]) (void)drv->host_free_pinned(workers[i].slot[s], BLOCK_BYTES);
+    free(workers);
+    workers = NULL;
+    worker_count = 0;
+}
+
+static int pool_start(const struct tms_driver *drv, struct tms_err *err)
+{
+    pthread_mutex_lock(&pool_lock);
+    if (workers && pool_pid == getpid()) {
+        pthread_mutex_unlock(&pool_lock);
+        return TMS_OK;
+    }
+    /* In a forked child the old workers are gone and their buffers belong to
+     * the parent's mappings: start afresh (the old slots leak, once). */
+    workers = NULL;
+    worker_count = 0;
+    int n = wanted_workers(), rc = TMS_OK;
+    workers = calloc((size_t)n, sizeof *workers);
+    if (!workers) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for %d copy workers", n);
+    for (int i = 0; !rc && i < n; i++) {
+        for (int s = 0; !rc && s < 2; s++) {
+            int drc = drv->host_alloc_pinned(BLOCK_BYTES, &workers[i].slot[s]);
+            if (drc) {
+                workers[i].slot[s] = NULL;
+                rc = tms_fail(err, TMS_E_HOST_OOM, drc, "cannot pin %zu bytes of staging for copy worker %d: %s (%d)",
+                              BLOCK_BYTES, i, drv->code_name(drc), drc);
+            }
+        }
+        worker_count = i + 1;
+    }
+    int started = 0;
+    for (int i = 0; !rc && i < n; i++, started++) {
+        workers[i].start_seq = job_seq;
+        int prc = pthread_create(&workers[i].thread, NULL, worker_main, &workers[i]);
+        if (prc) rc = tms_fail(err, TMS_E_HOST_OOM, prc, "cannot start copy worker %d: error %d", i, prc);
+    }
+    if (rc && started == 0) pool_discard_locked(drv);
+    else if (rc) worker_count = started;  /* run with the workers that did start */
+    if (worker_count > 0) {
+        pool_pid = getpid();
+        rc = TMS_OK;
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return rc;
+}
+
+int tms_transfer_warm(const struct tms_driver *drv, struct tms_err *err) { return pool_start(drv, err); }
+
+int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
+                     struct tms_err *err)
+{
+    size_t n_blocks = 0;
+    for (size_t i = 0; i < count; i++) {
+        items[i].done = 0;
+        n_blocks += (items[i].n + BLOCK_BYTES - 1) / BLOCK_BYTES;
+    }
+    if (n_blocks == 0) return TMS_OK;
+    int rc = pool_start(drv, err);
+    if (rc) return rc;
+    struct block *blocks = malloc(n_blocks * sizeof *blocks);
+    if (!blocks) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu copy blocks", n_blocks);
+    size_t k = 0;
+    for (size_t i = 0; i < count; i++)
+        for (size_t off = 0; off < items[i].n; off += BLOCK_BYTES)
+            blocks[k++] = (struct block){i, off, items[i].n - off < BLOCK_BYTES ? items[i].n - off : BLOCK_BYTES};
+
+    struct job j = {.drv = drv, .to_host = to_host, .items = items, .blocks = blocks, .n_blocks = n_blocks};
+    pthread_mutex_init(&j.err_lock, NULL);
+    pthread_mutex_lock(&run_lock);
+    pthread_mutex_lock(&pool_lock);
+    current_job = &j;
+    workers_busy = worker_count;
+    job_seq++;
+    pthread_cond_broadcast(&job_posted);
+    while (workers_busy > 0) pthread_cond_wait(&job_finished, &pool_lock);
+    current_job = NULL;
+    pthread_mutex_unlock(&pool_lock);
+    pthread_mutex_unlock(&run_lock);
+    pthread_mutex_destroy(&j.err_lock);
+    free(blocks);
+    if (j.failed) {
+        if (err) *err = j.err;
+        return j.err.status;
+    }
+    return TMS_OK;
+}

@@ -1,0 +1,30 @@
+/* Backup copies at link speed: a pool of worker threads moving blocks through pinned staging. */
+#ifndef TMS_TRANSFER_H
+#define TMS_TRANSFER_H
+
+#include <stddef.h>
+
+#include "driver.h"
+
+/* One contiguous copy between a device range and host memory. */
+struct tms_transfer {
+    int device;
+    tms_va dev;
+    void *host;
+    size_t n;
+    int host_pinned;   /* host is page-locked: the DMA goes straight to it */
+    size_t done;       /* out (atomic): bytes known complete, == n on success */
+};
+
+/* Copies every item (device->host if to_host, else host->device) and returns
+ * when no copy is in flight any more, also on failure. On failure fills err
+ * with the first error; items with done == n completed. pre: the device
+ * ranges are mapped and no other work writes them. */
+int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
+                     struct tms_err *err);
+
+/* Starts the workers and their staging buffers ahead of the first pause
+ * (pinning costs ~0.4 s per GiB, DESIGN), so that pause runs at link speed. */
+int tms_transfer_warm(const struct tms_driver *drv, struct tms_err *err);
+
+#endif
