@@ -4,8 +4,10 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "driver.h"
+#include "stats.h"
 #include "transfer.h"
 
 struct tms_alloc {
@@ -33,7 +35,11 @@ static pthread_mutex_t core_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct tms_alloc **buckets;   /* guarded by core_lock */
 static size_t bucket_count;          /* power of two */
 static size_t alloc_count;           /* atomic reads allowed (tms_core_owns fast path) */
-static char **tag_names;             /* guarded by core_lock; entries immutable once set */
+struct tag_entry {
+    char *name;                                  /* immutable once set */
+    struct tms_stats per_device[TMS_STATS_DEVICES];
+};
+static struct tag_entry **tags;      /* guarded by core_lock */
 static int tag_count;
 static int tag_capacity;
 static size_t margin_bytes;          /* atomic */
@@ -44,7 +50,7 @@ static int retain_override = -1;     /* atomic; -1: TMS_RETAIN_CPU_BACKUP decide
 static int tag_find_locked(const char *tag)
 {
     for (int i = 0; i < tag_count; i++)
-        if (strcmp(tag_names[i], tag) == 0) return i;
+        if (strcmp(tags[i]->name, tag) == 0) return i;
     return -1;
 }
 
@@ -59,14 +65,20 @@ static int tag_intern_locked(const char *tag, int *id, struct tms_err *err)
     if (found >= 0) return *id = found, TMS_OK;
     if (tag_count == tag_capacity) {
         int cap = tag_capacity ? tag_capacity * 2 : 16;
-        char **grown = realloc(tag_names, (size_t)cap * sizeof *grown);
+        struct tag_entry **grown = realloc(tags, (size_t)cap * sizeof *grown);
         if (!grown) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
-        tag_names = grown;
+        tags = grown;
         tag_capacity = cap;
     }
+    struct tag_entry *entry = calloc(1, sizeof *entry);
     char *copy = strdup(tag);
-    if (!copy) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
-    tag_names[tag_count] = copy;
+    if (!entry || !copy) {
+        free(entry);
+        free(copy);
+        return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
+    }
+    entry->name = copy;
+    tags[tag_count] = entry;
     *id = tag_count++;
     return TMS_OK;
 }
@@ -82,7 +94,7 @@ int tms_core_tag_id(const char *tag, int *id, struct tms_err *err)
 
 static const char *tag_name_locked(int id)
 {
-    if (id >= 0 && id < tag_count) return tag_names[id];
+    if (id >= 0 && id < tag_count) return tags[id]->name;
     return id == TMS_TAG_DEFAULT_ID ? "default" : "?";
 }
 
@@ -92,6 +104,89 @@ const char *tms_core_tag_name(int id)
     const char *name = tag_name_locked(id);
     pthread_mutex_unlock(&core_lock);
     return name;
+}
+
+/* ---- statistics ---------------------------------------------------------- */
+
+static struct tms_stats *stats_of_locked(int tag_id, int device)
+{
+    if (tag_id < 0 || tag_id >= tag_count) return NULL;
+    return &tags[tag_id]->per_device[device < TMS_STATS_DEVICES ? device : TMS_STATS_DEVICES - 1];
+}
+
+/* The one place gauges change: an allocation's share is taken out (sign -1)
+ * before any change to it and put back (+1) after, so gauges always equal
+ * the sum over the table. */
+static void account_locked(const struct tms_alloc *a, int sign)
+{
+    struct tms_stats *st = stats_of_locked(a->tag_id, a->device);
+    if (!st) return;
+    uint64_t s = (uint64_t)(int64_t)sign;  /* wraps: adding -1 * x subtracts x */
+    st->allocations += s;
+    st->bytes_requested += s * a->size;
+    st->bytes_reserved += s * a->reserved;
+    if (a->state == TMS_ACTIVE) st->bytes_mapped += s * a->reserved;
+    else st->bytes_paused += s * a->reserved;
+    if (a->host_copy && a->host_copy->kind == TMS_BACKUP_PINNED) st->bytes_backup_pinned += s * a->host_copy->size;
+    if (a->host_copy && a->host_copy->kind != TMS_BACKUP_PINNED) st->bytes_backup_mmap += s * a->host_copy->size;
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Counters of one pause or resume: each (tag, device) it changed counts the
+ * call once, with the call's duration, and the bytes it copied. */
+static void count_call_locked(struct tms_alloc **list, size_t n, const size_t *changed, int is_pause, uint64_t ns)
+{
+    for (int t = 0; t < tag_count; t++) {
+        uint64_t touched[TMS_STATS_DEVICES / 64] = {0};
+        for (size_t i = 0; i < n; i++) {
+            const struct tms_alloc *a = list[i];
+            if (a->tag_id != t || !changed[i]) continue;
+            struct tms_stats *st = stats_of_locked(t, a->device);
+            int slot = (int)(st - tags[t]->per_device);
+            /* changed[i] is 1 + the bytes copied for list[i], 0 if untouched */
+            if (is_pause) st->bytes_to_host += changed[i] - 1;
+            else st->bytes_to_device += changed[i] - 1;
+            if (touched[slot / 64] >> (slot % 64) & 1) continue;
+            touched[slot / 64] |= 1ull << (slot % 64);
+            if (is_pause) st->pauses++, st->pause_ns += ns;
+            else st->resumes++, st->resume_ns += ns;
+        }
+    }
+}
+
+int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *err)
+{
+    pthread_mutex_lock(&core_lock);
+    size_t n = 0, cap = 16;
+    struct tms_stats_row *out = malloc(cap * sizeof *out);
+    static const struct tms_stats zero;
+    for (int t = 0; out && t < tag_count; t++) {
+        for (int d = 0; d < TMS_STATS_DEVICES; d++) {
+            if (!memcmp(&tags[t]->per_device[d], &zero, sizeof zero)) continue;
+            if (n == cap) {
+                struct tms_stats_row *grown = realloc(out, 2 * cap * sizeof *out);
+                if (!grown) {
+                    free(out);
+                    out = NULL;
+                    break;
+                }
+                out = grown;
+                cap *= 2;
+            }
+            out[n++] = (struct tms_stats_row){.tag_id = t, .device = d, .stats = tags[t]->per_device[d]};
+        }
+    }
+    pthread_mutex_unlock(&core_lock);
+    if (!out) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory copying statistics");
+    *rows = out;
+    *count = n;
+    return TMS_OK;
 }
 
 /* ---- table --------------------------------------------------------------- */
@@ -125,6 +220,7 @@ static int table_insert_locked(struct tms_alloc *a)
     a->next = buckets[b];
     buckets[b] = a;
     __atomic_store_n(&alloc_count, alloc_count + 1, __ATOMIC_RELAXED);
+    account_locked(a, +1);
     return TMS_OK;
 }
 
@@ -136,6 +232,7 @@ static struct tms_alloc *table_remove_locked(tms_va va)
         if (a->va == va) {
             *link = a->next;
             __atomic_store_n(&alloc_count, alloc_count - 1, __ATOMIC_RELAXED);
+            account_locked(a, -1);
             return a;
         }
     }
@@ -477,6 +574,7 @@ int tms_core_pause(const char *tag, struct tms_err *err)
     if (rc) return rc;
     struct tms_alloc **list = NULL;
     size_t n = 0;
+    uint64_t start = now_ns();
     pthread_mutex_lock(&core_lock);
     struct selection s;
     if (!select_locked(tag, &s) || (s.active == 0 && s.paused == 0)) goto out;
@@ -486,6 +584,7 @@ int tms_core_pause(const char *tag, struct tms_err *err)
         goto out;
     }
     if ((rc = collect_locked(&s, TMS_ACTIVE, &list, &n, err))) goto out;
+    for (size_t i = 0; i < n; i++) account_locked(list[i], -1);
     /* Queued kernels may still write the memory: copy and unmap only after. */
     if ((rc = synchronize_devices_locked(drv, &s, TMS_ACTIVE, err))) goto out;
     /* All backups first: if one fails, nothing has been unmapped yet. */
@@ -506,6 +605,16 @@ int tms_core_pause(const char *tag, struct tms_err *err)
         }
     }
 out:
+    if (list) {
+        size_t *changed = calloc(n ? n : 1, sizeof *changed);
+        for (size_t i = 0; i < n; i++) {
+            struct tms_alloc *a = list[i];
+            if (changed && a->state == TMS_PAUSED) changed[i] = 1 + (a->host_copy ? a->size : 0);
+            account_locked(a, +1);
+        }
+        if (changed) count_call_locked(list, n, changed, 1, now_ns() - start);
+        free(changed);
+    }
     pthread_mutex_unlock(&core_lock);
     free(list);
     return rc;
@@ -518,7 +627,9 @@ int tms_core_resume(const char *tag, struct tms_err *err)
     if (rc) return rc;
     struct tms_alloc **list = NULL;
     struct tms_transfer *copies = NULL;
+    size_t *changed = NULL;  /* per list entry: 1 + bytes restored once active again */
     size_t n = 0, mapped = 0, k = 0;
+    uint64_t start = now_ns();
     pthread_mutex_lock(&core_lock);
     struct selection s;
     if (!select_locked(tag, &s) || (s.active == 0 && s.paused == 0)) goto out;
@@ -528,8 +639,10 @@ int tms_core_resume(const char *tag, struct tms_err *err)
         goto out;
     }
     if ((rc = collect_locked(&s, TMS_PAUSED, &list, &n, err))) goto out;
+    for (size_t i = 0; i < n; i++) account_locked(list[i], -1);
     copies = calloc(n, sizeof *copies);
-    if (!copies) {
+    changed = calloc(n, sizeof *changed);
+    if (!copies || !changed) {
         rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu restores", n);
         goto out;
     }
@@ -559,15 +672,19 @@ int tms_core_resume(const char *tag, struct tms_err *err)
             continue;
         }
         a->state = TMS_ACTIVE;
+        changed[i] = 1 + (a->host_copy ? a->size : 0);
         if (a->host_copy && !retain) {
             tms_backup_unref(a->host_copy);
             a->host_copy = NULL;
         }
     }
 out:
+    for (size_t i = 0; list && i < n; i++) account_locked(list[i], +1);
+    if (changed) count_call_locked(list, n, changed, 0, now_ns() - start);
     pthread_mutex_unlock(&core_lock);
     free(list);
     free(copies);
+    free(changed);
     return rc;
 }
 

@@ -8,6 +8,7 @@
 #include "backup.h"
 #include "config.h"
 #include "error.h"
+#include "stats.h"
 
 enum tms_alloc_state { TMS_ACTIVE = 0, TMS_PAUSED = 1 };
 
@@ -53,6 +54,10 @@ int tms_core_resume(const char *tag, struct tms_err *err);
  * allocation has no host copy now. TMS_E_NOT_FOUND / TMS_E_ARG if the range
  * is not inside one allocation. */
 int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *offset, struct tms_err *err);
+
+/* Statistics of every (tag, device) with a nonzero field (caller frees
+ * *rows). Reads counters kept up to date: no table walk, no driver call. */
+int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *err);
 
 /* A copy of the table (caller frees *rows). */
 int tms_core_list(struct tms_alloc_info **rows, size_t *count, struct tms_err *err);

@@ -257,6 +257,45 @@ static PyObject *py_allocations(PyObject *module, PyObject *unused)
     return list;
 }
 
+PyDoc_STRVAR(stats_doc,
+"stats($module, /)\n--\n\n"
+"A list of dicts, one per (tag, device) with anything to report: the fields of\n"
+"src/stats.h. Reads counters only: cheap enough for every step.");
+
+static PyObject *stats_row_dict(const struct tms_stats_row *r)
+{
+    PyObject *d = Py_BuildValue("{s:s,s:i}", "tag", tms_core_tag_name(r->tag_id), "device", r->device);
+#define TMS_STAT_ITEM(name, kind, doc)                                                        \
+    if (d) {                                                                                  \
+        PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)r->stats.name);         \
+        if (!v || PyDict_SetItemString(d, #name, v) < 0) Py_CLEAR(d);                         \
+        Py_XDECREF(v);                                                                        \
+    }
+    TMS_STAT_FIELDS(TMS_STAT_ITEM)
+#undef TMS_STAT_ITEM
+    return d;
+}
+
+static PyObject *py_stats(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    struct tms_err err = {0};
+    struct tms_stats_row *rows = NULL;
+    size_t n = 0;
+    if (tms_core_stats(&rows, &n, &err)) return raise_err(module, &err);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        PyObject *d = stats_row_dict(&rows[i]);
+        if (!d) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+    }
+    free(rows);
+    return list;
+}
+
 PyDoc_STRVAR(set_margin_doc, "set_memory_margin_bytes($module, n, /)\n--\n\nAllocations fail with OOM if they would leave fewer than n bytes free.");
 
 static PyObject *py_set_margin(PyObject *module, PyObject *arg)
@@ -399,6 +438,7 @@ static PyMethodDef module_methods[] = {
     {"free", py_free, METH_O, free_doc},
     {"get_cpu_backup", py_get_cpu_backup, METH_VARARGS, get_cpu_backup_doc},
     {"allocations", py_allocations, METH_NOARGS, allocations_doc},
+    {"stats", py_stats, METH_NOARGS, stats_doc},
     {"set_memory_margin_bytes", py_set_margin, METH_O, set_margin_doc},
     {"get_memory_margin_bytes", py_get_margin, METH_NOARGS, get_margin_doc},
     {"set_retain_cpu_backup", py_set_retain, METH_O, set_retain_doc},

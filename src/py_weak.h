@@ -11,7 +11,9 @@
 #pragma weak PyArg_ParseTupleAndKeywords
 #pragma weak PyBool_FromLong
 #pragma weak PyBuffer_FillInfo
+#pragma weak PyDict_SetItemString
 #pragma weak PyErr_Format
+#pragma weak PyLong_FromUnsignedLongLong
 #pragma weak PyErr_NewExceptionWithDoc
 #pragma weak PyErr_Occurred
 #pragma weak PyEval_RestoreThread

@@ -6,5 +6,7 @@ from .entrypoint import TorchMemorySaver
 __version__ = "0.1.0"
 
 torch_memory_saver = TorchMemorySaver()
+stats = torch_memory_saver.stats
+memory_summary = torch_memory_saver.memory_summary
 
-__all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "__version__"]
+__all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "stats", "memory_summary", "__version__"]

@@ -5,7 +5,7 @@ import os
 import threading
 from typing import Optional
 
-from . import _library, _preload
+from . import _library, _observe, _preload
 
 logger = logging.getLogger("torch_memory_saver")
 
@@ -119,12 +119,12 @@ class TorchMemorySaver:
     def pause(self, tag: Optional[str] = None):
         """Release the memory of `tag` (all tags if None); backed-up tags copy to host first."""
         _check_tag(tag, allow_none=True)
-        self._ensure_impl().core.pause(tag)
+        _observe.logged(self._ensure_impl().core, "pause", tag)
 
     def resume(self, tag: Optional[str] = None):
         """Map `tag`'s memory back at the same addresses; backed-up contents are restored."""
         _check_tag(tag, allow_none=True)
-        self._ensure_impl().core.resume(tag)
+        _observe.logged(self._ensure_impl().core, "resume", tag)
 
     def get_cpu_backup(self, x, zero_copy: bool = False):
         """Host copy of tensor `x` while its allocation is paused with backup (or
@@ -143,6 +143,16 @@ class TorchMemorySaver:
             return None
         host = torch.frombuffer(view, dtype=torch.uint8).view(x.dtype).as_strided(x.shape, x.stride())
         return host if zero_copy else host.clone(memory_format=torch.contiguous_format)
+
+    def stats(self):
+        """{device: {tag: {field: value}}}: allocations, bytes requested/reserved/
+        mapped/paused, host backup bytes by kind, pause/resume counts, time and
+        bytes copied. Reads counters only (no driver call): cheap every step."""
+        return _observe.stats(self._ensure_impl().core)
+
+    def memory_summary(self) -> str:
+        """A readable table of stats(), like torch.cuda.memory_summary()."""
+        return _observe.memory_summary(self._ensure_impl().core)
 
     @staticmethod
     def configure_subprocess():

@@ -1,0 +1,79 @@
+"""What the library holds and did: stats(), memory_summary(), pause/resume log lines."""
+import logging
+import time
+
+logger = logging.getLogger("torch_memory_saver")
+
+_GAUGES = ("allocations", "bytes_requested", "bytes_reserved", "bytes_mapped", "bytes_paused",
+           "bytes_backup_pinned", "bytes_backup_mmap")
+
+
+def stats(core):
+    """{device: {tag: {field: value}}} from the core's counters (no driver call)."""
+    out = {}
+    for row in core.stats():
+        row = dict(row)
+        device, tag = row.pop("device"), row.pop("tag")
+        out.setdefault(device, {})[tag] = row
+    return out
+
+
+def _fmt_bytes(n):
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def memory_summary(core) -> str:
+    """A table of every (device, tag): allocations, mapped, paused, host backups, cycles."""
+    rows = sorted(core.stats(), key=lambda r: (r["device"], r["tag"]))
+    head = ("device", "tag", "allocs", "reserved", "mapped", "paused", "backup (pinned)", "backup (mmap)",
+            "pauses", "resumes")
+    table = [head]
+    for r in rows:
+        table.append((str(r["device"]), r["tag"], str(r["allocations"]), _fmt_bytes(r["bytes_reserved"]),
+                      _fmt_bytes(r["bytes_mapped"]), _fmt_bytes(r["bytes_paused"]),
+                      _fmt_bytes(r["bytes_backup_pinned"]), _fmt_bytes(r["bytes_backup_mmap"]),
+                      str(r["pauses"]), str(r["resumes"])))
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = ["torch_memory_saver memory summary"]
+    for i, row in enumerate(table):
+        lines.append("  ".join(cell.rjust(w) if j >= 2 else cell.ljust(w)
+                               for j, (cell, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    if len(table) == 1:
+        lines.append("(no allocations yet)")
+    return "\n".join(lines)
+
+
+def _totals(core, tag):
+    moved = freed = 0
+    for r in core.stats():
+        if tag is None or r["tag"] == tag:
+            moved += r["bytes_to_host"] + r["bytes_to_device"]
+            freed += r["bytes_mapped"]
+    return moved, freed
+
+
+def logged(core, op, tag):
+    """Runs core.pause/resume(tag), logging a summary at INFO and the
+    allocations at DEBUG, only when those levels are enabled."""
+    if not logger.isEnabledFor(logging.INFO):
+        return getattr(core, op)(tag)
+    moved0, mapped0 = _totals(core, tag)
+    t0 = time.perf_counter()
+    getattr(core, op)(tag)
+    seconds = time.perf_counter() - t0
+    moved1, mapped1 = _totals(core, tag)
+    moved = moved1 - moved0
+    rate = f", {moved / seconds / 1e9:.1f} GB/s" if moved and seconds > 0 else ""
+    what = "released" if op == "pause" else "mapped"
+    logger.info("%s tag=%s: %s %s, %s copied in %.1f ms%s", op, tag if tag is not None else "<all>", what,
+                _fmt_bytes(abs(mapped1 - mapped0)), _fmt_bytes(moved), seconds * 1e3, rate)
+    if logger.isEnabledFor(logging.DEBUG):
+        for a in core.allocations():
+            if tag is None or a["tag"] == tag:
+                logger.debug("  0x%x %s tag=%s device=%d %s backup=%s", a["ptr"], _fmt_bytes(a["size"]), a["tag"],
+                             a["device"], a["state"], a["cpu_backup_backend"] if a["has_cpu_backup"] else "none")
