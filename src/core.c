@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "driver.h"
+#include "log.h"
 #include "stats.h"
 #include "transfer.h"
 
@@ -414,6 +415,8 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
         return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory growing the allocation table");
     }
     *ptr = (void *)(uintptr_t)a->va;
+    TMS_DEBUG("alloc 0x%llx size %zu reserved %zu chunks %d device %d tag '%s' backup %s", (unsigned long long)a->va,
+              size, reserved, a->n_chunks, device, tag, a->backup ? tms_backup_kind_name(a->backup_kind) : "none");
     return TMS_OK;
 }
 
@@ -458,6 +461,8 @@ int tms_core_free(void *ptr, struct tms_err *err)
         }
         (void)release_chunks(drv, a, tag, NULL);  /* a leaked handle must not fail the free */
     }
+    TMS_DEBUG("free 0x%llx size %zu device %d tag '%s' (%s)", (unsigned long long)va, a->size, a->device, tag,
+              a->state == TMS_ACTIVE ? "active" : "paused");
     rc = drv->unreserve(a->va, a->reserved);
     int shutdown = rc && drv->is_shutdown(rc);
     size_t size = a->size;
@@ -614,6 +619,8 @@ out:
         }
         if (changed) count_call_locked(list, n, changed, 1, now_ns() - start);
         free(changed);
+        TMS_DEBUG("pause %s: %zu allocations, %.3f ms, status %d", tag ? tag : "<all>", n,
+                  (double)(now_ns() - start) / 1e6, rc);
     }
     pthread_mutex_unlock(&core_lock);
     free(list);
@@ -681,6 +688,9 @@ int tms_core_resume(const char *tag, struct tms_err *err)
 out:
     for (size_t i = 0; list && i < n; i++) account_locked(list[i], +1);
     if (changed) count_call_locked(list, n, changed, 0, now_ns() - start);
+    if (list)
+        TMS_DEBUG("resume %s: %zu allocations, %.3f ms, status %d", tag ? tag : "<all>", n,
+                  (double)(now_ns() - start) / 1e6, rc);
     pthread_mutex_unlock(&core_lock);
     free(list);
     free(copies);

@@ -1,0 +1,39 @@
+/* Debug lines to stderr when TMS_LOG=debug: for preload processes without Python logging. */
+#include "log.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static pthread_once_t log_once = PTHREAD_ONCE_INIT;
+static int log_on;  /* written once under log_once */
+
+static void log_init(void)
+{
+    const char *v = getenv("TMS_LOG");
+    log_on = v && strcmp(v, "debug") == 0;
+}
+
+int tms_log_enabled(void)
+{
+    pthread_once(&log_once, log_init);
+    return log_on;
+}
+
+void tms_log_write(const char *fmt, ...)
+{
+    char line[512];
+    int n = snprintf(line, sizeof line, "[torch_memory_saver %d] ", (int)getpid());
+    va_list ap;
+    va_start(ap, fmt);
+    if (n > 0 && (size_t)n < sizeof line) n += vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    if ((size_t)n >= sizeof line - 1) n = (int)sizeof line - 2;
+    line[n++] = '\n';
+    /* One write per line: lines of several threads do not interleave. */
+    (void)!write(STDERR_FILENO, line, (size_t)n);
+}

@@ -1,0 +1,14 @@
+/* Debug lines to stderr when TMS_LOG=debug: for preload processes without Python logging. */
+#ifndef TMS_LOG_H
+#define TMS_LOG_H
+
+int tms_log_enabled(void);
+void tms_log_write(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* Arguments are not evaluated unless logging is on. */
+#define TMS_DEBUG(...)                              \
+    do {                                            \
+        if (tms_log_enabled()) tms_log_write(__VA_ARGS__); \
+    } while (0)
+
+#endif
