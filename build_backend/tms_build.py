@@ -16,7 +16,7 @@ from pathlib import Path
 NAME = "torch_memory_saver"
 VERSION = "0.1.0"
 ROOT = Path(__file__).resolve().parent.parent
-CORE_SOURCES = ["error.c", "driver.c", "driver_cuda.c", "driver_host.c", "config.c", "log.c", "backup.c", "transfer.c", "core.c", "hook.c"]
+CORE_SOURCES = ["error.c", "driver.c", "driver_cuda.c", "driver_hip.c", "driver_host.c", "config.c", "log.c", "backup.c", "transfer.c", "core.c", "hook.c"]
 VARIANTS = ("preload", "torch")
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-O2", "-g", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra"]
 

@@ -77,6 +77,7 @@ static void load_defaults(void)
         tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
                  "TMS_INIT_CPU_BACKUP_BACKEND='%s' is not a backup backend (use 'pinned' or 'mmap')", kind);
     const char *chunk = getenv("TMS_CHUNK_BYTES");
+    if (chunk && *chunk) defaults.chunk_bytes_set = 1;
     if (chunk && *chunk && tms_parse_bytes(chunk, &defaults.chunk_bytes) != TMS_OK) {
         defaults.chunk_bytes = 0;
         if (!defaults.parse_error.status)

@@ -30,6 +30,7 @@ struct tms_defaults {
     int init_backup_kind;        /* TMS_INIT_CPU_BACKUP_BACKEND */
     int retain_backup;           /* TMS_RETAIN_CPU_BACKUP */
     size_t chunk_bytes;          /* TMS_CHUNK_BYTES; 0 = one physical handle per allocation */
+    int chunk_bytes_set;         /* else the backend's default applies */
     struct tms_err parse_error;  /* status != 0 if a variable was malformed */
 };
 

@@ -373,7 +373,8 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     size_t reserved = (size + gran - 1) / gran * gran;
     if ((rc = check_margin(drv, device, reserved, size, tag, err))) return rc;
 
-    size_t chunk = tms_defaults()->chunk_bytes;
+    const struct tms_defaults *defaults = tms_defaults();
+    size_t chunk = defaults->chunk_bytes_set ? defaults->chunk_bytes : drv->default_chunk_bytes();
     chunk = chunk ? (chunk + gran - 1) / gran * gran : reserved;
     if (chunk > reserved) chunk = reserved;
     struct tms_alloc *a = calloc(1, sizeof *a);

@@ -12,6 +12,7 @@ static const struct tms_driver *driver_ready;   /* loaded; written once under th
 static const struct tms_driver *driver_by_name(const char *name)
 {
     if (strcmp(name, "cuda") == 0) return &tms_driver_cuda;
+    if (strcmp(name, "hip") == 0) return &tms_driver_hip;
     if (strcmp(name, "host") == 0) return &tms_driver_host;
     return NULL;
 }
@@ -20,7 +21,7 @@ int tms_driver_select(const char *name, struct tms_err *err)
 {
     const struct tms_driver *want = driver_by_name(name);
     if (!want)
-        return tms_fail(err, TMS_E_ARG, 0, "unknown backend '%s' (expected 'cuda' or 'host')", name);
+        return tms_fail(err, TMS_E_ARG, 0, "unknown backend '%s' (expected 'cuda', 'hip' or 'host')", name);
     int rc = TMS_OK;
     pthread_mutex_lock(&driver_lock);
     const struct tms_driver *have = driver_ready ? driver_ready : driver_chosen;
@@ -46,10 +47,13 @@ int tms_driver_get(const struct tms_driver **out, struct tms_err *err)
         const struct tms_driver *d = driver_chosen;
         if (!d) {
             const char *env = getenv("TMS_BACKEND");
-            d = (env && *env) ? driver_by_name(env) : &tms_driver_cuda;
+            const char *platform = getenv("TMS_PLATFORM");
+            if (env && *env) d = driver_by_name(env);
+            else if (platform && (!strcmp(platform, "rocm") || !strcmp(platform, "hip"))) d = &tms_driver_hip;
+            else d = &tms_driver_cuda;
             if (!d)
                 rc = tms_fail(err, TMS_E_ARG, 0,
-                              "TMS_BACKEND='%s' is not a backend (expected 'cuda' or 'host')", env);
+                              "TMS_BACKEND='%s' is not a backend (expected 'cuda', 'hip' or 'host')", env);
         }
         /* A failed load is not cached: a later call may succeed (driver
          * installed, env fixed) and each caller gets the message. */

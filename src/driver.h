@@ -35,6 +35,9 @@ struct tms_driver {
     int (*is_oom)(int code);                 /* does code mean "out of memory"? */
     int (*is_shutdown)(int code);            /* driver already torn down (process exit)? */
     const char *(*code_name)(int code);
+    /* Physical chunk size the core should use when TMS_CHUNK_BYTES is unset
+     * (0: one handle per allocation). pre: loaded. */
+    size_t (*default_chunk_bytes)(void);
 
     int (*device_count)(int *count);
     /* The device the calling thread's runtime would allocate on. */
@@ -73,9 +76,11 @@ struct tms_driver {
 };
 
 extern const struct tms_driver tms_driver_cuda;
+extern const struct tms_driver tms_driver_hip;
 extern const struct tms_driver tms_driver_host;
 
-/* The process's backend, loaded on first use (TMS_BACKEND, else cuda).
+/* The process's backend, loaded on first use: the one selected, else
+ * TMS_BACKEND (cuda, hip, host), else TMS_PLATFORM=rocm -> hip, else cuda.
  * Returns TMS_OK and sets *out, or fills err. Thread-safe. */
 int tms_driver_get(const struct tms_driver **out, struct tms_err *err);
 

@@ -292,12 +292,15 @@ static int cuda_host_free_pinned(void *ptr, size_t size)
     return cu.cuMemFreeHost(ptr);
 }
 
+static size_t cuda_default_chunk_bytes(void) { return 0; }
+
 const struct tms_driver tms_driver_cuda = {
     .name = "cuda",
     .load = cuda_load,
     .is_oom = cuda_is_oom,
     .is_shutdown = cuda_is_shutdown,
     .code_name = cuda_code_name,
+    .default_chunk_bytes = cuda_default_chunk_bytes,
     .device_count = cuda_device_count,
     .current_device = cuda_current_device,
     .granularity = cuda_granularity,

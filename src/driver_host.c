@@ -233,12 +233,15 @@ static int host_free_pinned(void *ptr, size_t size)
     return munmap(ptr, size) ? errno : 0;
 }
 
+static size_t host_default_chunk_bytes(void) { return 0; }
+
 const struct tms_driver tms_driver_host = {
     .name = "host",
     .load = host_load,
     .is_oom = host_is_oom,
     .is_shutdown = host_is_shutdown,
     .code_name = host_code_name,
+    .default_chunk_bytes = host_default_chunk_bytes,
     .device_count = host_device_count_fn,
     .current_device = host_current_device,
     .granularity = host_granularity,

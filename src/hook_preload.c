@@ -1,4 +1,4 @@
-/* Preload variant: cudaMalloc/cudaFree defined here; regions go to the core, the rest forwards. */
+/* Preload variant: cudaMalloc/cudaFree (and hipMalloc/hipFree) defined here; regions go to the core, the rest forwards. */
 #include <dlfcn.h>
 #include <stddef.h>
 
@@ -34,6 +34,25 @@ TMS_EXPORT int cudaFree(void *ptr)
 {
     if (tms_core_owns(ptr)) return tms_hook_free(ptr);
     cuda_free_fn real = (cuda_free_fn)next_symbol((void **)&next_free, "cudaFree");
+    return real ? real(ptr) : TMS_CUDA_ERROR_INITIALIZATION;
+}
+
+/* ROCm builds of PyTorch call the HIP names; the routing is the same and the
+ * error codes the hooks return (0, 2 = out of memory, 3, 999) mean the same. */
+static cuda_malloc_fn next_hip_malloc;  /* atomic */
+static cuda_free_fn next_hip_free;      /* atomic */
+
+TMS_EXPORT int hipMalloc(void **ptr, size_t size)
+{
+    if (tms_region_current()->active) return tms_hook_alloc(ptr, size, -1);
+    cuda_malloc_fn real = (cuda_malloc_fn)next_symbol((void **)&next_hip_malloc, "hipMalloc");
+    return real ? real(ptr, size) : TMS_CUDA_ERROR_INITIALIZATION;
+}
+
+TMS_EXPORT int hipFree(void *ptr)
+{
+    if (tms_core_owns(ptr)) return tms_hook_free(ptr);
+    cuda_free_fn real = (cuda_free_fn)next_symbol((void **)&next_hip_free, "hipFree");
     return real ? real(ptr) : TMS_CUDA_ERROR_INITIALIZATION;
 }
 

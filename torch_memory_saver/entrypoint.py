@@ -23,6 +23,14 @@ def _check_tag(tag, *, allow_none=False, what="tag"):
         raise ValueError(f"torch_memory_saver: {what} must be a non-empty string")
 
 
+def _torch_is_rocm() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(getattr(torch.version, "hip", None))
+
+
 class TorchMemorySaver:
     """Process-wide entry point (use the `torch_memory_saver` instance)."""
 
@@ -200,6 +208,8 @@ class _Impl:
         self._allocator = None
         self._on_gpu = None
         self._warm = False
+        if not os.environ.get("TMS_BACKEND") and self.core.loaded_backend() is None and _torch_is_rocm():
+            self.core.use_backend("hip")  # one build serves both: the platform is chosen here
         if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
             raise RuntimeError("torch_memory_saver: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is not "
                                "supported (PyTorch then maps memory itself instead of calling cudaMalloc)")
