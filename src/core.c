@@ -604,6 +604,9 @@ int tms_core_pause(const char *tag, struct tms_err *err)
         if (one == TMS_OK) {
             a->state = TMS_PAUSED;
             one = release_chunks(drv, a, name, &one_err);
+        } else if (a->host_copy && !tms_core_retain()) {
+            tms_backup_unref(a->host_copy);  /* still active: the device holds the bytes */
+            a->host_copy = NULL;
         }
         if (one && !rc) {
             rc = one;

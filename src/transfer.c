@@ -220,13 +220,20 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
         worker_count = i + 1;
     }
     int started = 0;
-    for (int i = 0; !rc && i < n; i++, started++) {
+    for (int i = 0; !rc && i < n; i++) {
         workers[i].start_seq = job_seq;
         int prc = pthread_create(&workers[i].thread, NULL, worker_main, &workers[i]);
         if (prc) rc = tms_fail(err, TMS_E_HOST_OOM, prc, "cannot start copy worker %d: error %d", i, prc);
+        else started++;
     }
-    if (rc && started == 0) pool_discard_locked(drv);
-    else if (rc) worker_count = started;  /* run with the workers that did start */
+    if (rc && started == 0) {
+        pool_discard_locked(drv);
+    } else if (rc) {  /* run with the workers that did start; give back the others' staging */
+        for (int i = started; i < worker_count; i++)
+            for (int s = 0; s < 2; s++)
+                if (workers[i].slot[s]) (void)drv->host_free_pinned(workers[i].slot[s], BLOCK_BYTES);
+        worker_count = started;
+    }
     if (worker_count > 0) {
         pool_pid = getpid();
         rc = TMS_OK;

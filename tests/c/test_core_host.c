@@ -1,0 +1,930 @@
+/* C tests of the core on the host backend: state machine, backups, retain, margin, chunks, devices, threads, faults. */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backup.h"
+#include "config.h"
+#include "core.h"
+#include "driver.h"
+
+/* The TMS_FAULT plans the fault scenarios are written for: driver_host.c
+ * counts calls per op from process start, and each scenario's comments give
+ * every call's number. CMakeLists.txt's core_host_faults* tests set them. */
+#define FAULT_PLAN "map:2,host_alloc:1,create:12,unmap:8,copy_to_host:11,copy_to_device:13"
+#define FAULT_PLAN_CHUNKED "create:3,map:5,unmap:3"  /* with TMS_CHUNK_BYTES=2MiB */
+
+static int passed, failed;  /* atomic: the threads test checks from every thread */
+
+static void check(int ok, const char *file, int line, const char *what, const char *detail)
+{
+    if (ok) {
+        __atomic_add_fetch(&passed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    __atomic_add_fetch(&failed, 1, __ATOMIC_RELAXED);
+    fprintf(stderr, "%s:%d: FAILED: %s%s%s\n", file, line, what, detail ? " -- " : "", detail ? detail : "");
+}
+
+static void check_rc(int rc, int want, const struct tms_err *err, const char *file, int line, const char *what)
+{
+    char detail[512];
+    snprintf(detail, sizeof detail, "got %s (%d), want %s (%d); err.msg: %s", tms_status_name(rc), rc,
+             tms_status_name(want), want, rc ? err->msg : "");
+    check(rc == want, file, line, what, rc == want ? NULL : detail);
+}
+
+#define CHECK(cond) check(!!(cond), __FILE__, __LINE__, #cond, NULL)
+/* Clears err, runs expr, and checks its status; every test has a local err. */
+#define CHECK_RC(expr, want) \
+    (memset(&err, 0, sizeof err), check_rc((expr), (want), &err, __FILE__, __LINE__, #expr))
+#define CHECK_MSG(needle) \
+    check(strstr(err.msg, (needle)) != NULL, __FILE__, __LINE__, "err.msg contains \"" needle "\"", err.msg)
+
+/* ---- helpers ------------------------------------------------------------------ */
+
+static const struct tms_driver *drv;
+static size_t gran;
+
+/* Deterministic bytes per seed, so contents are checked without a copy. */
+static uint64_t next_rand(uint64_t *s)
+{
+    uint64_t x = *s;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return *s = x;
+}
+
+static void fill(void *p, size_t n, uint64_t seed)
+{
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull | 1;
+    unsigned char *b = p;
+    for (size_t i = 0; i < n; i += 8) {
+        uint64_t v = next_rand(&s);
+        memcpy(b + i, &v, n - i < 8 ? n - i : 8);
+    }
+}
+
+static int matches(const void *p, size_t n, uint64_t seed)
+{
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull | 1;
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i += 8) {
+        uint64_t v = next_rand(&s);
+        if (memcmp(b + i, &v, n - i < 8 ? n - i : 8) != 0) return 0;
+    }
+    return 1;
+}
+
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+static struct tms_region region(const char *tag, int backup, int kind)
+{
+    struct tms_err err;
+    struct tms_region r = {.active = 1, .tag_id = -1, .backup = backup, .backup_kind = kind};
+    CHECK_RC(tms_core_tag_id(tag, &r.tag_id, &err), TMS_OK);
+    return r;
+}
+
+static void *alloc_ok(size_t size, int device, const struct tms_region *r)
+{
+    struct tms_err err;
+    void *p = NULL;
+    CHECK_RC(tms_core_alloc(size, device, r, &p, &err), TMS_OK);
+    CHECK(size == 0 || p != NULL);
+    return p;
+}
+
+static void free_ok(void *p)
+{
+    struct tms_err err;
+    CHECK_RC(tms_core_free(p, &err), TMS_OK);
+}
+
+/* The table row of p; .ptr == 0 if the core does not hold p. */
+static struct tms_alloc_info info_of(const void *p)
+{
+    struct tms_err err;
+    struct tms_alloc_info *rows = NULL, found = {0};
+    size_t n = 0;
+    CHECK_RC(tms_core_list(&rows, &n, &err), TMS_OK);
+    for (size_t i = 0; i < n; i++)
+        if (rows[i].ptr == (uint64_t)(uintptr_t)p) found = rows[i];
+    free(rows);
+    return found;
+}
+
+static size_t count_rows(int tag_id, int state)
+{
+    struct tms_err err;
+    struct tms_alloc_info *rows = NULL;
+    size_t n = 0, hits = 0;
+    CHECK_RC(tms_core_list(&rows, &n, &err), TMS_OK);
+    for (size_t i = 0; i < n; i++)
+        hits += (tag_id < 0 || rows[i].tag_id == tag_id) && (state < 0 || rows[i].state == state);
+    free(rows);
+    return hits;
+}
+
+/* The statistics row of (tag, device); all zero if the core reports none. */
+static struct tms_stats stats_of(int tag_id, int device)
+{
+    struct tms_err err;
+    struct tms_stats_row *rows = NULL;
+    struct tms_stats found = {0};
+    size_t n = 0;
+    CHECK_RC(tms_core_stats(&rows, &n, &err), TMS_OK);
+    for (size_t i = 0; i < n; i++)
+        if (rows[i].tag_id == tag_id && rows[i].device == device) found = rows[i].stats;
+    free(rows);
+    return found;
+}
+
+static size_t free_bytes(int device)
+{
+    size_t free_b = 0, total = 0;
+    CHECK(drv->mem_get_info(device, &free_b, &total) == 0);
+    return free_b;
+}
+
+static int device_count(void)
+{
+    int n = 0;
+    CHECK(drv->device_count(&n) == 0);
+    return n;
+}
+
+/* Chunks the core should cut an allocation of size into under TMS_CHUNK_BYTES. */
+static int expected_chunks(size_t size)
+{
+    size_t reserved = round_up(size, gran), chunk = tms_defaults()->chunk_bytes;
+    chunk = chunk ? round_up(chunk, gran) : reserved;
+    if (chunk > reserved) chunk = reserved;
+    return (int)((reserved + chunk - 1) / chunk);
+}
+
+/* ---- tests ---------------------------------------------------------------------- */
+
+static void test_config(void)
+{
+    size_t v = 0;
+    int kind = -1;
+    CHECK(tms_parse_bytes("1048576", &v) == TMS_OK && v == 1048576);
+    CHECK(tms_parse_bytes("4MiB", &v) == TMS_OK && v == (size_t)4 << 20);
+    CHECK(tms_parse_bytes("2g", &v) == TMS_OK && v == (size_t)2 << 30);
+    CHECK(tms_parse_bytes("64K", &v) == TMS_OK && v == (size_t)64 << 10);
+    CHECK(tms_parse_bytes("", &v) == TMS_E_ARG);
+    CHECK(tms_parse_bytes("-1", &v) == TMS_E_ARG);
+    CHECK(tms_parse_bytes("12 MiB", &v) == TMS_E_ARG);
+    CHECK(tms_parse_bytes("99999999999999999999", &v) == TMS_E_ARG);
+    CHECK(tms_parse_bytes("17179869184G", &v) == TMS_E_ARG);
+    CHECK(tms_backup_kind_parse("pinned", &kind) == TMS_OK && kind == TMS_BACKUP_PINNED);
+    CHECK(tms_backup_kind_parse("mmap", &kind) == TMS_OK && kind == TMS_BACKUP_MMAP);
+    CHECK(tms_backup_kind_parse("cuda", &kind) == TMS_E_ARG);
+    CHECK(strcmp(tms_backup_kind_name(TMS_BACKUP_PINNED), "pinned") == 0);
+    CHECK(strcmp(tms_backup_kind_name(TMS_BACKUP_MMAP), "mmap") == 0);
+    CHECK(tms_defaults()->parse_error.status == TMS_OK);
+    CHECK(tms_region_current() == tms_region_current());
+    CHECK(tms_region_current()->tag_id == TMS_TAG_DEFAULT_ID);
+}
+
+static void test_driver(void)
+{
+    struct tms_err err;
+    CHECK(strcmp(tms_driver_loaded_name(), "host") == 0);
+    CHECK_RC(tms_driver_select("host", &err), TMS_OK);
+    CHECK_RC(tms_driver_select("cuda", &err), TMS_E_STATE);
+    CHECK_MSG("already in use");
+    CHECK_RC(tms_driver_select("vulkan", &err), TMS_E_ARG);
+    CHECK_MSG("vulkan");
+    CHECK(gran == (size_t)2 << 20);
+    CHECK(device_count() >= 1);
+}
+
+static void test_basics(void)
+{
+    struct tms_err err;
+    int id = -1, id2 = -1;
+    CHECK_RC(tms_core_tag_id("", &id, &err), TMS_E_ARG);
+    CHECK_RC(tms_core_tag_id("default", &id, &err), TMS_OK);
+    CHECK(id == TMS_TAG_DEFAULT_ID);
+    CHECK_RC(tms_core_tag_id("basics", &id, &err), TMS_OK);
+    CHECK_RC(tms_core_tag_id("basics", &id2, &err), TMS_OK);
+    CHECK(id == id2 && id != TMS_TAG_DEFAULT_ID);
+    CHECK(strcmp(tms_core_tag_name(id), "basics") == 0);
+
+    struct tms_region r = region("basics", 0, TMS_BACKUP_MMAP);
+    void *p = (void *)1;
+    CHECK_RC(tms_core_alloc(0, 0, &r, &p, &err), TMS_OK);
+    CHECK(p == NULL);
+    CHECK_RC(tms_core_alloc(1, device_count(), &r, &p, &err), TMS_E_ARG);
+    CHECK_MSG("does not exist");
+
+    size_t before = free_bytes(0);
+    p = alloc_ok(1000, -1, &r);  /* -1: the current device, 0 on the host backend */
+    struct tms_alloc_info row = info_of(p);
+    CHECK(row.ptr == (uint64_t)(uintptr_t)p);
+    CHECK(row.size == 1000 && row.reserved == gran && row.device == 0 && row.tag_id == id);
+    CHECK(row.state == TMS_ACTIVE && !row.backup && !row.has_host_copy);
+    CHECK((uintptr_t)p % gran == 0);
+    CHECK(free_bytes(0) == before - gran);
+    CHECK(tms_core_owns(p));
+    CHECK(!tms_core_owns((char *)p + 1));
+    CHECK(!tms_core_owns(NULL));
+    fill(p, 1000, 1);
+    CHECK(matches(p, 1000, 1));
+
+    int on_stack = 0;
+    CHECK_RC(tms_core_free(&on_stack, &err), TMS_E_NOT_FOUND);
+    CHECK_MSG("not an allocation");
+    free_ok(p);
+    CHECK(!tms_core_owns(p));
+    CHECK_RC(tms_core_free(p, &err), TMS_E_NOT_FOUND);
+    CHECK(free_bytes(0) == before);
+}
+
+/* Pause copies to host and releases the device memory; resume restores it
+ * at the same address. */
+static void test_backup_roundtrip(int kind)
+{
+    struct tms_err err;
+    const char *tag = kind == TMS_BACKUP_PINNED ? "bk-pinned" : "bk-mmap";
+    struct tms_region r = region(tag, 1, kind);
+    /* The last spans two of the copy pool's 8 MiB blocks. */
+    const size_t sizes[] = {1, 4093, gran, gran + 1, 3 * gran + 5, 5 * gran + 7};
+    enum { N = sizeof sizes / sizeof *sizes };
+    void *p[N];
+    size_t before = free_bytes(0);
+    for (int i = 0; i < N; i++) {
+        p[i] = alloc_ok(sizes[i], 0, &r);
+        fill(p[i], sizes[i], 100 + i);
+    }
+    size_t active_free = free_bytes(0), requested = 0, reserved = 0;
+    for (int i = 0; i < N; i++) requested += sizes[i], reserved += round_up(sizes[i], gran);
+    CHECK_RC(tms_core_pause(tag, &err), TMS_OK);
+    CHECK(free_bytes(0) == before);  /* physical memory really released */
+    struct tms_stats st = stats_of(r.tag_id, 0);
+    CHECK(st.allocations == N && st.bytes_requested == requested && st.bytes_reserved == reserved);
+    CHECK(st.bytes_mapped == 0 && st.bytes_paused == reserved);
+    CHECK((kind == TMS_BACKUP_PINNED ? st.bytes_backup_pinned : st.bytes_backup_mmap) == requested);
+    CHECK(st.pauses == 1 && st.bytes_to_host == requested && st.resumes == 0);
+    for (int i = 0; i < N; i++) {
+        struct tms_alloc_info row = info_of(p[i]);
+        CHECK(row.state == TMS_PAUSED && row.backup && row.backup_kind == kind && row.has_host_copy);
+        CHECK(tms_core_owns(p[i]));
+        struct tms_backup *b = NULL;
+        size_t offset = 99;
+        CHECK_RC(tms_core_backup_of((uintptr_t)p[i], sizes[i], &b, &offset, &err), TMS_OK);
+        CHECK(b && offset == 0 && b->kind == kind && b->size >= sizes[i]);
+        if (b) CHECK(matches(b->host, sizes[i], 100 + i));  /* the host copy holds the bytes */
+        tms_backup_unref(b);
+    }
+    CHECK_RC(tms_core_resume(tag, &err), TMS_OK);
+    CHECK(free_bytes(0) == active_free);
+    st = stats_of(r.tag_id, 0);
+    CHECK(st.bytes_mapped == reserved && st.bytes_paused == 0);
+    CHECK(st.bytes_backup_pinned == 0 && st.bytes_backup_mmap == 0);
+    CHECK(st.resumes == 1 && st.bytes_to_device == requested);
+    for (int i = 0; i < N; i++) {
+        struct tms_alloc_info row = info_of(p[i]);
+        CHECK(row.state == TMS_ACTIVE && !row.has_host_copy);  /* not retained */
+        CHECK(matches(p[i], sizes[i], 100 + i));
+        fill(p[i], sizes[i], 200 + i);  /* writable again */
+    }
+    /* A second cycle makes new backups and restores the new bytes. */
+    CHECK_RC(tms_core_pause(tag, &err), TMS_OK);
+    CHECK_RC(tms_core_resume(tag, &err), TMS_OK);
+    for (int i = 0; i < N; i++) CHECK(matches(p[i], sizes[i], 200 + i));
+    for (int i = 0; i < N; i++) free_ok(p[i]);
+    CHECK(free_bytes(0) == before);
+}
+
+static void test_backup_pinned(void) { test_backup_roundtrip(TMS_BACKUP_PINNED); }
+static void test_backup_mmap(void) { test_backup_roundtrip(TMS_BACKUP_MMAP); }
+
+static void test_discard(void)
+{
+    struct tms_err err;
+    struct tms_region r = region("discard", 0, TMS_BACKUP_MMAP);
+    size_t size = 2 * gran + 17;
+    void *p = alloc_ok(size, 0, &r);
+    fill(p, size, 7);
+    CHECK_RC(tms_core_pause("discard", &err), TMS_OK);
+    struct tms_alloc_info row = info_of(p);
+    CHECK(row.state == TMS_PAUSED && !row.backup && !row.has_host_copy);
+    struct tms_backup *b = (struct tms_backup *)1;
+    size_t offset = 0;
+    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, &b, &offset, &err), TMS_OK);
+    CHECK(b == NULL);
+    CHECK_RC(tms_core_resume("discard", &err), TMS_OK);
+    CHECK(info_of(p).state == TMS_ACTIVE);
+    /* Contents are undefined after a discard; the memory must be usable. */
+    fill(p, size, 8);
+    CHECK(matches(p, size, 8));
+    free_ok(p);
+}
+
+static void test_state_errors(void)
+{
+    struct tms_err err;
+    struct tms_region r = region("twice", 0, TMS_BACKUP_MMAP);
+    void *p = alloc_ok(10, 0, &r);
+    CHECK_RC(tms_core_resume("twice", &err), TMS_E_STATE);
+    CHECK_MSG("'twice'");
+    CHECK_MSG("not paused");
+    CHECK_RC(tms_core_pause("twice", &err), TMS_OK);
+    CHECK_RC(tms_core_pause("twice", &err), TMS_E_STATE);
+    CHECK_MSG("'twice'");
+    CHECK_MSG("already paused");
+    CHECK(info_of(p).state == TMS_PAUSED);  /* the failed call changed nothing */
+    CHECK_RC(tms_core_pause(NULL, &err), TMS_E_STATE);  /* every allocation is paused */
+    CHECK_MSG("all tags");
+    CHECK_RC(tms_core_resume("twice", &err), TMS_OK);
+    CHECK_RC(tms_core_resume("twice", &err), TMS_E_STATE);
+    CHECK_MSG("'twice'");
+    CHECK_RC(tms_core_resume(NULL, &err), TMS_E_STATE);
+    CHECK(info_of(p).state == TMS_ACTIVE);
+
+    /* A tag never seen, or one without allocations, is a no-op. */
+    CHECK_RC(tms_core_pause("never-used-tag", &err), TMS_OK);
+    CHECK_RC(tms_core_resume("never-used-tag", &err), TMS_OK);
+    (void)region("empty-tag", 0, TMS_BACKUP_MMAP);
+    CHECK_RC(tms_core_pause("empty-tag", &err), TMS_OK);
+    CHECK_RC(tms_core_resume("empty-tag", &err), TMS_OK);
+    CHECK(info_of(p).state == TMS_ACTIVE);
+    free_ok(p);
+    CHECK_RC(tms_core_pause(NULL, &err), TMS_OK);  /* nothing at all: no-op */
+    CHECK_RC(tms_core_resume(NULL, &err), TMS_OK);
+}
+
+static void test_free_paused(void)
+{
+    struct tms_err err;
+    struct tms_region with = region("free-paused", 1, TMS_BACKUP_MMAP);
+    struct tms_region without = region("free-paused", 0, TMS_BACKUP_MMAP);
+    size_t before = free_bytes(0);
+    void *a = alloc_ok(gran + 3, 0, &with), *b = alloc_ok(5, 0, &without), *c = alloc_ok(77, 0, &with);
+    fill(a, gran + 3, 1);
+    fill(c, 77, 3);
+    CHECK_RC(tms_core_pause("free-paused", &err), TMS_OK);
+    /* A reference to a's backup (a zero-copy view) outlives the free. */
+    struct tms_backup *view = NULL;
+    size_t offset = 0;
+    CHECK_RC(tms_core_backup_of((uintptr_t)a, gran + 3, &view, &offset, &err), TMS_OK);
+    free_ok(a);
+    if (view) CHECK(matches(view->host, gran + 3, 1));
+    tms_backup_unref(view);
+    free_ok(b);
+    CHECK(!tms_core_owns(a) && !tms_core_owns(b) && tms_core_owns(c));
+    CHECK_RC(tms_core_free(a, &err), TMS_E_NOT_FOUND);
+    CHECK_RC(tms_core_resume("free-paused", &err), TMS_OK);  /* only c is left */
+    CHECK(matches(c, 77, 3));
+    free_ok(c);
+    CHECK(free_bytes(0) == before);
+}
+
+static void test_retain(void)
+{
+    struct tms_err err;
+    struct tms_region r = region("retain", 1, TMS_BACKUP_PINNED);
+    size_t size = gran + 100;
+    void *p = alloc_ok(size, 0, &r);
+    fill(p, size, 11);
+
+    tms_core_set_retain(1);
+    CHECK(tms_core_retain() == 1);
+    CHECK_RC(tms_core_pause("retain", &err), TMS_OK);
+    struct tms_backup *first = NULL, *again = NULL;
+    size_t offset = 0;
+    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, &first, &offset, &err), TMS_OK);
+    CHECK_RC(tms_core_resume("retain", &err), TMS_OK);
+    CHECK(matches(p, size, 11));
+    struct tms_alloc_info row = info_of(p);
+    CHECK(row.state == TMS_ACTIVE && row.has_host_copy);  /* kept across resume */
+    CHECK_RC(tms_core_backup_of((uintptr_t)p + 100, 50, &again, &offset, &err), TMS_OK);
+    CHECK(again != NULL && again == first && offset == 100);
+    tms_backup_unref(again);
+    again = NULL;
+
+    /* Re-pause reuses the retained buffer and refreshes its bytes. */
+    fill(p, size, 12);
+    CHECK_RC(tms_core_pause("retain", &err), TMS_OK);
+    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, &again, &offset, &err), TMS_OK);
+    CHECK(again == first);
+    if (again) CHECK(matches(again->host, size, 12));
+    tms_backup_unref(again);
+    tms_backup_unref(first);
+
+    /* Without retain, resume drops the core's copy; a reference taken while
+     * paused (a zero-copy view) keeps the bytes alive. */
+    tms_core_set_retain(0);
+    struct tms_backup *view = NULL;
+    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, &view, &offset, &err), TMS_OK);
+    CHECK_RC(tms_core_resume("retain", &err), TMS_OK);
+    CHECK(matches(p, size, 12));
+    CHECK(!info_of(p).has_host_copy);
+    struct tms_backup *none = (struct tms_backup *)1;
+    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, &none, &offset, &err), TMS_OK);
+    CHECK(none == NULL);
+    if (view) CHECK(matches(view->host, size, 12));
+    tms_backup_unref(view);
+
+    /* Ranges outside the allocation. */
+    CHECK_RC(tms_core_backup_of((uintptr_t)p + size - 10, 20, &none, &offset, &err), TMS_E_ARG);
+    CHECK_RC(tms_core_backup_of((uintptr_t)&err, 1, &none, &offset, &err), TMS_E_NOT_FOUND);
+    free_ok(p);
+}
+
+static void test_margin_and_oom(void)
+{
+    struct tms_err err;
+    struct tms_region r = region("margin", 0, TMS_BACKUP_MMAP);
+    size_t free0 = free_bytes(0), total = 0, ignored = 0;
+    CHECK(drv->mem_get_info(0, &ignored, &total) == 0);
+
+    /* Leaving exactly the margin free is allowed; one byte less is OOM. */
+    tms_core_set_margin(free0 - gran);
+    CHECK(tms_core_margin() == free0 - gran);
+    void *p = alloc_ok(1, 0, &r);
+    void *q = (void *)1;
+    CHECK_RC(tms_core_alloc(1, 0, &r, &q, &err), TMS_E_OOM);
+    CHECK_MSG("memory_margin_bytes");
+    CHECK_MSG("'margin'");
+    free_ok(p);
+    CHECK_RC(tms_core_alloc(gran + 1, 0, &r, &q, &err), TMS_E_OOM);
+    tms_core_set_margin(0);
+
+    /* Past the emulated capacity: recoverable OOM, nothing left behind. */
+    size_t rows = count_rows(-1, -1);
+    CHECK_RC(tms_core_alloc(total + 1, 0, &r, &q, &err), TMS_E_OOM);
+    CHECK(count_rows(-1, -1) == rows);
+    CHECK(free_bytes(0) == free0);
+    CHECK_RC(tms_core_alloc(SIZE_MAX - 5, 0, &r, &q, &err), TMS_E_OOM);
+    p = alloc_ok(gran, 0, &r);  /* and the device still allocates */
+    free_ok(p);
+    CHECK(free_bytes(0) == free0);
+}
+
+/* Sizes around the granularity and across chunks (TMS_CHUNK_BYTES runs). */
+static void test_sizes(void)
+{
+    struct tms_err err;
+    struct tms_region bk = region("sizes-bk", 1, TMS_BACKUP_MMAP);
+    struct tms_region discard = region("sizes-discard", 0, TMS_BACKUP_MMAP);
+    const size_t sizes[] = {1, 2, gran - 1, gran, gran + 1, 3 * gran + 5, 5 * gran + 7, 9 * gran};
+    enum { N = sizeof sizes / sizeof *sizes };
+    void *p[N], *d[N];
+    for (int i = 0; i < N; i++) {
+        p[i] = alloc_ok(sizes[i], 0, &bk);
+        d[i] = alloc_ok(sizes[i], 0, &discard);
+        struct tms_alloc_info row = info_of(p[i]);
+        CHECK(row.size == sizes[i] && row.reserved == round_up(sizes[i], gran));
+        CHECK(row.n_chunks == expected_chunks(sizes[i]));
+        fill(p[i], sizes[i], 300 + i);
+    }
+    CHECK_RC(tms_core_pause("sizes-bk", &err), TMS_OK);
+    CHECK_RC(tms_core_pause("sizes-discard", &err), TMS_OK);
+    CHECK_RC(tms_core_resume("sizes-discard", &err), TMS_OK);
+    CHECK_RC(tms_core_resume("sizes-bk", &err), TMS_OK);
+    for (int i = 0; i < N; i++) {
+        CHECK(matches(p[i], sizes[i], 300 + i));
+        /* Every chunk of the reservation is mapped again, to its last byte. */
+        size_t reserved = round_up(sizes[i], gran);
+        fill(d[i], reserved, 400 + i);
+        CHECK(matches(d[i], reserved, 400 + i));
+    }
+    for (int i = 0; i < N; i++) {
+        free_ok(p[i]);
+        free_ok(d[i]);
+    }
+}
+
+static void test_tags(void)
+{
+    struct tms_err err;
+    struct tms_region a = region("tag-a", 1, TMS_BACKUP_MMAP);
+    struct tms_region b = region("tag-b", 1, TMS_BACKUP_PINNED);
+    struct tms_region c = region("tag-c", 0, TMS_BACKUP_MMAP);
+    enum { N = 3 };
+    void *pa[N], *pb[N], *pc[N];
+    for (int i = 0; i < N; i++) {
+        pa[i] = alloc_ok(1000 * (i + 1), 0, &a);
+        pb[i] = alloc_ok(gran * (i + 1) + 1, 0, &b);
+        pc[i] = alloc_ok(99, 0, &c);
+        fill(pa[i], 1000 * (i + 1), 10 + i);
+        fill(pb[i], gran * (i + 1) + 1, 20 + i);
+        fill(pc[i], 99, 30 + i);
+    }
+    CHECK_RC(tms_core_pause("tag-a", &err), TMS_OK);
+    CHECK(count_rows(a.tag_id, TMS_PAUSED) == N);
+    CHECK(count_rows(b.tag_id, TMS_ACTIVE) == N && count_rows(c.tag_id, TMS_ACTIVE) == N);
+    for (int i = 0; i < N; i++) CHECK(matches(pb[i], gran * (i + 1) + 1, 20 + i) && matches(pc[i], 99, 30 + i));
+    CHECK_RC(tms_core_pause("tag-b", &err), TMS_OK);
+    CHECK_RC(tms_core_resume("tag-a", &err), TMS_OK);
+    CHECK(count_rows(a.tag_id, TMS_ACTIVE) == N && count_rows(b.tag_id, TMS_PAUSED) == N);
+    for (int i = 0; i < N; i++) CHECK(matches(pa[i], 1000 * (i + 1), 10 + i));
+
+    /* All tags: pauses whatever is active, resumes whatever is paused. */
+    CHECK_RC(tms_core_pause(NULL, &err), TMS_OK);
+    CHECK(count_rows(-1, TMS_ACTIVE) == 0);
+    CHECK_RC(tms_core_pause(NULL, &err), TMS_E_STATE);
+    CHECK_RC(tms_core_resume("tag-c", &err), TMS_OK);
+    CHECK_RC(tms_core_resume(NULL, &err), TMS_OK);
+    CHECK(count_rows(-1, TMS_PAUSED) == 0);
+    for (int i = 0; i < N; i++)
+        CHECK(matches(pa[i], 1000 * (i + 1), 10 + i) && matches(pb[i], gran * (i + 1) + 1, 20 + i));
+    for (int i = 0; i < N; i++) {
+        free_ok(pa[i]);
+        free_ok(pb[i]);
+        free_ok(pc[i]);
+    }
+}
+
+static void test_devices(void)
+{
+    struct tms_err err;
+    if (device_count() < 2) {
+        printf("   (one emulated device: TMS_HOST_DEVICES < 2, skipped)\n");
+        return;
+    }
+    struct tms_region r = region("devices", 1, TMS_BACKUP_MMAP);
+    size_t free0 = free_bytes(0), free1 = free_bytes(1);
+    void *p0 = alloc_ok(gran + 1, 0, &r), *p1 = alloc_ok(3 * gran, 1, &r);
+    CHECK(info_of(p0).device == 0 && info_of(p1).device == 1);
+    CHECK(free_bytes(0) == free0 - 2 * gran && free_bytes(1) == free1 - 3 * gran);
+    fill(p0, gran + 1, 50);
+    fill(p1, 3 * gran, 51);
+    CHECK_RC(tms_core_pause("devices", &err), TMS_OK);
+    CHECK(free_bytes(0) == free0 && free_bytes(1) == free1);
+    CHECK_RC(tms_core_resume("devices", &err), TMS_OK);
+    CHECK(matches(p0, gran + 1, 50) && matches(p1, 3 * gran, 51));
+    CHECK(free_bytes(1) == free1 - 3 * gran);
+    free_ok(p0);
+    free_ok(p1);
+    CHECK(free_bytes(0) == free0 && free_bytes(1) == free1);
+}
+
+/* Workers allocate, free, pause and resume their own tags through their own
+ * thread-local region while the main thread cycles another tag with backups. */
+enum { WORKERS = 4, WORKER_ITERATIONS = 120, MAIN_CYCLES = 40, LIVE = 3 };
+
+struct worker {
+    int index;
+    pthread_t thread;
+};
+
+static void *worker_main(void *arg)
+{
+    struct worker *w = arg;
+    struct tms_err err;
+    char tag[32];
+    snprintf(tag, sizeof tag, "worker-%d", w->index);
+    int tag_id = -1;
+    CHECK_RC(tms_core_tag_id(tag, &tag_id, &err), TMS_OK);
+    struct tms_region *r = tms_region_current();
+    r->active = 1;
+    r->tag_id = tag_id;
+    r->backup = 1;
+    r->backup_kind = w->index % 2 ? TMS_BACKUP_PINNED : TMS_BACKUP_MMAP;
+
+    void *live[LIVE] = {0};
+    size_t sizes[LIVE] = {0};
+    uint64_t seeds[LIVE] = {0}, rng = 0x1234567ull + (uint64_t)w->index;
+    for (int it = 0; it < WORKER_ITERATIONS; it++) {
+        int slot = it % LIVE;
+        if (live[slot]) {
+            CHECK(matches(live[slot], sizes[slot], seeds[slot]));
+            free_ok(live[slot]);
+        }
+        sizes[slot] = 1 + next_rand(&rng) % (256 << 10);
+        seeds[slot] = next_rand(&rng);
+        live[slot] = alloc_ok(sizes[slot], -1, tms_region_current());
+        if (live[slot]) fill(live[slot], sizes[slot], seeds[slot]);
+        if (it % 4 == 3) {
+            CHECK_RC(tms_core_pause(tag, &err), TMS_OK);
+            CHECK_RC(tms_core_resume(tag, &err), TMS_OK);
+            for (int i = 0; i < LIVE; i++)
+                if (live[i]) CHECK(matches(live[i], sizes[i], seeds[i]));
+        }
+    }
+    for (int i = 0; i < LIVE; i++)
+        if (live[i]) free_ok(live[i]);
+    CHECK(tms_region_current()->tag_id == tag_id);  /* no other thread's settings leaked in */
+    return NULL;
+}
+
+static void test_threads(void)
+{
+    struct tms_err err;
+    struct tms_region before = *tms_region_current();
+    struct tms_region r = region("main-bk", 1, TMS_BACKUP_MMAP);
+    const size_t sizes[] = {1, 4096 + 3, 100000, gran + 1};
+    enum { N = sizeof sizes / sizeof *sizes };
+    void *p[N];
+    for (int i = 0; i < N; i++) {
+        p[i] = alloc_ok(sizes[i], 0, &r);
+        fill(p[i], sizes[i], 500 + i);
+    }
+    struct worker workers[WORKERS];
+    for (int i = 0; i < WORKERS; i++) {
+        workers[i].index = i;
+        CHECK(pthread_create(&workers[i].thread, NULL, worker_main, &workers[i]) == 0);
+    }
+    for (int cycle = 0; cycle < MAIN_CYCLES; cycle++) {
+        CHECK_RC(tms_core_pause("main-bk", &err), TMS_OK);
+        CHECK(count_rows(r.tag_id, TMS_PAUSED) == N);
+        CHECK_RC(tms_core_resume("main-bk", &err), TMS_OK);
+        for (int i = 0; i < N; i++) {
+            CHECK(matches(p[i], sizes[i], 500 + cycle * N + i));
+            fill(p[i], sizes[i], 500 + (cycle + 1) * N + i);
+        }
+    }
+    for (int i = 0; i < WORKERS; i++) CHECK(pthread_join(workers[i].thread, NULL) == 0);
+    for (int i = 0; i < N; i++) free_ok(p[i]);
+    struct tms_region after = *tms_region_current();
+    CHECK(after.active == before.active && after.tag_id == before.tag_id && after.backup == before.backup);
+}
+
+/* Bytes of device 0 mapped now, summed over the table. */
+static size_t mapped_bytes(void)
+{
+    struct tms_err err;
+    struct tms_alloc_info *rows = NULL;
+    size_t n = 0, sum = 0;
+    CHECK_RC(tms_core_list(&rows, &n, &err), TMS_OK);
+    for (size_t i = 0; i < n; i++)
+        if (rows[i].device == 0 && rows[i].state == TMS_ACTIVE) sum += rows[i].reserved;
+    free(rows);
+    return sum;
+}
+
+/* After a failed call: active allocations hold their bytes, paused ones keep
+ * their backups, and exactly the active ones hold device memory. */
+static void check_after_failure(void *const *p, const size_t *sizes, int n, uint64_t seed, size_t total)
+{
+    for (int i = 0; i < n; i++) {
+        struct tms_alloc_info row = info_of(p[i]);
+        if (row.state == TMS_ACTIVE) CHECK(matches(p[i], sizes[i], seed + i));
+        else CHECK(row.backup && row.has_host_copy);
+    }
+    CHECK(free_bytes(0) == total - mapped_bytes());
+}
+
+/* Runs under TMS_FAULT=FAULT_PLAN. Every allocation here is at most one
+ * granule and one copy block, so it costs one create/map/unmap per cycle and
+ * one copy per backup; [op n] gives driver_host.c's per-op call count. Copies
+ * run on a worker pool, and after a failed copy the pool may skip the copies
+ * not started yet: so each op's fault comes before any count of that op
+ * could vary, and checks after a failed copy hold for any subset copied. */
+static void test_faults(void)
+{
+    struct tms_err err;
+    size_t total = free_bytes(0);
+    enum { N = 3 };
+    void *x[N], *y[N], *z[N], *w[2];
+    const size_t xs[N] = {gran, gran - 1, 12345}, ys[N] = {1000, 1001, 1002}, zs[N] = {gran, gran, gran},
+                 ws[2] = {5000, 5001};
+
+    /* map 2: an allocation whose map fails gives back what it created. */
+    struct tms_region rx = region("f-resume", 1, TMS_BACKUP_MMAP);
+    x[0] = alloc_ok(xs[0], 0, &rx);  /* [create 1, map 1] */
+    void *q = (void *)1;
+    CHECK_RC(tms_core_alloc(gran, 0, &rx, &q, &err), TMS_E_OOM);  /* [create 2, map 2 fails] */
+    CHECK_MSG("map");
+    CHECK_MSG("'f-resume'");
+    CHECK(count_rows(-1, -1) == 1 && free_bytes(0) == total - gran);
+    x[1] = alloc_ok(xs[1], 0, &rx);  /* [create 3, map 3] */
+    x[2] = alloc_ok(xs[2], 0, &rx);  /* [create 4, map 4] */
+    for (int i = 0; i < N; i++) fill(x[i], xs[i], 600 + i);
+
+    /* host_alloc 1: the process's first pause fails making its first pinned
+     * backup; every allocation stays active with its bytes, none keeps a
+     * backup, and a retry works. */
+    struct tms_region ry = region("f-pause", 1, TMS_BACKUP_PINNED);
+    for (int i = 0; i < N; i++) {
+        y[i] = alloc_ok(ys[i], 0, &ry);  /* [create 5-7, map 5-7] */
+        fill(y[i], ys[i], 700 + i);
+    }
+    CHECK_RC(tms_core_pause("f-pause", &err), TMS_E_HOST_OOM);  /* [host_alloc 1 fails] */
+    CHECK_MSG("pinned");
+    for (int i = 0; i < N; i++) {
+        struct tms_alloc_info row = info_of(y[i]);
+        CHECK(row.state == TMS_ACTIVE && !row.has_host_copy);
+        CHECK(matches(y[i], ys[i], 700 + i));
+    }
+    CHECK(free_bytes(0) == total - mapped_bytes());
+    CHECK_RC(tms_core_pause("f-pause", &err), TMS_OK);   /* [to_host 1-3, unmap 1-3] */
+    CHECK_RC(tms_core_resume("f-pause", &err), TMS_OK);  /* [create 8-10, to_device 1-3] */
+    for (int i = 0; i < N; i++) CHECK(matches(y[i], ys[i], 700 + i));
+
+    /* create 12: a resume that runs out of device memory part-way; the
+     * allocations mapped before stay resumed, the rest stay paused with their
+     * backups, and a retry resumes them. */
+    CHECK_RC(tms_core_pause("f-resume", &err), TMS_OK);  /* [to_host 4-6, unmap 4-6] */
+    CHECK_RC(tms_core_resume("f-resume", &err), TMS_E_OOM);  /* [create 11, to_device 4, create 12 fails] */
+    CHECK_MSG("create");
+    CHECK_MSG("'f-resume'");
+    CHECK(count_rows(rx.tag_id, TMS_ACTIVE) == 1 && count_rows(rx.tag_id, TMS_PAUSED) == 2);
+    check_after_failure(x, xs, N, 600, total);
+    CHECK_RC(tms_core_resume("f-resume", &err), TMS_OK);  /* [create 13-14, to_device 5-6] */
+    for (int i = 0; i < N; i++) CHECK(matches(x[i], xs[i], 600 + i));
+
+    /* unmap 8: the allocation whose unmap fails stays active and whole, the
+     * others pause, and a second pause takes the one left. */
+    struct tms_region rz = region("f-unmap", 0, TMS_BACKUP_MMAP);
+    for (int i = 0; i < N; i++) {
+        z[i] = alloc_ok(zs[i], 0, &rz);  /* [create 15-17] */
+        fill(z[i], zs[i], 800 + i);
+    }
+    CHECK_RC(tms_core_pause("f-unmap", &err), TMS_E_DRIVER);  /* [unmap 7, 8 fails, 9] */
+    CHECK_MSG("unmap");
+    CHECK(count_rows(rz.tag_id, TMS_ACTIVE) == 1 && count_rows(rz.tag_id, TMS_PAUSED) == 2);
+    for (int i = 0; i < N; i++)
+        if (info_of(z[i]).state == TMS_ACTIVE) CHECK(matches(z[i], zs[i], 800 + i));
+    CHECK(free_bytes(0) == total - mapped_bytes());
+    CHECK_RC(tms_core_pause("f-unmap", &err), TMS_OK);  /* [unmap 10] */
+    CHECK(count_rows(rz.tag_id, TMS_PAUSED) == N);
+    CHECK_RC(tms_core_resume("f-unmap", &err), TMS_OK);
+
+    /* copy_to_host 11: a backup copy that fails undoes the pause: every
+     * allocation of the tag stays active with its bytes and without a
+     * backup; another tag's paused allocations keep theirs. */
+    CHECK_RC(tms_core_pause("f-resume", &err), TMS_OK);  /* [to_host 7-9] */
+    struct tms_region rw = region("f-copy", 1, TMS_BACKUP_MMAP);
+    for (int i = 0; i < 2; i++) {
+        w[i] = alloc_ok(ws[i], 0, &rw);
+        fill(w[i], ws[i], 900 + i);
+    }
+    CHECK_RC(tms_core_pause("f-copy", &err), TMS_E_DRIVER);  /* [to_host 10, 11 fails] */
+    CHECK_MSG("backup copy");
+    for (int i = 0; i < 2; i++) {
+        struct tms_alloc_info row = info_of(w[i]);
+        CHECK(row.state == TMS_ACTIVE && !row.has_host_copy && matches(w[i], ws[i], 900 + i));
+    }
+    for (int i = 0; i < N; i++) {
+        struct tms_alloc_info row = info_of(x[i]);
+        CHECK(row.state == TMS_PAUSED && row.has_host_copy);
+    }
+    CHECK_RC(tms_core_pause("f-copy", &err), TMS_OK);
+    CHECK_RC(tms_core_resume(NULL, &err), TMS_OK);  /* [to_device 7-11] */
+    for (int i = 0; i < N; i++) CHECK(matches(x[i], xs[i], 600 + i));
+    for (int i = 0; i < 2; i++) CHECK(matches(w[i], ws[i], 900 + i));
+
+    /* copy_to_device 13: a restore that fails leaves that allocation paused
+     * with its backup (and any whose copy the pool skipped); the ones fully
+     * restored are active; a retry restores the rest. */
+    CHECK_RC(tms_core_pause("f-resume", &err), TMS_OK);
+    CHECK_RC(tms_core_resume("f-resume", &err), TMS_E_DRIVER);  /* [to_device 12, 13 fails, maybe 14] */
+    CHECK_MSG("restore copy");
+    CHECK(count_rows(rx.tag_id, TMS_PAUSED) >= 1);
+    check_after_failure(x, xs, N, 600, total);
+    CHECK_RC(tms_core_resume("f-resume", &err), TMS_OK);
+    for (int i = 0; i < N; i++) CHECK(matches(x[i], xs[i], 600 + i));
+    for (int i = 0; i < N; i++) CHECK(matches(y[i], ys[i], 700 + i));  /* z had no backup: undefined */
+
+    for (int i = 0; i < N; i++) {
+        free_ok(x[i]);
+        free_ok(y[i]);
+        free_ok(z[i]);
+    }
+    free_ok(w[0]);
+    free_ok(w[1]);
+    CHECK(free_bytes(0) == total);
+}
+
+/* Runs under TMS_FAULT=FAULT_PLAN_CHUNKED with one physical chunk per
+ * granule: failures part-way through one allocation's chunks. */
+static void test_faults_chunked(void)
+{
+    struct tms_err err;
+    size_t total = free_bytes(0), size = 3 * gran - 5;
+    struct tms_region r = region("f-chunks", 1, TMS_BACKUP_MMAP);
+    void *q = (void *)1;
+
+    /* Creating chunk 3 fails: chunks 1-2 are released, nothing is left. */
+    CHECK_RC(tms_core_alloc(size, 0, &r, &q, &err), TMS_E_OOM);  /* [create 1, 2, 3 fails] */
+    CHECK_MSG("chunk 3 of 3");
+    CHECK(count_rows(-1, -1) == 0 && free_bytes(0) == total);
+    void *v = alloc_ok(size, 0, &r);  /* [create 4-6, map 1-3] */
+    CHECK(info_of(v).n_chunks == 3);
+    fill(v, size, 1000);
+
+    /* Mapping chunk 2 fails: chunk 1 is unmapped again, both released. */
+    CHECK_RC(tms_core_alloc(2 * gran, 0, &r, &q, &err), TMS_E_OOM);  /* [create 7-8, map 4, 5 fails, unmap 1] */
+    CHECK_MSG("map");
+    CHECK_MSG("chunk 2 of 2");
+    CHECK(count_rows(-1, -1) == 1 && free_bytes(0) == total - 3 * gran);
+
+    /* Unmapping chunk 2 fails: chunk 1 is mapped back, so the allocation is
+     * active and whole, and (retain off) it keeps no host copy. */
+    CHECK_RC(tms_core_pause("f-chunks", &err), TMS_E_DRIVER);  /* [to_host 1, unmap 2, 3 fails] */
+    CHECK_MSG("chunk 2 of 3");
+    struct tms_alloc_info row = info_of(v);
+    CHECK(row.state == TMS_ACTIVE);
+    CHECK(matches(v, size, 1000));
+    CHECK(free_bytes(0) == total - 3 * gran);
+    check(!row.has_host_copy, __FILE__, __LINE__, "!row.has_host_copy",
+          "an active allocation keeps the backup of a pause whose unmap failed (retain off)");
+    CHECK_RC(tms_core_pause("f-chunks", &err), TMS_OK);  /* [unmap 4-6] */
+    CHECK(free_bytes(0) == total);
+    CHECK_RC(tms_core_resume("f-chunks", &err), TMS_OK);
+    CHECK(matches(v, size, 1000));
+    free_ok(v);
+}
+
+/* ---- runner ----------------------------------------------------------------------- */
+
+struct test {
+    const char *name;
+    void (*run)(void);
+};
+
+static const struct test tests[] = {
+    {"config", test_config},
+    {"driver", test_driver},
+    {"basics", test_basics},
+    {"backup_pinned", test_backup_pinned},
+    {"backup_mmap", test_backup_mmap},
+    {"discard", test_discard},
+    {"state_errors", test_state_errors},
+    {"free_paused", test_free_paused},
+    {"retain", test_retain},
+    {"margin_and_oom", test_margin_and_oom},
+    {"sizes", test_sizes},
+    {"tags", test_tags},
+    {"devices", test_devices},
+    {"threads", test_threads},  /* the one ThreadSanitizer is for: `test_core_host threads` */
+};
+
+static int selected(const char *name, int argc, char **argv)
+{
+    if (argc < 2) return 1;
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], name) == 0) return 1;
+    return 0;
+}
+
+/* After every test: nothing left in the table, every emulated byte back. */
+static void check_clean(void)
+{
+    struct tms_err err;
+    struct tms_stats_row *rows = NULL;
+    size_t n = 0;
+    CHECK_RC(tms_core_stats(&rows, &n, &err), TMS_OK);
+    for (size_t i = 0; i < n; i++) {
+        const struct tms_stats *st = &rows[i].stats;
+        CHECK(st->allocations == 0 && st->bytes_requested == 0 && st->bytes_reserved == 0 && st->bytes_mapped == 0 &&
+              st->bytes_paused == 0 && st->bytes_backup_pinned == 0 && st->bytes_backup_mmap == 0);
+    }
+    free(rows);
+    CHECK(count_rows(-1, -1) == 0);
+    for (int d = 0; d < device_count(); d++) {
+        size_t free_b = 0, total = 0;
+        CHECK(drv->mem_get_info(d, &free_b, &total) == 0 && free_b == total);
+    }
+}
+
+static void run(const struct test *t)
+{
+    int failed_before = __atomic_load_n(&failed, __ATOMIC_RELAXED);
+    t->run();
+    check_clean();
+    int now = __atomic_load_n(&failed, __ATOMIC_RELAXED);
+    printf("%s %s\n", now == failed_before ? "ok  " : "FAIL", t->name);
+}
+
+int main(int argc, char **argv)
+{
+    /* 1 GiB emulated devices keep the OOM tests small; an outer setting wins. */
+    setenv("TMS_HOST_DEVICE_BYTES", "1073741824", 0);
+    struct tms_err err = {0};
+    if (tms_driver_select("host", &err) || tms_driver_get(&drv, &err) || drv->granularity(0, &gran)) {
+        fprintf(stderr, "cannot load the host backend: %s\n", err.msg);
+        return 2;
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    tms_core_set_retain(0);
+    tms_core_set_margin(0);
+    printf("host backend: %d devices, granularity %zu, TMS_CHUNK_BYTES=%zu\n", device_count(), gran,
+           tms_defaults()->chunk_bytes);
+
+    const char *fault = getenv("TMS_FAULT");
+    if (fault && *fault) {
+        /* Call counts run from process start: a fault scenario runs alone. */
+        if (strcmp(fault, FAULT_PLAN) == 0)
+            run(&(struct test){"faults", test_faults});
+        else if (strcmp(fault, FAULT_PLAN_CHUNKED) == 0 && tms_defaults()->chunk_bytes == gran)
+            run(&(struct test){"faults_chunked", test_faults_chunked});
+        else
+            check(0, __FILE__, __LINE__, "TMS_FAULT is a plan a scenario is written for",
+                  "TMS_FAULT=" FAULT_PLAN ", or TMS_FAULT=" FAULT_PLAN_CHUNKED " with TMS_CHUNK_BYTES=2MiB");
+    } else {
+        for (size_t i = 0; i < sizeof tests / sizeof *tests; i++)
+            if (selected(tests[i].name, argc, argv)) run(&tests[i]);
+    }
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}

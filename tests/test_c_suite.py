@@ -1,0 +1,107 @@
+"""The C build and C tests: configures CMakeLists.txt in a temporary directory, builds it,
+runs ctest, and once more under AddressSanitizer + UndefinedBehaviorSanitizer."""
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS = "2"
+
+
+def _compiler():
+    cc = shlex.split(os.environ.get("CC", "")) or ["cc"]
+    return cc if shutil.which(cc[0]) else None
+
+
+def _env():
+    """The tests set what they need: outer TMS_* settings or a preload would change them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TMS_")}
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
+def _run(cmd, cwd=None, env=None, timeout=300):
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env or _env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{shlex.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _require_tools():
+    missing = [tool for tool in ("cmake", "ctest") if not shutil.which(tool)]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed")
+    if not _compiler():
+        pytest.skip("no C compiler (cc, or $CC)")
+
+
+def _build(build_dir, *options):
+    _require_tools()
+    _run(["cmake", "-S", ROOT, "-B", build_dir, f"-DPython3_EXECUTABLE={sys.executable}", *options])
+    _run(["cmake", "--build", build_dir, "-j", JOBS])
+    return build_dir
+
+
+def _ctest(build_dir, env=None):
+    out = _run(["ctest", "--output-on-failure", "-j", JOBS, "--timeout", "120"], cwd=build_dir, env=env)
+    assert "100% tests passed" in out, out
+    return out
+
+
+@pytest.fixture(scope="session")
+def cmake_build(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("cmake"))
+
+
+def test_ctest(cmake_build):
+    out = _ctest(cmake_build)
+    for name in ("core_host", "core_host_chunk_4MiB", "core_host_chunk_5MiB", "core_host_faults",
+                 "core_host_faults_chunked"):
+        assert f" {name} " in out, out
+
+
+def test_variants_import(cmake_build):
+    """Both variants come out under tms_build.py's file names and load as CPython modules."""
+    import sysconfig
+
+    for variant in ("preload", "torch"):
+        path = cmake_build / f"_tms_{variant}{sysconfig.get_config_var('EXT_SUFFIX')}"
+        assert path.is_file(), sorted(p.name for p in cmake_build.iterdir())
+        code = (
+            "import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('_tms_{variant}', sys.argv[1])\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "m.use_backend('host'); print(m.VARIANT, m.backend())\n"
+        )
+        assert _run([sys.executable, "-c", code, path]).split() == [variant, "host"]
+
+
+def _lsan_works(tmp):
+    """LeakSanitizer needs ptrace-like access that some containers deny; probe it."""
+    probe = tmp / "probe.c"
+    probe.write_text("#include <stdlib.h>\nint main(void) { free(malloc(1)); return 0; }\n")
+    build = subprocess.run([*_compiler(), "-fsanitize=address,undefined", str(probe), "-o", str(tmp / "probe")],
+                           capture_output=True, text=True)
+    if build.returncode != 0:
+        pytest.skip(f"the C compiler cannot build with -fsanitize=address,undefined: {build.stderr.strip()[:300]}")
+    run = subprocess.run([str(tmp / "probe")], env={**_env(), "ASAN_OPTIONS": "detect_leaks=1"},
+                         capture_output=True, text=True)
+    return run.returncode == 0
+
+
+def test_ctest_address_undefined_sanitizers(tmp_path_factory):
+    _require_tools()
+    tmp = tmp_path_factory.mktemp("cmake-asan")
+    leaks = _lsan_works(tmp)
+    build_dir = _build(tmp / "build", "-DTMS_SANITIZE=address,undefined")
+    env = {
+        **_env(),
+        "ASAN_OPTIONS": f"detect_leaks={int(leaks)}:abort_on_error=0:strict_string_checks=1",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+    }
+    _ctest(build_dir, env=env)
