@@ -65,6 +65,20 @@ static void env_bool(const char *var, int *out)
                  "%s='%s' is not a boolean (use 1/0, true/false, yes/no, on/off)", var, s);
 }
 
+static void env_threads(void)
+{
+    const char *s = getenv("TMS_BACKUP_THREADS");
+    if (!s || !*s) return;
+    char *end = NULL;
+    long n = strtol(s, &end, 10);
+    if (*end || n < 1 || n > 32) {
+        if (!defaults.parse_error.status)
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0, "TMS_BACKUP_THREADS='%s' is not a number from 1 to 32", s);
+        return;
+    }
+    defaults.backup_threads = (int)n;
+}
+
 static void load_defaults(void)
 {
     defaults.init_backup_kind = TMS_BACKUP_DEFAULT;
@@ -76,6 +90,7 @@ static void load_defaults(void)
         !defaults.parse_error.status)
         tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
                  "TMS_INIT_CPU_BACKUP_BACKEND='%s' is not a backup backend (use 'pinned' or 'mmap')", kind);
+    env_threads();
     const char *chunk = getenv("TMS_CHUNK_BYTES");
     if (chunk && *chunk) defaults.chunk_bytes_set = 1;
     if (chunk && *chunk && tms_parse_bytes(chunk, &defaults.chunk_bytes) != TMS_OK) {

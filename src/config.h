@@ -31,6 +31,7 @@ struct tms_defaults {
     int retain_backup;           /* TMS_RETAIN_CPU_BACKUP */
     size_t chunk_bytes;          /* TMS_CHUNK_BYTES; 0 = one physical handle per allocation */
     int chunk_bytes_set;         /* else the backend's default applies */
+    int backup_threads;          /* TMS_BACKUP_THREADS; 0 = one per core, at most 16 */
     struct tms_err parse_error;  /* status != 0 if a variable was malformed */
 };
 

@@ -48,8 +48,19 @@ static int retain_override = -1;     /* atomic; -1: TMS_RETAIN_CPU_BACKUP decide
 
 /* ---- tags ---------------------------------------------------------------- */
 
+static int tag_intern_locked(const char *tag, int *id, struct tms_err *err);
+
+/* "default" is tag 0 from the start: threads begin with it (TMS_INIT_ENABLE)
+ * before any region names a tag. */
+static void default_tag_locked(void)
+{
+    int id;
+    if (tag_count == 0) (void)tag_intern_locked("default", &id, NULL);
+}
+
 static int tag_find_locked(const char *tag)
 {
+    default_tag_locked();
     for (int i = 0; i < tag_count; i++)
         if (strcmp(tags[i]->name, tag) == 0) return i;
     return -1;
@@ -62,7 +73,9 @@ static int tag_intern_locked(const char *tag, int *id, struct tms_err *err)
         int rc = tag_intern_locked("default", &ignored, err);  /* keeps TMS_TAG_DEFAULT_ID == 0 */
         if (rc) return rc;
     }
-    int found = tag_find_locked(tag);
+    int found = -1;
+    for (int i = 0; i < tag_count; i++)
+        if (strcmp(tags[i]->name, tag) == 0) found = i;
     if (found >= 0) return *id = found, TMS_OK;
     if (tag_count == tag_capacity) {
         int cap = tag_capacity ? tag_capacity * 2 : 16;
@@ -111,6 +124,7 @@ const char *tms_core_tag_name(int id)
 
 static struct tms_stats *stats_of_locked(int tag_id, int device)
 {
+    default_tag_locked();
     if (tag_id < 0 || tag_id >= tag_count) return NULL;
     return &tags[tag_id]->per_device[device < TMS_STATS_DEVICES ? device : TMS_STATS_DEVICES - 1];
 }
@@ -248,6 +262,7 @@ static struct tms_alloc *table_find_locked(tms_va va)
     return NULL;
 }
 
+/* Two nested loops: `break` inside leaves only the inner one. */
 #define FOR_EACH_ALLOC(a)                               \
     for (size_t bucket_ = 0; bucket_ < bucket_count; bucket_++) \
         for (struct tms_alloc *a = buckets[bucket_]; a; a = a->next)
@@ -710,11 +725,8 @@ int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *
     *out = NULL;
     pthread_mutex_lock(&core_lock);
     struct tms_alloc *owner = NULL;
-    FOR_EACH_ALLOC(a) {
-        if (ptr >= a->va && ptr < a->va + a->reserved) {
-            owner = a;
-            break;
-        }
+    FOR_EACH_ALLOC(a) {  /* ranges never overlap: at most one matches */
+        if (ptr >= a->va && ptr < a->va + a->reserved) owner = a;
     }
     if (!owner) {
         rc = tms_fail(err, TMS_E_NOT_FOUND, 0, "0x%llx is not inside any torch_memory_saver allocation",

@@ -279,17 +279,29 @@ static int cuda_stream_wait(int device, tms_stream stream)
     return cu.cuStreamSynchronize((tms_CUstream)stream);
 }
 
+/* Host allocations need a current context; a region's first backup can come
+ * before PyTorch has made one current, so borrow device 0's primary one. */
+#define WITH_SOME_CONTEXT(body)                               \
+    do {                                                      \
+        tms_CUcontext current_ = NULL;                        \
+        int rc_ = cu.cuCtxGetCurrent(&current_);              \
+        if (rc_) return rc_;                                  \
+        if (current_) return (body);                          \
+        struct cuda_device *d_;                               \
+        WITH_DEVICE_CONTEXT(0, d_, (body));                   \
+    } while (0)
+
 static int cuda_host_alloc_pinned(size_t size, void **ptr)
 {
     /* Portable: the backup may be restored while another device's context
      * is current. */
-    return cu.cuMemHostAlloc(ptr, size, 0x01 /* CU_MEMHOSTALLOC_PORTABLE */);
+    WITH_SOME_CONTEXT(cu.cuMemHostAlloc(ptr, size, 0x01 /* CU_MEMHOSTALLOC_PORTABLE */));
 }
 
 static int cuda_host_free_pinned(void *ptr, size_t size)
 {
     (void)size;
-    return cu.cuMemFreeHost(ptr);
+    WITH_SOME_CONTEXT(cu.cuMemFreeHost(ptr));
 }
 
 static size_t cuda_default_chunk_bytes(void) { return 0; }

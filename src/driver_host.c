@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "config.h"
 #include "driver.h"
 
 /* 2 MiB like the H100's granularity, so rounding behaves as on the GPU. */
@@ -40,12 +41,8 @@ static int parse_size_env(const char *var, size_t fallback, size_t *out, struct 
         *out = fallback;
         return TMS_OK;
     }
-    char *end = NULL;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || *end || v == 0 || s[0] == '-')
-        return tms_fail(err, TMS_E_ARG, 0, "%s='%s' is not a positive integer", var, s);
-    *out = (size_t)v;
+    if (tms_parse_bytes(s, out) != TMS_OK || *out == 0)
+        return tms_fail(err, TMS_E_ARG, 0, "%s='%s' is not a positive size (e.g. 8, 64MiB, 16GiB)", var, s);
     return TMS_OK;
 }
 

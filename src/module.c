@@ -86,8 +86,8 @@ static PyObject *py_get_region(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const struct tms_region *r = tms_region_current();
-    return Py_BuildValue("(Nsns)", PyBool_FromLong(r->active), tms_core_tag_name(r->tag_id),
-                         (Py_ssize_t)0 + r->backup, tms_backup_kind_name(r->backup_kind));
+    return Py_BuildValue("(NsNs)", PyBool_FromLong(r->active), tms_core_tag_name(r->tag_id),
+                         PyBool_FromLong(r->backup), tms_backup_kind_name(r->backup_kind));
 }
 
 /* ---- pause / resume ---------------------------------------------------------- */

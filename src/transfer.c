@@ -1,6 +1,8 @@
 /* Backup copies at link speed: a pool of worker threads moving blocks through pinned staging. */
 #include "transfer.h"
 
+#include "config.h"
+
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -18,7 +20,6 @@
  *    DMA runs, it copies the other slot on the host side.
  */
 #define BLOCK_BYTES ((size_t)8 << 20)
-#define MAX_WORKERS 32
 #define DEFAULT_MAX_WORKERS 16
 #define MAX_DEVICES 64
 
@@ -47,15 +48,13 @@ struct worker {
     tms_stream stream[MAX_DEVICES][2];    /* created on first use of a device */
 };
 
-/* The pool: created once per process (again in a forked child, whose
- * threads did not survive the fork). */
+/* The pool: created once per process (again in a forked child). */
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;  /* guards all below */
 static pthread_cond_t job_posted = PTHREAD_COND_INITIALIZER;
 static pthread_cond_t job_finished = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER;   /* one job at a time */
 static struct worker *workers;
 static int worker_count;
-static pid_t pool_pid;
 static unsigned long job_seq;
 static struct job *current_job;
 static int workers_busy;
@@ -174,14 +173,10 @@ static void *worker_main(void *arg)
 
 static int wanted_workers(void)
 {
-    const char *env = getenv("TMS_BACKUP_THREADS");
-    long n = env ? strtol(env, NULL, 10) : 0;
-    if (n <= 0) {
-        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-        n = cpus < 2 ? 2 : cpus;
-        if (n > DEFAULT_MAX_WORKERS) n = DEFAULT_MAX_WORKERS;
-    }
-    return n > MAX_WORKERS ? MAX_WORKERS : (int)n;
+    int n = tms_defaults()->backup_threads;
+    if (n > 0) return n;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    return cpus < 2 ? 2 : cpus > DEFAULT_MAX_WORKERS ? DEFAULT_MAX_WORKERS : (int)cpus;
 }
 
 static void pool_discard_locked(const struct tms_driver *drv)
@@ -194,17 +189,32 @@ static void pool_discard_locked(const struct tms_driver *drv)
     worker_count = 0;
 }
 
+/* In a forked child the workers are gone and the locks may be held or
+ * waited on by threads that no longer exist: start from nothing (the
+ * parent's staging stays mapped in the child, unused). */
+static void pool_forget_in_child(void)
+{
+    pthread_mutex_init(&pool_lock, NULL);
+    pthread_mutex_init(&run_lock, NULL);
+    pthread_cond_init(&job_posted, NULL);
+    pthread_cond_init(&job_finished, NULL);
+    workers = NULL;
+    worker_count = 0;
+    current_job = NULL;
+    workers_busy = 0;
+}
+
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static void register_atfork(void) { (void)pthread_atfork(NULL, NULL, pool_forget_in_child); }
+
 static int pool_start(const struct tms_driver *drv, struct tms_err *err)
 {
+    pthread_once(&atfork_once, register_atfork);
     pthread_mutex_lock(&pool_lock);
-    if (workers && pool_pid == getpid()) {
+    if (workers) {
         pthread_mutex_unlock(&pool_lock);
         return TMS_OK;
     }
-    /* In a forked child the old workers are gone and their buffers belong to
-     * the parent's mappings: start afresh (the old slots leak, once). */
-    workers = NULL;
-    worker_count = 0;
     int n = wanted_workers(), rc = TMS_OK;
     workers = calloc((size_t)n, sizeof *workers);
     if (!workers) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for %d copy workers", n);
@@ -234,10 +244,7 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
                 if (workers[i].slot[s]) (void)drv->host_free_pinned(workers[i].slot[s], BLOCK_BYTES);
         worker_count = started;
     }
-    if (worker_count > 0) {
-        pool_pid = getpid();
-        rc = TMS_OK;
-    }
+    if (worker_count > 0) rc = TMS_OK;
     pthread_mutex_unlock(&pool_lock);
     return rc;
 }

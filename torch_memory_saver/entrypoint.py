@@ -232,13 +232,17 @@ class _Impl:
         with self._pools_lock:
             pool = self._pools.get(key)
             if pool is None:
-                if self.hook_mode == "torch":
-                    if self._allocator is None:
-                        self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
-                            self.core.library_path(), "tms_torch_malloc", "tms_torch_free")
-                    pool = torch.cuda.MemPool(self._allocator.allocator())
-                else:
-                    pool = torch.cuda.MemPool()
+                # PyTorch registers a pool with the device current at creation.
+                with torch.cuda.device(device):
+                    if tag is None:  # disable(): ordinary memory, kept apart from regions
+                        pool = torch.cuda.MemPool()
+                    elif self.hook_mode == "torch":
+                        if self._allocator is None:
+                            self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
+                                self.core.library_path(), "tms_torch_malloc", "tms_torch_free")
+                        pool = torch.cuda.MemPool(self._allocator.allocator())
+                    else:
+                        pool = torch.cuda.MemPool()
                 self._pools[key] = pool
         return pool
 
@@ -280,11 +284,9 @@ class _Impl:
             with self._thread_region(False, tag, backup, kind):
                 yield
             return
-        import torch
-
-        # A fresh default-allocator pool, dropped after: ordinary memory that
-        # never mixes with region segments.
-        with self._pools_on_all_devices(lambda device: torch.cuda.MemPool()):
+        # A default-allocator pool per device, kept for the process: dropping
+        # a pool while a region's pool is in use trips PyTorch's assertions.
+        with self._pools_on_all_devices(lambda device: self._pool(None, False, None, device)):
             with self._thread_region(False, tag, backup, kind):
                 yield
 

@@ -1,0 +1,453 @@
+/*
+ * vmm_floor: the raw CUDA driver floor of pause and resume, with no library in between.
+ *
+ *   pause  = cuMemUnmap + cuMemRelease                    per allocation
+ *   resume = cuMemCreate + cuMemMap + cuMemSetAccess      per allocation
+ *
+ * the same driver calls, in the same order, that torch_memory_saver makes for an
+ * allocation of one chunk (src/core.c map_chunks / unmap_chunks + release_chunks).
+ * Each allocation has its own virtual range (cuMemAddressReserve), kept across
+ * cycles, as in the library.
+ *
+ * Usage: vmm_floor [--cycles N] [--warmup W] [--margin BYTES] [SHAPE ...]
+ *   SHAPE = COUNTxSIZE, SIZE in bytes or with a K/M/G/T suffix (binary):
+ *   1x8G 64x128M 2048x4M (the default set).
+ * Prints one JSON document on stdout; progress goes to stderr. Exit status 0 if
+ * the driver loaded (individual shapes may carry an "error"), 2 if it did not.
+ *
+ * The driver is opened at run time (dlopen("libcuda.so.1") + cuGetProcAddress),
+ * so building needs only cuda.h:  cc -O2 -I$CUDA/include -o vmm_floor vmm_floor.c -ldl
+ * (or nvcc -O2 -o vmm_floor vmm_floor.c); no libcuda at link time.
+ */
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define MAX_SHAPES 64
+#define MAX_CYCLES 1000
+#define ABI_VERSION 12000
+
+/* cuGetProcAddress_v2 (CUDA 12+) and the 11.3 form, declared here so the
+ * program builds against any cuda.h >= 11.3 and runs on any driver >= 12. */
+typedef int (*getproc_v2_fn)(const char *, void **, int, unsigned long long, int *);
+typedef int (*getproc_v1_fn)(const char *, void **, int, unsigned long long);
+
+static struct {
+    CUresult (*init)(unsigned int);
+    CUresult (*driver_version)(int *);
+    CUresult (*device_get)(CUdevice *, int);
+    CUresult (*device_name)(char *, int, CUdevice);
+    CUresult (*primary_retain)(CUcontext *, CUdevice);
+    CUresult (*ctx_set)(CUcontext);
+    CUresult (*ctx_sync)(void);
+    CUresult (*mem_info)(size_t *, size_t *);
+    CUresult (*granularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
+    CUresult (*reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*address_free)(CUdeviceptr, size_t);
+    CUresult (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+    CUresult (*release)(CUmemGenericAllocationHandle);
+    CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+    CUresult (*unmap)(CUdeviceptr, size_t);
+    CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    CUresult (*error_name)(CUresult, const char **);
+} cu;
+
+static char load_error[512];
+
+static void json_string(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; s && *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+        else if (c < 0x20) fprintf(f, "\\u%04x", c);
+        else fputc(c, f);
+    }
+    fputc('"', f);
+}
+
+static const char *err_name(CUresult rc)
+{
+    const char *name = NULL;
+    if (cu.error_name && cu.error_name(rc, &name) == CUDA_SUCCESS && name) return name;
+    return "CUDA_ERROR_UNKNOWN";
+}
+
+static int resolve(void *lib, getproc_v2_fn v2, getproc_v1_fn v1, const char *name, void *slot)
+{
+    void *fn = NULL;
+    int status = 0, rc;
+    (void)lib;
+    rc = v2 ? v2(name, &fn, ABI_VERSION, 0 /* CU_GET_PROC_ADDRESS_DEFAULT */, &status)
+            : v1(name, &fn, ABI_VERSION, 0);
+    if (rc != 0 || !fn) {
+        snprintf(load_error, sizeof load_error, "driver lacks %s (cuGetProcAddress code %d, status %d)", name, rc,
+                 status);
+        return -1;
+    }
+    memcpy(slot, &fn, sizeof fn);
+    return 0;
+}
+
+static int load_driver(void)
+{
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        const char *why = dlerror();
+        snprintf(load_error, sizeof load_error, "dlopen(\"libcuda.so.1\") failed: %s", why ? why : "?");
+        return -1;
+    }
+    getproc_v2_fn v2 = NULL;
+    getproc_v1_fn v1 = NULL;
+    void *p = dlsym(lib, "cuGetProcAddress_v2");
+    memcpy(&v2, &p, sizeof p);
+    p = dlsym(lib, "cuGetProcAddress");
+    memcpy(&v1, &p, sizeof p);
+    if (!v2 && !v1) {
+        snprintf(load_error, sizeof load_error, "libcuda.so.1 has no cuGetProcAddress (driver older than CUDA 11.3)");
+        return -1;
+    }
+#define R(field, sym) \
+    if (resolve(lib, v2, v1, sym, &cu.field)) return -1;
+    R(init, "cuInit")
+    R(driver_version, "cuDriverGetVersion")
+    R(device_get, "cuDeviceGet")
+    R(device_name, "cuDeviceGetName")
+    R(primary_retain, "cuDevicePrimaryCtxRetain")
+    R(ctx_set, "cuCtxSetCurrent")
+    R(ctx_sync, "cuCtxSynchronize")
+    R(mem_info, "cuMemGetInfo")
+    R(granularity, "cuMemGetAllocationGranularity")
+    R(reserve, "cuMemAddressReserve")
+    R(address_free, "cuMemAddressFree")
+    R(create, "cuMemCreate")
+    R(release, "cuMemRelease")
+    R(map, "cuMemMap")
+    R(unmap, "cuMemUnmap")
+    R(set_access, "cuMemSetAccess")
+    R(error_name, "cuGetErrorName")
+#undef R
+    return 0;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(const double *v, int n)
+{
+    if (n <= 0) return -1.0;
+    double tmp[MAX_CYCLES];
+    memcpy(tmp, v, (size_t)n * sizeof *v);
+    qsort(tmp, (size_t)n, sizeof *tmp, cmp_double);
+    return n % 2 ? tmp[n / 2] : 0.5 * (tmp[n / 2 - 1] + tmp[n / 2]);
+}
+
+static int parse_size(const char *s, unsigned long long *out)
+{
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s) return -1;
+    unsigned long long mul = 1;
+    switch (*end) {
+    case '\0': break;
+    case 'k': case 'K': mul = 1ull << 10; end++; break;
+    case 'm': case 'M': mul = 1ull << 20; end++; break;
+    case 'g': case 'G': mul = 1ull << 30; end++; break;
+    case 't': case 'T': mul = 1ull << 40; end++; break;
+    default: return -1;
+    }
+    if (*end == 'i' || *end == 'I') end++;        /* accept MiB, GiB */
+    if (*end == 'b' || *end == 'B') end++;
+    if (*end != '\0') return -1;
+    *out = v * mul;
+    return 0;
+}
+
+struct shape {
+    const char *text;
+    long count;
+    unsigned long long size;
+};
+
+static int parse_shape(const char *s, struct shape *out)
+{
+    const char *x = strpbrk(s, "xX*:");
+    if (!x) return -1;
+    char count_text[32];
+    size_t n = (size_t)(x - s);
+    if (n == 0 || n >= sizeof count_text) return -1;
+    memcpy(count_text, s, n);
+    count_text[n] = '\0';
+    char *end = NULL;
+    long count = strtol(count_text, &end, 10);
+    if (*end != '\0' || count <= 0 || count > (1L << 22)) return -1;
+    unsigned long long size = 0;
+    if (parse_size(x + 1, &size) || size == 0) return -1;
+    out->text = s;
+    out->count = count;
+    out->size = size;
+    return 0;
+}
+
+/* Cycles one shape; writes its JSON object (without a trailing comma). */
+static void run_shape(FILE *out, const struct shape *sh, CUdevice dev, size_t gran, int cycles, int warmup,
+                      unsigned long long margin)
+{
+    size_t rsize = (size_t)((sh->size + gran - 1) / gran * gran);
+    size_t total = rsize * (size_t)sh->count;
+    double pause_s[MAX_CYCLES], resume_s[MAX_CYCLES], first_map_s = -1.0;
+    int done = 0;
+    char error[512] = "";
+    CUresult rc = CUDA_SUCCESS;
+
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = (int)dev;
+    CUmemAccessDesc access;
+    memset(&access, 0, sizeof access);
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = (int)dev;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+
+    CUdeviceptr *va = calloc((size_t)sh->count, sizeof *va);
+    CUmemGenericAllocationHandle *h = calloc((size_t)sh->count, sizeof *h);
+    char *mapped = calloc((size_t)sh->count, 1);
+    long reserved = 0;
+    size_t free_bytes = 0, total_bytes = 0;
+
+    fprintf(stderr, "vmm_floor: %ld x %llu bytes ...\n", sh->count, sh->size);
+    if (!va || !h || !mapped) {
+        snprintf(error, sizeof error, "out of host memory for %ld handles", sh->count);
+        goto cleanup;
+    }
+    if ((rc = cu.mem_info(&free_bytes, &total_bytes))) {
+        snprintf(error, sizeof error, "cuMemGetInfo failed: %s (%d)", err_name(rc), rc);
+        goto cleanup;
+    }
+    if ((unsigned long long)total + margin > (unsigned long long)free_bytes) {
+        snprintf(error, sizeof error, "skipped: needs %zu bytes + %llu margin, %zu free", total, margin, free_bytes);
+        goto cleanup;
+    }
+    for (; reserved < sh->count; reserved++) {
+        if ((rc = cu.reserve(&va[reserved], rsize, gran, 0, 0))) {
+            snprintf(error, sizeof error, "cuMemAddressReserve(%zu) #%ld failed: %s (%d)", rsize, reserved,
+                     err_name(rc), rc);
+            goto cleanup;
+        }
+    }
+    /* Initial mapping (not a cycle). */
+    double t0 = now_s();
+    for (long i = 0; i < sh->count; i++) {
+        if ((rc = cu.create(&h[i], rsize, &prop, 0))) {
+            snprintf(error, sizeof error, "cuMemCreate(%zu) #%ld failed: %s (%d)", rsize, i, err_name(rc), rc);
+            goto cleanup;
+        }
+        if ((rc = cu.map(va[i], rsize, 0, h[i], 0))) {
+            cu.release(h[i]);
+            h[i] = 0;
+            snprintf(error, sizeof error, "cuMemMap #%ld failed: %s (%d)", i, err_name(rc), rc);
+            goto cleanup;
+        }
+        mapped[i] = 1;
+        if ((rc = cu.set_access(va[i], rsize, &access, 1))) {
+            snprintf(error, sizeof error, "cuMemSetAccess #%ld failed: %s (%d)", i, err_name(rc), rc);
+            goto cleanup;
+        }
+    }
+    first_map_s = now_s() - t0;
+
+    for (int c = 0; c < warmup + cycles; c++) {
+        if ((rc = cu.ctx_sync())) {
+            snprintf(error, sizeof error, "cuCtxSynchronize failed: %s (%d)", err_name(rc), rc);
+            goto cleanup;
+        }
+        double a = now_s();
+        for (long i = 0; i < sh->count; i++) {
+            if ((rc = cu.unmap(va[i], rsize))) {
+                snprintf(error, sizeof error, "cuMemUnmap #%ld failed: %s (%d)", i, err_name(rc), rc);
+                goto cleanup;
+            }
+            mapped[i] = 0;
+            if ((rc = cu.release(h[i]))) {
+                snprintf(error, sizeof error, "cuMemRelease #%ld failed: %s (%d)", i, err_name(rc), rc);
+                goto cleanup;
+            }
+            h[i] = 0;
+        }
+        double b = now_s();
+        for (long i = 0; i < sh->count; i++) {
+            if ((rc = cu.create(&h[i], rsize, &prop, 0))) {
+                h[i] = 0;
+                snprintf(error, sizeof error, "cuMemCreate(%zu) #%ld failed: %s (%d)", rsize, i, err_name(rc), rc);
+                goto cleanup;
+            }
+            if ((rc = cu.map(va[i], rsize, 0, h[i], 0))) {
+                snprintf(error, sizeof error, "cuMemMap #%ld failed: %s (%d)", i, err_name(rc), rc);
+                goto cleanup;
+            }
+            mapped[i] = 1;
+            if ((rc = cu.set_access(va[i], rsize, &access, 1))) {
+                snprintf(error, sizeof error, "cuMemSetAccess #%ld failed: %s (%d)", i, err_name(rc), rc);
+                goto cleanup;
+            }
+        }
+        double e = now_s();
+        if (c >= warmup && done < MAX_CYCLES) {
+            pause_s[done] = b - a;
+            resume_s[done] = e - b;
+            done++;
+        }
+    }
+
+cleanup:
+    if (va && h && mapped) {
+        (void)cu.ctx_sync();
+        for (long i = 0; i < sh->count; i++) {
+            if (mapped[i]) cu.unmap(va[i], rsize);
+            if (h[i]) cu.release(h[i]);
+        }
+        for (long i = 0; i < reserved; i++) cu.address_free(va[i], rsize);
+    }
+    free(va);
+    free(h);
+    free(mapped);
+
+    fprintf(out, "    {\"shape\": ");
+    json_string(out, sh->text);
+    fprintf(out, ", \"count\": %ld, \"size\": %llu, \"reserved_size\": %zu, \"total_bytes\": %zu,\n", sh->count,
+            sh->size, rsize, total);
+    fprintf(out, "     \"cycles\": %d, \"warmup\": %d, \"first_map_s\": ", done, warmup);
+    if (first_map_s >= 0) fprintf(out, "%.9f,\n", first_map_s);
+    else fprintf(out, "null,\n");
+    fprintf(out, "     \"pause_s\": [");
+    for (int i = 0; i < done; i++) fprintf(out, "%s%.9f", i ? ", " : "", pause_s[i]);
+    fprintf(out, "],\n     \"resume_s\": [");
+    for (int i = 0; i < done; i++) fprintf(out, "%s%.9f", i ? ", " : "", resume_s[i]);
+    fprintf(out, "],\n");
+    if (done > 0)
+        fprintf(out, "     \"pause_median_s\": %.9f, \"resume_median_s\": %.9f,\n", median(pause_s, done),
+                median(resume_s, done));
+    else
+        fprintf(out, "     \"pause_median_s\": null, \"resume_median_s\": null,\n");
+    fprintf(out, "     \"error\": ");
+    if (error[0]) json_string(out, error);
+    else fprintf(out, "null");
+    fprintf(out, "}");
+    fprintf(stderr, "vmm_floor: %ld x %llu bytes: %s\n", sh->count, sh->size, error[0] ? error : "ok");
+}
+
+static void usage_error(const char *msg, const char *arg)
+{
+    printf("{\"ok\": false, \"error\": ");
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s: %s", msg, arg ? arg : "");
+    json_string(stdout, buf);
+    printf("}\n");
+    exit(2);
+}
+
+int main(int argc, char **argv)
+{
+    static const char *defaults[] = {"1x8G", "64x128M", "2048x4M"};
+    struct shape shapes[MAX_SHAPES];
+    int n_shapes = 0, cycles = 7, warmup = 1;
+    unsigned long long margin = 1ull << 30;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--cycles") && i + 1 < argc) {
+            cycles = atoi(argv[++i]);
+            if (cycles < 1 || cycles > MAX_CYCLES) usage_error("bad --cycles", argv[i]);
+        } else if (!strcmp(argv[i], "--warmup") && i + 1 < argc) {
+            warmup = atoi(argv[++i]);
+            if (warmup < 0 || warmup > 100) usage_error("bad --warmup", argv[i]);
+        } else if (!strcmp(argv[i], "--margin") && i + 1 < argc) {
+            if (parse_size(argv[++i], &margin)) usage_error("bad --margin", argv[i]);
+        } else if (n_shapes < MAX_SHAPES) {
+            if (parse_shape(argv[i], &shapes[n_shapes])) usage_error("bad shape (want COUNTxSIZE)", argv[i]);
+            n_shapes++;
+        } else {
+            usage_error("too many shapes", argv[i]);
+        }
+    }
+    if (n_shapes == 0)
+        for (int i = 0; i < 3; i++) parse_shape(defaults[i], &shapes[n_shapes++]);
+
+    CUresult rc;
+    CUdevice dev = 0;
+    CUcontext ctx = NULL;
+    char name[256] = "?";
+    int version = 0;
+    size_t gran = 0, free_bytes = 0, total_bytes = 0;
+    if (load_driver()) {
+        printf("{\"ok\": false, \"error\": ");
+        json_string(stdout, load_error);
+        printf("}\n");
+        return 2;
+    }
+    const char *step = "cuInit";
+    if ((rc = cu.init(0))) goto fail;
+    cu.driver_version(&version);
+    step = "cuDeviceGet";
+    if ((rc = cu.device_get(&dev, 0))) goto fail;
+    cu.device_name(name, (int)sizeof name, dev);
+    step = "cuDevicePrimaryCtxRetain";
+    if ((rc = cu.primary_retain(&ctx, dev))) goto fail;
+    step = "cuCtxSetCurrent";
+    if ((rc = cu.ctx_set(ctx))) goto fail;
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = (int)dev;
+    step = "cuMemGetAllocationGranularity";
+    if ((rc = cu.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM))) goto fail;
+    step = "cuMemGetInfo";
+    if ((rc = cu.mem_info(&free_bytes, &total_bytes))) goto fail;
+
+    /* What one cuCtxSynchronize costs on an idle device: the library's pause
+     * adds one per device (cuMemUnmap does not wait for queued work). */
+    double sync_s[101];
+    for (int i = 0; i < 101; i++) {
+        double a = now_s();
+        cu.ctx_sync();
+        sync_s[i] = now_s() - a;
+    }
+
+    printf("{\"ok\": true, \"device\": ");
+    json_string(stdout, name);
+    printf(", \"driver_version\": %d, \"granularity\": %zu, \"free_bytes\": %zu, \"total_bytes\": %zu,\n", version,
+           gran, free_bytes, total_bytes);
+    printf("  \"ctx_synchronize_median_s\": %.9f,\n  \"shapes\": [\n", median(sync_s, 101));
+    for (int i = 0; i < n_shapes; i++) {
+        run_shape(stdout, &shapes[i], dev, gran, cycles, warmup, margin);
+        printf(i + 1 < n_shapes ? ",\n" : "\n");
+        fflush(stdout);
+    }
+    printf("  ]\n}\n");
+    return 0;
+
+fail:
+    printf("{\"ok\": false, \"error\": ");
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s failed: %s (%d)", step, err_name(rc), (int)rc);
+    json_string(stdout, buf);
+    printf("}\n");
+    return 2;
+}

@@ -1,0 +1,191 @@
+"""Shared fixtures for the CPU-side suite.
+
+The backend and the TMS_* environment are fixed per process, so most tests run
+their scenario in a fresh Python subprocess (`run_py`) on the host backend.
+"""
+import importlib.util
+import inspect
+import itertools
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PKG = REPO / "torch_memory_saver"
+HOOK_MODES = ("preload", "torch")
+MiB = 1 << 20
+
+
+def rss_bytes(pid="self"):
+    """Resident set size of a process (VmRSS of /proc/<pid>/status), in bytes.
+
+    VmRSS = RssAnon + RssFile + RssShmem; pages of the host backend's memfds
+    count under RssShmem, so pausing (unmap + close of the memfd) lowers it."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+
+
+def library_file(mode):
+    """Path of the in-place build of one variant (torch_memory_saver/_tms_<mode>*.so)."""
+    return PKG / f"_tms_{mode}{sysconfig.get_config_var('EXT_SUFFIX')}"
+
+
+# Helpers every child snippet gets (prelude=True): the public singleton `tms`,
+# its native module `core`, random fill / read-back through ctypes, RSS.
+CHILD_PRELUDE = (
+    "import ctypes, os, random, sys, threading\n"
+    + inspect.getsource(rss_bytes)
+    + textwrap.dedent(
+        """
+        MiB = 1 << 20
+        from torch_memory_saver import torch_memory_saver as tms
+
+        def fill(ptr, n):
+            data = os.urandom(n)
+            ctypes.memmove(ptr, data, n)
+            return data
+
+        def read(ptr, n):
+            return ctypes.string_at(ptr, n)
+
+        def states():
+            return sorted((r["tag"], r["state"]) for r in core.allocations())
+
+        def row(ptr):
+            rows = [r for r in core.allocations() if r["ptr"] == ptr]
+            assert len(rows) == 1, (hex(ptr), core.allocations())
+            return rows[0]
+
+        import contextlib
+
+        @contextlib.contextmanager
+        def raw_region(tag, backup=False, kind="mmap"):
+            # A region set through the native API only (no Python-side warm-up).
+            previous = core.get_region()
+            core.set_region(True, tag, backup, kind)
+            try:
+                yield
+            finally:
+                core.set_region(*previous)
+
+        def expect(exc_type, fn, *args, match=None):
+            try:
+                fn(*args)
+            except exc_type as e:
+                if match is not None:
+                    assert match in str(e), (match, str(e))
+                return e
+            raise AssertionError(f"{fn!r}{args!r} did not raise {exc_type.__name__}")
+        """
+    )
+)
+
+# Variables that would change the child's behaviour if inherited from the
+# pytest process (the per-test `env` argument sets what a scenario needs).
+_SCRUB_PREFIXES = ("TMS_",)
+_SCRUB = ("LD_PRELOAD", "LD_BIND_NOW", "PYTHONFAULTHANDLER", "PYTHONSTARTUP", "PYTHONWARNINGS")
+
+
+def child_env(env=None, backend="host"):
+    """os.environ minus TMS_*/LD_PRELOAD, with PYTHONPATH = repo root and
+    TMS_BACKEND=backend (None: unset); `env` entries override, None removes."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB}
+    out["PYTHONPATH"] = str(REPO)
+    out["PYTHONDONTWRITEBYTECODE"] = "1"
+    # Two copy workers whatever the machine: the pool's pinned staging (two
+    # 8 MiB slots per worker) stays small and host_alloc calls are countable.
+    out["TMS_BACKUP_THREADS"] = "2"
+    if backend is not None:
+        out["TMS_BACKEND"] = backend
+    for k, v in (env or {}).items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = str(v)
+    return out
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes a few seconds (builds a wheel)")
+
+
+def _ensure_built():
+    missing = [m for m in HOOK_MODES if not library_file(m).exists()]
+    if missing:
+        subprocess.run([sys.executable, str(REPO / "build_backend" / "tms_build.py")], cwd=REPO, check=True)
+    for m in HOOK_MODES:
+        assert library_file(m).exists(), f"{library_file(m)} missing: run `make build`"
+
+
+@pytest.fixture(scope="session")
+def built_libs():
+    """{'preload': Path, 'torch': Path} of the in-place builds (built if missing)."""
+    _ensure_built()
+    return {m: library_file(m) for m in HOOK_MODES}
+
+
+@pytest.fixture
+def run_py(built_libs, tmp_path):
+    """run_py(code, env=None, prelude=True, load_core=True, backend="host", timeout=60, args=())
+    runs `code` in a fresh `python <script>` with cwd = repo root, PYTHONPATH = repo
+    root and TMS_BACKEND=backend, and returns the CompletedProcess (text).
+    prelude: prepend CHILD_PRELUDE; load_core: also bind `core = tms._core`
+    (first use of the singleton: leave it False to set hook_mode first)."""
+
+    counter = itertools.count()
+
+    def run(code, env=None, prelude=True, load_core=True, backend="host", timeout=60, args=(), cwd=REPO):
+        src = textwrap.dedent(code)
+        if prelude:
+            src = CHILD_PRELUDE + ("core = tms._core\n" if load_core else "") + src
+        # A file rather than `-c`, so a failing assert shows its source line.
+        script = tmp_path / f"child_{next(counter)}.py"
+        script.write_text(src)
+        return subprocess.run(
+            [sys.executable, str(script), *args],
+            cwd=cwd,
+            env=child_env(env, backend),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    return run
+
+
+def check_ok(proc, stderr_empty=True):
+    """Asserts a child exited 0 (and wrote nothing to stderr); returns its stdout."""
+    detail = f"rc={proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+    assert proc.returncode == 0, detail
+    if stderr_empty:
+        assert proc.stderr == "", detail
+    return proc.stdout
+
+
+@pytest.fixture
+def ok():
+    return check_ok
+
+
+def libcuda_present():
+    """True if this machine can load a CUDA driver (then GPU-less checks do not apply)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def module_spec_origin(mode):
+    spec = importlib.util.find_spec(f"torch_memory_saver._tms_{mode}")
+    return spec.origin if spec else None

@@ -1,0 +1,186 @@
+"""Helpers shared by the GPU scenarios (imported as `_common`: scenarios run by file path).
+
+Memory checks read the device's free memory (torch.cuda.mem_get_info), which is
+what pause/resume change: PyTorch's caching allocator keeps counting paused
+tensors as allocated, so its own statistics say nothing here. The library's
+allocation table (torch_memory_saver._core.allocations()) tells how many bytes
+each tag holds, so "freed >= 95 %" is measured against what was really mapped.
+"""
+import torch
+
+from torch_memory_saver import torch_memory_saver as tms
+
+MiB = 1 << 20
+GiB = 1 << 30
+HOOK_MODES = ("preload", "torch")
+# Free memory may move a little for reasons of its own (driver bookkeeping,
+# a small pool segment); a step that should not change it may move this much.
+SLACK = 64 * MiB
+
+
+def say(msg):
+    print(msg, flush=True)
+
+
+def check(cond, msg):
+    if not cond:
+        raise AssertionError(msg)
+
+
+def mib(n):
+    return f"{n / MiB:.1f} MiB"
+
+
+def begin(name, hook_mode):
+    """Chooses the hook mode before any other use of the library and seeds the RNGs.
+    Touches no device memory: a scenario's first CUDA work is its own."""
+    check(hook_mode in HOOK_MODES, f"hook mode must be one of {HOOK_MODES}, got {hook_mode!r}")
+    check(torch.cuda.is_available(), "this scenario needs a CUDA GPU")
+    tms.hook_mode = hook_mode
+    torch.manual_seed(20240611)
+    say(f"== {name}: hook_mode={hook_mode}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"{torch.cuda.device_count()} device(s)")
+    if hook_mode == "preload":
+        active, winner = core().preload_active()
+        check(active, f"hook_mode='preload' but this process's cudaMalloc is {winner!r}, not the preload "
+                      f"library's: start the scenario with the library on LD_PRELOAD")
+    return tms
+
+
+def core():
+    """The native module in use (torch_memory_saver._tms_<hook_mode>)."""
+    return tms._core
+
+
+def free_bytes(device=None):
+    """Free memory of a device (default: the current one) once its queued work is done."""
+    device = torch.cuda.current_device() if device is None else device
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]
+
+
+# ---- the library's allocation table --------------------------------------------
+
+def allocations(tag=None, device=None):
+    return [r for r in core().allocations()
+            if (tag is None or r["tag"] == tag) and (device is None or r["device"] == device)]
+
+
+def tag_bytes(tag, device=None):
+    """Bytes of device memory the library's allocations of `tag` occupy when mapped."""
+    return sum(r["reserved"] for r in allocations(tag, device))
+
+
+def owner(x):
+    """The allocation-table row holding tensor (or pointer) x, or None."""
+    ptr = x if isinstance(x, int) else x.data_ptr()
+    for r in core().allocations():
+        if r["ptr"] <= ptr < r["ptr"] + r["reserved"]:
+            return r
+    return None
+
+
+def check_owned(t, tag, what, device=None):
+    row = owner(t)
+    check(row is not None, f"{what} (0x{t.data_ptr():x}) is not a torch_memory_saver allocation")
+    check(row["tag"] == tag, f"{what} belongs to tag {row['tag']!r}, expected {tag!r}")
+    if device is not None:
+        check(row["device"] == device, f"{what} is recorded on device {row['device']}, expected {device}")
+    return row
+
+
+def check_states(tag, state):
+    rows = allocations(tag)
+    check(rows, f"tag {tag!r} has no allocations")
+    wrong = [r for r in rows if r["state"] != state]
+    check(not wrong, f"tag {tag!r}: {len(wrong)} of {len(rows)} allocations are not {state}: {wrong}")
+
+
+# ---- free device memory ---------------------------------------------------------
+
+def check_released(before, after, nbytes, what, fraction=0.95):
+    """Free memory grew from `before` to `after` by at least fraction * nbytes."""
+    grown = after - before
+    say(f"  {what}: free memory +{mib(grown)} (region holds {mib(nbytes)})")
+    check(nbytes > 0, f"{what}: nothing to release (0 bytes)")
+    check(grown >= fraction * nbytes,
+          f"{what}: free memory grew by {mib(grown)}, expected at least {fraction:.0%} of {mib(nbytes)}")
+
+
+def check_taken(before, after, nbytes, what, fraction=0.95):
+    """Free memory dropped from `before` to `after` by at least fraction * nbytes."""
+    taken = before - after
+    say(f"  {what}: free memory -{mib(taken)} (region holds {mib(nbytes)})")
+    check(nbytes > 0, f"{what}: nothing to map back (0 bytes)")
+    check(taken >= fraction * nbytes,
+          f"{what}: free memory dropped by {mib(taken)}, expected at least {fraction:.0%} of {mib(nbytes)}")
+
+
+def check_near(before, after, what, slack=SLACK):
+    say(f"  {what}: free memory moved by {mib(after - before)}")
+    check(abs(after - before) <= slack,
+          f"{what}: free memory moved by {mib(after - before)}, expected at most {mib(slack)}")
+
+
+# ---- tensors --------------------------------------------------------------------
+
+def random_tensor(numel, dtype, device="cuda"):
+    """Random (not constant) values over the dtype's range."""
+    if dtype == torch.bool:
+        return torch.rand(numel, device=device) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(numel, dtype=dtype, device=device)
+    low, high = {torch.uint8: (0, 256), torch.int16: (-2**15, 2**15 - 1),
+                 torch.int32: (-2**31, 2**31 - 1), torch.int64: (-2**62, 2**62)}[dtype]
+    return torch.randint(low, high, (numel,), dtype=dtype, device=device)
+
+
+def check_equal(actual, expected, what):
+    """actual (any device) equals the CPU tensor expected: same dtype, shape, every element."""
+    got = actual.cpu()
+    check(got.dtype == expected.dtype, f"{what}: dtype {got.dtype}, expected {expected.dtype}")
+    check(got.shape == expected.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+    if not torch.equal(got, expected):
+        wrong = int((got != expected).sum())
+        raise AssertionError(f"{what}: {wrong} of {expected.numel()} elements differ from the expected contents")
+
+
+def check_filled(t, value, what):
+    """Every element of t equals value (t is written with fill_ by the caller)."""
+    lo, hi = t.min().item(), t.max().item()
+    check(lo == value and hi == value, f"{what}: expected every element == {value}, found min {lo}, max {hi}")
+
+
+def expect_error(exc_type, fn, *fragments):
+    """fn() raises exc_type whose message contains every fragment; returns the exception."""
+    try:
+        fn()
+    except exc_type as e:
+        for fragment in fragments:
+            check(fragment in str(e), f"{exc_type.__name__} message lacks {fragment!r}: {e}")
+        say(f"  raised as expected: {type(e).__module__}.{type(e).__name__}: {e}")
+        return e
+    raise AssertionError(f"expected {exc_type.__name__} containing {fragments}, nothing was raised")
+
+
+# ---- a computation for CUDA graphs ---------------------------------------------
+
+def graph_body(x):
+    """Elementwise work whose intermediates are each as large as x (two live at
+    the peak); returns a small strided sample of the result. Elementwise kernels
+    give bit-identical results eagerly and in a graph replay."""
+    y = x * 2
+    y = y + 1
+    z = y.sin()
+    return z[::4096].clone()
+
+
+def warm_up(fn, *args):
+    """Runs fn on a side stream before capture, as torch.cuda.graph recommends."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()

@@ -1,0 +1,325 @@
+"""The Python layer: argument validation, environment parsing, configure_subprocess.
+
+Validation that fails before the native core is touched runs in-process on a
+fresh TorchMemorySaver(); anything that loads the core runs in a subprocess.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import torch_memory_saver
+from torch_memory_saver import TorchMemorySaver, configure_subprocess
+from conftest import HOOK_MODES, MiB, REPO, check_ok, child_env
+
+# ---- in-process validation (the core is never loaded) ---------------------------
+
+
+@pytest.fixture
+def fresh():
+    tms = TorchMemorySaver()
+    yield tms
+    assert tms._impl is None, "a validation error must not initialise the core"
+
+
+def enter(cm):
+    """Enters a @contextmanager (validation runs on entry) and leaves it."""
+    with cm:
+        pass
+
+
+def test_enabled_is_true(fresh):
+    assert fresh.enabled is True
+    assert torch_memory_saver.torch_memory_saver.enabled is True
+
+
+@pytest.mark.parametrize("value", ["cuda", "Preload", "", None, 1])
+def test_unknown_hook_mode_is_a_value_error(fresh, value):
+    with pytest.raises(ValueError, match="hook_mode must be 'preload' or 'torch'") as e:
+        fresh.hook_mode = value
+    assert repr(value) in str(e.value)
+    assert fresh.hook_mode == "preload"
+
+
+def test_hook_mode_can_change_before_first_use(fresh):
+    fresh.hook_mode = "torch"
+    fresh.hook_mode = "preload"
+    fresh.hook_mode = "torch"
+    assert fresh.hook_mode == "torch"
+
+
+def test_cpu_backup_backend_without_backup_is_a_value_error(fresh):
+    for backend in ("pinned", "mmap"):
+        with pytest.raises(ValueError, match="needs enable_cpu_backup=True") as e:
+            enter(fresh.region("t", cpu_backup_backend=backend))
+        assert repr(backend) in str(e.value)
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_unknown_cpu_backup_backend_is_a_value_error(fresh, enable):
+    with pytest.raises(ValueError, match="cpu_backup_backend must be 'pinned' or 'mmap', got 'disk'"):
+        enter(fresh.region("t", enable_cpu_backup=enable, cpu_backup_backend="disk"))
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_enable_cpu_backup_must_be_bool(fresh, value):
+    with pytest.raises(TypeError, match="enable_cpu_backup must be a bool"):
+        enter(fresh.region("t", enable_cpu_backup=value))
+
+
+@pytest.mark.parametrize("tag,type_name", [(1, "int"), (b"kv", "bytes"), (None, "NoneType"), (["kv"], "list")])
+def test_non_str_tag_is_a_type_error(fresh, tag, type_name):
+    with pytest.raises(TypeError, match=f"tag must be a str, not {type_name}"):
+        enter(fresh.region(tag))
+    if tag is not None:                                    # None means "every tag" for pause/resume
+        for op in (fresh.pause, fresh.resume):
+            with pytest.raises(TypeError, match=f"tag must be a str or None, not {type_name}"):
+                op(tag)
+    with pytest.raises(TypeError, match=f"tag must be a str, not {type_name}"):
+        enter(fresh.cuda_graph(object(), tag=tag))
+
+
+def test_empty_tag_is_a_value_error(fresh):
+    with pytest.raises(ValueError, match="tag must be a non-empty string"):
+        enter(fresh.region(""))
+    with pytest.raises(ValueError, match="tag must be a non-empty string"):
+        fresh.pause("")
+    with pytest.raises(ValueError, match="tag must be a non-empty string"):
+        fresh.resume("")
+    with pytest.raises(ValueError, match="tag must be a non-empty string"):
+        enter(fresh.cuda_graph(object(), tag=""))
+
+
+@pytest.mark.parametrize("value", [-1, -(1 << 40)])
+def test_negative_memory_margin_is_a_value_error(fresh, value):
+    fresh.memory_margin_bytes = 5
+    with pytest.raises(ValueError, match=f"memory_margin_bytes must be >= 0, got {value}"):
+        fresh.memory_margin_bytes = value
+    assert fresh.memory_margin_bytes == 5
+
+
+@pytest.mark.parametrize("value,type_name", [(1.5, "float"), ("1", "str"), (True, "bool"), (None, "NoneType")])
+def test_non_int_memory_margin_is_a_type_error(fresh, value, type_name):
+    with pytest.raises(TypeError, match=f"memory_margin_bytes must be an int, not {type_name}"):
+        fresh.memory_margin_bytes = value
+    assert fresh.memory_margin_bytes == 0
+
+
+@pytest.mark.parametrize("value,type_name", [(1, "int"), ("yes", "str"), (None, "NoneType")])
+def test_non_bool_retain_cpu_backup_is_a_type_error(fresh, value, type_name):
+    with pytest.raises(TypeError, match=f"retain_cpu_backup must be a bool, not {type_name}"):
+        fresh.retain_cpu_backup = value
+    fresh.retain_cpu_backup = True
+    assert fresh.retain_cpu_backup is True
+
+
+def test_get_cpu_backup_needs_a_tensor(fresh):
+    pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="get_cpu_backup expects a torch.Tensor, not bytearray"):
+        fresh.get_cpu_backup(bytearray(8))
+
+
+# ---- validation once the core is loaded (subprocess) ----------------------------
+
+
+def test_hook_mode_cannot_change_after_first_use(run_py):
+    out = check_ok(run_py("""
+        tms.hook_mode = "torch"
+        tms.pause("nothing")                               # first use
+        assert tms._core.VARIANT == "torch"
+        tms.hook_mode = "torch"                            # same value: fine
+        e = expect(RuntimeError, setattr, tms, "hook_mode", "preload", match="set hook_mode before first use")
+        assert "'torch'" in str(e)
+        assert tms.hook_mode == "torch"
+        assert "torch_memory_saver._tms_preload" not in sys.modules
+        expect(ValueError, setattr, tms, "hook_mode", "cuda", match="'cuda'")
+        print("done")
+    """, load_core=False))
+    assert out == "done\n"
+
+
+def test_settings_made_before_first_use_reach_the_core(run_py):
+    out = check_ok(run_py("""
+        tms.memory_margin_bytes = 12345
+        tms.retain_cpu_backup = True
+        assert tms._impl is None
+        core = tms._core
+        assert core.get_memory_margin_bytes() == 12345 and core.get_retain_cpu_backup() is True
+        assert tms.memory_margin_bytes == 12345 and tms.retain_cpu_backup is True
+        tms.retain_cpu_backup = False
+        assert core.get_retain_cpu_backup() is False
+        expect(ValueError, setattr, tms, "memory_margin_bytes", -1, match=">= 0")
+        assert core.get_memory_margin_bytes() == 12345
+        print("done")
+    """, load_core=False))
+    assert out == "done\n"
+
+
+def test_native_argument_errors(run_py):
+    out = check_ok(run_py("""
+        expect(TypeError, core.pause, 1, match="tag must be a str or None, not int")
+        expect(ValueError, core.resume, "", match="tag must be a non-empty string")
+        expect(ValueError, core.set_region, True, "t", True, "disk", match="'disk'")
+        expect(ValueError, core.set_region, True, "", False, "mmap", match="non-empty")
+        expect(TypeError, core.set_memory_margin_bytes, 1.5, match="must be an int, not float")
+        expect(ValueError, core.set_memory_margin_bytes, -3, match="memory_margin_bytes must be >= 0, got -3")
+        with tms.region("t"):
+            expect(ValueError, core.malloc, -1, match="size must be >= 0")
+        expect(ValueError, core.free, 4096, match="not an allocation of torch_memory_saver")
+        assert core.get_region() == (False, "default", False, "mmap")   # failed set_region changed nothing
+        print("done")
+    """))
+    assert out == "done\n"
+
+
+_MALFORMED = [
+    ("TMS_INIT_ENABLE", "maybe"),
+    ("TMS_INIT_ENABLE_CPU_BACKUP", "2"),
+    ("TMS_RETAIN_CPU_BACKUP", "sure"),
+    ("TMS_INIT_CPU_BACKUP_BACKEND", "disk"),
+    ("TMS_CHUNK_BYTES", "lots"),
+    ("TMS_CHUNK_BYTES", "-4MiB"),
+    ("TMS_CHUNK_BYTES", "4TiB"),
+]
+
+
+@pytest.mark.parametrize("mode", HOOK_MODES)
+@pytest.mark.parametrize("var,value", _MALFORMED, ids=[f"{v}={x}" for v, x in _MALFORMED])
+def test_malformed_env_raises_value_error_naming_variable_and_value(run_py, mode, var, value):
+    out = check_ok(run_py(f"""
+        import importlib
+        import torch_memory_saver                          # the package imports fine
+        for attempt in range(2):
+            try:
+                importlib.import_module("torch_memory_saver._tms_{mode}")
+            except ValueError as e:
+                msg = str(e)
+                assert "{var}" in msg and "'{value}'" in msg, msg
+            else:
+                raise AssertionError("import succeeded")
+        tms = torch_memory_saver.torch_memory_saver
+        tms.hook_mode = "{mode}"
+        for first_use in (lambda: tms.pause(), lambda: tms.region("x").__enter__()):
+            try:
+                first_use()
+            except ValueError as e:
+                assert "{var}" in str(e) and "'{value}'" in str(e), str(e)
+            else:
+                raise AssertionError("first use succeeded")
+        print("done")
+    """, prelude=False, env={var: value}))
+    assert out == "done\n"
+
+
+@pytest.mark.parametrize("var,value,key,expected", [
+    ("TMS_CHUNK_BYTES", "67108864", "chunk_bytes", 64 * MiB),
+    ("TMS_CHUNK_BYTES", "64MiB", "chunk_bytes", 64 * MiB),
+    ("TMS_CHUNK_BYTES", "1g", "chunk_bytes", 1 << 30),
+    ("TMS_INIT_CPU_BACKUP_BACKEND", "pinned", "init_cpu_backup_backend", "pinned"),
+    ("TMS_RETAIN_CPU_BACKUP", "On", "retain_cpu_backup", True),
+    ("TMS_INIT_ENABLE", "", "init_enable", False),
+])
+def test_well_formed_env_values_parse(run_py, var, value, key, expected):
+    out = check_ok(run_py(f"""
+        got = core.defaults()["{key}"]
+        assert got == {expected!r} and type(got) is type({expected!r}), got
+        print("done")
+    """, env={var: value}))
+    assert out == "done\n"
+
+
+# ---- configure_subprocess -------------------------------------------------------
+
+
+def _entries(value):
+    return value.replace(":", " ").split()
+
+
+@pytest.fixture
+def other_lib():
+    """An existing file to stand for another LD_PRELOAD entry (stdbuf's library if present)."""
+    for path in ("/usr/libexec/coreutils/libstdbuf.so", "/usr/lib/x86_64-linux-gnu/coreutils/libstdbuf.so",
+                 "/usr/lib/coreutils/libstdbuf.so", "/usr/lib/x86_64-linux-gnu/libstdbuf.so"):
+        if os.path.exists(path):
+            return path
+    return os.path.realpath(sys.executable)
+
+
+@pytest.fixture
+def preload_lib(built_libs):
+    return os.path.realpath(built_libs["preload"])
+
+
+@pytest.mark.parametrize("cm", [configure_subprocess, torch_memory_saver.torch_memory_saver.configure_subprocess],
+                         ids=["module", "singleton"])
+def test_configure_subprocess_without_previous_value(monkeypatch, preload_lib, cm):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with cm():
+        assert _entries(os.environ["LD_PRELOAD"]) == [preload_lib]
+    assert "LD_PRELOAD" not in os.environ
+
+
+def test_configure_subprocess_puts_itself_first_and_keeps_others(monkeypatch, preload_lib, other_lib):
+    previous = f"{other_lib} /nonexistent/libfoo.so"
+    monkeypatch.setenv("LD_PRELOAD", previous)
+    with configure_subprocess():
+        assert _entries(os.environ["LD_PRELOAD"]) == [preload_lib, other_lib, "/nonexistent/libfoo.so"]
+    assert os.environ["LD_PRELOAD"] == previous
+
+
+def test_configure_subprocess_does_not_duplicate_itself(monkeypatch, tmp_path, preload_lib, other_lib):
+    link = tmp_path / "alias.so"
+    link.symlink_to(preload_lib)
+    previous = f"{other_lib}:{link}:{preload_lib}"        # ours twice, once through a symlink, ':' separated
+    monkeypatch.setenv("LD_PRELOAD", previous)
+    with configure_subprocess():
+        entries = _entries(os.environ["LD_PRELOAD"])
+        assert entries == [preload_lib, other_lib], entries
+        with configure_subprocess():                       # nested: still one copy
+            assert _entries(os.environ["LD_PRELOAD"]) == [preload_lib, other_lib]
+        assert _entries(os.environ["LD_PRELOAD"]) == [preload_lib, other_lib]
+    assert os.environ["LD_PRELOAD"] == previous
+
+
+def test_configure_subprocess_restores_after_an_exception(monkeypatch, other_lib):
+    monkeypatch.setenv("LD_PRELOAD", other_lib)
+    with pytest.raises(KeyError):
+        with configure_subprocess():
+            raise KeyError("boom")
+    assert os.environ["LD_PRELOAD"] == other_lib
+    monkeypatch.delenv("LD_PRELOAD")
+    with pytest.raises(KeyError):
+        with configure_subprocess():
+            raise KeyError("boom")
+    assert "LD_PRELOAD" not in os.environ
+
+
+_CHILD = (
+    "import os, torch_memory_saver._tms_preload as c; "
+    "print(os.environ.get('LD_PRELOAD', '')); print(c.preload_active())"
+)
+
+
+def test_child_started_inside_configure_subprocess_has_the_hook(monkeypatch, preload_lib, other_lib):
+    for k, v in child_env(backend="host").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("LD_PRELOAD", other_lib)
+    with configure_subprocess():
+        proc = subprocess.run([sys.executable, "-c", _CHILD], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = check_ok(proc).splitlines()
+    assert _entries(out[0]) == [preload_lib, other_lib]
+    assert out[1] == str((True, preload_lib))               # this library's cudaMalloc wins
+
+
+def test_without_ld_preload_the_hook_is_not_active(run_py):
+    out = check_ok(run_py(_CHILD, prelude=False)).splitlines()
+    assert out == ["", "(False, None)"]
+
+
+def test_torch_variant_never_reports_preload_active(run_py, preload_lib):
+    out = check_ok(run_py("""
+        import torch_memory_saver._tms_torch as t
+        print(t.preload_active())
+    """, prelude=False, env={"LD_PRELOAD": preload_lib}))
+    assert out == "(False, None)\n"

@@ -1,0 +1,198 @@
+"""The built libraries: dependencies, symbols, loading into non-Python processes, packaging."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from conftest import HOOK_MODES, REPO, check_ok, libcuda_present
+
+FORBIDDEN_NEEDED = re.compile(r"lib(cuda|cudart|python)", re.IGNORECASE)
+EXPORTS = {
+    "preload": {"cudaMalloc", "cudaFree", "PyInit__tms_preload"},
+    "torch": {"tms_torch_malloc", "tms_torch_free", "PyInit__tms_torch"},
+}
+# The preload library may also hook the HIP runtime's pair (ROCm builds of PyTorch).
+OPTIONAL_EXPORTS = {"preload": {"hipMalloc", "hipFree"}, "torch": set()}
+
+
+def _tool(name):
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} (binutils) is not installed")
+    return path
+
+
+def _run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, **kw)
+
+
+def _needed(lib):
+    out = check_ok(_run([_tool("readelf"), "-d", str(lib)]))
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
+def _nm(lib, *flags):
+    """(type, name) of each dynamic symbol nm lists with these flags."""
+    out = check_ok(_run([_tool("nm"), "-D", *flags, str(lib)]))
+    rows = []
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            rows.append((parts[-2], parts[-1].split("@")[0]))
+    return rows
+
+
+def _preload_env(lib, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "LD_"))}
+    env["LD_PRELOAD"] = str(lib)
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("mode", HOOK_MODES)
+def test_no_needed_entry_for_cuda_or_python(built_libs, mode):
+    needed = _needed(built_libs[mode])
+    assert any(n.startswith("libc.so") for n in needed), needed    # the parse found the entries
+    assert not [n for n in needed if FORBIDDEN_NEEDED.search(n)], needed
+
+
+@pytest.mark.parametrize("mode", HOOK_MODES)
+def test_python_symbols_are_all_weak(built_libs, mode):
+    undefined = _nm(built_libs[mode], "--undefined-only")
+    python = [(t, n) for t, n in undefined if n.startswith(("Py", "_Py"))]
+    assert len(python) >= 10, undefined                   # module.c does use the C API
+    strong = [n for t, n in python if t != "w"]
+    assert strong == [], f"strong undefined Python symbols (break LD_PRELOAD into non-Python processes): {strong}"
+
+
+@pytest.mark.parametrize("mode", HOOK_MODES)
+def test_exported_symbols_are_exactly_the_entry_points(built_libs, mode):
+    names = {n for _, n in _nm(built_libs[mode], "--defined-only")}
+    assert EXPORTS[mode] <= names, sorted(names)
+    assert names - EXPORTS[mode] <= OPTIONAL_EXPORTS[mode], f"unexpected exports: {sorted(names - EXPORTS[mode])}"
+    if names & OPTIONAL_EXPORTS[mode]:
+        assert OPTIONAL_EXPORTS[mode] <= names, sorted(names)   # both of a pair or neither
+
+
+@pytest.mark.parametrize("bind_now", [False, True], ids=["lazy", "LD_BIND_NOW"])
+def test_preload_library_loads_into_a_non_python_process(built_libs, bind_now):
+    extra = {"LD_BIND_NOW": "1"} if bind_now else {}
+    env = _preload_env(built_libs["preload"], **extra)
+    proc = _run(["/bin/true"], env=env)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    proc = _run(["sh", "-c", "echo hi"], env=env)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "hi\n", "")
+    # A failed preload is not fatal to ld.so (a warning on stderr): make sure
+    # the library really is mapped into the process.
+    proc = _run(["sh", "-c", "cat /proc/$$/maps"], env=env)
+    assert proc.returncode == 0 and os.path.basename(built_libs["preload"]) in proc.stdout, proc.stderr
+
+
+_PROBE = r"""
+#include <stdio.h>
+#include <string.h>
+#include <stddef.h>
+int cudaMalloc(void **p, size_t n);
+int cudaFree(void *p);
+int main(void)
+{
+    void *p = NULL;
+    int a = cudaMalloc(&p, 3 << 20);
+    if (a == 0 && p) memset(p, 0x5a, 3 << 20);
+    int b = p ? cudaFree(p) : -1;
+    printf("%d %d %s\n", a, b, p ? "ptr" : "null");
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("env,expect_ok", [
+    ({}, False),                                                   # forwards; no libcudart here
+    ({"TMS_INIT_ENABLE": "1"}, False),                             # core, cuda backend: no driver here
+    ({"TMS_INIT_ENABLE": "maybe"}, False),                         # malformed: safe default (forward)
+    ({"TMS_INIT_ENABLE": "1", "TMS_BACKEND": "host"}, True),       # core on the host backend
+], ids=["forward", "init-enable-cuda", "malformed-env", "init-enable-host"])
+def test_hooks_work_in_a_non_python_program(built_libs, tmp_path, env, expect_ok):
+    # A C program linked against the preload library and started with it on
+    # LD_PRELOAD: cudaMalloc/cudaFree run without any libpython in the process
+    # and answer with a status code, never a crash.
+    if expect_ok is False and "TMS_INIT_ENABLE" in env and env["TMS_INIT_ENABLE"] == "1" and libcuda_present():
+        pytest.skip("a CUDA driver is installed here")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "probe.c"
+    src.write_text(_PROBE)
+    exe = tmp_path / "probe"
+    lib = built_libs["preload"]
+    check_ok(_run([cc, str(src), "-o", str(exe), str(lib), f"-Wl,-rpath,{lib.parent}"]), stderr_empty=False)
+    for bind_now in ({}, {"LD_BIND_NOW": "1"}):
+        proc = _run([str(exe)], env=_preload_env(lib, **env, **bind_now))
+        assert proc.returncode == 0 and proc.stderr == "", proc
+        malloc_rc, free_rc, ptr = proc.stdout.split()
+        if expect_ok:
+            assert (malloc_rc, free_rc, ptr) == ("0", "0", "ptr"), proc.stdout
+        else:
+            assert int(malloc_rc) != 0 and ptr == "null", proc.stdout
+
+
+def test_import_works_without_a_gpu_and_gpu_work_raises_clearly(run_py):
+    if libcuda_present():
+        pytest.skip("a CUDA driver is installed here")
+    out = check_ok(run_py("""
+        import torch_memory_saver
+        from torch_memory_saver import torch_memory_saver as tms
+        assert tms.enabled is True
+        for attempt in range(2):                           # the failure is not cached as success
+            try:
+                tms.pause()
+            except RuntimeError as e:
+                msg = str(e)
+                assert "CUDA driver" in msg and "libcuda.so.1" in msg, msg
+                assert type(e).__name__ == "Error" and type(e).__module__ == "torch_memory_saver._tms_preload"
+            else:
+                raise AssertionError("pause() without a driver succeeded")
+        print("done")
+    """, prelude=False, backend=None))
+    assert out == "done\n"
+
+
+@pytest.mark.slow
+def test_pip_wheel_contains_both_libraries_and_works(tmp_path):
+    wheels = tmp_path / "wheels"
+    proc = _run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
+                 "-w", str(wheels), str(REPO)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [wheel] = list(wheels.glob("torch_memory_saver-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        bad = z.testzip()
+        z.extractall(tmp_path / "site")
+    assert bad is None
+    for mode in HOOK_MODES:
+        assert [n for n in names if re.fullmatch(rf"torch_memory_saver/_tms_{mode}\..*\.so", n)], names
+    for py in ("__init__.py", "entrypoint.py", "_library.py", "_preload.py"):
+        assert f"torch_memory_saver/{py}" in names, names
+    assert any(n.endswith(".dist-info/RECORD") for n in names) and any(n.endswith(".dist-info/WHEEL") for n in names)
+    # The wheel's own libraries, imported from outside the source tree.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "LD_"))}
+    env.update(PYTHONPATH=str(tmp_path / "site"), TMS_BACKEND="host")
+    code = (
+        "import ctypes, os, torch_memory_saver as m\n"
+        "t = m.torch_memory_saver\n"
+        "assert m.__file__.startswith(os.environ['PYTHONPATH']), m.__file__\n"
+        "with t.region('w', enable_cpu_backup=True):\n"
+        "    p = t._core.malloc(3 << 20)\n"
+        "d = os.urandom(3 << 20); ctypes.memmove(p, d, len(d))\n"
+        "t.pause('w'); t.resume('w')\n"
+        "assert ctypes.string_at(p, len(d)) == d\n"
+        "print('ok')\n"
+    )
+    proc = _run([sys.executable, "-c", code], cwd=tmp_path, env=env)
+    assert check_ok(proc) == "ok\n"
+    for lib in (tmp_path / "site" / "torch_memory_saver").glob("_tms_*.so"):
+        assert not [n for n in _needed(lib) if FORBIDDEN_NEEDED.search(n)]

@@ -1,0 +1,165 @@
+"""GPU tests (issue 2): each scenario of tests/gpu_scenarios/ runs in a fresh
+Python process, in each hook mode it applies to, and must exit 0 after printing
+"OK". Skipped as a whole where PyTorch sees no CUDA GPU.
+
+Run on a GPU machine (after `make build`):
+
+    python -m pytest -q tests/test_gpu.py
+
+A preload-mode child is started inside `configure_subprocess()`, so it has the
+preload library on LD_PRELOAD; a torch-mode child has it removed from
+LD_PRELOAD. TMS_* variables and PYTORCH_CUDA_ALLOC_CONF of this process are not
+passed on: each scenario sets what it needs.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torch_memory_saver import _library, configure_subprocess
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = REPO_ROOT / "tests" / "gpu_scenarios"
+HOOK_MODES = ("preload", "torch")
+TIMEOUT_S = 300
+
+
+def _probe_gpu():
+    """(device count, reason to skip, probe error), the last two None unless they
+    apply. Asked of a fresh interpreter, so this process never initialises CUDA."""
+    code = ("import json\n"
+            "try:\n"
+            "    import torch\n"
+            "except ImportError as e:\n"
+            "    print(json.dumps({'torch': None, 'error': str(e)}))\n"
+            "else:\n"
+            "    ok = torch.cuda.is_available()\n"
+            "    print(json.dumps({'torch': torch.__version__, 'cuda': ok,\n"
+            "                      'devices': torch.cuda.device_count() if ok else 0}))\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                              env=_base_env())
+    except subprocess.TimeoutExpired:
+        return 0, None, "probing torch.cuda.is_available() timed out after 180 s"
+    try:
+        info = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return 0, None, (f"probing torch.cuda.is_available() failed (rc={proc.returncode}):\n"
+                         f"{proc.stdout}\n{proc.stderr}")
+    if info["torch"] is None:
+        return 0, f"PyTorch is not importable ({info['error']})", None
+    if not info["cuda"]:
+        return 0, f"no CUDA GPU: torch.cuda.is_available() is False (torch {info['torch']})", None
+    return info["devices"], None, None
+
+
+def _base_env(extra=None):
+    """This process's environment without TMS_* and PYTORCH_CUDA_ALLOC_CONF, with
+    the repository root first on PYTHONPATH, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("TMS_") and k != "PYTORCH_CUDA_ALLOC_CONF"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def _without_preload_library(value):
+    """LD_PRELOAD with this package's preload library taken out."""
+    ours = _library.path("preload")
+
+    def is_ours(entry):
+        try:
+            return os.path.samefile(entry, ours)
+        except OSError:
+            return False
+
+    return " ".join(e for e in value.replace(":", " ").split() if not is_ours(e))
+
+
+DEVICE_COUNT, SKIP_REASON, PROBE_ERROR = _probe_gpu()
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or ""),
+]
+
+
+def run_scenario(name, hook_mode, *args, env=None):
+    """Runs tests/gpu_scenarios/<name>.py in a fresh process; returns the CompletedProcess."""
+    if PROBE_ERROR:
+        pytest.fail(PROBE_ERROR)
+    for mode in HOOK_MODES:
+        try:
+            _library.path(mode)
+        except ImportError as e:
+            pytest.fail(f"{e} (run `make build` first)")
+    if hook_mode == "preload":
+        with configure_subprocess():
+            child_env = _base_env(env)
+    else:
+        child_env = _base_env(env)
+        child_env["LD_PRELOAD"] = _without_preload_library(child_env.get("LD_PRELOAD", ""))
+        if not child_env["LD_PRELOAD"]:
+            del child_env["LD_PRELOAD"]
+    cmd = [sys.executable, str(SCENARIOS / f"{name}.py"), hook_mode, *args]
+    try:
+        return subprocess.run(cmd, cwd=REPO_ROOT, env=child_env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{name} {hook_mode} {' '.join(args)} did not finish in {TIMEOUT_S} s\n"
+                    f"--- stdout ---\n{e.stdout}\n--- stderr ---\n{e.stderr}")
+
+
+def _report(proc):
+    return (f"command: {' '.join(map(str, proc.args))}\nexit status: {proc.returncode}\n"
+            f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+
+
+def check_passed(proc, empty_stderr=False):
+    report = _report(proc)
+    assert proc.returncode == 0, report
+    for marker in ("Traceback", "Segmentation", "core dumped"):
+        assert marker not in proc.stderr, f"{marker!r} in stderr\n{report}"
+    lines = proc.stdout.strip().splitlines()
+    assert lines and lines[-1] == "OK", f"the scenario did not finish (no final OK)\n{report}"
+    if empty_stderr:
+        assert proc.stderr.strip() == "", f"stderr not empty\n{report}"
+
+
+@pytest.mark.parametrize("hook_mode", HOOK_MODES)
+@pytest.mark.parametrize("scenario", [
+    "pause_frees",
+    "cpu_backup",
+    "retain",
+    "get_cpu_backup",
+    "tags_independent",
+    "disable_in_region",
+    "cuda_graph",
+    "memory_margin_oom",
+    "pause_during_kernel",
+    "free_while_paused",
+])
+def test_scenario(scenario, hook_mode):
+    check_passed(run_scenario(scenario, hook_mode))
+
+
+@pytest.mark.parametrize("hook_mode", HOOK_MODES)
+def test_nested_regions_init_enable(hook_mode):
+    # The "default"-tag part (allocations outside regions) runs in preload mode only.
+    check_passed(run_scenario("nested_init_enable", hook_mode, env={"TMS_INIT_ENABLE": "1"}))
+
+
+@pytest.mark.parametrize("hook_mode", HOOK_MODES)
+def test_multi_gpu(hook_mode):
+    if DEVICE_COUNT < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {DEVICE_COUNT}")
+    check_passed(run_scenario("multi_gpu", hook_mode))
+
+
+@pytest.mark.parametrize("hook_mode", HOOK_MODES)
+@pytest.mark.parametrize("case", ["active", "paused", "paused_backup", "backup_first_use"])
+def test_exit_states(case, hook_mode):
+    check_passed(run_scenario("exit_states", hook_mode, case), empty_stderr=True)
