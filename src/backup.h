@@ -12,6 +12,7 @@ struct tms_backup {
     void *host;
     size_t size;
     int kind;                        /* enum tms_backup_kind */
+    int registered;                  /* pinned by host_register (else host_alloc_pinned) */
     int refs;                        /* atomic */
     const struct tms_driver *drv;
 };

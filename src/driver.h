@@ -73,6 +73,10 @@ struct tms_driver {
     /* Page-locked host memory (plain memory on the host backend). */
     int (*host_alloc_pinned)(size_t size, void **ptr);
     int (*host_free_pinned)(void *ptr, size_t size);
+    /* Page-locks memory the caller mapped and populated (faster than
+     * host_alloc_pinned for large sizes: populate in parallel, then lock). */
+    int (*host_register)(void *ptr, size_t size);
+    int (*host_unregister)(void *ptr);
 };
 
 extern const struct tms_driver tms_driver_cuda;

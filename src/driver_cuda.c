@@ -40,6 +40,8 @@
     X(cuMemcpyHtoDAsync, (tms_CUdeviceptr dst, const void *src, size_t n, tms_CUstream stream)) \
     X(cuMemHostAlloc, (void **p, size_t size, unsigned flags)) \
     X(cuMemFreeHost, (void *p)) \
+    X(cuMemHostRegister, (void *p, size_t size, unsigned flags)) \
+    X(cuMemHostUnregister, (void *p)) \
     X(cuGetErrorName, (tms_CUresult code, const char **name))
 
 #define CUDA_DECLARE_FIELD(name, params) tms_CUresult (*name) params;
@@ -304,6 +306,13 @@ static int cuda_host_free_pinned(void *ptr, size_t size)
     WITH_SOME_CONTEXT(cu.cuMemFreeHost(ptr));
 }
 
+static int cuda_host_register(void *ptr, size_t size)
+{
+    WITH_SOME_CONTEXT(cu.cuMemHostRegister(ptr, size, 0x01 /* CU_MEMHOSTREGISTER_PORTABLE */));
+}
+
+static int cuda_host_unregister(void *ptr) { WITH_SOME_CONTEXT(cu.cuMemHostUnregister(ptr)); }
+
 static size_t cuda_default_chunk_bytes(void) { return 0; }
 
 const struct tms_driver tms_driver_cuda = {
@@ -329,4 +338,6 @@ const struct tms_driver tms_driver_cuda = {
     .stream_wait = cuda_stream_wait,
     .host_alloc_pinned = cuda_host_alloc_pinned,
     .host_free_pinned = cuda_host_free_pinned,
+    .host_register = cuda_host_register,
+    .host_unregister = cuda_host_unregister,
 };

@@ -31,11 +31,15 @@
     X(hipHostFree, (void *p))
 
 typedef const char *(*hip_error_name_fn)(tms_hipError_t);
+typedef tms_hipError_t (*hip_register_fn)(void *, size_t, unsigned);
+typedef tms_hipError_t (*hip_unregister_fn)(void *);
 
 #define HIP_DECLARE_FIELD(name, params) tms_hipError_t (*name) params;
 struct hip_api {
     HIP_ENTRIES(HIP_DECLARE_FIELD)
-    hip_error_name_fn hipGetErrorName;
+    hip_error_name_fn hipGetErrorName;      /* optional entries: NULL if absent */
+    hip_register_fn hipHostRegister;
+    hip_unregister_fn hipHostUnregister;
 };
 
 /* Written once by hip_load (under driver.c's lock), read-only afterwards. */
@@ -65,8 +69,12 @@ static int hip_load(struct tms_err *err)
     }
     HIP_ENTRIES(HIP_RESOLVE)
 #undef HIP_RESOLVE
-    void *name_fn = dlsym(lib, "hipGetErrorName");  /* optional: messages fall back to the number */
-    memcpy(&api.hipGetErrorName, &name_fn, sizeof name_fn);
+    const char *optional[] = {"hipGetErrorName", "hipHostRegister", "hipHostUnregister"};
+    void **slots[] = {(void **)&api.hipGetErrorName, (void **)&api.hipHostRegister, (void **)&api.hipHostUnregister};
+    for (size_t i = 0; i < sizeof optional / sizeof *optional; i++) {
+        void *fn = dlsym(lib, optional[i]);
+        memcpy(slots[i], &fn, sizeof fn);
+    }
     int count = 0;
     int rc = api.hipGetDeviceCount(&count);
     if (rc || count <= 0)
@@ -204,6 +212,18 @@ static int hip_host_free_pinned(void *ptr, size_t size)
     return hip.hipHostFree(ptr);
 }
 
+#define HIP_ERROR_NOT_SUPPORTED 801  /* backup.c then falls back to host_alloc_pinned */
+
+static int hip_host_register(void *ptr, size_t size)
+{
+    return hip.hipHostRegister ? hip.hipHostRegister(ptr, size, TMS_hipHostMallocPortable) : HIP_ERROR_NOT_SUPPORTED;
+}
+
+static int hip_host_unregister(void *ptr)
+{
+    return hip.hipHostUnregister ? hip.hipHostUnregister(ptr) : HIP_ERROR_NOT_SUPPORTED;
+}
+
 const struct tms_driver tms_driver_hip = {
     .name = "hip",
     .load = hip_load,
@@ -227,4 +247,6 @@ const struct tms_driver tms_driver_hip = {
     .stream_wait = hip_stream_wait,
     .host_alloc_pinned = hip_host_alloc_pinned,
     .host_free_pinned = hip_host_free_pinned,
+    .host_register = hip_host_register,
+    .host_unregister = hip_host_unregister,
 };

@@ -230,6 +230,20 @@ static int host_free_pinned(void *ptr, size_t size)
     return munmap(ptr, size) ? errno : 0;
 }
 
+/* Nothing to lock on the host backend; counted as a host allocation so
+ * TMS_FAULT=host_alloc:n reaches pinned backups too. */
+static int host_register(void *ptr, size_t size)
+{
+    (void)ptr, (void)size;
+    return fault_hit(FAULT_HOST_ALLOC) ? ENOMEM : 0;
+}
+
+static int host_unregister(void *ptr)
+{
+    (void)ptr;
+    return 0;
+}
+
 static size_t host_default_chunk_bytes(void) { return 0; }
 
 const struct tms_driver tms_driver_host = {
@@ -255,4 +269,6 @@ const struct tms_driver tms_driver_host = {
     .stream_wait = host_stream_wait,
     .host_alloc_pinned = host_alloc_pinned,
     .host_free_pinned = host_free_pinned,
+    .host_register = host_register,
+    .host_unregister = host_unregister,
 };

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 /*
@@ -29,8 +30,11 @@ struct block {
     size_t len;
 };
 
+enum job_kind { JOB_TO_HOST, JOB_TO_DEVICE, JOB_POPULATE };
+
 struct job {
     const struct tms_driver *drv;
+    int kind;            /* enum job_kind */
     int to_host;
     struct tms_transfer *items;
     const struct block *blocks;
@@ -123,8 +127,28 @@ static void finish(struct worker *w, struct job *j, ssize_t b, int slot)
     __atomic_add_fetch(&it->done, blk->len, __ATOMIC_RELAXED);
 }
 
+/* Faults in a block of fresh host memory; the kernel zeroes the pages, so
+ * spreading it over the workers is what makes it fast. */
+static void populate_blocks(struct job *j)
+{
+    for (ssize_t b; (b = claim(j)) >= 0;) {
+        const struct block *blk = &j->blocks[b];
+        struct tms_transfer *it = &j->items[blk->item];
+        char *p = (char *)it->host + blk->offset;
+        if (madvise(p, blk->len, MADV_POPULATE_WRITE) != 0) {  /* Linux < 5.14: touch each page */
+            long page = sysconf(_SC_PAGESIZE);
+            for (size_t off = 0; off < blk->len; off += (size_t)page) ((volatile char *)p)[off] = 0;
+        }
+        __atomic_add_fetch(&it->done, blk->len, __ATOMIC_RELAXED);
+    }
+}
+
 static void worker_run(struct worker *w, struct job *j)
 {
+    if (j->kind == JOB_POPULATE) {
+        populate_blocks(j);
+        return;
+    }
     ssize_t in_slot[2] = {-1, -1};  /* block whose copy occupies each slot */
     int cur = 0;
     for (ssize_t b; (b = claim(j)) >= 0; cur ^= 1) {
@@ -251,8 +275,8 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
 
 int tms_transfer_warm(const struct tms_driver *drv, struct tms_err *err) { return pool_start(drv, err); }
 
-int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
-                     struct tms_err *err)
+static int run_job(const struct tms_driver *drv, int kind, struct tms_transfer *items, size_t count,
+                   struct tms_err *err)
 {
     size_t n_blocks = 0;
     for (size_t i = 0; i < count; i++) {
@@ -269,7 +293,8 @@ int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_trans
         for (size_t off = 0; off < items[i].n; off += BLOCK_BYTES)
             blocks[k++] = (struct block){i, off, items[i].n - off < BLOCK_BYTES ? items[i].n - off : BLOCK_BYTES};
 
-    struct job j = {.drv = drv, .to_host = to_host, .items = items, .blocks = blocks, .n_blocks = n_blocks};
+    struct job j = {.drv = drv, .kind = kind, .to_host = kind == JOB_TO_HOST, .items = items, .blocks = blocks,
+                    .n_blocks = n_blocks};
     pthread_mutex_init(&j.err_lock, NULL);
     pthread_mutex_lock(&run_lock);
     pthread_mutex_lock(&pool_lock);
@@ -288,4 +313,16 @@ int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_trans
         return j.err.status;
     }
     return TMS_OK;
+}
+
+int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
+                     struct tms_err *err)
+{
+    return run_job(drv, to_host ? JOB_TO_HOST : JOB_TO_DEVICE, items, count, err);
+}
+
+int tms_transfer_populate(const struct tms_driver *drv, void *host, size_t n, struct tms_err *err)
+{
+    struct tms_transfer item = {.host = host, .n = n};
+    return run_job(drv, JOB_POPULATE, &item, 1, err);
 }

@@ -23,6 +23,9 @@ struct tms_transfer {
 int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
                      struct tms_err *err);
 
+/* Faults in n bytes of fresh host memory at host with the workers. */
+int tms_transfer_populate(const struct tms_driver *drv, void *host, size_t n, struct tms_err *err);
+
 /* Starts the workers and their staging buffers ahead of the first pause
  * (pinning costs ~0.4 s per GiB, DESIGN), so that pause runs at link speed. */
 int tms_transfer_warm(const struct tms_driver *drv, struct tms_err *err);

@@ -670,8 +670,10 @@ _ONE_ALLOCATION_FAULTS = [
     ("copy_to_device:2", "resume", "Error", "restore copy", "paused"),      # second copy block
     ("unmap:2", "pause", "Error", "unmap of allocation", "active"),         # chunk 2 of 3
     ("copy_to_host:2", "pause", "Error", "backup copy", "active"),
-    ("host_alloc:1", "pause", "OutOfMemoryError", "pinned host memory", "active"),   # the backup buffer
-    ("host_alloc:2", "pause", "OutOfMemoryError", "staging", "active"),    # the copy workers' staging
+    # A pinned backup is populated by the copy workers (their staging is host
+    # allocations 1-4 with TMS_BACKUP_THREADS=2), then page-locked (call 5).
+    ("host_alloc:1", "pause", "OutOfMemoryError", "staging", "active"),    # the copy workers' staging
+    ("host_alloc:5", "pause", "OutOfMemoryError", "pinned backup", "active"),   # locking the backup
 ]
 
 
@@ -740,9 +742,9 @@ _SEVERAL = textwrap.dedent("""
 @pytest.mark.parametrize("fault,exc,fragment", [
     ("copy_to_host:1", "Error", "backup copy"),
     ("copy_to_host:3", "Error", "backup copy"),
-    ("host_alloc:1", "OutOfMemoryError", "pinned host memory"),        # first pinned backup buffer
-    ("host_alloc:2", "OutOfMemoryError", "pinned host memory"),        # second pinned backup buffer
-    ("host_alloc:3", "OutOfMemoryError", "staging"),                   # copy workers start after the buffers
+    ("host_alloc:1", "OutOfMemoryError", "staging"),                   # workers start to populate the first buffer
+    ("host_alloc:5", "OutOfMemoryError", "pinned backup"),             # locking the first pinned backup
+    ("host_alloc:6", "OutOfMemoryError", "pinned backup"),             # locking the second
 ])
 def test_fault_during_backed_up_pause_leaves_every_allocation_active(run_py, fault, exc, fragment):
     out = check_ok(run_py(_SEVERAL + textwrap.dedent(f"""
@@ -906,6 +908,7 @@ def test_backed_up_pause_in_a_forked_child(run_py):
             p = core.malloc(n)
         d = fill(p, n)
         tms.pause("w"); tms.resume("w")
+        import warnings; warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12 warns on fork with threads
         pid = os.fork()
         if pid == 0:
             try:
