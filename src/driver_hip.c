@@ -1,6 +1,7 @@
 /* ROCm backend: HIP runtime entry points resolved at run time from libamdhip64. */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,6 +45,9 @@ struct hip_api {
 
 /* Written once by hip_load (under driver.c's lock), read-only afterwards. */
 static struct hip_api hip;
+static size_t hip_chunk_bytes;
+
+static size_t chunk_bytes_for(const struct hip_api *api);
 
 static int hip_load(struct tms_err *err)
 {
@@ -52,12 +56,17 @@ static int hip_load(struct tms_err *err)
     const char *names[] = {override, "libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"};
     void *lib = NULL;
     const char *why = "?";
+    char first_why[256] = "";
     for (size_t i = 0; i < sizeof names / sizeof *names && !lib; i++) {
         if (!names[i] || !*names[i]) continue;
         lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-        if (!lib) why = dlerror();
+        if (!lib && !first_why[0]) {  /* the first name tried says the most */
+            why = dlerror();
+            snprintf(first_why, sizeof first_why, "%s", why ? why : "?");
+        }
         if (override && *override) break;  /* an explicit choice is not second-guessed */
     }
+    why = first_why;
     if (!lib) return tms_fail(err, TMS_E_NO_DRIVER, 0, "HIP runtime not found: dlopen(libamdhip64) failed: %s", why);
     struct hip_api api;
     memset(&api, 0, sizeof api);
@@ -81,6 +90,7 @@ static int hip_load(struct tms_err *err)
         return tms_fail(err, TMS_E_NO_DRIVER, rc, "hipGetDeviceCount failed (code %d, %d devices): no usable GPU", rc,
                         count);
     hip = api;
+    hip_chunk_bytes = chunk_bytes_for(&api);
     return TMS_OK;
 }
 
@@ -131,10 +141,12 @@ static int hip_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes)
 
 /* Large single physical allocations misbehave on ROCm 6.x (DESIGN): there the
  * core backs each allocation with chunks of this size unless told otherwise. */
-static size_t hip_default_chunk_bytes(void)
+static size_t hip_default_chunk_bytes(void) { return hip_chunk_bytes; }
+
+static size_t chunk_bytes_for(const struct hip_api *api)
 {
     int version = 0;
-    if (hip.hipRuntimeGetVersion(&version) != TMS_hipSuccess) return 0;
+    if (api->hipRuntimeGetVersion(&version) != TMS_hipSuccess) return 0;
     return version >= 60000000 && version < 70000000 ? (size_t)256 << 20 : 0;
 }
 

@@ -335,7 +335,7 @@ static PyObject *py_get_retain(PyObject *module, PyObject *unused)
     return PyBool_FromLong(tms_core_retain());
 }
 
-PyDoc_STRVAR(use_backend_doc, "use_backend($module, name, /)\n--\n\nChoose 'cuda' or 'host' before first use.");
+PyDoc_STRVAR(use_backend_doc, "use_backend($module, name, /)\n--\n\nChoose 'cuda', 'hip' or 'host' before first use.");
 static PyObject *py_use_backend(PyObject *module, PyObject *arg)
 {
     const char *name = PyUnicode_AsUTF8(arg);

@@ -61,7 +61,10 @@ def cmake_build(tmp_path_factory):
 def test_ctest(cmake_build):
     out = _ctest(cmake_build)
     for name in ("core_host", "core_host_chunk_4MiB", "core_host_chunk_5MiB", "core_host_faults",
-                 "core_host_faults_chunked"):
+                 "core_host_faults_chunked",
+                 # the hip backend against tests/c/hip_stub.c
+                 "core_hip_stub", "core_hip_stub_rocm7", "core_hip_stub_no_register", "core_hip_stub_chunk_4MiB",
+                 "core_hip_stub_chunk_5MiB", "hip_stub_rocm6", "hip_stub_rocm7"):
         assert f" {name} " in out, out
 
 

@@ -31,6 +31,14 @@ def _torch_is_rocm() -> bool:
     return bool(getattr(torch.version, "hip", None))
 
 
+def _torch_has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 class TorchMemorySaver:
     """Process-wide entry point (use the `torch_memory_saver` instance)."""
 
@@ -215,12 +223,14 @@ class _Impl:
                                "supported (PyTorch then maps memory itself instead of calling cudaMalloc)")
 
     def on_gpu(self) -> bool:
-        """True on the CUDA backend (torch pools are used); False on the host backend."""
+        """True on a GPU backend (cuda, hip) with a torch that sees the GPU: regions then use
+        torch MemPools. False on the host backend (regions only set the thread's settings)."""
         if self._on_gpu is None:
             backend = self.core.backend()  # raises with the reason if no driver
-            if backend == "cuda" and self.hook_mode == "preload":
+            gpu = backend in ("cuda", "hip") and _torch_has_gpu()
+            if gpu and self.hook_mode == "preload":
                 _preload.check_interposed(self.core)
-            self._on_gpu = backend == "cuda"
+            self._on_gpu = gpu
         return self._on_gpu
 
     # Pools keep region allocations in segments of their own, so PyTorch's
@@ -295,7 +305,7 @@ class _Impl:
         import torch
 
         if not self.on_gpu():
-            raise RuntimeError("torch_memory_saver: cuda_graph needs the CUDA backend")
+            raise RuntimeError("torch_memory_saver: cuda_graph needs a GPU backend (cuda or hip) and a torch that sees the GPU")
         if pool is None and self.hook_mode == "torch":
             pool = self._pool(tag, backup, kind, torch.cuda.current_device()).id
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
