@@ -9,7 +9,10 @@ Run on a GPU machine (after `make build`):
 A preload-mode child is started inside `configure_subprocess()`, so it has the
 preload library on LD_PRELOAD; a torch-mode child has it removed from
 LD_PRELOAD. TMS_* variables and PYTORCH_CUDA_ALLOC_CONF of this process are not
-passed on: each scenario sets what it needs.
+passed on: each scenario sets what it needs. The exceptions are the settings
+that select how the core works rather than what a scenario tests, so the whole
+suite can run again under them: TMS_CHUNK_BYTES (e.g. 64MiB: the chunked core
+of ROCm, issue 6) and TMS_BACKUP_THREADS.
 """
 import json
 import os
@@ -56,11 +59,14 @@ def _probe_gpu():
     return info["devices"], None, None
 
 
+_PASSED_ON = ("TMS_CHUNK_BYTES", "TMS_BACKUP_THREADS")
+
+
 def _base_env(extra=None):
     """This process's environment without TMS_* and PYTORCH_CUDA_ALLOC_CONF, with
     the repository root first on PYTHONPATH, plus `extra`."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("TMS_") and k != "PYTORCH_CUDA_ALLOC_CONF"}
+           if (not k.startswith("TMS_") or k in _PASSED_ON) and k != "PYTORCH_CUDA_ALLOC_CONF"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
