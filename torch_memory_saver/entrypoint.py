@@ -31,12 +31,15 @@ def _torch_is_rocm() -> bool:
     return bool(getattr(torch.version, "hip", None))
 
 
-def _torch_has_gpu() -> bool:
+def _torch_gpu_platform():
+    """'hip' or 'cuda' if torch sees a GPU of that platform, else None."""
     try:
         import torch
     except ImportError:
-        return False
-    return torch.cuda.is_available()
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return "hip" if getattr(torch.version, "hip", None) else "cuda"
 
 
 class TorchMemorySaver:
@@ -227,7 +230,9 @@ class _Impl:
         torch MemPools. False on the host backend (regions only set the thread's settings)."""
         if self._on_gpu is None:
             backend = self.core.backend()  # raises with the reason if no driver
-            gpu = backend in ("cuda", "hip") and _torch_has_gpu()
+            # Regions use torch pools only where torch drives the same GPUs as the
+            # backend (a HIP backend under a CUDA torch is a test stub, not a GPU).
+            gpu = backend == _torch_gpu_platform()
             if gpu and self.hook_mode == "preload":
                 _preload.check_interposed(self.core)
             self._on_gpu = gpu
