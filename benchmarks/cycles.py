@@ -133,6 +133,7 @@ BACKUP_CONFIGS = {
     "pinned": ("pinned", False),
     "mmap": ("mmap", False),
     "mmap_retained": ("mmap", True),
+    "pinned_retained": ("pinned", True),
 }
 
 

@@ -7,6 +7,7 @@ from .common import GiB, MiB, fmt_bytes, median
 BACKUP_TARGETS = {
     "mmap": {"pause": 35.0, "resume": 40.0, "which": "first and steady cycles"},
     "mmap_retained": {"pause": 50.0, "resume": 50.0, "which": "steady cycles"},
+    "pinned_retained": {"pause": 50.0, "resume": 50.0, "which": "steady cycles"},
 }
 PASSTHROUGH_TARGET_NS_PER_CALL = 1000.0
 FLOOR_RATIO_TARGET = 1.2
@@ -125,7 +126,7 @@ def derive(results):
     d["latency"] = rows
 
     brows = []
-    for config in ("pinned", "mmap", "mmap_retained"):
+    for config in ("pinned", "mmap", "mmap_retained", "pinned_retained"):
         b = _get(results, "backup", config)
         row = {"config": config}
         if not _ok(b):

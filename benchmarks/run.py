@@ -85,6 +85,7 @@ STEPS = [
     Step("backup:pinned", "worker", "torch", ["backup:pinned"], 80, 35),
     Step("backup:mmap", "worker", "torch", ["backup:mmap"], 80, 30),
     Step("backup:mmap_retained", "worker", "torch", ["backup:mmap_retained"], 80, 30),
+    Step("backup:pinned_retained", "worker", "torch", ["backup:pinned_retained"], 80, 30),
 ]
 GRACE_S = 30  # past a worker's soft deadline before it is killed
 

@@ -91,6 +91,17 @@ static void load_defaults(void)
         tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
                  "TMS_INIT_CPU_BACKUP_BACKEND='%s' is not a backup backend (use 'pinned' or 'mmap')", kind);
     env_threads();
+    defaults.backup_block_bytes = (size_t)8 << 20;
+    const char *block = getenv("TMS_BACKUP_BLOCK_BYTES");
+    size_t block_bytes = 0;
+    if (block && *block) {
+        if (tms_parse_bytes(block, &block_bytes) == TMS_OK && block_bytes >= (64u << 10) &&
+            block_bytes <= ((size_t)256 << 20) && block_bytes % 4096 == 0)
+            defaults.backup_block_bytes = block_bytes;
+        else if (!defaults.parse_error.status)
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                     "TMS_BACKUP_BLOCK_BYTES='%s' is not a size from 64KiB to 256MiB in whole 4 KiB pages", block);
+    }
     const char *chunk = getenv("TMS_CHUNK_BYTES");
     if (chunk && *chunk) defaults.chunk_bytes_set = 1;
     if (chunk && *chunk && tms_parse_bytes(chunk, &defaults.chunk_bytes) != TMS_OK) {

@@ -18,9 +18,9 @@
  *  - one thread fills fresh pages at ~2 GB/s, 8-16 threads at ~40 GB/s, so
  *    the host side of the copy is spread over worker threads;
  *  - each worker owns two staging slots and two streams: while one slot's
- *    DMA runs, it copies the other slot on the host side.
+ *    DMA runs, it copies the other slot on the host side;
+ *  - blocks (and slots) are 8 MiB unless TMS_BACKUP_BLOCK_BYTES says otherwise.
  */
-#define BLOCK_BYTES ((size_t)8 << 20)
 #define DEFAULT_MAX_WORKERS 16
 #define MAX_DEVICES 64
 
@@ -48,7 +48,7 @@ struct job {
 struct worker {
     pthread_t thread;
     unsigned long start_seq;              /* job_seq when created: jobs after it are ours */
-    void *slot[2];                        /* pinned staging, BLOCK_BYTES each */
+    void *slot[2];                        /* pinned staging, block_bytes each */
     tms_stream stream[MAX_DEVICES][2];    /* created on first use of a device */
 };
 
@@ -59,6 +59,7 @@ static pthread_cond_t job_finished = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER;   /* one job at a time */
 static struct worker *workers;
 static int worker_count;
+static size_t block_bytes;  /* fixed while the pool lives: the slots have this size */
 static unsigned long job_seq;
 static struct job *current_job;
 static int workers_busy;
@@ -207,7 +208,7 @@ static void pool_discard_locked(const struct tms_driver *drv)
 {
     for (int i = 0; i < worker_count; i++)
         for (int s = 0; s < 2; s++)
-            if (workers[i].slot[s]) (void)drv->host_free_pinned(workers[i].slot[s], BLOCK_BYTES);
+            if (workers[i].slot[s]) (void)drv->host_free_pinned(workers[i].slot[s], block_bytes);
     free(workers);
     workers = NULL;
     worker_count = 0;
@@ -240,15 +241,16 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
         return TMS_OK;
     }
     int n = wanted_workers(), rc = TMS_OK;
+    block_bytes = tms_defaults()->backup_block_bytes;
     workers = calloc((size_t)n, sizeof *workers);
     if (!workers) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for %d copy workers", n);
     for (int i = 0; !rc && i < n; i++) {
         for (int s = 0; !rc && s < 2; s++) {
-            int drc = drv->host_alloc_pinned(BLOCK_BYTES, &workers[i].slot[s]);
+            int drc = drv->host_alloc_pinned(block_bytes, &workers[i].slot[s]);
             if (drc) {
                 workers[i].slot[s] = NULL;
                 rc = tms_fail(err, TMS_E_HOST_OOM, drc, "cannot pin %zu bytes of staging for copy worker %d: %s (%d)",
-                              BLOCK_BYTES, i, drv->code_name(drc), drc);
+                              block_bytes, i, drv->code_name(drc), drc);
             }
         }
         worker_count = i + 1;
@@ -265,7 +267,7 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
     } else if (rc) {  /* run with the workers that did start; give back the others' staging */
         for (int i = started; i < worker_count; i++)
             for (int s = 0; s < 2; s++)
-                if (workers[i].slot[s]) (void)drv->host_free_pinned(workers[i].slot[s], BLOCK_BYTES);
+                if (workers[i].slot[s]) (void)drv->host_free_pinned(workers[i].slot[s], block_bytes);
         worker_count = started;
     }
     if (worker_count > 0) rc = TMS_OK;
@@ -278,20 +280,21 @@ int tms_transfer_warm(const struct tms_driver *drv, struct tms_err *err) { retur
 static int run_job(const struct tms_driver *drv, int kind, struct tms_transfer *items, size_t count,
                    struct tms_err *err)
 {
-    size_t n_blocks = 0;
+    size_t total = 0, n_blocks = 0;
     for (size_t i = 0; i < count; i++) {
         items[i].done = 0;
-        n_blocks += (items[i].n + BLOCK_BYTES - 1) / BLOCK_BYTES;
+        total += items[i].n;
     }
-    if (n_blocks == 0) return TMS_OK;
-    int rc = pool_start(drv, err);
+    if (total == 0) return TMS_OK;
+    int rc = pool_start(drv, err);  /* sets block_bytes */
     if (rc) return rc;
+    for (size_t i = 0; i < count; i++) n_blocks += (items[i].n + block_bytes - 1) / block_bytes;
     struct block *blocks = malloc(n_blocks * sizeof *blocks);
     if (!blocks) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu copy blocks", n_blocks);
     size_t k = 0;
     for (size_t i = 0; i < count; i++)
-        for (size_t off = 0; off < items[i].n; off += BLOCK_BYTES)
-            blocks[k++] = (struct block){i, off, items[i].n - off < BLOCK_BYTES ? items[i].n - off : BLOCK_BYTES};
+        for (size_t off = 0; off < items[i].n; off += block_bytes)
+            blocks[k++] = (struct block){i, off, items[i].n - off < block_bytes ? items[i].n - off : block_bytes};
 
     struct job j = {.drv = drv, .kind = kind, .to_host = kind == JOB_TO_HOST, .items = items, .blocks = blocks,
                     .n_blocks = n_blocks};
