@@ -91,7 +91,6 @@ static void load_defaults(void)
         tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
                  "TMS_INIT_CPU_BACKUP_BACKEND='%s' is not a backup backend (use 'pinned' or 'mmap')", kind);
     env_threads();
-    defaults.backup_block_bytes = (size_t)8 << 20;
     const char *block = getenv("TMS_BACKUP_BLOCK_BYTES");
     size_t block_bytes = 0;
     if (block && *block) {

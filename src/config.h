@@ -32,7 +32,7 @@ struct tms_defaults {
     size_t chunk_bytes;          /* TMS_CHUNK_BYTES; 0 = one physical handle per allocation */
     int chunk_bytes_set;         /* else the backend's default applies */
     int backup_threads;          /* TMS_BACKUP_THREADS; 0 = one per core, at most 16 */
-    size_t backup_block_bytes;   /* TMS_BACKUP_BLOCK_BYTES: copy block and staging slot size */
+    size_t backup_block_bytes;   /* TMS_BACKUP_BLOCK_BYTES: copy block size both ways; 0 = per direction */
     struct tms_err parse_error;  /* status != 0 if a variable was malformed */
 };
 

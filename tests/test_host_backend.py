@@ -763,8 +763,8 @@ def test_fault_during_backed_up_pause_leaves_every_allocation_active(run_py, fau
 
 
 def test_failed_pause_drops_stale_retained_copies(run_py):
-    # copy_to_host calls: the first pause copies 1 + 3 + 1 + 1 = 6 blocks; the
-    # second pause fails on its second block.
+    # copy_to_host calls with 8 MiB blocks: the first pause copies
+    # 1 + 3 + 1 + 1 = 6 blocks; the second pause fails on its second block.
     out = check_ok(run_py(_SEVERAL + textwrap.dedent("""
         tms.retain_cpu_backup = True
         tms.pause("p")
@@ -781,7 +781,7 @@ def test_failed_pause_drops_stale_retained_copies(run_py):
         tms.resume("p")
         assert intact()
         print("done")
-    """), env={"TMS_FAULT": "copy_to_host:8"}))
+    """), env={"TMS_FAULT": "copy_to_host:8", "TMS_BACKUP_BLOCK_BYTES": "8MiB"}))
     assert out == "done\n"
 
 
