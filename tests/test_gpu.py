@@ -147,6 +147,9 @@ def check_passed(proc, empty_stderr=False):
     "memory_margin_oom",
     "pause_during_kernel",
     "free_while_paused",
+    "soak",
+    "stress_threads",
+    "stats_match",
 ])
 def test_scenario(scenario, hook_mode):
     check_passed(run_scenario(scenario, hook_mode))
