@@ -119,8 +119,11 @@ def _latency_shape(env, tms, tag, name, entry, count, size, cycles, warmup, dead
         entry["freed_bytes"] = freed
         entry["freed_source"] = "torch.cuda.mem_get_info" if free0 is not None else "VmRSS (host backend)"
         expected = entry["reserved_bytes"]
-        tol = max(64 * MiB, expected // 100)
+        # >= 95 % of the reserved bytes, as the GPU tests require: an 8 GiB
+        # pause frees ~92 MiB less than reserved on the H100 (driver bookkeeping).
+        tol = max(64 * MiB, expected // 20)
         entry["freed_ok"] = bool(freed) and all(abs(f - expected) <= tol for f in freed)
+        entry["freed_fraction_min"] = min(freed) / expected if freed and expected else None
         entry["same_addresses"] = env.addresses(block) == addrs
         log(f"latency {name}: {entry['allocations']} allocations, pause {_ms(entry['pause_median_s'])}, "
             f"resume {_ms(entry['resume_median_s'])}, freed ok {entry['freed_ok']}")
