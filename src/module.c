@@ -377,6 +377,16 @@ static PyObject *py_warm_backups(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(copy_progress_doc,
+"copy_progress($module, /)\n--\n\n(bytes done, bytes total) of the backup copy running now (or the last one).");
+static PyObject *py_copy_progress(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    size_t done, total;
+    tms_transfer_progress(&done, &total);
+    return Py_BuildValue("(nn)", (Py_ssize_t)done, (Py_ssize_t)total);
+}
+
 PyDoc_STRVAR(loaded_backend_doc, "loaded_backend($module, /)\n--\n\nName of the loaded backend, or None.");
 static PyObject *py_loaded_backend(PyObject *module, PyObject *unused)
 {
@@ -447,6 +457,7 @@ static PyMethodDef module_methods[] = {
     {"backend", py_backend, METH_NOARGS, backend_doc},
     {"loaded_backend", py_loaded_backend, METH_NOARGS, loaded_backend_doc},
     {"warm_backups", py_warm_backups, METH_NOARGS, warm_backups_doc},
+    {"copy_progress", py_copy_progress, METH_NOARGS, copy_progress_doc},
     {"preload_active", py_preload_active, METH_NOARGS, preload_active_doc},
     {"library_path", py_library_path, METH_NOARGS, library_path_doc},
     {"last_hook_error", py_last_hook_error, METH_NOARGS, last_hook_error_doc},

@@ -69,6 +69,10 @@ static size_t slot_bytes;  /* fixed while the pool lives */
 static unsigned long job_seq;
 static struct job *current_job;
 static int workers_busy;
+/* Progress of the job running now, readable without locks (progress lines
+ * for long pauses, issue 7): bytes done and bytes in the job. */
+static size_t progress_done;   /* atomic */
+static size_t progress_total;  /* atomic */
 
 static void job_fail(struct job *j, struct tms_err *e)
 {
@@ -132,6 +136,7 @@ static void finish(struct worker *w, struct job *j, ssize_t b, int slot)
     }
     if (j->to_host && !it->host_pinned) memcpy((char *)it->host + blk->offset, w->slot[slot], blk->len);
     __atomic_add_fetch(&it->done, blk->len, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&progress_done, blk->len, __ATOMIC_RELAXED);
 }
 
 /* Faults in a block of fresh host memory; the kernel zeroes the pages, so
@@ -306,6 +311,10 @@ static int run_job(const struct tms_driver *drv, int kind, struct tms_transfer *
         for (size_t off = 0; off < items[i].n; off += block_bytes)
             blocks[k++] = (struct block){i, off, items[i].n - off < block_bytes ? items[i].n - off : block_bytes};
 
+    if (kind != JOB_POPULATE) {
+        __atomic_store_n(&progress_done, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&progress_total, total, __ATOMIC_RELAXED);
+    }
     struct job j = {.drv = drv, .kind = kind, .to_host = kind == JOB_TO_HOST, .items = items, .blocks = blocks,
                     .n_blocks = n_blocks};
     pthread_mutex_init(&j.err_lock, NULL);
@@ -332,6 +341,12 @@ int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_trans
                      struct tms_err *err)
 {
     return run_job(drv, to_host ? JOB_TO_HOST : JOB_TO_DEVICE, items, count, err);
+}
+
+void tms_transfer_progress(size_t *done, size_t *total)
+{
+    *done = __atomic_load_n(&progress_done, __ATOMIC_RELAXED);
+    *total = __atomic_load_n(&progress_total, __ATOMIC_RELAXED);
 }
 
 int tms_transfer_populate(const struct tms_driver *drv, void *host, size_t n, struct tms_err *err)

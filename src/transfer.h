@@ -23,6 +23,9 @@ struct tms_transfer {
 int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
                      struct tms_err *err);
 
+/* Bytes copied so far by the current (or last) copy job, and its size. */
+void tms_transfer_progress(size_t *done, size_t *total);
+
 /* Faults in n bytes of fresh host memory at host with the workers. */
 int tms_transfer_populate(const struct tms_driver *drv, void *host, size_t n, struct tms_err *err);
 

@@ -1,5 +1,7 @@
 """What the library holds and did: stats(), memory_summary(), pause/resume log lines."""
 import logging
+import os
+import threading
 import time
 
 logger = logging.getLogger("torch_memory_saver")
@@ -57,6 +59,45 @@ def _totals(core, tag):
     return moved, freed
 
 
+# Progress lines for long backed-up pauses/resumes: off by default, on with
+# torch_memory_saver.progress = True or TMS_PROGRESS=1.
+progress_enabled = os.environ.get("TMS_PROGRESS", "").lower() in ("1", "true", "yes", "on")
+PROGRESS_AFTER_S = 1.0
+PROGRESS_EVERY_S = 0.5
+
+
+def _run_with_progress(core, op, tag):
+    """Runs the call in a thread (it releases the GIL) and, once it has taken
+    PROGRESS_AFTER_S, logs the copy progress every PROGRESS_EVERY_S."""
+    outcome = {}
+
+    def call():
+        try:
+            getattr(core, op)(tag)
+        except BaseException as e:  # re-raised in the caller's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=call, name=f"tms-{op}")
+    t0 = time.perf_counter()
+    worker.start()
+    worker.join(PROGRESS_AFTER_S)
+    while worker.is_alive():
+        done, total = core.copy_progress()
+        if total:
+            logger.info("%s tag=%s: %.0f%% (%s of %s copied, %.1f s)", op, tag if tag is not None else "<all>",
+                        100.0 * done / total, _fmt_bytes(done), _fmt_bytes(total), time.perf_counter() - t0)
+        worker.join(PROGRESS_EVERY_S)
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+def _run(core, op, tag):
+    if progress_enabled and logger.isEnabledFor(logging.INFO):
+        _run_with_progress(core, op, tag)
+    else:
+        getattr(core, op)(tag)
+
+
 def logged(core, op, tag):
     """Runs core.pause/resume(tag), logging a summary at INFO and the
     allocations at DEBUG, only when those levels are enabled."""
@@ -64,7 +105,7 @@ def logged(core, op, tag):
         return getattr(core, op)(tag)
     moved0, mapped0 = _totals(core, tag)
     t0 = time.perf_counter()
-    getattr(core, op)(tag)
+    _run(core, op, tag)
     seconds = time.perf_counter() - t0
     moved1, mapped1 = _totals(core, tag)
     moved = moved1 - moved0

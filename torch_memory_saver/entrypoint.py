@@ -73,6 +73,18 @@ class TorchMemorySaver:
         self._hook_mode = value
 
     @property
+    def progress(self) -> bool:
+        """Log progress lines (INFO, logger "torch_memory_saver") for backed-up
+        pauses/resumes that take more than a second. Off by default; TMS_PROGRESS=1."""
+        return _observe.progress_enabled
+
+    @progress.setter
+    def progress(self, value: bool):
+        if not isinstance(value, bool):
+            raise TypeError(f"torch_memory_saver: progress must be a bool, not {type(value).__name__}")
+        _observe.progress_enabled = value
+
+    @property
     def memory_margin_bytes(self) -> int:
         return self._impl.core.get_memory_margin_bytes() if self._impl else self._pending_margin
 
