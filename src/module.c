@@ -3,6 +3,7 @@
 #include <Python.h>
 
 #include <dlfcn.h>
+#include <string.h>
 
 #include "config.h"
 #include "core.h"
@@ -101,9 +102,12 @@ static PyObject *run_tag_op(PyObject *module, PyObject *arg, tag_op op, const ch
         if (!PyUnicode_Check(arg))
             return PyErr_Format(PyExc_TypeError, "%s: tag must be a str or None, not %.100s", name,
                                 Py_TYPE(arg)->tp_name);
-        tag = PyUnicode_AsUTF8(arg);
+        Py_ssize_t len = 0;
+        tag = PyUnicode_AsUTF8AndSize(arg, &len);
         if (!tag) return NULL;
         if (!*tag) return PyErr_Format(PyExc_ValueError, "%s: tag must be a non-empty string", name);
+        if ((size_t)len != strlen(tag))  /* C sees the tag up to its first NUL only */
+            return PyErr_Format(PyExc_ValueError, "%s: tag %R contains a null character", name, arg);
     }
     struct tms_err err = {0};
     int rc;
@@ -203,9 +207,14 @@ PyDoc_STRVAR(get_cpu_backup_doc,
 
 static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
 {
-    unsigned long long ptr;
+    PyObject *ptr_obj;
     Py_ssize_t nbytes;
-    if (!PyArg_ParseTuple(args, "Kn:get_cpu_backup", &ptr, &nbytes)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!n:get_cpu_backup", &PyLong_Type, &ptr_obj, &nbytes)) return NULL;
+    unsigned long long ptr = PyLong_AsUnsignedLongLong(ptr_obj);  /* checks sign and range */
+    if (ptr == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_ValueError, "get_cpu_backup: pointer %R is not a 64-bit address", ptr_obj);
+    }
     if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "get_cpu_backup: nbytes must be >= 0, got %zd", nbytes);
     struct tms_err err = {0};
     struct tms_backup *b = NULL;

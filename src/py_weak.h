@@ -13,6 +13,10 @@
 #pragma weak PyBuffer_FillInfo
 #pragma weak PyDict_SetItemString
 #pragma weak PyErr_Format
+#pragma weak PyLong_Type
+#pragma weak PyErr_Clear
+#pragma weak PyLong_AsUnsignedLongLong
+#pragma weak PyUnicode_AsUTF8AndSize
 #pragma weak PyLong_FromUnsignedLongLong
 #pragma weak PyErr_NewExceptionWithDoc
 #pragma weak PyErr_Occurred

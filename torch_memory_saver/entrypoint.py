@@ -21,6 +21,8 @@ def _check_tag(tag, *, allow_none=False, what="tag"):
                         f"not {type(tag).__name__}")
     if not tag:
         raise ValueError(f"torch_memory_saver: {what} must be a non-empty string")
+    if "\0" in tag:
+        raise ValueError(f"torch_memory_saver: {what} {tag!r} contains a null character")
 
 
 def _torch_is_rocm() -> bool:
@@ -94,6 +96,8 @@ class TorchMemorySaver:
             raise TypeError(f"torch_memory_saver: memory_margin_bytes must be an int, not {type(value).__name__}")
         if value < 0:
             raise ValueError(f"torch_memory_saver: memory_margin_bytes must be >= 0, got {value}")
+        if value >= 1 << 64:
+            raise ValueError(f"torch_memory_saver: memory_margin_bytes must be < 2**64, got {value}")
         if self._impl:
             self._impl.core.set_memory_margin_bytes(value)
         else:
