@@ -2,7 +2,7 @@
 PYTHON ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: build deps reinstall test demo bench sanitize clean
+.PHONY: build deps reinstall test demo bench sanitize sanitize-thread fuzz clean
 
 # Both variants compiled in place (torch_memory_saver/_tms_*.so) for tests.
 build:
@@ -35,6 +35,21 @@ sanitize:
 	cmake -S . -B $(BUILD_DIR)-asan -DTMS_SANITIZE=address,undefined >/dev/null
 	cmake --build $(BUILD_DIR)-asan -j2
 	cd $(BUILD_DIR)-asan && ctest --output-on-failure
+
+# The threads scenario and the fuzz driver under ThreadSanitizer.
+sanitize-thread:
+	cmake -S . -B $(BUILD_DIR)-tsan -DTMS_SANITIZE=thread >/dev/null
+	cmake --build $(BUILD_DIR)-tsan -j2 --target test_core_host fuzz_core
+	$(BUILD_DIR)-tsan/test_core_host threads && $(BUILD_DIR)-tsan/fuzz_core --runs 5
+
+# Coverage-guided fuzzing of the core (tests/c/fuzz_core.c) with clang's libFuzzer
+# (Debian: clang, libclang-rt-14-dev); CI runs the same harness as a plain driver.
+FUZZ_SECONDS ?= 600
+fuzz:
+	cmake -S . -B $(BUILD_DIR)-fuzz -DCMAKE_C_COMPILER=clang -DTMS_LIBFUZZER=ON >/dev/null
+	cmake --build $(BUILD_DIR)-fuzz -j2 --target fuzz_core_libfuzzer
+	mkdir -p build/fuzz-corpus
+	$(BUILD_DIR)-fuzz/fuzz_core_libfuzzer -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=30 build/fuzz-corpus
 
 clean:
 	rm -rf build dist *.egg-info torch_memory_saver/_tms_*.so

@@ -1,0 +1,80 @@
+"""Compiles the C test programs (tests/c/*.c + the core) straight with the C compiler,
+for the suites that run them under a tool (valgrind, libFuzzer); one build per
+(program, compiler, flags) per pytest session. The core's source list is
+tms_build.py's, as in CMakeLists.txt."""
+import atexit
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
+C_TESTS = ROOT / "tests" / "c"
+
+_built = {}
+_out_dir = None
+
+
+def core_sources():
+    text = (ROOT / "build_backend" / "tms_build.py").read_text()
+    line = re.search(r"^CORE_SOURCES = \[(.*)\]$", text, re.M)
+    assert line, "no CORE_SOURCES = [...] line in build_backend/tms_build.py"
+    return [SRC / name for name in re.findall(r'"([a-z_]+\.c)"', line.group(1))]
+
+
+def compiler():
+    """$CC (or cc) as an argv list, or None if there is none."""
+    cc = shlex.split(os.environ.get("CC", "")) or ["cc"]
+    return cc if shutil.which(cc[0]) else None
+
+
+def tool_env(**extra):
+    """The environment minus outer TMS_* settings and preloads (the programs set their own)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TMS_")}
+    env.pop("LD_PRELOAD", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def build(program, cc=None, flags=(), defines=()):
+    """Path of tests/c/<program>.c linked with the core, built once per session.
+    Skips the test if there is no C compiler; fails it if the build fails."""
+    global _out_dir
+    cc = cc or compiler()
+    if not cc:
+        pytest.skip("no C compiler (cc, or $CC)")
+    key = (program, tuple(cc), tuple(flags), tuple(defines))
+    if key in _built:
+        return _built[key]
+    if _out_dir is None:
+        _out_dir = Path(tempfile.mkdtemp(prefix="tms-cbuild-"))
+        atexit.register(shutil.rmtree, _out_dir, True)
+    out = _out_dir / f"{program}-{len(_built)}"
+    cmd = [*cc, "-std=c11", "-D_GNU_SOURCE", "-g", "-Wall", "-Wextra", "-Werror", *flags,
+           *(f"-D{d}" for d in defines), f"-I{SRC}", str(C_TESTS / f"{program}.c"), *map(str, core_sources()),
+           "-o", str(out), "-ldl", "-lpthread"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stderr}"
+    _built[key] = out
+    return out
+
+
+def run(cmd, timeout, env=None, cwd=None):
+    """Runs a test program; returns the CompletedProcess (text, stdout+stderr apart)."""
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
+                          env=env or tool_env(), cwd=cwd)
+
+
+def detail(proc):
+    return f"rc={proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+
+
+def events(stdout):
+    """The `fuzz_core: <event> <count>` lines of a plain fuzz_core run, as a dict."""
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^fuzz_core: (\w+) (\d+)$", stdout, re.M)}
