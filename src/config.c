@@ -91,6 +91,18 @@ static void load_defaults(void)
         tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
                  "TMS_INIT_CPU_BACKUP_BACKEND='%s' is not a backup backend (use 'pinned' or 'mmap')", kind);
     env_threads();
+    static const struct { const char *var; const char *allowed[4]; } choices[] = {
+        {"TMS_LOG", {"debug", "off", "0", NULL}},
+        {"TMS_PLATFORM", {"cuda", "rocm", "hip", NULL}},
+    };
+    for (size_t i = 0; i < sizeof choices / sizeof *choices; i++) {
+        const char *v = getenv(choices[i].var);
+        int ok = !v || !*v;
+        for (int k = 0; !ok && choices[i].allowed[k]; k++) ok = !strcmp(v, choices[i].allowed[k]);
+        if (!ok && !defaults.parse_error.status)
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0, "%s='%s' is not one of: %s, %s, %s", choices[i].var, v,
+                     choices[i].allowed[0], choices[i].allowed[1], choices[i].allowed[2]);
+    }
     const char *block = getenv("TMS_BACKUP_BLOCK_BYTES");
     size_t block_bytes = 0;
     if (block && *block) {

@@ -152,8 +152,14 @@ PyDoc_STRVAR(free_doc, "free($module, ptr, /)\n--\n\nFree an allocation made by 
 
 static PyObject *py_free(PyObject *module, PyObject *arg)
 {
-    void *ptr = PyLong_AsVoidPtr(arg);
-    if (!ptr && PyErr_Occurred()) return NULL;
+    if (!PyLong_Check(arg))
+        return PyErr_Format(PyExc_TypeError, "free: pointer must be an int, not %.100s", Py_TYPE(arg)->tp_name);
+    unsigned long long address = PyLong_AsUnsignedLongLong(arg);  /* rejects negatives: no wrap-around */
+    if (address == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_ValueError, "free: pointer %R is not a 64-bit address", arg);
+    }
+    void *ptr = (void *)(uintptr_t)address;
     struct tms_err err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS

@@ -59,9 +59,7 @@
 #pragma weak _Py_DecRef
 #pragma weak _Py_FalseStruct
 #pragma weak _Py_IncRef
-#pragma weak _Py_NegativeRefcount
 #pragma weak _Py_NoneStruct
-#pragma weak _Py_RefTotal
 #pragma weak _Py_TrueStruct
 
 #endif

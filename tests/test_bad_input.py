@@ -173,8 +173,9 @@ def test_native_integer_arguments_out_of_range(run_py):
             expect(TypeError, core.malloc, 1.0)
             p = core.malloc(MiB)
         expect(ValueError, core.free, 0, match="not an allocation")
-        expect(ValueError, core.free, -1, match="not an allocation")
-        expect(OverflowError, core.free, 2**64)
+        expect(ValueError, core.free, -1, match="not a 64-bit address")     # no wrap-around to 2**64 - 1
+        expect(ValueError, core.free, p - 2**64, match="not a 64-bit address")
+        expect(ValueError, core.free, 2**64, match="not a 64-bit address")
         expect(TypeError, core.free, "x")
         expect(ValueError, core.free, p + 1, match="not an allocation")     # inside, not the start
         expect(TypeError, core.get_cpu_backup, "x", 1)
