@@ -2,7 +2,7 @@
 PYTHON ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: build deps reinstall test demo bench sanitize sanitize-thread fuzz clean
+.PHONY: build deps reinstall test demo bench sanitize sanitize-thread sanitize-python fuzz clean
 
 # Both variants compiled in place (torch_memory_saver/_tms_*.so) for tests.
 build:
@@ -35,6 +35,16 @@ sanitize:
 	cmake -S . -B $(BUILD_DIR)-asan -DTMS_SANITIZE=address,undefined >/dev/null
 	cmake --build $(BUILD_DIR)-asan -j2
 	cd $(BUILD_DIR)-asan && ctest --output-on-failure
+
+# The host-backend Python suites against an ASan+UBSan build of the extension
+# (ASan catches the deliberate touch of paused memory, so those two tests are
+# left out), then the normal build again.
+SAN_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+sanitize-python:
+	TMS_EXTRA_CFLAGS="$(SAN_FLAGS)" $(PYTHON) build_backend/tms_build.py
+	ASAN_OPTIONS=verify_asan_link_order=0:detect_leaks=0 $(PYTHON) -m pytest -q -p no:cacheprovider \
+	    tests/test_host_backend.py tests/test_observe.py tests/test_teardown.py \
+	    -k "not touching_paused_memory_faults"; rc=$$?; $(PYTHON) build_backend/tms_build.py; exit $$rc
 
 # The threads scenario and the fuzz driver under ThreadSanitizer.
 sanitize-thread:

@@ -248,7 +248,7 @@ class _Impl:
             backend = self.core.backend()  # raises with the reason if no driver
             # Regions use torch pools only where torch drives the same GPUs as the
             # backend (a HIP backend under a CUDA torch is a test stub, not a GPU).
-            gpu = backend == _torch_gpu_platform()
+            gpu = backend != "host" and backend == _torch_gpu_platform()  # host: no torch import
             if gpu and self.hook_mode == "preload":
                 _preload.check_interposed(self.core)
             self._on_gpu = gpu
