@@ -384,7 +384,8 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
         return tms_fail(err, TMS_E_DRIVER, rc, "granularity query on device %d failed: %s (%d)", device,
                         drv->code_name(rc), rc);
     if (size > SIZE_MAX - gran)
-        return tms_fail(err, TMS_E_OOM, 0, "allocation of %zu bytes is larger than any device", size);
+        return tms_fail(err, TMS_E_OOM, 0, "allocation of %zu bytes (tag '%s', device %d) is larger than any device", size,
+                        tag, device);
     size_t reserved = (size + gran - 1) / gran * gran;
     if ((rc = check_margin(drv, device, reserved, size, tag, err))) return rc;
 
