@@ -243,8 +243,34 @@ static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
 
 /* ---- introspection ----------------------------------------------------------- */
 
+/* A Python list with one dict per C row; NULL with an exception set if a dict fails. */
+static PyObject *list_of_dicts(const void *rows, size_t n, size_t row_size, PyObject *(*to_dict)(const void *))
+{
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        PyObject *d = to_dict((const char *)rows + i * row_size);
+        if (!d) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+    }
+    return list;
+}
+
 PyDoc_STRVAR(allocations_doc,
 "allocations($module, /)\n--\n\nA list of dicts, one per allocation the core holds.");
+
+static PyObject *alloc_row_dict(const void *row)
+{
+    const struct tms_alloc_info *r = row;
+    return Py_BuildValue(
+        "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:i}", "ptr", (unsigned long long)r->ptr, "size",
+        (Py_ssize_t)r->size, "reserved", (Py_ssize_t)r->reserved, "device", r->device, "tag",
+        tms_core_tag_name(r->tag_id), "state", r->state == TMS_PAUSED ? "paused" : "active", "cpu_backup",
+        r->backup ? Py_True : Py_False, "cpu_backup_backend", tms_backup_kind_name(r->backup_kind),
+        "has_cpu_backup", r->has_host_copy ? Py_True : Py_False, "chunks", r->n_chunks);
+}
 
 static PyObject *py_allocations(PyObject *module, PyObject *unused)
 {
@@ -253,21 +279,7 @@ static PyObject *py_allocations(PyObject *module, PyObject *unused)
     struct tms_alloc_info *rows = NULL;
     size_t n = 0;
     if (tms_core_list(&rows, &n, &err)) return raise_err(module, &err);
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; list && i < n; i++) {
-        const struct tms_alloc_info *r = &rows[i];
-        PyObject *d = Py_BuildValue(
-            "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:i}", "ptr", (unsigned long long)r->ptr, "size",
-            (Py_ssize_t)r->size, "reserved", (Py_ssize_t)r->reserved, "device", r->device, "tag",
-            tms_core_tag_name(r->tag_id), "state", r->state == TMS_PAUSED ? "paused" : "active", "cpu_backup",
-            r->backup ? Py_True : Py_False, "cpu_backup_backend", tms_backup_kind_name(r->backup_kind),
-            "has_cpu_backup", r->has_host_copy ? Py_True : Py_False, "chunks", r->n_chunks);
-        if (!d) {
-            Py_CLEAR(list);
-            break;
-        }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, d);
-    }
+    PyObject *list = list_of_dicts(rows, n, sizeof *rows, alloc_row_dict);
     free(rows);
     return list;
 }
@@ -277,8 +289,9 @@ PyDoc_STRVAR(stats_doc,
 "A list of dicts, one per (tag, device) with anything to report: the fields of\n"
 "src/stats.h. Reads counters only: cheap enough for every step.");
 
-static PyObject *stats_row_dict(const struct tms_stats_row *r)
+static PyObject *stats_row_dict(const void *row)
 {
+    const struct tms_stats_row *r = row;
     PyObject *d = Py_BuildValue("{s:s,s:i}", "tag", tms_core_tag_name(r->tag_id), "device", r->device);
 #define TMS_STAT_ITEM(name, kind, doc)                                                        \
     if (d) {                                                                                  \
@@ -298,15 +311,7 @@ static PyObject *py_stats(PyObject *module, PyObject *unused)
     struct tms_stats_row *rows = NULL;
     size_t n = 0;
     if (tms_core_stats(&rows, &n, &err)) return raise_err(module, &err);
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; list && i < n; i++) {
-        PyObject *d = stats_row_dict(&rows[i]);
-        if (!d) {
-            Py_CLEAR(list);
-            break;
-        }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, d);
-    }
+    PyObject *list = list_of_dicts(rows, n, sizeof *rows, stats_row_dict);
     free(rows);
     return list;
 }
