@@ -62,5 +62,5 @@ fuzz:
 	$(BUILD_DIR)-fuzz/fuzz_core_libfuzzer -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=30 build/fuzz-corpus
 
 clean:
-	rm -rf build dist *.egg-info torch_memory_saver/_tms_*.so
+	rm -rf build dist *.egg-info torch_memory_saver/_tms_*.so torch_memory_saver_hook_mode_*.abi3.so
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

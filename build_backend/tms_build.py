@@ -16,8 +16,16 @@ from pathlib import Path
 NAME = "torch_memory_saver"
 VERSION = "0.1.0"
 ROOT = Path(__file__).resolve().parent.parent
-CORE_SOURCES = ["error.c", "driver.c", "driver_cuda.c", "driver_hip.c", "driver_host.c", "config.c", "log.c", "backup.c", "transfer.c", "core.c", "hook.c"]
+CORE_SOURCES = ["abi.c", "error.c", "driver.c", "driver_cuda.c", "driver_hip.c", "driver_host.c", "config.c", "log.c", "backup.c", "transfer.c", "core.c", "hook.c"]
 VARIANTS = ("preload", "torch")
+# The upstream library's file names, at the site-packages root: frameworks put
+# them on LD_PRELOAD or load them with ctypes (issue 10). Each is a shim that
+# needs the real library of its variant (src/shim.c).
+UPSTREAM_SUFFIXES = ("", "_cu12", "_cu13")
+
+
+def upstream_names(variant):
+    return [f"torch_memory_saver_hook_mode_{variant}{suffix}.abi3.so" for suffix in UPSTREAM_SUFFIXES]
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-O2", "-g", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra"]
 
 
@@ -35,10 +43,27 @@ def compile_variant(variant, out_path):
     sources = [str(ROOT / "src" / s) for s in CORE_SOURCES + [f"hook_{variant}.c", "module.c"]]
     cmd = _compiler() + flags + [
         f"-DTMS_VARIANT={variant}",
+        "-I" + str(ROOT / "include"),
         "-I" + sysconfig.get_paths()["include"],
-        "-shared", "-o", str(out_path), *sources, "-ldl", "-lpthread",
+        # The shims' NEEDED entry names the library by this soname.
+        "-shared", f"-Wl,-soname,{Path(out_path).name}", "-o", str(out_path), *sources, "-ldl", "-lpthread",
     ]
     subprocess.run(cmd, check=True)
+
+
+def compile_shims(variant, library, out_dir):
+    """The upstream-named files of one variant in out_dir, each needing `library`,
+    which lies in out_dir/torch_memory_saver/. Returns their paths."""
+    paths = []
+    for name in upstream_names(variant):
+        out = Path(out_dir) / name
+        flags = list(CFLAGS) + (["-Werror"] if os.environ.get("TMS_WERROR", "1") != "0" else [])
+        cmd = _compiler() + flags + [f"-DTMS_SHIM_{variant.upper()}", "-shared", "-o", str(out),
+                                     str(ROOT / "src" / "shim.c"), "-Wl,--no-as-needed", str(library),
+                                     "-Wl,-rpath,$ORIGIN/" + NAME, "-ldl"]
+        subprocess.run(cmd, check=True)
+        paths.append(out)
+    return paths
 
 
 def extension_name(variant):
@@ -46,9 +71,12 @@ def extension_name(variant):
 
 
 def build_in_place():
-    """Compiles both variants next to the package sources (editable installs, tests)."""
+    """Compiles both variants next to the package sources and their upstream-named
+    shims at the repository root, which is the site root of editable installs."""
     for variant in VARIANTS:
-        compile_variant(variant, ROOT / NAME / extension_name(variant))
+        library = ROOT / NAME / extension_name(variant)
+        compile_variant(variant, library)
+        compile_shims(variant, library, ROOT)
 
 
 def _wheel_tag():
@@ -118,10 +146,14 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     for py in sorted((ROOT / NAME).rglob("*.py")):
         wheel.add(py.relative_to(ROOT).as_posix(), py.read_bytes())
     with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / NAME).mkdir()
         for variant in VARIANTS:
-            out = Path(tmp) / extension_name(variant)
+            out = Path(tmp) / NAME / extension_name(variant)
             compile_variant(variant, out)
             wheel.add(f"{NAME}/{out.name}", out.read_bytes())
+            for shim in compile_shims(variant, out, tmp):
+                wheel.add(shim.name, shim.read_bytes())
+    wheel.add(f"{NAME}/include/torch_memory_saver.h", (ROOT / "include" / "torch_memory_saver.h").read_bytes())
     wheel.close(_wheel_tag())
     return name
 

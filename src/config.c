@@ -46,23 +46,25 @@ int tms_parse_bytes(const char *s, size_t *out)
     return TMS_OK;
 }
 
-static int parse_bool(const char *s, int *out)
+/* Exactly the upstream library's spellings, so a value it accepts means the
+ * same here and one it rejects ("on", "True") is an error here too. */
+int tms_parse_bool(const char *s, int *out)
 {
-    static const char *const yes[] = {"1", "true", "yes", "on"};
-    static const char *const no[] = {"0", "false", "no", "off", ""};
+    static const char *const yes[] = {"1", "true", "TRUE", "yes", "YES"};
+    static const char *const no[] = {"0", "false", "FALSE", "no", "NO"};
     for (size_t i = 0; i < sizeof yes / sizeof *yes; i++)
-        if (!strcasecmp(s, yes[i])) return *out = 1, TMS_OK;
+        if (!strcmp(s, yes[i])) return *out = 1, TMS_OK;
     for (size_t i = 0; i < sizeof no / sizeof *no; i++)
-        if (!strcasecmp(s, no[i])) return *out = 0, TMS_OK;
+        if (!strcmp(s, no[i])) return *out = 0, TMS_OK;
     return TMS_E_ARG;
 }
 
 static void env_bool(const char *var, int *out)
 {
     const char *s = getenv(var);
-    if (s && parse_bool(s, out) != TMS_OK && !defaults.parse_error.status)
+    if (s && tms_parse_bool(s, out) != TMS_OK && !defaults.parse_error.status)
         tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
-                 "%s='%s' is not a boolean (use 1/0, true/false, yes/no, on/off)", var, s);
+                 "%s='%s' is not a boolean (use 1, true, TRUE, yes, YES or 0, false, FALSE, no, NO)", var, s);
 }
 
 static void env_threads(void)

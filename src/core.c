@@ -730,8 +730,7 @@ int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *
         if (ptr >= a->va && ptr < a->va + a->reserved) owner = a;
     }
     if (!owner) {
-        rc = tms_fail(err, TMS_E_NOT_FOUND, 0, "0x%llx is not inside any torch_memory_saver allocation",
-                      (unsigned long long)ptr);
+        /* memory of someone else: no backup here, as for an active allocation */
     } else if (n > owner->size || ptr - owner->va > owner->size - n) {
         rc = tms_fail(err, TMS_E_ARG, 0, "range 0x%llx + %zu bytes runs past allocation 0x%llx of %zu bytes",
                       (unsigned long long)ptr, n, (unsigned long long)owner->va, owner->size);

@@ -50,9 +50,9 @@ int tms_core_pause(const char *tag, struct tms_err *err);
 int tms_core_resume(const char *tag, struct tms_err *err);
 
 /* The host backup covering [ptr, ptr+n): *out gets a new reference (caller
- * unrefs) and *offset the position of ptr in it; *out = NULL if the
- * allocation has no host copy now. TMS_E_NOT_FOUND / TMS_E_ARG if the range
- * is not inside one allocation. */
+ * unrefs) and *offset the position of ptr in it; *out = NULL if ptr is in no
+ * allocation or the allocation has no host copy now. TMS_E_ARG if the range
+ * starts inside an allocation and runs past its end. */
 int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *offset, struct tms_err *err);
 
 /* Statistics of every (tag, device) with a nonzero field (caller frees

@@ -28,6 +28,7 @@ const char *tms_status_name(int status)
     case TMS_E_STATE: return "invalid state";
     case TMS_E_ARG: return "invalid argument";
     case TMS_E_NOT_FOUND: return "not found";
+    case TMS_E_UNSUPPORTED: return "not supported";
     }
     return "unrecognised status";
 }

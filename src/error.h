@@ -4,7 +4,8 @@
 
 #include <stddef.h>
 
-/* Library status: 0 = success. The Python face maps each to one exception. */
+/* Library status: 0 = success. The Python face maps each to one exception; the C ABI
+ * returns them as they are (include/torch_memory_saver.h, TMS_STATUS_*). */
 enum tms_status {
     TMS_OK = 0,
     TMS_E_OOM,        /* device memory exhausted (or margin hit): recoverable */
@@ -14,6 +15,7 @@ enum tms_status {
     TMS_E_STATE,      /* operation not allowed in the current state (double pause…) */
     TMS_E_ARG,        /* bad argument */
     TMS_E_NOT_FOUND,  /* pointer not owned by the core */
+    TMS_E_UNSUPPORTED, /* a feature this build does not have */
 };
 
 /* Filled by the failing call, owned by the caller (on its stack): no error

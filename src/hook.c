@@ -8,11 +8,16 @@
 /* Per thread, so a failure is read back by the thread that caused it. */
 static _Thread_local char last_error[384];
 
+void tms_hook_keep_error(const struct tms_err *err)
+{
+    memcpy(last_error, err->msg, sizeof last_error);
+    last_error[sizeof last_error - 1] = '\0';
+}
+
 static int answer(const struct tms_err *err, int rc)
 {
     if (rc == TMS_OK) return TMS_CUDA_SUCCESS_RT;
-    memcpy(last_error, err->msg, sizeof last_error);
-    last_error[sizeof last_error - 1] = '\0';
+    tms_hook_keep_error(err);
     if (rc == TMS_E_OOM) return TMS_CUDA_ERROR_MEMORY_ALLOCATION;
     if (rc == TMS_E_NO_DRIVER) return TMS_CUDA_ERROR_INITIALIZATION;
     return TMS_CUDA_ERROR_UNKNOWN;

@@ -5,65 +5,46 @@
 #include "config.h"
 #include "core.h"
 #include "hook.h"
+#include "hook_forward.h"
 
-typedef int (*cuda_malloc_fn)(void **, size_t);
-typedef int (*cuda_free_fn)(void *);
+typedef int (*malloc_fn)(void **, size_t);
+typedef int (*free_fn)(void *);
 
-/* Resolved on first forward: libcudart may be loaded after this library. */
-static cuda_malloc_fn next_malloc;  /* atomic */
-static cuda_free_fn next_free;      /* atomic */
-
-static void *next_symbol(void **slot, const char *name)
-{
-    void *fn = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-    if (!fn) {
-        fn = dlsym(RTLD_NEXT, name);
-        __atomic_store_n(slot, fn, __ATOMIC_RELEASE);
-    }
-    return fn;
-}
-
-TMS_EXPORT int cudaMalloc(void **ptr, size_t size)
+/* The next definition is resolved on first forward: libcudart may be
+ * loaded after this library. */
+static int route_malloc(void **ptr, size_t size, tms_next_fn next)
 {
     if (tms_region_current()->active) return tms_hook_alloc(ptr, size, -1);
-    cuda_malloc_fn real = (cuda_malloc_fn)next_symbol((void **)&next_malloc, "cudaMalloc");
+    malloc_fn real = (malloc_fn)next();
     return real ? real(ptr, size) : TMS_CUDA_ERROR_INITIALIZATION;
 }
 
-TMS_EXPORT int cudaFree(void *ptr)
+static int route_free(void *ptr, tms_next_fn next)
 {
     if (tms_core_owns(ptr)) return tms_hook_free(ptr);
-    cuda_free_fn real = (cuda_free_fn)next_symbol((void **)&next_free, "cudaFree");
+    free_fn real = (free_fn)next();
     return real ? real(ptr) : TMS_CUDA_ERROR_INITIALIZATION;
 }
 
+TMS_EXPORT int tms_preload_malloc(void **ptr, size_t size, tms_next_fn next) { return route_malloc(ptr, size, next); }
+TMS_EXPORT int tms_preload_free(void *ptr, tms_next_fn next) { return route_free(ptr, next); }
+
+TMS_DEFINE_ALLOCATOR_HOOKS(cudaMalloc, cudaFree, route_malloc, route_free)
 /* ROCm builds of PyTorch call the HIP names; the routing is the same and the
  * error codes the hooks return (0, 2 = out of memory, 3, 999) mean the same. */
-static cuda_malloc_fn next_hip_malloc;  /* atomic */
-static cuda_free_fn next_hip_free;      /* atomic */
+TMS_DEFINE_ALLOCATOR_HOOKS(hipMalloc, hipFree, route_malloc, route_free)
 
-TMS_EXPORT int hipMalloc(void **ptr, size_t size)
-{
-    if (tms_region_current()->active) return tms_hook_alloc(ptr, size, -1);
-    cuda_malloc_fn real = (cuda_malloc_fn)next_symbol((void **)&next_hip_malloc, "hipMalloc");
-    return real ? real(ptr, size) : TMS_CUDA_ERROR_INITIALIZATION;
-}
-
-TMS_EXPORT int hipFree(void *ptr)
-{
-    if (tms_core_owns(ptr)) return tms_hook_free(ptr);
-    cuda_free_fn real = (cuda_free_fn)next_symbol((void **)&next_hip_free, "hipFree");
-    return real ? real(ptr) : TMS_CUDA_ERROR_INITIALIZATION;
-}
-
-/* A hidden alias names this library's own definition: taking &cudaMalloc
+/* Hidden aliases name this library's own definitions: taking &cudaMalloc
  * would go through the GOT and find whichever definition wins. */
 extern int tms_own_cuda_malloc(void **ptr, size_t size)
     __attribute__((alias("cudaMalloc"), visibility("hidden")));
+extern int tms_own_preload_malloc(void **ptr, size_t size, tms_next_fn next)
+    __attribute__((alias("tms_preload_malloc"), visibility("hidden")));
 
-/* For the Python layer: 1 if this library's cudaMalloc is the one the
- * process resolves (loaded through LD_PRELOAD); 0 if none or another is;
- * *winner names the library that defines the one that wins, if any. */
+/* For the Python layer: 1 if the cudaMalloc the process resolves is this
+ * library's, or a shim's that routes into this library (an upstream-named
+ * file on LD_PRELOAD); 0 if none or another is; *winner names the library
+ * that defines the one that wins, if any. */
 int tms_preload_is_interposed(const char **winner)
 {
     /* The main program's handle searches the global scope only, which is
@@ -74,5 +55,11 @@ int tms_preload_is_interposed(const char **winner)
     if (global) dlclose(global);
     Dl_info info;
     *winner = (found && dladdr(found, &info)) ? info.dli_fname : NULL;
-    return found == (void *)tms_own_cuda_malloc;
+    if (found == (void *)tms_own_cuda_malloc) return 1;
+    if (!*winner) return 0;
+    /* A shim's own scope reaches the library it routes into. */
+    void *lib = dlopen(*winner, RTLD_LAZY | RTLD_NOLOAD);
+    void *router = lib ? dlsym(lib, "tms_preload_malloc") : NULL;
+    if (lib) dlclose(lib);
+    return router == (void *)tms_own_preload_malloc;
 }

@@ -42,6 +42,7 @@ static PyObject *raise_err(PyObject *module, const struct tms_err *err)
     case TMS_E_HOST_OOM: type = st->oom_error; break;
     case TMS_E_ARG:
     case TMS_E_NOT_FOUND: type = PyExc_ValueError; break;
+    case TMS_E_UNSUPPORTED: type = PyExc_NotImplementedError; break;
     case TMS_E_DRIVER:
     case TMS_E_NO_DRIVER:
     case TMS_E_STATE: type = st->error; break;

@@ -23,6 +23,7 @@
 #pragma weak PyEval_RestoreThread
 #pragma weak PyEval_SaveThread
 #pragma weak PyExc_MemoryError
+#pragma weak PyExc_NotImplementedError
 #pragma weak PyExc_OSError
 #pragma weak PyExc_RuntimeError
 #pragma weak PyExc_TypeError

@@ -57,7 +57,7 @@ def build(program, cc=None, flags=(), defines=()):
         atexit.register(shutil.rmtree, _out_dir, True)
     out = _out_dir / f"{program}-{len(_built)}"
     cmd = [*cc, "-std=c11", "-D_GNU_SOURCE", "-g", "-Wall", "-Wextra", "-Werror", *flags,
-           *(f"-D{d}" for d in defines), f"-I{SRC}", str(C_TESTS / f"{program}.c"), *map(str, core_sources()),
+           *(f"-D{d}" for d in defines), f"-I{SRC}", f"-I{ROOT / 'include'}", str(C_TESTS / f"{program}.c"), *map(str, core_sources()),
            "-o", str(out), "-ldl", "-lpthread"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stderr}"

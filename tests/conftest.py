@@ -175,6 +175,25 @@ def ok():
     return check_ok
 
 
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory):
+    """A site directory holding the package as `pip install .` lays it out (the
+    libraries under their upstream names at its root), built from this tree."""
+    site = tmp_path_factory.mktemp("site")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index",
+                           "--target", str(site), str(REPO)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site
+
+
+def installed_env(site, env=None):
+    """child_env for a process that imports the installed package from `site`
+    (no TMS_BACKEND unless `env` sets it)."""
+    out = child_env(env, backend=None)
+    out["PYTHONPATH"] = str(site)
+    return out
+
+
 def libcuda_present():
     """True if this machine can load a CUDA driver (then GPU-less checks do not apply)."""
     import ctypes

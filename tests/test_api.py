@@ -72,10 +72,16 @@ def test_enable_cpu_backup_must_be_bool(fresh, value):
 def test_non_str_tag_is_a_type_error(fresh, tag, type_name):
     with pytest.raises(TypeError, match=f"tag must be a str, not {type_name}"):
         enter(fresh.region(tag))
-    if tag is not None:                                    # None means "every tag" for pause/resume
+    if tag is not None and not isinstance(tag, list):      # None: every tag; a list: those tags
         for op in (fresh.pause, fresh.resume):
-            with pytest.raises(TypeError, match=f"tag must be a str or None, not {type_name}"):
+            with pytest.raises(TypeError, match=f"tag must be a str, a list of str or None, not {type_name}"):
                 op(tag)
+    for op in (fresh.pause, fresh.resume):                 # inside a list only strings
+        with pytest.raises(TypeError, match=f"tag in the list must be a str, not {type(tag).__name__}"):
+            op(["ok", tag])
+    for op in (fresh.is_paused,):
+        with pytest.raises(TypeError, match=f"tag must be a str, not {type_name}"):
+            op(tag)
     with pytest.raises(TypeError, match=f"tag must be a str, not {type_name}"):
         enter(fresh.cuda_graph(object(), tag=tag))
 
@@ -217,8 +223,8 @@ def test_malformed_env_raises_value_error_naming_variable_and_value(run_py, mode
     ("TMS_CHUNK_BYTES", "64MiB", "chunk_bytes", 64 * MiB),
     ("TMS_CHUNK_BYTES", "1g", "chunk_bytes", 1 << 30),
     ("TMS_INIT_CPU_BACKUP_BACKEND", "pinned", "init_cpu_backup_backend", "pinned"),
-    ("TMS_RETAIN_CPU_BACKUP", "On", "retain_cpu_backup", True),
-    ("TMS_INIT_ENABLE", "", "init_enable", False),
+    ("TMS_RETAIN_CPU_BACKUP", "YES", "retain_cpu_backup", True),
+    ("TMS_INIT_ENABLE", "FALSE", "init_enable", False),
 ])
 def test_well_formed_env_values_parse(run_py, var, value, key, expected):
     out = check_ok(run_py(f"""

@@ -116,7 +116,7 @@ def test_get_cpu_backup_of_slices_views_and_foreign_tensors(run_py):
         e = tms.get_cpu_backup(w[10:10])
         assert e.numel() == 0 and e.device.type == "cpu"
         expect(ValueError, tms.get_cpu_backup, past_end, match="runs past allocation")
-        expect(ValueError, tms.get_cpu_backup, outside, match="not inside any torch_memory_saver allocation")
+        assert tms.get_cpu_backup(outside) is None          # not ours: no backup (as upstream)
         expect(TypeError, tms.get_cpu_backup, w.numpy())
         tms.resume("g")
         assert torch.equal(w, expected["whole"])

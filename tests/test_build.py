@@ -9,11 +9,14 @@ import zipfile
 import pytest
 
 from conftest import HOOK_MODES, REPO, check_ok, libcuda_present
+from torch_memory_saver._abi import SIGNATURES
 
 FORBIDDEN_NEEDED = re.compile(r"lib(cuda|cudart|python)", re.IGNORECASE)
+# The C ABI both variants export (include/torch_memory_saver.h, issue 10).
+ABI = set(SIGNATURES)
 EXPORTS = {
-    "preload": {"cudaMalloc", "cudaFree", "PyInit__tms_preload"},
-    "torch": {"tms_torch_malloc", "tms_torch_free", "PyInit__tms_torch"},
+    "preload": {"cudaMalloc", "cudaFree", "PyInit__tms_preload", "tms_preload_malloc", "tms_preload_free"} | ABI,
+    "torch": {"tms_torch_malloc", "tms_torch_free", "PyInit__tms_torch"} | ABI,
 }
 # The preload library may also hook the HIP runtime's pair (ROCm builds of PyTorch).
 OPTIONAL_EXPORTS = {"preload": {"hipMalloc", "hipFree"}, "torch": set()}
@@ -76,6 +79,14 @@ def test_exported_symbols_are_exactly_the_entry_points(built_libs, mode):
     assert names - EXPORTS[mode] <= OPTIONAL_EXPORTS[mode], f"unexpected exports: {sorted(names - EXPORTS[mode])}"
     if names & OPTIONAL_EXPORTS[mode]:
         assert OPTIONAL_EXPORTS[mode] <= names, sorted(names)   # both of a pair or neither
+
+
+def test_public_header_declares_exactly_the_abi():
+    # The header, the ctypes signatures (_abi.py) and the exports (above) name the same functions.
+    text = (REPO / "include" / "torch_memory_saver.h").read_text()
+    declared = set(re.findall(r"^[a-z_0-9 ]+[ *]\*?(\w+)\((?:void|[^)]*)\);$", text, re.M))
+    assert "tms_pause" in declared and "set_memory_margin_bytes" in declared, declared
+    assert declared == ABI, (sorted(declared - ABI), sorted(ABI - declared))
 
 
 @pytest.mark.parametrize("bind_now", [False, True], ids=["lazy", "LD_BIND_NOW"])

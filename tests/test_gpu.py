@@ -16,6 +16,7 @@ of ROCm, issue 6) and TMS_BACKUP_THREADS.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from torch_memory_saver import _library, configure_subprocess
+from conftest import installed_env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = REPO_ROOT / "tests" / "gpu_scenarios"
@@ -172,3 +174,94 @@ def test_multi_gpu(hook_mode):
 @pytest.mark.parametrize("case", ["active", "paused", "paused_backup", "backup_first_use"])
 def test_exit_states(case, hook_mode):
     check_passed(run_scenario("exit_states", hook_mode, case), empty_stderr=True)
+
+
+# ---- drop-in compatibility (issue 10): the installed package, framework call shapes ----
+#
+# Each scenario runs in a fresh process against the package as `pip install .`
+# lays it out (the `installed` fixture), started the way the framework starts
+# its workers: slime and AReaL put an upstream-named library on LD_PRELOAD
+# themselves, SGLang uses configure_subprocess(), Megatron runs in torch mode.
+
+def run_installed_scenario(name, hook_mode, site, tmp_path, preload=None, env=None):
+    """Runs tests/gpu_scenarios/<name>.py from tmp_path with the installed package in
+    site; preload: the file (relative to site) to put on LD_PRELOAD, else what the
+    hook mode's usual start gives."""
+    if PROBE_ERROR:
+        pytest.fail(PROBE_ERROR)
+    child_env = installed_env(site, env)
+    for k in ("TMS_BACKEND", "TMS_BACKUP_THREADS"):
+        child_env.pop(k, None)
+    child_env.update({k: os.environ[k] for k in _PASSED_ON if k in os.environ})
+    child_env["COMPAT_SITE"] = str(site)
+    child_env["PYTHONUNBUFFERED"] = "1"
+    child_env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if preload is not None:
+        child_env["LD_PRELOAD"] = str(site / preload)
+    elif hook_mode == "preload":
+        child_env["LD_PRELOAD"] = str(next(site.glob("torch_memory_saver/_tms_preload*.so")))
+    cmd = [sys.executable, str(SCENARIOS / f"{name}.py"), hook_mode]
+    try:
+        return subprocess.run(cmd, cwd=tmp_path, env=child_env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{name} {hook_mode} did not finish in {TIMEOUT_S} s\n--- stdout ---\n{e.stdout}\n"
+                    f"--- stderr ---\n{e.stderr}")
+
+
+@pytest.mark.parametrize("hook_mode", HOOK_MODES)
+@pytest.mark.parametrize("scenario", ["compat_sglang", "compat_verl", "compat_disable"])
+def test_compat_scenario(scenario, hook_mode, installed, tmp_path):
+    check_passed(run_installed_scenario(scenario, hook_mode, installed, tmp_path))
+
+
+def test_compat_slime(installed, tmp_path):
+    check_passed(run_installed_scenario(
+        "compat_slime", "preload", installed, tmp_path, preload="torch_memory_saver_hook_mode_preload_cu13.abi3.so",
+        env={"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}))
+
+
+def test_compat_areal(installed, tmp_path):
+    check_passed(run_installed_scenario(
+        "compat_areal", "preload", installed, tmp_path, preload="torch_memory_saver_hook_mode_preload.abi3.so",
+        env={"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}))
+
+
+def test_compat_megatron_torch_mode(installed, tmp_path):
+    check_passed(run_installed_scenario("compat_megatron", "torch", installed, tmp_path))
+
+
+def _cuda_toolkit():
+    """(include dir, lib dir) of a CUDA toolkit with the runtime's headers and shared library."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(str(Path(nvcc).resolve().parent.parent))
+    for root in filter(None, roots):
+        root = Path(root)
+        for lib in (root / "lib64", root / "lib", root / "targets" / "x86_64-linux" / "lib"):
+            if (root / "include" / "cuda_runtime_api.h").exists() and list(lib.glob("libcudart.so*")):
+                return root / "include", lib
+    return None
+
+
+def test_c_program_on_the_gpu_through_the_abi(installed, tmp_path):
+    # A C program: cudaMalloc (served by the preloaded library under TMS_INIT_ENABLE=1),
+    # tms_pause(NULL) / tms_resume(NULL) on a size that is not a multiple of the
+    # granularity, its bytes checked through cudaMemcpy (tests/c/abi_client.c).
+    toolkit = _cuda_toolkit()
+    if toolkit is None:
+        pytest.skip("no CUDA toolkit (cuda_runtime_api.h and libcudart.so) found")
+    include, lib = toolkit
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    exe = tmp_path / "abi_client"
+    build = subprocess.run([cc, "-std=c11", "-D_GNU_SOURCE", "-DABI_CLIENT_CUDA", "-Wall", "-Wextra",
+                            f"-I{REPO_ROOT / 'include'}", f"-I{include}", str(REPO_ROOT / "tests" / "c" / "abi_client.c"),
+                            "-o", str(exe), f"-L{lib}", "-lcudart", f"-Wl,-rpath,{lib}", "-ldl"],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    env = installed_env(installed, {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"})
+    env.pop("TMS_BACKEND", None)
+    for name in ("torch_memory_saver_hook_mode_preload_cu13.abi3.so", "torch_memory_saver_hook_mode_preload.abi3.so"):
+        env["LD_PRELOAD"] = str(installed / name)
+        proc = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=120)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (0, "OK cuda\n", ""), _report(proc)

@@ -226,8 +226,8 @@ def test_get_cpu_backup_native(run_py):
         expect(ValueError, core.get_cpu_backup, p, n + 1, match="runs past allocation")
         expect(ValueError, core.get_cpu_backup, p + n - 10, 11, match="runs past allocation")
         expect(ValueError, core.get_cpu_backup, p + n + 1, 1, match="runs past allocation")  # rounding slack
-        expect(ValueError, core.get_cpu_backup, p - 1, 1, match="not inside any torch_memory_saver allocation")
-        expect(ValueError, core.get_cpu_backup, 4096, 1, match="not inside any torch_memory_saver allocation")
+        assert core.get_cpu_backup(p - 1, 1) is None        # outside every allocation: no backup
+        assert core.get_cpu_backup(4096, 1) is None
         expect(ValueError, core.get_cpu_backup, p, -1, match="nbytes must be >= 0")
         tms.resume("g")
         assert core.get_cpu_backup(p, n) is None           # the core dropped its copy...
@@ -236,7 +236,7 @@ def test_get_cpu_backup_native(run_py):
         assert whole.tobytes() == d                        # a host copy, not the device memory
         core.free(p)
         assert whole.tobytes() == d
-        expect(ValueError, core.get_cpu_backup, p, 1, match="not inside any torch_memory_saver allocation")
+        assert core.get_cpu_backup(p, 1) is None             # freed: no longer ours
 
         # The view holds the only reference: releasing it returns the memory.
         N = 64 * MiB
@@ -425,8 +425,8 @@ def test_threads_have_independent_region_state(run_py):
 # ---- environment defaults -------------------------------------------------------
 
 
-@pytest.mark.parametrize("value,active", [("1", True), ("true", True), ("YES", True), ("on", True),
-                                          ("0", False), ("off", False)])
+@pytest.mark.parametrize("value,active", [("1", True), ("true", True), ("YES", True), ("TRUE", True),
+                                          ("0", False), ("NO", False)])
 def test_init_enable_makes_fresh_threads_active(run_py, value, active):
     out = check_ok(run_py(f"""
         active = {active}

@@ -2,8 +2,12 @@
 import importlib
 import importlib.util
 import os
+from pathlib import Path
 
 HOOK_MODES = ("preload", "torch")
+# The upstream library's file names, installed at the site-packages root as
+# shims that load our library of the same variant (src/shim.c).
+UPSTREAM_SUFFIXES = ("", "_cu12", "_cu13")
 
 
 def module_name(hook_mode: str) -> str:
@@ -24,3 +28,15 @@ def path(hook_mode: str) -> str:
             f"torch_memory_saver: the {hook_mode} library is not built; reinstall with `pip install .`"
         )
     return os.path.realpath(spec.origin)
+
+
+def site_root() -> Path:
+    """The directory holding the package: site-packages, or the source tree."""
+    return Path(__file__).resolve().parent.parent
+
+
+def upstream_paths(hook_mode=None):
+    """Paths of the upstream-named libraries (of one variant, or both) that exist."""
+    modes = HOOK_MODES if hook_mode is None else (hook_mode,)
+    names = [f"torch_memory_saver_hook_mode_{m}{s}.abi3.so" for m in modes for s in UPSTREAM_SUFFIXES]
+    return [site_root() / n for n in names if (site_root() / n).exists()]

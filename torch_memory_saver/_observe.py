@@ -20,6 +20,15 @@ def stats(core):
     return out
 
 
+def tag_bytes(core):
+    """{tag: (bytes mapped, bytes paused)} over every device, from the counters."""
+    out = {}
+    for r in core.stats():
+        mapped, paused = out.get(r["tag"], (0, 0))
+        out[r["tag"]] = (mapped + r["bytes_mapped"], paused + r["bytes_paused"])
+    return out
+
+
 def _fmt_bytes(n):
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
@@ -59,9 +68,22 @@ def _totals(core, tag):
     return moved, freed
 
 
+def env_bool(var):
+    """A boolean variable, spelled as the C core and the upstream library accept it."""
+    value = os.environ.get(var)
+    if value is None:
+        return False
+    if value in ("1", "true", "TRUE", "yes", "YES"):
+        return True
+    if value in ("0", "false", "FALSE", "no", "NO"):
+        return False
+    raise ValueError(f"torch_memory_saver: {var}='{value}' is not a boolean "
+                     f"(use 1, true, TRUE, yes, YES or 0, false, FALSE, no, NO)")
+
+
 # Progress lines for long backed-up pauses/resumes: off by default, on with
 # torch_memory_saver.progress = True or TMS_PROGRESS=1.
-progress_enabled = os.environ.get("TMS_PROGRESS", "").lower() in ("1", "true", "yes", "on")
+progress_enabled = env_bool("TMS_PROGRESS")
 PROGRESS_AFTER_S = 1.0
 PROGRESS_EVERY_S = 0.5
 

@@ -12,17 +12,22 @@ def _entries(value: str):
     return [e for e in value.replace(":", " ").split() if e]
 
 
-def _is_ours(entry: str, ours: str) -> bool:
-    try:
-        return os.path.samefile(entry, ours)
-    except OSError:
-        return False
+def _is_ours(entry: str, ours) -> bool:
+    for path in ours:
+        try:
+            if os.path.samefile(entry, path):
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def preload_env_value(current: str = "") -> str:
-    """LD_PRELOAD with this package's preload library first, other entries kept."""
+    """LD_PRELOAD with this package's preload library first, other entries kept.
+    The upstream-named files (torch_memory_saver_hook_mode_preload*.abi3.so)
+    count as ours: they load the same library."""
     ours = _library.path("preload")
-    others = [e for e in _entries(current) if not _is_ours(e, ours)]
+    others = [e for e in _entries(current) if not _is_ours(e, [ours, *_library.upstream_paths("preload")])]
     return " ".join([ours] + others)
 
 

@@ -5,7 +5,7 @@ import os
 import threading
 from typing import Optional
 
-from . import _library, _observe, _preload
+from . import _abi, _library, _observe, _preload, _scratch
 
 logger = logging.getLogger("torch_memory_saver")
 
@@ -23,6 +23,24 @@ def _check_tag(tag, *, allow_none=False, what="tag"):
         raise ValueError(f"torch_memory_saver: {what} must be a non-empty string")
     if "\0" in tag:
         raise ValueError(f"torch_memory_saver: {what} {tag!r} contains a null character")
+
+
+def _tag_list(tag):
+    """pause/resume's argument as a list: [None] (every tag), or tags. A list
+    or tuple of tags is ours beyond upstream; duplicates are a ValueError."""
+    if isinstance(tag, (list, tuple)):
+        for t in tag:
+            _check_tag(t, what="tag in the list")
+        seen = set()
+        for t in tag:
+            if t in seen:
+                raise ValueError(f"torch_memory_saver: tag {t!r} is listed twice")
+            seen.add(t)
+        return list(tag)
+    if tag is not None and not isinstance(tag, str):
+        raise TypeError(f"torch_memory_saver: tag must be a str, a list of str or None, not {type(tag).__name__}")
+    _check_tag(tag, allow_none=True)
+    return [tag]
 
 
 def _torch_is_rocm() -> bool:
@@ -123,43 +141,76 @@ class TorchMemorySaver:
     # ---- regions -------------------------------------------------------------
 
     @contextlib.contextmanager
-    def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False,
+    def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, enable_disk_backup: bool = False,
                cpu_backup_backend: Optional[str] = None):
-        """Allocations made by this thread inside are pauseable under `tag`."""
+        """Allocations made by this thread inside are pauseable under `tag`.
+        (Parameters in upstream's order; disk backup is not available yet.)"""
         _check_tag(tag)
-        kind = self._backup_backend(enable_cpu_backup, cpu_backup_backend)
-        impl = self._ensure_impl()
+        kind = self._backup_backend(enable_cpu_backup, cpu_backup_backend, enable_disk_backup)
+        impl = self._ensure_initialized()
         with impl.region(tag, bool(enable_cpu_backup), kind):
             yield
 
     @contextlib.contextmanager
     def disable(self):
-        """Allocations inside are ordinary, even within a region."""
-        impl = self._ensure_impl()
+        """Allocations inside are ordinary memory, even within a region; what is
+        allocated and freed inside goes back to the driver when the block ends."""
+        impl = self._ensure_initialized()
         with impl.disable():
             yield
 
     @contextlib.contextmanager
     def cuda_graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global",
-                   tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False):
+                   tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, cpu_backup_backend: Optional[str] = None):
         """Like `torch.cuda.graph`, with the graph's memory pauseable under `tag`."""
         _check_tag(tag)
-        kind = self._backup_backend(enable_cpu_backup, None)
-        impl = self._ensure_impl()
+        kind = self._backup_backend(enable_cpu_backup, cpu_backup_backend)
+        impl = self._ensure_initialized()
         with impl.cuda_graph(cuda_graph, pool, stream, capture_error_mode, tag, bool(enable_cpu_backup), kind):
             yield
 
     # ---- pause / resume ------------------------------------------------------
 
-    def pause(self, tag: Optional[str] = None):
-        """Release the memory of `tag` (all tags if None); backed-up tags copy to host first."""
-        _check_tag(tag, allow_none=True)
-        _observe.logged(self._ensure_impl().core, "pause", tag)
+    def pause(self, tag=None):
+        """Release the memory of `tag` (a tag, a list of tags, or None: every tag);
+        backed-up tags copy to host first."""
+        self._pause_or_resume("pause", tag)
 
-    def resume(self, tag: Optional[str] = None):
-        """Map `tag`'s memory back at the same addresses; backed-up contents are restored."""
-        _check_tag(tag, allow_none=True)
-        _observe.logged(self._ensure_impl().core, "resume", tag)
+    def resume(self, tag=None):
+        """Map the memory of `tag` (a tag, a list of tags, or None: every tag) back at
+        the same addresses; backed-up contents are restored."""
+        self._pause_or_resume("resume", tag)
+
+    def is_paused(self, tag: str) -> bool:
+        """True if `tag` holds paused memory and nothing active (so pause(tag) would
+        raise and resume(tag) would map it back). A tag with no allocations, or
+        with memory allocated into it after a pause, is not paused. Never raises
+        for an unknown tag."""
+        _check_tag(tag)
+        mapped, paused = _observe.tag_bytes(self._ensure_initialized().core).get(tag, (0, 0))
+        return paused > 0 and mapped == 0
+
+    def paused_tags(self):
+        """Sorted list of the tags for which is_paused() is True."""
+        rows = _observe.tag_bytes(self._ensure_initialized().core)
+        return sorted(t for t, (mapped, paused) in rows.items() if paused > 0 and mapped == 0)
+
+    def _pause_or_resume(self, op, tag):
+        tags = _tag_list(tag)
+        core = self._ensure_initialized().core
+        if len(tags) > 1:
+            # All-or-nothing on state errors: check every tag before changing any.
+            rows = _observe.tag_bytes(core)
+            for t in tags:
+                mapped, paused = rows.get(t, (0, 0))
+                if op == "pause" and paused and not mapped:
+                    raise core.Error(f"torch_memory_saver: pause of tag '{t}' (in {tags}): already paused; "
+                                     f"no tag of the list was paused")
+                if op == "resume" and mapped and not paused:
+                    raise core.Error(f"torch_memory_saver: resume of tag '{t}' (in {tags}): not paused; "
+                                     f"no tag of the list was resumed")
+        for t in tags:
+            _observe.logged(core, op, t)
 
     def get_cpu_backup(self, x, zero_copy: bool = False):
         """Host copy of tensor `x` while its allocation is paused with backup (or
@@ -168,7 +219,7 @@ class TorchMemorySaver:
 
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"torch_memory_saver: get_cpu_backup expects a torch.Tensor, not {type(x).__name__}")
-        core = self._ensure_impl().core
+        core = self._ensure_initialized().core
         if x.numel() == 0:
             return torch.empty(x.shape, dtype=x.dtype)
         item = x.element_size()
@@ -183,11 +234,11 @@ class TorchMemorySaver:
         """{device: {tag: {field: value}}}: allocations, bytes requested/reserved/
         mapped/paused, host backup bytes by kind, pause/resume counts, time and
         bytes copied. Reads counters only (no driver call): cheap every step."""
-        return _observe.stats(self._ensure_impl().core)
+        return _observe.stats(self._ensure_initialized().core)
 
     def memory_summary(self) -> str:
         """A readable table of stats(), like torch.cuda.memory_summary()."""
-        return _observe.memory_summary(self._ensure_impl().core)
+        return _observe.memory_summary(self._ensure_initialized().core)
 
     @staticmethod
     def configure_subprocess():
@@ -195,10 +246,16 @@ class TorchMemorySaver:
 
     # ---- internals -----------------------------------------------------------
 
-    def _backup_backend(self, enable_cpu_backup, cpu_backup_backend):
+    def _backup_backend(self, enable_cpu_backup, cpu_backup_backend, enable_disk_backup=False):
         if not isinstance(enable_cpu_backup, bool):
             raise TypeError(f"torch_memory_saver: enable_cpu_backup must be a bool, "
                             f"not {type(enable_cpu_backup).__name__}")
+        if not isinstance(enable_disk_backup, bool):
+            raise TypeError(f"torch_memory_saver: enable_disk_backup must be a bool, "
+                            f"not {type(enable_disk_backup).__name__}")
+        if enable_disk_backup:
+            raise NotImplementedError("torch_memory_saver: enable_disk_backup=True: disk backup is not available "
+                                      "in this version (use enable_cpu_backup=True)")
         if cpu_backup_backend is None:
             return _library.load(self._hook_mode).defaults()["init_cpu_backup_backend"]
         if cpu_backup_backend not in _BACKUP_BACKENDS:
@@ -209,7 +266,8 @@ class TorchMemorySaver:
                              f"enable_cpu_backup=True")
         return cpu_backup_backend
 
-    def _ensure_impl(self) -> "_Impl":
+    def _ensure_initialized(self) -> "_Impl":
+        """Loads the core for hook_mode (first use); upstream's name, which frameworks call."""
         if self._impl is None:
             with self._init_lock:
                 if self._impl is None:
@@ -223,15 +281,19 @@ class TorchMemorySaver:
     @property
     def _core(self):
         """The native module in use (for tests and the host backend)."""
-        return self._ensure_impl().core
+        return self._ensure_initialized().core
 
 
 class _Impl:
     def __init__(self, hook_mode: str):
         self.hook_mode = hook_mode
         self.core = _library.load(hook_mode)
+        # Upstream's private path to the C ABI, `_impl._binary_wrapper.cdll`:
+        # the very library the module was loaded from (one core state).
+        self._binary_wrapper = _abi.BinaryWrapper(self.core.library_path())
         self._pools = {}
         self._pools_lock = threading.Lock()
+        self._scratch = _scratch.ScratchPools()
         self._allocator = None
         self._on_gpu = None
         self._warm = False
@@ -240,6 +302,10 @@ class _Impl:
         if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
             raise RuntimeError("torch_memory_saver: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is not "
                                "supported (PyTorch then maps memory itself instead of calling cudaMalloc)")
+
+    @property
+    def _hook_mode(self) -> str:  # upstream's attribute name
+        return self.hook_mode
 
     def on_gpu(self) -> bool:
         """True on a GPU backend (cuda, hip) with a torch that sees the GPU: regions then use
@@ -265,9 +331,7 @@ class _Impl:
             if pool is None:
                 # PyTorch registers a pool with the device current at creation.
                 with torch.cuda.device(device):
-                    if tag is None:  # disable(): ordinary memory, kept apart from regions
-                        pool = torch.cuda.MemPool()
-                    elif self.hook_mode == "torch":
+                    if self.hook_mode == "torch":
                         if self._allocator is None:
                             self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
                                 self.core.library_path(), "tms_torch_malloc", "tms_torch_free")
@@ -315,11 +379,17 @@ class _Impl:
             with self._thread_region(False, tag, backup, kind):
                 yield
             return
-        # A default-allocator pool per device, kept for the process: dropping
-        # a pool while a region's pool is in use trips PyTorch's assertions.
-        with self._pools_on_all_devices(lambda device: self._pool(None, False, None, device)):
-            with self._thread_region(False, tag, backup, kind):
-                yield
+        import torch
+
+        # Ordinary memory in pools of its own, apart from region segments, given
+        # back to the driver when the block ends (_scratch.py says how).
+        taken = [(device, *self._scratch.take(device)) for device in range(torch.cuda.device_count())]
+        try:
+            with self._pools_on_all_devices(lambda device: taken[device][1]):
+                with self._thread_region(False, tag, backup, kind):
+                    yield
+        finally:
+            self._scratch.give_back(taken)
 
     @contextlib.contextmanager
     def cuda_graph(self, graph, pool, stream, capture_error_mode, tag, backup, kind):

@@ -788,11 +788,12 @@ static void op_bad_pointer(struct reader *r)
     expect_rc(tms_core_free(p, &err), TMS_E_NOT_FOUND, &err, "tms_core_free of a foreign pointer");
     ev.bad_free++;
     if (p == (uint8_t *)(uintptr_t)4096) {
-        struct tms_backup *b = NULL;
+        struct tms_backup *b = (struct tms_backup *)1;
         size_t offset = 0;
         memset(&err, 0, sizeof err);
-        expect_rc(tms_core_backup_of(4096, 1, &b, &offset, &err), TMS_E_NOT_FOUND, &err, "backup_of(4096)");
-        REQUIRE(strstr(err.msg, "not inside any"), "%s", err.msg);
+        /* Foreign memory has no backup (issue 10: get_cpu_backup returns None, as upstream). */
+        expect_rc(tms_core_backup_of(4096, 1, &b, &offset, &err), TMS_OK, &err, "backup_of(4096)");
+        REQUIRE(b == NULL, "backup_of(4096) gave a backup");
     }
 }
 

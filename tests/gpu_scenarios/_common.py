@@ -52,6 +52,20 @@ def core():
     return tms._core
 
 
+def check_installed():
+    """The compatibility scenarios run against the installed package: the harness
+    names its site directory in COMPAT_SITE."""
+    import os
+
+    import torch_memory_saver
+
+    site = os.environ.get("COMPAT_SITE")
+    check(site, "COMPAT_SITE is not set: run this scenario through tests/test_gpu.py")
+    check(torch_memory_saver.__file__.startswith(site + os.sep),
+          f"torch_memory_saver imported from {torch_memory_saver.__file__}, not the installed copy in {site}")
+    say(f"installed package: {torch_memory_saver.__file__}")
+
+
 def free_bytes(device=None):
     """Free memory of a device (default: the current one) once its queued work is done."""
     device = torch.cuda.current_device() if device is None else device
@@ -161,6 +175,36 @@ def expect_error(exc_type, fn, *fragments):
         say(f"  raised as expected: {type(e).__module__}.{type(e).__name__}: {e}")
         return e
     raise AssertionError(f"expected {exc_type.__name__} containing {fragments}, nothing was raised")
+
+
+# ---- raw cudaMalloc, as C++ extensions (DeepEP, NCCL buffers) call it ----------------
+
+def raw_cuda_malloc(nbytes):
+    """cudaMalloc looked up in the process's global scope, as a C++ library calls it
+    (in preload mode: the library's hook, which forwards outside regions)."""
+    import ctypes
+
+    ptr = ctypes.c_void_p()
+    rc = ctypes.CDLL(None).cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+    check(rc == 0 and ptr.value, f"cudaMalloc({nbytes}) returned {rc}")
+    return ptr.value
+
+
+def raw_cuda_free(ptr):
+    import ctypes
+
+    rc = ctypes.CDLL(None).cudaFree(ctypes.c_void_p(ptr))
+    check(rc == 0, f"cudaFree(0x{ptr:x}) returned {rc}")
+
+
+class _CudaArray:
+    def __init__(self, ptr, nbytes):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+def raw_tensor(ptr, nbytes):
+    """A uint8 tensor over device memory torch did not allocate."""
+    return torch.as_tensor(_CudaArray(ptr, nbytes), device="cuda")
 
 
 # ---- a computation for CUDA graphs ---------------------------------------------

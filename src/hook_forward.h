@@ -1,0 +1,46 @@
+/* The allocator entry points the preload library interposes, shared by hook_preload.c and the shims (shim.c). */
+#ifndef TMS_HOOK_FORWARD_H
+#define TMS_HOOK_FORWARD_H
+
+#include <dlfcn.h>
+#include <stddef.h>
+
+/*
+ * Each interposed function forwards to a router (the preload library's
+ * region check) with a resolver of "the next definition": dlsym(RTLD_NEXT)
+ * answers relative to the object whose code calls it, so each object that
+ * defines cudaMalloc resolves its own next. That matters for the shims: a
+ * shim on LD_PRELOAD comes right after the executable in the search order,
+ * but the library it needs comes after the executable's own dependencies,
+ * libcudart among them for a C program linked with it (issue 10).
+ */
+typedef void *(*tms_next_fn)(void);
+
+#define TMS_NEXT_RESOLVER(fn_name)                          \
+    static void *next_##fn_name(void)                       \
+    {                                                       \
+        static void *slot; /* atomic */                     \
+        void *fn = __atomic_load_n(&slot, __ATOMIC_ACQUIRE); \
+        if (!fn) {                                          \
+            fn = dlsym(RTLD_NEXT, #fn_name);                \
+            __atomic_store_n(&slot, fn, __ATOMIC_RELEASE);  \
+        }                                                   \
+        return fn;                                          \
+    }
+
+/* Defines malloc_name(void **, size_t) and free_name(void *), exported,
+ * routed through route_malloc(ptr, size, next) and route_free(ptr, next). */
+#define TMS_DEFINE_ALLOCATOR_HOOKS(malloc_name, free_name, route_malloc, route_free)          \
+    TMS_NEXT_RESOLVER(malloc_name)                                                            \
+    TMS_NEXT_RESOLVER(free_name)                                                              \
+    __attribute__((visibility("default"))) int malloc_name(void **ptr, size_t size)          \
+    {                                                                                         \
+        return route_malloc(ptr, size, next_##malloc_name);                                   \
+    }                                                                                         \
+    __attribute__((visibility("default"))) int free_name(void *ptr) { return route_free(ptr, next_##free_name); }
+
+/* The routers the preload library exports for its shims. */
+int tms_preload_malloc(void **ptr, size_t size, tms_next_fn next);
+int tms_preload_free(void *ptr, tms_next_fn next);
+
+#endif
