@@ -55,8 +55,8 @@ int tms_set_cpu_backup_backend(const char *backend);
 const char *tms_get_cpu_backup_backend(void);
 
 /* Disk backup is not available in this build: enabling it returns
- * TMS_STATUS_UNSUPPORTED (disabling is fine), the getter returns false.
- * The directory is kept for when it is. */
+ * TMS_STATUS_UNSUPPORTED (disabling is fine), the getter returns false, and
+ * a directory (non-empty) is accepted and unused. */
 int tms_set_enable_disk_backup(bool enable);
 bool tms_get_enable_disk_backup(void);
 int tms_set_disk_backup_dir(const char *dir);

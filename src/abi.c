@@ -1,10 +1,7 @@
 /* The upstream library's C ABI (include/torch_memory_saver.h): thin forwards into the region settings and the core. */
 #include "torch_memory_saver.h"
 
-#include <limits.h>
-#include <pthread.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "config.h"
 #include "core.h"
@@ -79,21 +76,14 @@ TMS_EXPORT_ABI int tms_set_enable_disk_backup(bool enable)
 
 TMS_EXPORT_ABI bool tms_get_enable_disk_backup(void) { return false; }
 
-static pthread_mutex_t disk_dir_lock = PTHREAD_MUTEX_INITIALIZER;
-static char disk_dir[PATH_MAX];  /* guarded by disk_dir_lock */
-
+/* Accepted (upstream callers set it at start-up) and checked; disk backup
+ * itself is not available yet, so nothing reads it. */
 TMS_EXPORT_ABI int tms_set_disk_backup_dir(const char *dir)
 {
     struct tms_err err;
     if (!dir || !*dir)
         return answer(tms_fail(&err, TMS_E_ARG, 0, "tms_set_disk_backup_dir: the directory must be a non-empty path"),
                       &err);
-    if (strlen(dir) >= sizeof disk_dir)
-        return answer(tms_fail(&err, TMS_E_ARG, 0, "tms_set_disk_backup_dir: path of %zu bytes is longer than %zu",
-                               strlen(dir), sizeof disk_dir - 1), &err);
-    pthread_mutex_lock(&disk_dir_lock);
-    strcpy(disk_dir, dir);
-    pthread_mutex_unlock(&disk_dir_lock);
     return TMS_OK;
 }
 

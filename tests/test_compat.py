@@ -107,7 +107,7 @@ def test_slime_style_preload_path_gives_one_core(installed, tmp_path):
 def test_areal_style_path_with_ctypes_cdll_none(installed, tmp_path, name):
     # AReaL: the unsuffixed name on LD_PRELOAD, hook_mode="preload", pause()/resume().
     # The ABI resolves in the process's global scope (ctypes.CDLL(None)).
-    out = check_ok(_run_installed(installed, tmp_path, f"""
+    out = check_ok(_run_installed(installed, tmp_path, """
         g = ctypes.CDLL(None)
         g.tms_get_current_tag.restype = ctypes.c_char_p
         assert g.tms_get_interesting_region() == 1

@@ -177,6 +177,23 @@ def expect_error(exc_type, fn, *fragments):
     raise AssertionError(f"expected {exc_type.__name__} containing {fragments}, nothing was raised")
 
 
+# ---- disable() ------------------------------------------------------------------
+
+def check_disable_gives_memory_back(tms, what, nbytes):
+    """Allocates and frees nbytes under disable(): free memory must be back within
+    10 MiB when the block ends, and the tensor must not be the library's."""
+    before = free_bytes()
+    with tms.disable():
+        t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        t.fill_(9)
+        check(owner(t) is None, f"disable() {what}: a tensor allocated inside is pauseable")
+        del t
+    after = free_bytes()
+    say(f"  disable() {what}: free memory moved by {mib(after - before)} after {mib(nbytes)} in and out")
+    check(abs(after - before) <= 10 * MiB,
+          f"disable() {what}: {mib(before - after)} still held after the block ({mib(nbytes)} allocated and freed)")
+
+
 # ---- raw cudaMalloc, as C++ extensions (DeepEP, NCCL buffers) call it ----------------
 
 def raw_cuda_malloc(nbytes):

@@ -7,7 +7,8 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-from _common import GiB, MiB, begin, check, check_equal, check_installed, free_bytes, owner, say
+from _common import (GiB, MiB, begin, check, check_disable_gives_memory_back, check_equal, check_installed,
+                     free_bytes, owner, say)
 
 
 def ipc_child(inbox, outbox):
@@ -18,40 +19,26 @@ def ipc_child(inbox, outbox):
         outbox.put(("error", repr(e)))
 
 
-def in_and_out(tms, what, nbytes=2 * GiB):
-    """Allocates and frees nbytes under disable(); free memory must be back within 10 MiB."""
-    before = free_bytes()
-    with tms.disable():
-        t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        t.fill_(9)
-        check(owner(t) is None, f"{what}: a tensor allocated under disable() is pauseable")
-        del t
-    after = free_bytes()
-    say(f"  {what}: free memory moved by {(after - before) / MiB:.1f} MiB")
-    check(abs(after - before) <= 10 * MiB,
-          f"{what}: {(before - after) / MiB:.0f} MiB held after disable() (2 GiB allocated and freed inside)")
-
-
 def main(hook_mode):
     tms = begin("compat_disable", hook_mode)
     check_installed()
     torch.empty(MiB, dtype=torch.uint8, device="cuda").fill_(9)   # CUDA context and the fill kernel loaded
     free_bytes()
-    in_and_out(tms, "outside any region")
+    check_disable_gives_memory_back(tms, "outside any region", 2 * GiB)
     with tms.region(tag="w", enable_cpu_backup=True):
         w = torch.randn(64 * MiB, device="cuda")
-        in_and_out(tms, "inside a region")
+        check_disable_gives_memory_back(tms, "inside a region", 2 * GiB)
         with tms.disable():
             with tms.region(tag="inner"):
                 inner = torch.empty(32 * MiB, dtype=torch.uint8, device="cuda")
-            in_and_out(tms, "nested disable() inside disable()")
+            check_disable_gives_memory_back(tms, "nested disable() inside disable()", 2 * GiB)
         after_disable = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
     check(owner(inner) is not None and owner(inner)["tag"] == "inner", "region inside disable() not pauseable")
     check(owner(after_disable) is not None and owner(after_disable)["tag"] == "w",
           "the region does not continue after disable()")
     expected = w.cpu()
     tms.pause("w")
-    in_and_out(tms, "while the tag is paused")
+    check_disable_gives_memory_back(tms, "while the tag is paused", 2 * GiB)
     tms.resume("w")
     check_equal(w, expected, "region tensor after resume")
 
