@@ -48,7 +48,7 @@ int tms_parse_bytes(const char *s, size_t *out)
 
 /* Exactly the upstream library's spellings, so a value it accepts means the
  * same here and one it rejects ("on", "True") is an error here too. */
-int tms_parse_bool(const char *s, int *out)
+static int parse_bool(const char *s, int *out)
 {
     static const char *const yes[] = {"1", "true", "TRUE", "yes", "YES"};
     static const char *const no[] = {"0", "false", "FALSE", "no", "NO"};
@@ -62,7 +62,7 @@ int tms_parse_bool(const char *s, int *out)
 static void env_bool(const char *var, int *out)
 {
     const char *s = getenv(var);
-    if (s && tms_parse_bool(s, out) != TMS_OK && !defaults.parse_error.status)
+    if (s && parse_bool(s, out) != TMS_OK && !defaults.parse_error.status)
         tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
                  "%s='%s' is not a boolean (use 1, true, TRUE, yes, YES or 0, false, FALSE, no, NO)", var, s);
 }

@@ -47,9 +47,6 @@ struct tms_region *tms_region_current(void);
 int tms_backup_kind_parse(const char *name, int *kind);
 const char *tms_backup_kind_name(int kind);
 
-/* 1/true/TRUE/yes/YES or 0/false/FALSE/no/NO (the upstream library's set). */
-int tms_parse_bool(const char *s, int *out);
-
 /* "64MiB", "2GiB", "1048576": bytes, with optional KiB/MiB/GiB (or K/M/G). */
 int tms_parse_bytes(const char *s, size_t *out);
 

@@ -29,10 +29,9 @@ def _tag_list(tag):
     """pause/resume's argument as a list: [None] (every tag), or tags. A list
     or tuple of tags is ours beyond upstream; duplicates are a ValueError."""
     if isinstance(tag, (list, tuple)):
-        for t in tag:
-            _check_tag(t, what="tag in the list")
         seen = set()
         for t in tag:
+            _check_tag(t, what="tag in the list")
             if t in seen:
                 raise ValueError(f"torch_memory_saver: tag {t!r} is listed twice")
             seen.add(t)
@@ -187,13 +186,12 @@ class TorchMemorySaver:
         with memory allocated into it after a pause, is not paused. Never raises
         for an unknown tag."""
         _check_tag(tag)
-        mapped, paused = _observe.tag_bytes(self._ensure_initialized().core).get(tag, (0, 0))
-        return paused > 0 and mapped == 0
+        return tag in self.paused_tags()
 
     def paused_tags(self):
         """Sorted list of the tags for which is_paused() is True."""
         rows = _observe.tag_bytes(self._ensure_initialized().core)
-        return sorted(t for t, (mapped, paused) in rows.items() if paused > 0 and mapped == 0)
+        return sorted(t for t, (mapped, paused) in rows.items() if paused and not mapped)
 
     def _pause_or_resume(self, op, tag):
         tags = _tag_list(tag)
@@ -203,7 +201,7 @@ class TorchMemorySaver:
             rows = _observe.tag_bytes(core)
             for t in tags:
                 mapped, paused = rows.get(t, (0, 0))
-                if op == "pause" and paused and not mapped:
+                if op == "pause" and paused and not mapped:  # what the core refuses
                     raise core.Error(f"torch_memory_saver: pause of tag '{t}' (in {tags}): already paused; "
                                      f"no tag of the list was paused")
                 if op == "resume" and mapped and not paused:
