@@ -263,3 +263,110 @@ def _clear_last_error(lib):
         return fn()
     except Exception as e:
         return f"{type(e).__name__}: {e}"
+
+
+# ---- pass-through during a pause (issue 12) ------------------------------------------
+
+def _percentile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def _latency_summary(samples_ns):
+    return {"samples": len(samples_ns), "p50_us": _percentile(samples_ns, 0.50) / 1e3 if samples_ns else None,
+            "p99_us": _percentile(samples_ns, 0.99) / 1e3 if samples_ns else None,
+            "max_us": max(samples_ns) / 1e3 if samples_ns else None}
+
+
+def contention(env, params, deadline):
+    """Latency of one pass-through cudaMalloc+cudaFree pair (2 MiB, outside any
+    region) on a second thread, idle and while the main thread pauses
+    params['bytes'] with backup: through the hook, and libcudart's own
+    functions (which bypass the library) interleaved on the same thread, so
+    what CUDA itself adds during the copies is measured beside what we add.
+    With the table lock spanning a pause, the hook's p99 was the pause's
+    duration (issue 12)."""
+    if env.mode != "preload":
+        raise RuntimeError("contention runs in the preload process (the hook is what it measures)")
+    if env.kind != "cuda":
+        ctypes.CDLL(find_cudart()[0], mode=ctypes.RTLD_GLOBAL)  # dry run: something to forward to
+    import threading
+
+    paths = {"hook": _bind(ctypes.CDLL(None)), "direct": _bind(ctypes.CDLL(find_cudart()[0]))}
+    size = 2 * MiB
+    total, ntensors, cycles = int(params["bytes"]), int(params["tensors"]), int(params["cycles"])
+    tag = "contention"
+    block = env.alloc(tag, [total // ntensors] * ntensors, backup=True, backend="mmap")
+    env.fill_random(block, 3)
+    env.sync()
+    out = {"bytes": total, "tensors": ntensors, "pair_bytes": size, "unit": "µs per cudaMalloc+cudaFree pair"}
+
+    def sample(stop, into):
+        p = ctypes.c_void_p()
+        pp = ctypes.byref(p)
+        rcs = set()
+        while not stop.is_set():
+            for label, (malloc, free) in paths.items():
+                t0 = time.perf_counter_ns()
+                rc = malloc(pp, size)
+                rc2 = free(p)
+                t1 = time.perf_counter_ns()
+                into[label].append((t0, t1 - t0))
+                rcs.add((rc, rc2))
+        into["rcs"] = sorted(rcs)
+
+    def run(window_fn):
+        into = {"hook": [], "direct": []}
+        stop = threading.Event()
+        t = threading.Thread(target=sample, args=(stop, into))
+        t.start()
+        time.sleep(0.05)  # the sampler is running before the window opens
+        start, end = window_fn()
+        stop.set()
+        t.join()
+        return {label: [d for s, d in into[label] if start <= s and s + d <= end] for label in paths}, into["rcs"]
+
+    idle = {"hook": [], "direct": []}
+    during = {"hook": [], "direct": []}
+    pause_s = []
+    try:
+        for c in range(cycles):
+            if c and not deadline.allows(3 * (pause_s[-1] if pause_s else 1.0) + 5):
+                out["truncated"] = True
+                break
+
+            def idle_window():
+                t0 = time.perf_counter_ns()
+                time.sleep(0.25)
+                return t0, time.perf_counter_ns()
+
+            def pause_window():
+                t0 = time.perf_counter_ns()
+                env.tms.pause(tag)
+                t1 = time.perf_counter_ns()
+                pause_s.append((t1 - t0) / 1e9)
+                return t0, t1
+
+            got, rcs = run(idle_window)
+            for k in idle:
+                idle[k] += got[k]
+            got, rcs2 = run(pause_window)
+            for k in during:
+                during[k] += got[k]
+            env.tms.resume(tag)
+            env.sync()
+            out.setdefault("return_codes", sorted({tuple(x) for x in rcs + rcs2}))
+    finally:
+        env.dispose(block, tag)
+    out["pause_s"] = pause_s
+    out["pause_gbps"] = [total / s / 1e9 for s in pause_s]
+    for label in paths:
+        out[f"idle_{label}"] = _latency_summary(idle[label])
+        out[f"during_pause_{label}"] = _latency_summary(during[label])
+    if env.kind == "cuda" and any(rc != (0, 0) for rc in out.get("return_codes", [])):
+        raise RuntimeError(f"cudaMalloc/cudaFree during the pause returned {out['return_codes']}")
+    h, d = out["during_pause_hook"], out["during_pause_direct"]
+    log(f"contention: during a {total / 2**30:.0f} GiB backed-up pause ({median(pause_s) * 1e3:.0f} ms): "
+        f"hook p99 {h['p99_us']:.1f} µs (max {h['max_us']:.1f}), libcudart p99 {d['p99_us']:.1f} µs; "
+        f"idle hook p99 {out['idle_hook']['p99_us']:.1f} µs")
+    return out

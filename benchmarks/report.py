@@ -10,6 +10,7 @@ BACKUP_TARGETS = {
     "pinned_retained": {"pause": 50.0, "resume": 50.0, "which": "steady cycles"},
 }
 PASSTHROUGH_TARGET_NS_PER_CALL = 1000.0
+CONTENTION_TARGET_P99_US = 100.0  # issue 12: pass-through pair on another thread during a backed-up pause
 FLOOR_RATIO_TARGET = 1.2
 
 
@@ -199,6 +200,17 @@ def derive(results):
                  "target_ns_per_call": PASSTHROUGH_TARGET_NS_PER_CALL,
                  "target_met": (best / 2 < PASSTHROUGH_TARGET_NS_PER_CALL) if best is not None else None}
     d["passthrough"] = pt
+
+    ct = _get(results, "contention", "preload")
+    if _ok(ct) and ct.get("during_pause_hook", {}).get("p99_us") is not None:
+        hook = ct["during_pause_hook"]
+        d["contention"] = {
+            "bytes": ct.get("bytes"), "pause_ms": median(ct.get("pause_s") or [0]) * 1e3,
+            "during_hook": hook, "during_direct": ct.get("during_pause_direct", {}),
+            "idle_hook": ct.get("idle_hook", {}), "idle_direct": ct.get("idle_direct", {}),
+            "target_p99_us": CONTENTION_TARGET_P99_US,
+            "target_met": hook["p99_us"] < CONTENTION_TARGET_P99_US,
+        }
 
     for key, xkey in (("count", "allocations"), ("bytes", "bytes")):
         sc = _get(results, "scaling", key)
@@ -413,6 +425,21 @@ def markdown(results, images):
                        "target"], rows))
     out.append("")
 
+    ct = d.get("contention")
+    if ct:
+        out.append(f"Pass-through `cudaMalloc` + `cudaFree` of 2 MiB on a second thread while the main thread "
+                   f"pauses {fmt_bytes(ct['bytes'])} with backup (median pause {ct['pause_ms']:.0f} ms), and idle; "
+                   "through the hook and libcudart's own functions, interleaved on that thread (µs per pair):\n")
+        rows = []
+        for key, label in (("idle_hook", "idle, hook"), ("idle_direct", "idle, libcudart"),
+                           ("during_hook", "during pause, hook"), ("during_direct", "during pause, libcudart")):
+            r = ct.get(key) or {}
+            rows.append([label, _f(r.get("samples"), "{}"), _f(r.get("p50_us"), "{:.1f}"), _f(r.get("p99_us"), "{:.1f}"),
+                         _f(r.get("max_us"), "{:.1f}")])
+        out.append(_table(["calls", "samples", "p50 µs", "p99 µs", "max µs"], rows))
+        out.append(f"\nTarget: hook p99 during the pause < {CONTENTION_TARGET_P99_US:.0f} µs: "
+                   + ("met" if ct["target_met"] else "**missed**") + "\n")
+
     out.append("## 5. Scaling (torch hook mode)\n")
     sc = d.get("scaling_count", {})
     rows = []
@@ -481,6 +508,13 @@ def _summary_lines(d):
                      f"{_f(pt.get('overhead_ns_per_call_same_process'), '{:+.0f}')} ns per call vs libcudart in the "
                      f"same process ({_f(pt.get('overhead_ns_per_call_vs_plain_process'), '{:+.0f}')} ns vs a process "
                      f"without preload); target < {PASSTHROUGH_TARGET_NS_PER_CALL:.0f} ns")
+    ct = d.get("contention")
+    if ct:
+        lines.append(f"pass-through cudaMalloc+cudaFree on another thread during a {fmt_bytes(ct['bytes'])} "
+                     f"backed-up pause: p99 {_f(ct['during_hook'].get('p99_us'), '{:.1f}')} µs through the hook vs "
+                     f"{_f(ct['during_direct'].get('p99_us'), '{:.1f}')} µs libcudart directly (idle: "
+                     f"{_f(ct['idle_hook'].get('p99_us'), '{:.1f}')} µs); target < {CONTENTION_TARGET_P99_US:.0f} µs "
+                     + ("met" if ct["target_met"] else "**missed**"))
     for r in d.get("alloc_overhead", []):
         lines.append(f"allocation inside a region ({r['mode']} mode): {_f(r.get('region_us'), '{:.1f}')} µs vs "
                      f"{_f(r.get('plain_us'), '{:.1f}')} µs plain ({_ratio_cell(r.get('region_vs_plain'))})")

@@ -45,6 +45,7 @@ PRESETS = {
         "backup": {"bytes": 8 * GiB, "tensors": 16, "cycles": 5},
         "alloc_overhead": {"count": 128, "bytes": 20 * MiB, "rounds": 5},
         "passthrough": {"null_iters": 20000, "alloc_iters": 300, "batches": 9},
+        "contention": {"bytes": 8 * GiB, "tensors": 16, "cycles": 3},
         "scaling_count": {"counts": [1, 4, 16, 64, 256, 1024, 4096], "cycles": 5, "warmup": 1},
         "scaling_bytes": {"sizes": [s * MiB for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)],
                           "cycles": 5, "warmup": 1},
@@ -57,6 +58,7 @@ PRESETS = {
         "backup": {"bytes": 8 * GiB, "tensors": 16, "cycles": 3},
         "alloc_overhead": {"count": 64, "bytes": 20 * MiB, "rounds": 3},
         "passthrough": {"null_iters": 10000, "alloc_iters": 200, "batches": 5},
+        "contention": {"bytes": 8 * GiB, "tensors": 16, "cycles": 2},
         "scaling_count": {"counts": [1, 16, 256, 1024], "cycles": 5, "warmup": 1},
         "scaling_bytes": {"sizes": [s * MiB for s in (256, 1024, 4096, 8192)], "cycles": 5, "warmup": 1},
         "floor": {"cycles": 5, "warmup": 1},
@@ -68,6 +70,7 @@ PRESETS = {
         "backup": {"bytes": 64 * MiB, "tensors": 16, "cycles": 3},
         "alloc_overhead": {"count": 16, "bytes": 2 * MiB, "rounds": 3},
         "passthrough": {"null_iters": 2000, "alloc_iters": 50, "batches": 5},
+        "contention": {"bytes": 64 * MiB, "tensors": 16, "cycles": 2},
         "scaling_count": {"counts": [1, 4, 16, 64], "cycles": 3, "warmup": 1},
         "scaling_bytes": {"sizes": [2 * MiB, 8 * MiB, 32 * MiB, 128 * MiB], "cycles": 3, "warmup": 1},
         "floor": {"cycles": 3, "warmup": 1},
@@ -80,7 +83,7 @@ STEPS = [
     Step("limits", "worker", "none", ["limits"], 100, 30),
     Step("torch", "worker", "torch", ["latency", "alloc_overhead", "passthrough", "scaling_count", "scaling_bytes"],
          150, 55),
-    Step("preload", "worker", "preload", ["latency", "alloc_overhead", "passthrough"], 100, 35),
+    Step("preload", "worker", "preload", ["latency", "alloc_overhead", "passthrough", "contention"], 130, 45),
     Step("floor", "floor", None, [], 90, 20),
     Step("backup:pinned", "worker", "torch", ["backup:pinned"], 80, 35),
     Step("backup:mmap", "worker", "torch", ["backup:mmap"], 80, 30),
@@ -335,7 +338,7 @@ def merge(results, step, sections):
     for name, out in sections.items():
         if name == "limits":
             results["limits"] = out
-        elif name in ("latency", "alloc_overhead", "passthrough"):
+        elif name in ("latency", "alloc_overhead", "passthrough", "contention"):
             results.setdefault(name, {})[step.mode] = out
         elif name == "scaling_count":
             results.setdefault("scaling", {})["count"] = out

@@ -31,6 +31,8 @@ def _section_fn(name):
         return overhead.alloc_overhead
     if name == "passthrough":
         return overhead.passthrough
+    if name == "contention":
+        return overhead.contention
     if name.startswith("backup:"):
         config = name.split(":", 1)[1]
         return lambda env, params, deadline: cycles.backup(env, config, params, deadline)

@@ -16,8 +16,10 @@ from pathlib import Path
 NAME = "torch_memory_saver"
 VERSION = "0.1.0"
 ROOT = Path(__file__).resolve().parent.parent
-CORE_SOURCES = ["abi.c", "error.c", "driver.c", "driver_cuda.c", "driver_hip.c", "driver_host.c", "config.c", "log.c", "backup.c", "transfer.c", "core.c", "hook.c"]
+CORE_SOURCES = ["abi.c", "error.c", "driver.c", "driver_cuda.c", "driver_hip.c", "driver_host.c", "config.c", "log.c", "backup.c", "transfer.c", "chunks.c", "core.c", "pause.c", "hook.c"]
 VARIANTS = ("preload", "torch")
+# _tms_env: the TMS_* variables checked at package import without loading a core.
+ENV_SOURCES = ["module_env.c", "config.c", "error.c"]
 # The upstream library's file names, at the site-packages root: frameworks put
 # them on LD_PRELOAD or load them with ctypes (issue 10). Each is a shim that
 # needs the real library of its variant (src/shim.c).
@@ -36,10 +38,7 @@ def _compiler():
 
 def compile_variant(variant, out_path):
     """Builds one variant as a single shared object: CPython module + hook + core."""
-    flags = list(CFLAGS)
-    if os.environ.get("TMS_WERROR", "1") != "0":
-        flags.append("-Werror")
-    flags += shlex.split(os.environ.get("TMS_EXTRA_CFLAGS", ""))
+    flags = _flags()
     sources = [str(ROOT / "src" / s) for s in CORE_SOURCES + [f"hook_{variant}.c", "module.c"]]
     cmd = _compiler() + flags + [
         f"-DTMS_VARIANT={variant}",
@@ -48,6 +47,20 @@ def compile_variant(variant, out_path):
         # The shims' NEEDED entry names the library by this soname.
         "-shared", f"-Wl,-soname,{Path(out_path).name}", "-o", str(out_path), *sources, "-ldl", "-lpthread",
     ]
+    subprocess.run(cmd, check=True)
+
+
+def _flags():
+    flags = list(CFLAGS)
+    if os.environ.get("TMS_WERROR", "1") != "0":
+        flags.append("-Werror")
+    return flags + shlex.split(os.environ.get("TMS_EXTRA_CFLAGS", ""))
+
+
+def compile_env_module(out_path):
+    sources = [str(ROOT / "src" / s) for s in ENV_SOURCES]
+    cmd = _compiler() + _flags() + ["-I" + sysconfig.get_paths()["include"], "-shared", "-o", str(out_path),
+                                    *sources, "-lpthread"]
     subprocess.run(cmd, check=True)
 
 
@@ -67,12 +80,14 @@ def compile_shims(variant, library, out_dir):
 
 
 def extension_name(variant):
+    """File name of a variant's module (variant "env": the _tms_env module)."""
     return f"_tms_{variant}" + sysconfig.get_config_var("EXT_SUFFIX")
 
 
 def build_in_place():
     """Compiles both variants next to the package sources and their upstream-named
     shims at the repository root, which is the site root of editable installs."""
+    compile_env_module(ROOT / NAME / extension_name("env"))
     for variant in VARIANTS:
         library = ROOT / NAME / extension_name(variant)
         compile_variant(variant, library)
@@ -147,6 +162,9 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         wheel.add(py.relative_to(ROOT).as_posix(), py.read_bytes())
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / NAME).mkdir()
+        env_module = Path(tmp) / NAME / extension_name("env")
+        compile_env_module(env_module)
+        wheel.add(f"{NAME}/{env_module.name}", env_module.read_bytes())
         for variant in VARIANTS:
             out = Path(tmp) / NAME / extension_name(variant)
             compile_variant(variant, out)

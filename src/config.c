@@ -10,6 +10,7 @@
 
 static pthread_once_t defaults_once = PTHREAD_ONCE_INIT;
 static struct tms_defaults defaults;  /* written once under defaults_once */
+static struct tms_host_env host_env;  /* written once under defaults_once */
 
 static _Thread_local struct tms_region thread_region;
 static _Thread_local int thread_region_ready;
@@ -96,6 +97,7 @@ static void load_defaults(void)
     static const struct { const char *var; const char *allowed[4]; } choices[] = {
         {"TMS_LOG", {"debug", "off", "0", NULL}},
         {"TMS_PLATFORM", {"cuda", "rocm", "hip", NULL}},
+        {"TMS_BACKEND", {"cuda", "hip", "host", NULL}},
     };
     for (size_t i = 0; i < sizeof choices / sizeof *choices; i++) {
         const char *v = getenv(choices[i].var);
@@ -115,19 +117,110 @@ static void load_defaults(void)
             tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
                      "TMS_BACKUP_BLOCK_BYTES='%s' is not a size from 64KiB to 256MiB in whole 4 KiB pages", block);
     }
+    /* Bounded so that rounding it up to the granularity cannot wrap to 0 (a
+     * division by zero at the first allocation, in every preloaded child). */
     const char *chunk = getenv("TMS_CHUNK_BYTES");
-    if (chunk && *chunk) defaults.chunk_bytes_set = 1;
-    if (chunk && *chunk && tms_parse_bytes(chunk, &defaults.chunk_bytes) != TMS_OK) {
-        defaults.chunk_bytes = 0;
-        if (!defaults.parse_error.status)
+    size_t chunk_bytes = 0;
+    if (chunk && *chunk) {
+        if (tms_parse_bytes(chunk, &chunk_bytes) == TMS_OK && chunk_bytes <= TMS_CHUNK_BYTES_MAX) {
+            defaults.chunk_bytes = chunk_bytes;
+            defaults.chunk_bytes_set = 1;
+        } else if (!defaults.parse_error.status) {
             tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
-                     "TMS_CHUNK_BYTES='%s' is not a size (e.g. 67108864, 64MiB, 1GiB)", chunk);
+                     "TMS_CHUNK_BYTES='%s' is not a size from 0 to 1TiB (e.g. 67108864, 64MiB, 1GiB)", chunk);
+        }
     }
+}
+
+static int parse_size_env(const char *var, size_t fallback, size_t *out, struct tms_err *err)
+{
+    const char *s = getenv(var);
+    if (!s || !*s) {
+        *out = fallback;
+        return TMS_OK;
+    }
+    if (tms_parse_bytes(s, out) != TMS_OK || *out == 0)
+        return tms_fail(err, TMS_E_ARG, 0, "%s='%s' is not a positive size (e.g. 8, 64MiB, 16GiB)", var, s);
+    return TMS_OK;
+}
+
+/* A count, not a size: "8MiB" devices is a typo, not 8 Mi devices. */
+static int parse_device_count(int *out, struct tms_err *err)
+{
+    const char *s = getenv("TMS_HOST_DEVICES");
+    *out = 2;
+    if (!s || !*s) return TMS_OK;
+    char *end = NULL;
+    long n = isdigit((unsigned char)s[0]) ? strtol(s, &end, 10) : -1;
+    if (n < 1 || n > TMS_HOST_MAX_DEVICES || *end)
+        return tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_DEVICES='%s' is not a device count from 1 to %d", s,
+                        TMS_HOST_MAX_DEVICES);
+    *out = (int)n;
+    return TMS_OK;
+}
+
+static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
+{
+    static const char *const names[TMS_FAULT_OPS] = {
+        "create", "map", "unmap", "copy_to_host", "copy_to_device", "host_alloc",
+    };
+    const char *s = getenv("TMS_FAULT");
+    if (!s || !*s) return TMS_OK;
+    char buf[256];
+    if (strlen(s) >= sizeof buf) return tms_fail(err, TMS_E_ARG, 0, "TMS_FAULT is too long");
+    strcpy(buf, s);
+    char *save = NULL;
+    for (char *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        char *colon = strchr(item, ':');
+        char *end = NULL;
+        long n = colon ? strtol(colon + 1, &end, 10) : 0;
+        int op = -1;
+        if (colon) {
+            *colon = '\0';
+            for (int i = 0; i < TMS_FAULT_OPS; i++)
+                if (strcmp(item, names[i]) == 0) op = i;
+        }
+        if (op < 0 || n <= 0 || !end || *end)
+            return tms_fail(err, TMS_E_ARG, 0,
+                            "TMS_FAULT='%s' is malformed (expected op:n with op one of create, map, "
+                            "unmap, copy_to_host, copy_to_device, host_alloc)", s);
+        at[op] = n;
+    }
+    return TMS_OK;
+}
+
+static void load_host_env(void)
+{
+    struct tms_err *err = &host_env.error;
+    if (parse_size_env("TMS_HOST_DEVICE_BYTES", (size_t)16 << 30, &host_env.device_bytes, err)) return;
+    if (parse_device_count(&host_env.devices, err)) return;
+    (void)parse_faults(host_env.fault_at, err);
+}
+
+static void load_all(void)
+{
+    load_defaults();
+    load_host_env();
+}
+
+const struct tms_host_env *tms_host_env(void)
+{
+    pthread_once(&defaults_once, load_all);
+    return &host_env;
+}
+
+int tms_env_check(struct tms_err *err)
+{
+    pthread_once(&defaults_once, load_all);
+    const struct tms_err *first = defaults.parse_error.status ? &defaults.parse_error : &host_env.error;
+    if (!first->status) return TMS_OK;
+    if (err) *err = *first;
+    return first->status;
 }
 
 const struct tms_defaults *tms_defaults(void)
 {
-    pthread_once(&defaults_once, load_defaults);
+    pthread_once(&defaults_once, load_all);
     return &defaults;
 }
 

@@ -15,6 +15,7 @@ enum tms_backup_kind {
 #define TMS_BACKUP_DEFAULT TMS_BACKUP_MMAP
 
 #define TMS_TAG_DEFAULT_ID 0  /* the tag "default", interned first */
+#define TMS_CHUNK_BYTES_MAX ((size_t)1 << 40)
 
 /* What an allocation made by this thread now gets. */
 struct tms_region {
@@ -29,7 +30,7 @@ struct tms_defaults {
     int init_backup;             /* TMS_INIT_ENABLE_CPU_BACKUP */
     int init_backup_kind;        /* TMS_INIT_CPU_BACKUP_BACKEND */
     int retain_backup;           /* TMS_RETAIN_CPU_BACKUP */
-    size_t chunk_bytes;          /* TMS_CHUNK_BYTES; 0 = one physical handle per allocation */
+    size_t chunk_bytes;          /* TMS_CHUNK_BYTES (<= TMS_CHUNK_BYTES_MAX); 0 = one handle per allocation */
     int chunk_bytes_set;         /* else the backend's default applies */
     int backup_threads;          /* TMS_BACKUP_THREADS; 0 = one per core, at most 16 */
     size_t backup_block_bytes;   /* TMS_BACKUP_BLOCK_BYTES: copy block size both ways; 0 = per direction */
@@ -40,6 +41,26 @@ struct tms_defaults {
  * place (hooks cannot raise) and is reported through parse_error, which the
  * Python module raises at import. */
 const struct tms_defaults *tms_defaults(void);
+
+/* The host backend's emulated devices and injected faults (driver_host.c):
+ * TMS_HOST_DEVICE_BYTES, TMS_HOST_DEVICES and TMS_FAULT="op:n[,op:n...]",
+ * the n-th call of op failing once. Parsed with the defaults. */
+#define TMS_HOST_MAX_DEVICES 8
+enum tms_fault_op {
+    TMS_FAULT_CREATE, TMS_FAULT_MAP, TMS_FAULT_UNMAP, TMS_FAULT_TO_HOST, TMS_FAULT_TO_DEVICE, TMS_FAULT_HOST_ALLOC,
+    TMS_FAULT_OPS
+};
+struct tms_host_env {
+    size_t device_bytes;
+    int devices;
+    long fault_at[TMS_FAULT_OPS];  /* 0 = never */
+    struct tms_err error;          /* status != 0: one was malformed, the host backend does not load */
+};
+const struct tms_host_env *tms_host_env(void);
+
+/* The first malformed TMS_* variable of the process, for `import
+ * torch_memory_saver` to raise (module_env.c): TMS_OK if none. */
+int tms_env_check(struct tms_err *err);
 
 /* The calling thread's settings, initialised from the defaults on first use. */
 struct tms_region *tms_region_current(void);

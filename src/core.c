@@ -1,137 +1,146 @@
-/* The VMM core: the process's one allocation table and its pause/resume state machine. */
+/* The VMM core: the process's one allocation table, its tags and statistics, allocate and free. */
 #include "core.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "core_internal.h"
 #include "driver.h"
 #include "log.h"
 #include "stats.h"
-#include "transfer.h"
 
-struct tms_alloc {
-    tms_va va;
-    size_t size;
-    size_t reserved;
-    size_t chunk;            /* bytes per physical handle; the last may be shorter */
-    int n_chunks;
-    int device;
-    int tag_id;
-    int state;
-    int backup;
-    int backup_kind;
-    tms_phys *handles;       /* n_chunks entries; points at one_handle when n_chunks == 1 */
-    tms_phys one_handle;
-    struct tms_backup *host_copy;  /* paused with backup, or retained after resume */
-    struct tms_alloc *next;        /* hash chain */
-};
-
-/* Hooks run on arbitrary threads, so every table access takes core_lock.
- * pause/resume hold it throughout: a free racing a pause must not unmap
- * memory the pause is copying. The GIL is never held by a caller (module.c
- * releases it), so the two locks are never taken in opposite orders. */
-static pthread_mutex_t core_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct tms_alloc **buckets;   /* guarded by core_lock */
+/*
+ * table_lock guards the table, the tags' statistics and every field of an
+ * allocation that is not moving. It is held only to read or change those:
+ * never across a driver call, a copy, a host allocation or I/O, so a pause
+ * in progress delays no other caller (issue 12: a pass-through free waited
+ * 3.2 s behind a 2 GiB pause when the lock spanned the whole pause).
+ *
+ * A pause or resume marks the allocations it works on as moving
+ * (tms_table_claim) and does its driver work with the lock released; only
+ * that thread touches their memory, handles and backups until it puts them
+ * back (tms_table_settle). Meanwhile: a free of one of them returns at once
+ * and the mover finishes it; get_cpu_backup of one, and a pause or resume
+ * that selects one, wait for it to settle (table_settled); allocations into
+ * a tag being paused are new and active, outside the pause in progress.
+ * Nobody waits while moving allocations of its own, so waits cannot cycle.
+ */
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t table_settled = PTHREAD_COND_INITIALIZER;  /* a moving allocation settled */
+static pthread_once_t fork_handlers_once = PTHREAD_ONCE_INIT;
+static struct tms_alloc **buckets;   /* guarded by table_lock */
 static size_t bucket_count;          /* power of two */
 static size_t alloc_count;           /* atomic reads allowed (tms_core_owns fast path) */
-struct tag_entry {
-    char *name;                                  /* immutable once set */
-    struct tms_stats per_device[TMS_STATS_DEVICES];
-};
-static struct tag_entry **tags;      /* guarded by core_lock */
-static int tag_count;
-static int tag_capacity;
+static uint64_t call_seq;            /* guarded by table_lock: numbers pause/resume calls */
 static size_t margin_bytes;          /* atomic */
 static int retain_override = -1;     /* atomic; -1: TMS_RETAIN_CPU_BACKUP decides */
 
+static void register_fork_handlers(void);
+
+static void lock_table(void)
+{
+    pthread_once(&fork_handlers_once, register_fork_handlers);
+    pthread_mutex_lock(&table_lock);
+}
+
+static void unlock_table(void) { pthread_mutex_unlock(&table_lock); }
+
+uint64_t tms_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 /* ---- tags ---------------------------------------------------------------- */
 
-static int tag_intern_locked(const char *tag, int *id, struct tms_err *err);
+/* Pages of tag entries that never move or go away, so a tag's name is read
+ * without the lock (from Python holding the GIL, from log lines). */
+#define TAG_PAGE_SIZE 16
+#define TAG_PAGES 4096
+struct tag_entry {
+    char *name;                                       /* immutable once published */
+    struct tms_stats per_device[TMS_STATS_DEVICES];   /* guarded by table_lock */
+    uint64_t counted_call[TMS_STATS_DEVICES];         /* last call_seq counted in per_device */
+};
+static struct tag_entry *tag_pages[TAG_PAGES];  /* filled under table_lock */
+static int tag_count;  /* stored with release once an entry is complete; changed under table_lock */
+
+static struct tag_entry *tag_at(int id) { return &tag_pages[id / TAG_PAGE_SIZE][id % TAG_PAGE_SIZE]; }
+static int tags_published(void) { return __atomic_load_n(&tag_count, __ATOMIC_ACQUIRE); }
+
+static int tag_intern_locked(const char *tag, int *id, struct tms_err *err)
+{
+    if (tags_published() == 0 && strcmp(tag, "default") != 0) {
+        int ignored;
+        int rc = tag_intern_locked("default", &ignored, err);  /* keeps TMS_TAG_DEFAULT_ID == 0 */
+        if (rc) return rc;
+    }
+    int n = tags_published();
+    for (int i = 0; i < n; i++)
+        if (strcmp(tag_at(i)->name, tag) == 0) return *id = i, TMS_OK;
+    if (n == TAG_PAGE_SIZE * TAG_PAGES)
+        return tms_fail(err, TMS_E_ARG, 0, "too many tags (%d): cannot add '%s'", n, tag);
+    struct tag_entry **page = &tag_pages[n / TAG_PAGE_SIZE];
+    if (!*page && !(*page = calloc(TAG_PAGE_SIZE, sizeof **page)))
+        return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
+    char *copy = strdup(tag);
+    if (!copy) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
+    tag_at(n)->name = copy;
+    __atomic_store_n(&tag_count, n + 1, __ATOMIC_RELEASE);
+    *id = n;
+    return TMS_OK;
+}
 
 /* "default" is tag 0 from the start: threads begin with it (TMS_INIT_ENABLE)
  * before any region names a tag. */
 static void default_tag_locked(void)
 {
     int id;
-    if (tag_count == 0) (void)tag_intern_locked("default", &id, NULL);
+    if (tags_published() == 0) (void)tag_intern_locked("default", &id, NULL);
 }
 
 static int tag_find_locked(const char *tag)
 {
     default_tag_locked();
-    for (int i = 0; i < tag_count; i++)
-        if (strcmp(tags[i]->name, tag) == 0) return i;
+    int n = tags_published();
+    for (int i = 0; i < n; i++)
+        if (strcmp(tag_at(i)->name, tag) == 0) return i;
     return -1;
-}
-
-static int tag_intern_locked(const char *tag, int *id, struct tms_err *err)
-{
-    if (tag_count == 0 && strcmp(tag, "default") != 0) {
-        int ignored;
-        int rc = tag_intern_locked("default", &ignored, err);  /* keeps TMS_TAG_DEFAULT_ID == 0 */
-        if (rc) return rc;
-    }
-    int found = -1;
-    for (int i = 0; i < tag_count; i++)
-        if (strcmp(tags[i]->name, tag) == 0) found = i;
-    if (found >= 0) return *id = found, TMS_OK;
-    if (tag_count == tag_capacity) {
-        int cap = tag_capacity ? tag_capacity * 2 : 16;
-        struct tag_entry **grown = realloc(tags, (size_t)cap * sizeof *grown);
-        if (!grown) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
-        tags = grown;
-        tag_capacity = cap;
-    }
-    struct tag_entry *entry = calloc(1, sizeof *entry);
-    char *copy = strdup(tag);
-    if (!entry || !copy) {
-        free(entry);
-        free(copy);
-        return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
-    }
-    entry->name = copy;
-    tags[tag_count] = entry;
-    *id = tag_count++;
-    return TMS_OK;
 }
 
 int tms_core_tag_id(const char *tag, int *id, struct tms_err *err)
 {
     if (!tag || !*tag) return tms_fail(err, TMS_E_ARG, 0, "tag must be a non-empty string");
-    pthread_mutex_lock(&core_lock);
+    lock_table();
     int rc = tag_intern_locked(tag, id, err);
-    pthread_mutex_unlock(&core_lock);
+    unlock_table();
     return rc;
-}
-
-static const char *tag_name_locked(int id)
-{
-    if (id >= 0 && id < tag_count) return tags[id]->name;
-    return id == TMS_TAG_DEFAULT_ID ? "default" : "?";
 }
 
 const char *tms_core_tag_name(int id)
 {
-    pthread_mutex_lock(&core_lock);
-    const char *name = tag_name_locked(id);
-    pthread_mutex_unlock(&core_lock);
-    return name;
+    if (id >= 0 && id < tags_published()) return tag_at(id)->name;
+    return id == TMS_TAG_DEFAULT_ID ? "default" : "?";
 }
 
 /* ---- statistics ---------------------------------------------------------- */
 
+static int stats_slot(int device) { return device < TMS_STATS_DEVICES ? device : TMS_STATS_DEVICES - 1; }
+
 static struct tms_stats *stats_of_locked(int tag_id, int device)
 {
     default_tag_locked();
-    if (tag_id < 0 || tag_id >= tag_count) return NULL;
-    return &tags[tag_id]->per_device[device < TMS_STATS_DEVICES ? device : TMS_STATS_DEVICES - 1];
+    if (tag_id < 0 || tag_id >= tags_published()) return NULL;
+    return &tag_at(tag_id)->per_device[stats_slot(device)];
 }
 
 /* The one place gauges change: an allocation's share is taken out (sign -1)
  * before any change to it and put back (+1) after, so gauges always equal
- * the sum over the table. */
+ * the sum over the table. A moving allocation counts in its settled state. */
 static void account_locked(const struct tms_alloc *a, int sign)
 {
     struct tms_stats *st = stats_of_locked(a->tag_id, a->device);
@@ -146,44 +155,32 @@ static void account_locked(const struct tms_alloc *a, int sign)
     if (a->host_copy && a->host_copy->kind != TMS_BACKUP_PINNED) st->bytes_backup_mmap += s * a->host_copy->size;
 }
 
-static uint64_t now_ns(void)
+/* A pause or resume that changed an allocation counts once per (tag,
+ * device) it changed, with its duration, plus the bytes it copied. */
+static void count_change_locked(const struct tms_alloc *a, size_t copied, int is_pause, uint64_t ns)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-/* Counters of one pause or resume: each (tag, device) it changed counts the
- * call once, with the call's duration, and the bytes it copied. */
-static void count_call_locked(struct tms_alloc **list, size_t n, const size_t *changed, int is_pause, uint64_t ns)
-{
-    for (int t = 0; t < tag_count; t++) {
-        uint64_t touched[TMS_STATS_DEVICES / 64] = {0};
-        for (size_t i = 0; i < n; i++) {
-            const struct tms_alloc *a = list[i];
-            if (a->tag_id != t || !changed[i]) continue;
-            struct tms_stats *st = stats_of_locked(t, a->device);
-            int slot = (int)(st - tags[t]->per_device);
-            /* changed[i] is 1 + the bytes copied for list[i], 0 if untouched */
-            if (is_pause) st->bytes_to_host += changed[i] - 1;
-            else st->bytes_to_device += changed[i] - 1;
-            if (touched[slot / 64] >> (slot % 64) & 1) continue;
-            touched[slot / 64] |= 1ull << (slot % 64);
-            if (is_pause) st->pauses++, st->pause_ns += ns;
-            else st->resumes++, st->resume_ns += ns;
-        }
-    }
+    struct tms_stats *st = stats_of_locked(a->tag_id, a->device);
+    if (!st) return;
+    uint64_t *counted = &tag_at(a->tag_id)->counted_call[stats_slot(a->device)];
+    if (is_pause) st->bytes_to_host += copied;
+    else st->bytes_to_device += copied;
+    if (*counted == call_seq) return;
+    *counted = call_seq;
+    if (is_pause) st->pauses++, st->pause_ns += ns;
+    else st->resumes++, st->resume_ns += ns;
 }
 
 int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *err)
 {
-    pthread_mutex_lock(&core_lock);
     size_t n = 0, cap = 16;
     struct tms_stats_row *out = malloc(cap * sizeof *out);
     static const struct tms_stats zero;
-    for (int t = 0; out && t < tag_count; t++) {
+    lock_table();
+    int tags = tags_published();
+    for (int t = 0; out && t < tags; t++) {
         for (int d = 0; d < TMS_STATS_DEVICES; d++) {
-            if (!memcmp(&tags[t]->per_device[d], &zero, sizeof zero)) continue;
+            const struct tms_stats *st = &tag_at(t)->per_device[d];
+            if (!memcmp(st, &zero, sizeof zero)) continue;
             if (n == cap) {
                 struct tms_stats_row *grown = realloc(out, 2 * cap * sizeof *out);
                 if (!grown) {
@@ -194,10 +191,10 @@ int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *e
                 out = grown;
                 cap *= 2;
             }
-            out[n++] = (struct tms_stats_row){.tag_id = t, .device = d, .stats = tags[t]->per_device[d]};
+            out[n++] = (struct tms_stats_row){.tag_id = t, .device = d, .stats = *st};
         }
     }
-    pthread_mutex_unlock(&core_lock);
+    unlock_table();
     if (!out) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory copying statistics");
     *rows = out;
     *count = n;
@@ -239,27 +236,26 @@ static int table_insert_locked(struct tms_alloc *a)
     return TMS_OK;
 }
 
-static struct tms_alloc *table_remove_locked(tms_va va)
+static void table_unlink_locked(struct tms_alloc **link)
+{
+    struct tms_alloc *a = *link;
+    *link = a->next;
+    __atomic_store_n(&alloc_count, alloc_count - 1, __ATOMIC_RELAXED);
+    account_locked(a, -1);
+}
+
+static struct tms_alloc **table_link_locked(tms_va va)
 {
     if (!bucket_count) return NULL;
-    for (struct tms_alloc **link = &buckets[bucket_of(va, bucket_count)]; *link; link = &(*link)->next) {
-        struct tms_alloc *a = *link;
-        if (a->va == va) {
-            *link = a->next;
-            __atomic_store_n(&alloc_count, alloc_count - 1, __ATOMIC_RELAXED);
-            account_locked(a, -1);
-            return a;
-        }
-    }
+    for (struct tms_alloc **link = &buckets[bucket_of(va, bucket_count)]; *link; link = &(*link)->next)
+        if ((*link)->va == va) return link;
     return NULL;
 }
 
 static struct tms_alloc *table_find_locked(tms_va va)
 {
-    if (!bucket_count) return NULL;
-    for (struct tms_alloc *a = buckets[bucket_of(va, bucket_count)]; a; a = a->next)
-        if (a->va == va) return a;
-    return NULL;
+    struct tms_alloc **link = table_link_locked(va);
+    return link ? *link : NULL;
 }
 
 /* Two nested loops: `break` inside leaves only the inner one. */
@@ -267,82 +263,127 @@ static struct tms_alloc *table_find_locked(tms_va va)
     for (size_t bucket_ = 0; bucket_ < bucket_count; bucket_++) \
         for (struct tms_alloc *a = buckets[bucket_]; a; a = a->next)
 
-/* ---- physical memory of one allocation ----------------------------------- */
-
-static size_t chunk_size(const struct tms_alloc *a, int i)
-{
-    size_t start = (size_t)i * a->chunk;
-    return a->reserved - start < a->chunk ? a->reserved - start : a->chunk;
-}
-
-/* Creates and maps every chunk; on failure leaves none created or mapped. */
-static int map_chunks(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err)
-{
-    int created = 0, mapped = 0, rc = 0;
-    const char *op = "create";
-    for (; created < a->n_chunks; created++) {
-        rc = drv->create(a->device, chunk_size(a, created), &a->handles[created]);
-        if (rc) break;
-    }
-    if (!rc) {
-        op = "map";
-        for (; mapped < a->n_chunks; mapped++) {
-            rc = drv->map(a->device, a->va + (tms_va)mapped * a->chunk, chunk_size(a, mapped), a->handles[mapped]);
-            if (rc) break;
-        }
-    }
-    if (!rc) return TMS_OK;
-    int failed = op[0] == 'c' ? created : mapped;
-    for (int i = 0; i < mapped; i++) (void)drv->unmap(a->va + (tms_va)i * a->chunk, chunk_size(a, i));
-    for (int i = 0; i < created; i++) (void)drv->release(a->handles[i]);
-    return tms_fail(err, drv->is_oom(rc) ? TMS_E_OOM : TMS_E_DRIVER, rc,
-                    "%s of %zu bytes (chunk %d of %d) for allocation 0x%llx of %zu bytes, tag '%s', device %d "
-                    "failed: %s (%d)",
-                    op, chunk_size(a, failed), failed + 1, a->n_chunks, (unsigned long long)a->va, a->size, tag,
-                    a->device, drv->code_name(rc), rc);
-}
-
-/* Unmaps every chunk. If one fails, the chunks already unmapped are mapped
- * back (their handles are still held), so the allocation stays whole and
- * usable. pre: no work in flight touches it. */
-static int unmap_chunks(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err)
-{
-    for (int i = 0; i < a->n_chunks; i++) {
-        int rc = drv->unmap(a->va + (tms_va)i * a->chunk, chunk_size(a, i));
-        if (rc && drv->is_shutdown(rc)) return TMS_OK;  /* process exit: the driver took it all */
-        if (rc) {
-            for (int j = 0; j < i; j++)
-                (void)drv->map(a->device, a->va + (tms_va)j * a->chunk, chunk_size(a, j), a->handles[j]);
-            return tms_fail(err, TMS_E_DRIVER, rc,
-                            "unmap of allocation 0x%llx (%zu bytes, chunk %d of %d), tag '%s', device %d failed: %s (%d)",
-                            (unsigned long long)a->va, a->size, i + 1, a->n_chunks, tag, a->device,
-                            drv->code_name(rc), rc);
-        }
-    }
-    return TMS_OK;
-}
-
-/* Releases the physical memory of an unmapped allocation. A failure leaks
- * the handle but changes nothing else, so it is reported, not undone. */
-static int release_chunks(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err)
-{
-    int first_rc = 0;
-    for (int i = 0; i < a->n_chunks; i++) {
-        int rc = drv->release(a->handles[i]);
-        if (rc && !first_rc && !drv->is_shutdown(rc)) first_rc = rc;
-    }
-    if (first_rc)
-        return tms_fail(err, TMS_E_DRIVER, first_rc,
-                        "release of allocation 0x%llx (%zu bytes), tag '%s', device %d failed: %s (%d)",
-                        (unsigned long long)a->va, a->size, tag, a->device, drv->code_name(first_rc), first_rc);
-    return TMS_OK;
-}
-
 static void alloc_destroy(struct tms_alloc *a)
 {
     if (a->handles != &a->one_handle) free(a->handles);
     tms_backup_unref(a->host_copy);
     free(a);
+}
+
+/* ---- fork ------------------------------------------------------------------ */
+
+/* The lock is never held for long, so fork waits for it and the child gets
+ * a consistent table. The threads that were moving allocations do not exist
+ * in the child and their driver work stopped midway, so what those
+ * allocations hold there is unknown: the child drops their records (their
+ * addresses stay reserved) and keeps every settled allocation. */
+static void fork_prepare(void) { pthread_mutex_lock(&table_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&table_lock); }
+
+static void fork_child(void)
+{
+    pthread_cond_init(&table_settled, NULL);
+    for (size_t b = 0; b < bucket_count; b++) {
+        for (struct tms_alloc **link = &buckets[b]; *link;) {
+            struct tms_alloc *a = *link;
+            if (!a->moving) {
+                link = &a->next;
+                continue;
+            }
+            table_unlink_locked(link);
+            if (a->handles != &a->one_handle) free(a->handles);
+            free(a);  /* its backup's pinned pages belong to the parent's driver state */
+        }
+    }
+    pthread_mutex_unlock(&table_lock);
+}
+
+static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_parent, fork_child); }
+
+/* ---- claim and settle (the moves of pause.c) -------------------------------- */
+
+static int selected(const struct tms_alloc *a, int tag_id) { return tag_id < 0 || a->tag_id == tag_id; }
+
+int tms_table_claim(const char *tag, int from, struct tms_move **moves, size_t *n, struct tms_err *err)
+{
+    *moves = NULL;
+    *n = 0;
+    int tag_id = -1, rc = TMS_OK;
+    size_t count[2], moving;
+    lock_table();
+    for (;;) {
+        if (tag && (tag_id = tag_find_locked(tag)) < 0) goto out;  /* never used: nothing to do, as upstream */
+        count[TMS_ACTIVE] = count[TMS_PAUSED] = moving = 0;
+        FOR_EACH_ALLOC(a) {
+            if (!selected(a, tag_id)) continue;
+            if (a->moving) moving++;
+            else count[a->state]++;
+        }
+        if (!moving) break;
+        pthread_cond_wait(&table_settled, &table_lock);
+    }
+    size_t want = count[from], other = count[from == TMS_ACTIVE ? TMS_PAUSED : TMS_ACTIVE];
+    if (!want && !other) goto out;
+    if (!want) {
+        rc = from == TMS_ACTIVE
+                 ? tms_fail(err, TMS_E_STATE, 0, "pause of %s%s%s: already paused (%zu allocations, none active)",
+                            tag ? "tag '" : "all tags", tag ? tag : "", tag ? "'" : "", other)
+                 : tms_fail(err, TMS_E_STATE, 0, "resume of %s%s%s: not paused (%zu allocations, all active)",
+                            tag ? "tag '" : "all tags", tag ? tag : "", tag ? "'" : "", other);
+        goto out;
+    }
+    struct tms_move *m = calloc(want, sizeof *m);
+    if (!m) {
+        rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory listing %zu allocations", want);
+        goto out;
+    }
+    size_t i = 0;
+    FOR_EACH_ALLOC(a) {
+        if (!selected(a, tag_id) || a->state != from) continue;
+        a->moving = 1;
+        m[i++] = (struct tms_move){.a = a, .state = from, .copy = a->host_copy};
+    }
+    *moves = m;
+    *n = i;
+out:
+    unlock_table();
+    return rc;
+}
+
+static int release_detached(const struct tms_driver *drv, struct tms_alloc *a, struct tms_err *err);
+
+void tms_table_settle(const struct tms_driver *drv, struct tms_move *m, size_t n, int is_pause, uint64_t ns)
+{
+    lock_table();
+    call_seq++;
+    for (size_t i = 0; i < n; i++) {
+        struct tms_alloc *a = m[i].a;
+        int changed = a->state != m[i].state;
+        account_locked(a, -1);
+        m[i].drop = NULL;
+        if (m[i].copy != a->host_copy) {
+            m[i].drop = a->host_copy;
+            a->host_copy = m[i].copy;
+        }
+        a->state = m[i].state;
+        account_locked(a, +1);
+        a->moving = 0;
+        if (changed) count_change_locked(a, m[i].copied, is_pause, ns);
+        if (a->free_requested) table_unlink_locked(table_link_locked(a->va));
+        else m[i].a = NULL;  /* what is left in m[].a: frees to finish */
+    }
+    pthread_cond_broadcast(&table_settled);
+    unlock_table();
+    for (size_t i = 0; i < n; i++) {
+        tms_backup_unref(m[i].drop);
+        if (!m[i].a) continue;
+        tms_va va = m[i].a->va;
+        struct tms_err e = {0};
+        if (release_detached(drv, m[i].a, &e))
+            tms_log_warn("free of 0x%llx, finished after its %s: %s", (unsigned long long)va,
+                         is_pause ? "pause" : "resume", e.msg);
+    }
+    free(m);
 }
 
 /* ---- allocate / free ----------------------------------------------------- */
@@ -365,6 +406,14 @@ static int check_margin(const struct tms_driver *drv, int device, size_t reserve
     return TMS_OK;
 }
 
+/* n rounded up to a multiple of unit (> 0); 0 if that does not fit a size_t. */
+static size_t round_up(size_t n, size_t unit)
+{
+    size_t rem = n % unit;
+    if (!rem) return n;
+    return n > SIZE_MAX - (unit - rem) ? 0 : n + (unit - rem);
+}
+
 int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **ptr, struct tms_err *err)
 {
     const struct tms_driver *drv;
@@ -383,32 +432,36 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     if ((rc = drv->granularity(device, &gran)))
         return tms_fail(err, TMS_E_DRIVER, rc, "granularity query on device %d failed: %s (%d)", device,
                         drv->code_name(rc), rc);
-    if (size > SIZE_MAX - gran)
+    size_t reserved = gran ? round_up(size, gran) : 0;
+    if (!reserved)
         return tms_fail(err, TMS_E_OOM, 0, "allocation of %zu bytes (tag '%s', device %d) is larger than any device", size,
                         tag, device);
-    size_t reserved = (size + gran - 1) / gran * gran;
     if ((rc = check_margin(drv, device, reserved, size, tag, err))) return rc;
 
     const struct tms_defaults *defaults = tms_defaults();
     size_t chunk = defaults->chunk_bytes_set ? defaults->chunk_bytes : drv->default_chunk_bytes();
-    chunk = chunk ? (chunk + gran - 1) / gran * gran : reserved;
-    if (chunk > reserved) chunk = reserved;
+    chunk = chunk ? round_up(chunk, gran) : reserved;
+    if (!chunk || chunk > reserved) chunk = reserved;  /* TMS_CHUNK_BYTES is bounded: 0 only if it were not */
+    size_t n_chunks = reserved / chunk + (reserved % chunk != 0);
+    if (n_chunks > INT_MAX)
+        return tms_fail(err, TMS_E_OOM, 0,
+                        "allocation of %zu bytes (tag '%s', device %d) is larger than any device (%zu chunks of %zu bytes)",
+                        size, tag, device, n_chunks, chunk);
     struct tms_alloc *a = calloc(1, sizeof *a);
     if (!a) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for an allocation record");
     a->size = size;
     a->reserved = reserved;
     a->chunk = chunk;
-    a->n_chunks = (int)((reserved + chunk - 1) / chunk);
+    a->n_chunks = (int)n_chunks;
     a->device = device;
     a->tag_id = r->tag_id;
     a->state = TMS_ACTIVE;
     a->backup = r->backup;
     a->backup_kind = r->backup_kind;
-    a->handles = a->n_chunks == 1 ? &a->one_handle : calloc((size_t)a->n_chunks, sizeof *a->handles);
+    a->handles = a->n_chunks == 1 ? &a->one_handle : calloc(n_chunks, sizeof *a->handles);
     if (!a->handles) {
-        int n_chunks = a->n_chunks;
         free(a);
-        return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for %d chunk handles", n_chunks);
+        return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for %zu chunk handles", n_chunks);
     }
     rc = drv->reserve(reserved, gran, &a->va);
     if (rc) {
@@ -417,19 +470,22 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
                         "address reserve of %zu bytes (tag '%s', device %d) failed: %s (%d)", reserved, tag, device,
                         drv->code_name(rc), rc);
     }
-    if ((rc = map_chunks(drv, a, tag, err))) {
-        (void)drv->unreserve(a->va, reserved);
+    if ((rc = tms_chunks_map(drv, a, tag, err))) {
+        int urc = drv->unreserve(a->va, reserved);
+        if (urc) tms_err_append(err, "undoing it, address free failed: %s (%d)", drv->code_name(urc), urc);
         alloc_destroy(a);
         return rc;
     }
-    pthread_mutex_lock(&core_lock);
+    lock_table();
     rc = table_insert_locked(a);
-    pthread_mutex_unlock(&core_lock);
+    unlock_table();
     if (rc) {
-        if (unmap_chunks(drv, a, tag, NULL) == TMS_OK) (void)release_chunks(drv, a, tag, NULL);
-        (void)drv->unreserve(a->va, reserved);
+        tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory growing the allocation table");
+        if (tms_chunks_unmap(drv, a, tag, err) == TMS_OK) (void)tms_chunks_release(drv, a, tag, err);
+        int urc = drv->unreserve(a->va, reserved);
+        if (urc) tms_err_append(err, "undoing it, address free failed: %s (%d)", drv->code_name(urc), urc);
         alloc_destroy(a);
-        return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory growing the allocation table");
+        return TMS_E_HOST_OOM;
     }
     *ptr = (void *)(uintptr_t)a->va;
     TMS_DEBUG("alloc 0x%llx size %zu reserved %zu chunks %d device %d tag '%s' backup %s", (unsigned long long)a->va,
@@ -440,24 +496,20 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
 int tms_core_owns(const void *ptr)
 {
     if (!ptr || __atomic_load_n(&alloc_count, __ATOMIC_RELAXED) == 0) return 0;
-    pthread_mutex_lock(&core_lock);
+    lock_table();
     int owned = table_find_locked((tms_va)(uintptr_t)ptr) != NULL;
-    pthread_mutex_unlock(&core_lock);
+    unlock_table();
     return owned;
 }
 
-int tms_core_free(void *ptr, struct tms_err *err)
+/* The driver side of a free, for an allocation already out of the table.
+ * If its memory cannot be unmapped it goes back into the table (a live
+ * mapping must not be lost) and the free fails. */
+static int release_detached(const struct tms_driver *drv, struct tms_alloc *a, struct tms_err *err)
 {
-    tms_va va = (tms_va)(uintptr_t)ptr;
-    pthread_mutex_lock(&core_lock);
-    struct tms_alloc *a = table_remove_locked(va);
-    pthread_mutex_unlock(&core_lock);
-    if (!a) return tms_fail(err, TMS_E_NOT_FOUND, 0, "free of 0x%llx: not an allocation of torch_memory_saver",
-                            (unsigned long long)va);
-    const struct tms_driver *drv;
-    int rc = tms_driver_get(&drv, err);  /* loaded already: a owns driver memory */
-    if (rc) return rc;
     const char *tag = tms_core_tag_name(a->tag_id);
+    tms_va va = a->va;
+    int rc;
     if (a->state == TMS_ACTIVE) {
         /* cuMemUnmap does not wait for queued kernels, unlike cudaFree. */
         rc = drv->synchronize(a->device);
@@ -469,14 +521,18 @@ int tms_core_free(void *ptr, struct tms_err *err)
             tms_fail(err, TMS_E_DRIVER, rc, "synchronize of device %d before freeing 0x%llx (%zu bytes) failed: %s (%d)",
                      a->device, (unsigned long long)va, a->size, drv->code_name(rc), rc);
         else
-            rc = unmap_chunks(drv, a, tag, err);
-        if (rc) {  /* still mapped: keep it in the table rather than leak a live mapping */
-            pthread_mutex_lock(&core_lock);
-            (void)table_insert_locked(a);
-            pthread_mutex_unlock(&core_lock);
+            rc = tms_chunks_unmap(drv, a, tag, err);
+        if (rc) {
+            a->free_requested = 0;
+            lock_table();
+            int irc = table_insert_locked(a);
+            unlock_table();
+            if (irc) tms_err_append(err, "its record could not be kept either (out of host memory): it leaks");
             return rc;
         }
-        (void)release_chunks(drv, a, tag, NULL);  /* a leaked handle must not fail the free */
+        struct tms_err release_err = {0};
+        if (tms_chunks_release(drv, a, tag, &release_err))  /* a leaked handle must not fail the free */
+            tms_log_warn("free of 0x%llx: %s", (unsigned long long)va, release_err.msg);
     }
     TMS_DEBUG("free 0x%llx size %zu device %d tag '%s' (%s)", (unsigned long long)va, a->size, a->device, tag,
               a->state == TMS_ACTIVE ? "active" : "paused");
@@ -490,232 +546,36 @@ int tms_core_free(void *ptr, struct tms_err *err)
     return TMS_OK;
 }
 
-/* ---- pause / resume ------------------------------------------------------ */
-
-struct selection {
-    int tag_id;        /* -1 = all tags */
-    size_t active;
-    size_t paused;
-};
-
-static int selected(const struct tms_alloc *a, const struct selection *s)
+int tms_core_free(void *ptr, struct tms_err *err)
 {
-    return s->tag_id < 0 || a->tag_id == s->tag_id;
-}
-
-/* Counts the selected allocations. Returns 0 if there is nothing to do. */
-static int select_locked(const char *tag, struct selection *s)
-{
-    memset(s, 0, sizeof *s);
-    s->tag_id = -1;
-    if (tag) {
-        s->tag_id = tag_find_locked(tag);
-        if (s->tag_id < 0) return 0;  /* never used: nothing to pause, as upstream */
-    }
-    FOR_EACH_ALLOC(a) {
-        if (!selected(a, s)) continue;
-        if (a->state == TMS_ACTIVE) s->active++;
-        else s->paused++;
-    }
-    return 1;
-}
-
-static int synchronize_devices_locked(const struct tms_driver *drv, const struct selection *s, int state,
-                                      struct tms_err *err)
-{
-    uint64_t done = 0;  /* bit per device; devices >= 64 are synchronized every time */
-    FOR_EACH_ALLOC(a) {
-        if (!selected(a, s) || a->state != state) continue;
-        if (a->device < 64 && (done >> a->device & 1)) continue;
-        int rc = drv->synchronize(a->device);
-        if (rc)
-            return tms_fail(err, TMS_E_DRIVER, rc, "synchronize of device %d before pause failed: %s (%d)", a->device,
-                            drv->code_name(rc), rc);
-        if (a->device < 64) done |= 1ull << a->device;
-    }
-    return TMS_OK;
-}
-
-/* The selected allocations in the given state, as a fresh array. */
-static int collect_locked(const struct selection *s, int state, struct tms_alloc ***out, size_t *count,
-                          struct tms_err *err)
-{
-    size_t n = state == TMS_ACTIVE ? s->active : s->paused, i = 0;
-    struct tms_alloc **list = calloc(n ? n : 1, sizeof *list);
-    if (!list) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory listing %zu allocations", n);
-    FOR_EACH_ALLOC(a) {
-        if (selected(a, s) && a->state == state) list[i++] = a;
-    }
-    *out = list;
-    *count = i;
-    return TMS_OK;
-}
-
-static struct tms_transfer transfer_of(const struct tms_alloc *a)
-{
-    return (struct tms_transfer){
-        .device = a->device, .dev = a->va, .host = a->host_copy->host, .n = a->size,
-        .host_pinned = a->host_copy->kind == TMS_BACKUP_PINNED,
-    };
-}
-
-/* Makes (or reuses) the host copies and fills them. On failure every host
- * copy this call touched is dropped: the device still holds the truth, and
- * a half-overwritten retained copy must not be served as a backup. */
-static int backup_all(const struct tms_driver *drv, struct tms_alloc **list, size_t n, struct tms_err *err)
-{
-    struct tms_transfer *copies = calloc(n ? n : 1, sizeof *copies);
-    if (!copies) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", n);
-    size_t k = 0;
-    int rc = TMS_OK;
-    for (size_t i = 0; i < n && !rc; i++) {
-        struct tms_alloc *a = list[i];
-        if (!a->backup) continue;
-        if (a->host_copy && a->host_copy->kind != a->backup_kind) {
-            tms_backup_unref(a->host_copy);
-            a->host_copy = NULL;
+    tms_va va = (tms_va)(uintptr_t)ptr;
+    const struct tms_driver *drv = NULL;
+    /* The core owns nothing before its driver is loaded; once it is, this
+     * cannot fail, so no record is taken out and then lost. */
+    int loaded = tms_driver_loaded_name() && tms_driver_get(&drv, NULL) == TMS_OK;
+    struct tms_alloc *a = NULL;
+    int deferred = 0;
+    if (loaded) {
+        lock_table();
+        struct tms_alloc **link = table_link_locked(va);
+        a = link ? *link : NULL;
+        if (a && a->free_requested) {
+            a = NULL;
+        } else if (a && a->moving) {
+            a->free_requested = 1;
+            deferred = 1;
+        } else if (a) {
+            table_unlink_locked(link);
         }
-        if (!a->host_copy) rc = tms_backup_new(drv, a->backup_kind, a->size, &a->host_copy, err);
-        if (!rc) copies[k++] = transfer_of(a);
+        unlock_table();
     }
-    if (!rc) rc = tms_transfer_run(drv, 1, copies, k, err);
-    free(copies);
-    if (rc) {
-        for (size_t i = 0; i < n; i++) {
-            tms_backup_unref(list[i]->host_copy);
-            list[i]->host_copy = NULL;
-        }
+    if (!a) return tms_fail(err, TMS_E_NOT_FOUND, 0, "free of 0x%llx: not an allocation of torch_memory_saver",
+                            (unsigned long long)va);
+    if (deferred) {
+        TMS_DEBUG("free 0x%llx: being paused or resumed, its mover frees it", (unsigned long long)va);
+        return TMS_OK;
     }
-    return rc;
-}
-
-int tms_core_pause(const char *tag, struct tms_err *err)
-{
-    const struct tms_driver *drv;
-    int rc = tms_driver_get(&drv, err);
-    if (rc) return rc;
-    struct tms_alloc **list = NULL;
-    size_t n = 0;
-    uint64_t start = now_ns();
-    pthread_mutex_lock(&core_lock);
-    struct selection s;
-    if (!select_locked(tag, &s) || (s.active == 0 && s.paused == 0)) goto out;
-    if (s.active == 0) {
-        rc = tms_fail(err, TMS_E_STATE, 0, "pause of %s%s%s: already paused (%zu allocations, none active)",
-                      tag ? "tag '" : "all tags", tag ? tag : "", tag ? "'" : "", s.paused);
-        goto out;
-    }
-    if ((rc = collect_locked(&s, TMS_ACTIVE, &list, &n, err))) goto out;
-    for (size_t i = 0; i < n; i++) account_locked(list[i], -1);
-    /* Queued kernels may still write the memory: copy and unmap only after. */
-    if ((rc = synchronize_devices_locked(drv, &s, TMS_ACTIVE, err))) goto out;
-    /* All backups first: if one fails, nothing has been unmapped yet. */
-    if ((rc = backup_all(drv, list, n, err))) goto out;
-    /* Then unmap: an allocation whose unmap fails stays active and whole. */
-    for (size_t i = 0; i < n; i++) {
-        struct tms_alloc *a = list[i];
-        const char *name = tag_name_locked(a->tag_id);
-        struct tms_err one_err = {0};
-        int one = unmap_chunks(drv, a, name, &one_err);
-        if (one == TMS_OK) {
-            a->state = TMS_PAUSED;
-            one = release_chunks(drv, a, name, &one_err);
-        } else if (a->host_copy && !tms_core_retain()) {
-            tms_backup_unref(a->host_copy);  /* still active: the device holds the bytes */
-            a->host_copy = NULL;
-        }
-        if (one && !rc) {
-            rc = one;
-            if (err) *err = one_err;
-        }
-    }
-out:
-    if (list) {
-        size_t *changed = calloc(n ? n : 1, sizeof *changed);
-        for (size_t i = 0; i < n; i++) {
-            struct tms_alloc *a = list[i];
-            if (changed && a->state == TMS_PAUSED) changed[i] = 1 + (a->host_copy ? a->size : 0);
-            account_locked(a, +1);
-        }
-        if (changed) count_call_locked(list, n, changed, 1, now_ns() - start);
-        free(changed);
-        TMS_DEBUG("pause %s: %zu allocations, %.3f ms, status %d", tag ? tag : "<all>", n,
-                  (double)(now_ns() - start) / 1e6, rc);
-    }
-    pthread_mutex_unlock(&core_lock);
-    free(list);
-    return rc;
-}
-
-int tms_core_resume(const char *tag, struct tms_err *err)
-{
-    const struct tms_driver *drv;
-    int rc = tms_driver_get(&drv, err);
-    if (rc) return rc;
-    struct tms_alloc **list = NULL;
-    struct tms_transfer *copies = NULL;
-    size_t *changed = NULL;  /* per list entry: 1 + bytes restored once active again */
-    size_t n = 0, mapped = 0, k = 0;
-    uint64_t start = now_ns();
-    pthread_mutex_lock(&core_lock);
-    struct selection s;
-    if (!select_locked(tag, &s) || (s.active == 0 && s.paused == 0)) goto out;
-    if (s.paused == 0) {
-        rc = tms_fail(err, TMS_E_STATE, 0, "resume of %s%s%s: not paused (%zu allocations, all active)",
-                      tag ? "tag '" : "all tags", tag ? tag : "", tag ? "'" : "", s.active);
-        goto out;
-    }
-    if ((rc = collect_locked(&s, TMS_PAUSED, &list, &n, err))) goto out;
-    for (size_t i = 0; i < n; i++) account_locked(list[i], -1);
-    copies = calloc(n, sizeof *copies);
-    changed = calloc(n, sizeof *changed);
-    if (!copies || !changed) {
-        rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu restores", n);
-        goto out;
-    }
-    /* Map what fits; on the first failure (typically OOM) stop, so the rest
-     * stay paused with their backups and a retry resumes them. */
-    for (; mapped < n; mapped++) {
-        struct tms_alloc *a = list[mapped];
-        if ((rc = map_chunks(drv, a, tag_name_locked(a->tag_id), err))) break;
-        if (a->host_copy) copies[k++] = transfer_of(a);
-    }
-    struct tms_err copy_err = {0};
-    int copy_rc = tms_transfer_run(drv, 0, copies, k, &copy_err);
-    if (copy_rc && !rc) {
-        rc = copy_rc;
-        if (err) *err = copy_err;
-    }
-    /* An allocation is active only once all its bytes are back; one whose
-     * restore failed is unmapped again and stays paused with its backup. */
-    int retain = tms_core_retain();
-    for (size_t i = 0, c = 0; i < mapped; i++) {
-        struct tms_alloc *a = list[i];
-        int restored = !a->host_copy || copies[c].done == copies[c].n;
-        if (a->host_copy) c++;
-        if (!restored) {
-            const char *name = tag_name_locked(a->tag_id);
-            if (unmap_chunks(drv, a, name, NULL) == TMS_OK) (void)release_chunks(drv, a, name, NULL);
-            continue;
-        }
-        a->state = TMS_ACTIVE;
-        changed[i] = 1 + (a->host_copy ? a->size : 0);
-        if (a->host_copy && !retain) {
-            tms_backup_unref(a->host_copy);
-            a->host_copy = NULL;
-        }
-    }
-out:
-    for (size_t i = 0; list && i < n; i++) account_locked(list[i], +1);
-    if (changed) count_call_locked(list, n, changed, 0, now_ns() - start);
-    if (list)
-        TMS_DEBUG("resume %s: %zu allocations, %.3f ms, status %d", tag ? tag : "<all>", n,
-                  (double)(now_ns() - start) / 1e6, rc);
-    pthread_mutex_unlock(&core_lock);
-    free(list);
-    free(copies);
-    free(changed);
-    return rc;
+    return release_detached(drv, a, err);
 }
 
 /* ---- queries and settings ------------------------------------------------ */
@@ -724,12 +584,17 @@ int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *
 {
     int rc = TMS_OK;
     *out = NULL;
-    pthread_mutex_lock(&core_lock);
-    struct tms_alloc *owner = NULL;
-    FOR_EACH_ALLOC(a) {  /* ranges never overlap: at most one matches */
-        if (ptr >= a->va && ptr < a->va + a->reserved) owner = a;
+    lock_table();
+    struct tms_alloc *owner;
+    for (;;) {
+        owner = NULL;
+        FOR_EACH_ALLOC(a) {  /* ranges never overlap: at most one matches */
+            if (ptr >= a->va && ptr < a->va + a->reserved) owner = a;
+        }
+        if (!owner || !owner->moving) break;
+        pthread_cond_wait(&table_settled, &table_lock);  /* its backup is being written or dropped */
     }
-    if (!owner) {
+    if (!owner || owner->free_requested) {
         /* memory of someone else: no backup here, as for an active allocation */
     } else if (n > owner->size || ptr - owner->va > owner->size - n) {
         rc = tms_fail(err, TMS_E_ARG, 0, "range 0x%llx + %zu bytes runs past allocation 0x%llx of %zu bytes",
@@ -739,26 +604,33 @@ int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *
         *out = owner->host_copy;
         *offset = (size_t)(ptr - owner->va);
     }
-    pthread_mutex_unlock(&core_lock);
+    unlock_table();
     return rc;
 }
 
 int tms_core_list(struct tms_alloc_info **rows, size_t *count, struct tms_err *err)
 {
-    pthread_mutex_lock(&core_lock);
-    size_t n = alloc_count, i = 0;
-    struct tms_alloc_info *out = calloc(n ? n : 1, sizeof *out);
-    if (out) {
-        FOR_EACH_ALLOC(a) {
-            out[i++] = (struct tms_alloc_info){
-                .ptr = a->va, .size = a->size, .reserved = a->reserved, .device = a->device,
-                .tag_id = a->tag_id, .state = a->state, .backup = a->backup, .backup_kind = a->backup_kind,
-                .has_host_copy = a->host_copy != NULL, .n_chunks = a->n_chunks,
-            };
-        }
+    size_t n = __atomic_load_n(&alloc_count, __ATOMIC_RELAXED) + 16, i = 0;
+    struct tms_alloc_info *out = NULL;
+    for (;;) {  /* sized outside the lock; again if the table grew meanwhile */
+        free(out);
+        out = calloc(n, sizeof *out);
+        if (!out) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory listing %zu allocations", n);
+        lock_table();
+        if (alloc_count <= n) break;
+        n = alloc_count + 16;
+        unlock_table();
     }
-    pthread_mutex_unlock(&core_lock);
-    if (!out) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory listing %zu allocations", n);
+    FOR_EACH_ALLOC(a) {
+        int state = a->state;
+        if (a->moving) state = a->state == TMS_ACTIVE ? TMS_PAUSING : TMS_RESUMING;
+        out[i++] = (struct tms_alloc_info){
+            .ptr = a->va, .size = a->size, .reserved = a->reserved, .device = a->device,
+            .tag_id = a->tag_id, .state = state, .backup = a->backup, .backup_kind = a->backup_kind,
+            .has_host_copy = a->host_copy != NULL, .n_chunks = a->n_chunks,
+        };
+    }
+    unlock_table();
     *rows = out;
     *count = i;
     return TMS_OK;

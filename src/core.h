@@ -10,7 +10,13 @@
 #include "error.h"
 #include "stats.h"
 
-enum tms_alloc_state { TMS_ACTIVE = 0, TMS_PAUSED = 1 };
+enum tms_alloc_state {
+    TMS_ACTIVE = 0,
+    TMS_PAUSED = 1,
+    /* Only in tms_core_list: a pause or resume is moving it now. */
+    TMS_PAUSING = 2,
+    TMS_RESUMING = 3,
+};
 
 /* One row of tms_core_list(): a copy, safe to read without the core lock. */
 struct tms_alloc_info {
@@ -37,7 +43,9 @@ const char *tms_core_tag_name(int id);
 int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **ptr, struct tms_err *err);
 
 /* Frees an allocation (active or paused) and drops its backup.
- * TMS_E_NOT_FOUND if ptr is not an allocation of the core. */
+ * TMS_E_NOT_FOUND if ptr is not an allocation of the core. One that a pause
+ * or resume is moving now is freed by that call when it is done with it:
+ * this returns at once. */
 int tms_core_free(void *ptr, struct tms_err *err);
 
 /* Cheap test used by the hooks to route cudaFree. */
@@ -45,14 +53,18 @@ int tms_core_owns(const void *ptr);
 
 /* tag NULL = every tag. A tag with no allocations is a no-op. Pausing a tag
  * whose allocations are all paused (or resuming one all active) is
- * TMS_E_STATE naming the tag. */
+ * TMS_E_STATE naming the tag. A call that selects allocations another
+ * pause or resume is moving first waits for them, then decides: two pauses
+ * of one tag give one pause and one TMS_E_STATE, as one after the other.
+ * Allocations made while a pause runs are not part of it. */
 int tms_core_pause(const char *tag, struct tms_err *err);
 int tms_core_resume(const char *tag, struct tms_err *err);
 
 /* The host backup covering [ptr, ptr+n): *out gets a new reference (caller
  * unrefs) and *offset the position of ptr in it; *out = NULL if ptr is in no
  * allocation or the allocation has no host copy now. TMS_E_ARG if the range
- * starts inside an allocation and runs past its end. */
+ * starts inside an allocation and runs past its end. Waits while a pause or
+ * resume is moving that allocation (its backup is being written). */
 int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *offset, struct tms_err *err);
 
 /* Statistics of every (tag, device) with a nonzero field (caller frees

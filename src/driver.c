@@ -8,6 +8,19 @@
 static pthread_mutex_t driver_lock = PTHREAD_MUTEX_INITIALIZER;
 static const struct tms_driver *driver_chosen;  /* guarded by driver_lock */
 static const struct tms_driver *driver_ready;   /* loaded; written once under the lock */
+static pthread_once_t fork_handlers_once = PTHREAD_ONCE_INIT;
+
+/* A fork while another thread loads the backend waits for the load, so the
+ * child sees the lock free and the backend either loaded or not. */
+static void fork_prepare(void) { pthread_mutex_lock(&driver_lock); }
+static void fork_release(void) { pthread_mutex_unlock(&driver_lock); }
+static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_release, fork_release); }
+
+static void lock_driver(void)
+{
+    pthread_once(&fork_handlers_once, register_fork_handlers);
+    pthread_mutex_lock(&driver_lock);
+}
 
 static const struct tms_driver *driver_by_name(const char *name)
 {
@@ -23,7 +36,7 @@ int tms_driver_select(const char *name, struct tms_err *err)
     if (!want)
         return tms_fail(err, TMS_E_ARG, 0, "unknown backend '%s' (expected 'cuda', 'hip' or 'host')", name);
     int rc = TMS_OK;
-    pthread_mutex_lock(&driver_lock);
+    lock_driver();
     const struct tms_driver *have = driver_ready ? driver_ready : driver_chosen;
     if (have && have != want)
         rc = tms_fail(err, TMS_E_STATE, 0, "backend '%s' is already in use; cannot switch to '%s'",
@@ -42,7 +55,7 @@ int tms_driver_get(const struct tms_driver **out, struct tms_err *err)
         return TMS_OK;
     }
     int rc = TMS_OK;
-    pthread_mutex_lock(&driver_lock);
+    lock_driver();
     if (!driver_ready) {
         const struct tms_driver *d = driver_chosen;
         if (!d) {

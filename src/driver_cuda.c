@@ -60,6 +60,13 @@ struct cuda_device {
 
 static pthread_mutex_t devices_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct cuda_device devices[CUDA_MAX_DEVICES];  /* guarded by devices_lock until ready */
+static pthread_once_t fork_handlers_once = PTHREAD_ONCE_INIT;
+
+/* Every lock of the library is free in a forked child (CUDA itself is not
+ * usable there, but the child must not hang on a lock on its way to that error). */
+static void fork_prepare(void) { pthread_mutex_lock(&devices_lock); }
+static void fork_release(void) { pthread_mutex_unlock(&devices_lock); }
+static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_release, fork_release); }
 
 typedef tms_CUresult (*get_proc_v2_fn)(const char *, void **, int, unsigned long long, int *);
 typedef tms_CUresult (*get_proc_v1_fn)(const char *, void **, int, unsigned long long);
@@ -159,6 +166,7 @@ static int device_get(int device, struct cuda_device **out)
         return 0;
     }
     int rc = 0;
+    pthread_once(&fork_handlers_once, register_fork_handlers);
     pthread_mutex_lock(&devices_lock);
     if (!d->ready) {
         tms_CUdevice dev = 0;

@@ -1,5 +1,6 @@
 /* Host backend: VMM emulated on memfd + mmap, so every core path runs without a GPU. */
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,8 +12,7 @@
 
 /* 2 MiB like the H100's granularity, so rounding behaves as on the GPU. */
 #define HOST_GRANULARITY ((size_t)2 << 20)
-#define HOST_MAX_DEVICES 8
-#define HOST_FAULT_OPS 6
+#define HOST_MAX_DEVICES TMS_HOST_MAX_DEVICES
 
 /* An emulated device of TMS_HOST_DEVICE_BYTES (default 16 GiB) capacity:
  * create fails with ENOMEM past it, which is how OOM paths run in CI. */
@@ -20,13 +20,9 @@ static size_t host_capacity;                     /* set once in load */
 static int host_device_count;                    /* set once in load */
 static size_t host_used[HOST_MAX_DEVICES];       /* atomic */
 
-/* TMS_FAULT="op:n[,op:n…]": the n-th call (1-based) of op fails once. */
-static const char *const fault_op_names[HOST_FAULT_OPS] = {
-    "create", "map", "unmap", "copy_to_host", "copy_to_device", "host_alloc",
-};
-enum { FAULT_CREATE, FAULT_MAP, FAULT_UNMAP, FAULT_TO_HOST, FAULT_TO_DEVICE, FAULT_HOST_ALLOC };
-static long fault_at[HOST_FAULT_OPS];            /* set once in load; 0 = never */
-static long fault_calls[HOST_FAULT_OPS];         /* atomic */
+/* TMS_FAULT (config.c): the n-th call (1-based) of op fails once. */
+static long fault_at[TMS_FAULT_OPS];             /* set once in load; 0 = never */
+static long fault_calls[TMS_FAULT_OPS];          /* atomic */
 
 static int fault_hit(int op)
 {
@@ -34,55 +30,18 @@ static int fault_hit(int op)
     return fault_at[op] != 0 && n == fault_at[op];
 }
 
-static int parse_size_env(const char *var, size_t fallback, size_t *out, struct tms_err *err)
-{
-    const char *s = getenv(var);
-    if (!s || !*s) {
-        *out = fallback;
-        return TMS_OK;
-    }
-    if (tms_parse_bytes(s, out) != TMS_OK || *out == 0)
-        return tms_fail(err, TMS_E_ARG, 0, "%s='%s' is not a positive size (e.g. 8, 64MiB, 16GiB)", var, s);
-    return TMS_OK;
-}
-
-static int parse_faults(struct tms_err *err)
-{
-    const char *s = getenv("TMS_FAULT");
-    if (!s || !*s) return TMS_OK;
-    char buf[256];
-    if (strlen(s) >= sizeof buf) return tms_fail(err, TMS_E_ARG, 0, "TMS_FAULT is too long");
-    strcpy(buf, s);
-    char *save = NULL;
-    for (char *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
-        char *colon = strchr(item, ':');
-        char *end = NULL;
-        long n = colon ? strtol(colon + 1, &end, 10) : 0;
-        int op = -1;
-        if (colon) {
-            *colon = '\0';
-            for (int i = 0; i < HOST_FAULT_OPS; i++)
-                if (strcmp(item, fault_op_names[i]) == 0) op = i;
-        }
-        if (op < 0 || n <= 0 || !end || *end)
-            return tms_fail(err, TMS_E_ARG, 0,
-                            "TMS_FAULT='%s' is malformed (expected op:n with op one of create, map, "
-                            "unmap, copy_to_host, copy_to_device, host_alloc)", s);
-        fault_at[op] = n;
-    }
-    return TMS_OK;
-}
-
+/* The variables were parsed (and checked at import) with the defaults. */
 static int host_load(struct tms_err *err)
 {
-    size_t devices = 0;
-    int rc = parse_size_env("TMS_HOST_DEVICE_BYTES", (size_t)16 << 30, &host_capacity, err);
-    if (!rc) rc = parse_size_env("TMS_HOST_DEVICES", 2, &devices, err);
-    if (!rc && devices > HOST_MAX_DEVICES)
-        rc = tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_DEVICES=%zu exceeds %d", devices, HOST_MAX_DEVICES);
-    if (!rc) rc = parse_faults(err);
-    if (!rc) host_device_count = (int)devices;
-    return rc;
+    const struct tms_host_env *env = tms_host_env();
+    if (env->error.status) {
+        if (err) *err = env->error;
+        return env->error.status;
+    }
+    host_capacity = env->device_bytes;
+    host_device_count = env->devices;
+    memcpy(fault_at, env->fault_at, sizeof fault_at);
+    return TMS_OK;
 }
 
 static int host_is_oom(int code) { return code == ENOMEM; }
@@ -119,6 +78,7 @@ static int host_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes
 static int host_reserve(size_t size, size_t alignment, tms_va *va)
 {
     /* Over-reserve and trim so the range starts on the alignment. */
+    if (size > SIZE_MAX - alignment) return ENOMEM;
     size_t span = size + alignment;
     char *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return errno;
@@ -139,7 +99,7 @@ static int host_unreserve(tms_va va, size_t size)
 /* A handle is a memfd; its size is what was created (fstat gives it back). */
 static int host_create(int device, size_t size, tms_phys *handle)
 {
-    if (fault_hit(FAULT_CREATE)) return ENOMEM;
+    if (fault_hit(TMS_FAULT_CREATE)) return ENOMEM;
     size_t used = __atomic_add_fetch(&host_used[device], size, __ATOMIC_RELAXED);
     if (used > host_capacity) {
         __atomic_sub_fetch(&host_used[device], size, __ATOMIC_RELAXED);
@@ -171,7 +131,7 @@ static int host_release(tms_phys handle)
 static int host_map(int device, tms_va va, size_t size, tms_phys handle)
 {
     (void)device;
-    if (fault_hit(FAULT_MAP)) return ENOMEM;
+    if (fault_hit(TMS_FAULT_MAP)) return ENOMEM;
     int fd = (int)(handle & 0xffffffffu);
     void *p = mmap((void *)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
     return p == MAP_FAILED ? errno : 0;
@@ -180,7 +140,7 @@ static int host_map(int device, tms_va va, size_t size, tms_phys handle)
 /* Back to an inaccessible reservation: touching it now faults, as on a GPU. */
 static int host_unmap(tms_va va, size_t size)
 {
-    if (fault_hit(FAULT_UNMAP)) return EIO;
+    if (fault_hit(TMS_FAULT_UNMAP)) return EIO;
     void *p = mmap((void *)(uintptr_t)va, size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
     return p == MAP_FAILED ? errno : 0;
@@ -202,7 +162,7 @@ static int host_stream_create(int device, tms_stream *stream)
 static int host_copy_async(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
 {
     (void)device, (void)stream;
-    if (fault_hit(to_host ? FAULT_TO_HOST : FAULT_TO_DEVICE)) return EIO;
+    if (fault_hit(to_host ? TMS_FAULT_TO_HOST : TMS_FAULT_TO_DEVICE)) return EIO;
     if (to_host) memcpy(host, (const void *)(uintptr_t)dev, n);
     else memcpy((void *)(uintptr_t)dev, host, n);
     return 0;
@@ -216,7 +176,7 @@ static int host_stream_wait(int device, tms_stream stream)
 
 static int host_alloc_pinned(size_t size, void **ptr)
 {
-    if (fault_hit(FAULT_HOST_ALLOC)) return ENOMEM;
+    if (fault_hit(TMS_FAULT_HOST_ALLOC)) return ENOMEM;
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return errno;
     /* Page-locked memory is resident: mimic it so RSS reflects the backup. */
@@ -235,7 +195,7 @@ static int host_free_pinned(void *ptr, size_t size)
 static int host_register(void *ptr, size_t size)
 {
     (void)ptr, (void)size;
-    return fault_hit(FAULT_HOST_ALLOC) ? ENOMEM : 0;
+    return fault_hit(TMS_FAULT_HOST_ALLOC) ? ENOMEM : 0;
 }
 
 static int host_unregister(void *ptr)

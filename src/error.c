@@ -3,6 +3,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 int tms_fail(struct tms_err *err, int status, int driver_code, const char *fmt, ...)
 {
@@ -15,6 +16,19 @@ int tms_fail(struct tms_err *err, int status, int driver_code, const char *fmt, 
         va_end(ap);
     }
     return status;
+}
+
+void tms_err_append(struct tms_err *err, const char *fmt, ...)
+{
+    if (!err) return;
+    size_t used = strnlen(err->msg, sizeof err->msg);
+    if (used + 3 >= sizeof err->msg) return;
+    memcpy(err->msg + used, "; ", 3);
+    used += 2;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->msg + used, sizeof err->msg - used, fmt, ap);
+    va_end(ap);
 }
 
 const char *tms_status_name(int status)

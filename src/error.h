@@ -31,6 +31,10 @@ struct tms_err {
 int tms_fail(struct tms_err *err, int status, int driver_code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* Adds "; <formatted>" to err's message (as much as fits), for what went
+ * wrong while cleaning up after the failure err already records. */
+void tms_err_append(struct tms_err *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
 const char *tms_status_name(int status);
 
 #endif

@@ -19,9 +19,3 @@ TMS_EXPORT void tms_torch_free(void *ptr, ssize_t size, int device, void *stream
     (void)size, (void)device, (void)stream;
     (void)tms_hook_free(ptr);  /* errors are kept for tms_hook_last_error */
 }
-
-int tms_preload_is_interposed(const char **winner)
-{
-    *winner = NULL;
-    return 0;
-}

@@ -20,8 +20,13 @@
 #define TMS_CAT_(a, b) a##b
 #define TMS_CAT(a, b) TMS_CAT_(a, b)
 #define TMS_MODULE_NAME "_tms_" TMS_STR(TMS_VARIANT)
+#define TMS_IS_preload 1
+#define TMS_IS_torch 0
+#define TMS_VARIANT_IS_PRELOAD TMS_CAT(TMS_IS_, TMS_VARIANT)
 
-int tms_preload_is_interposed(const char **winner);  /* hook_preload.c / hook_torch.c */
+#if TMS_VARIANT_IS_PRELOAD
+int tms_preload_is_interposed(const char **winner);  /* hook_preload.c */
+#endif
 
 /* Module state: Python objects only. */
 typedef struct {
@@ -70,8 +75,11 @@ static PyObject *py_set_region(PyObject *module, PyObject *args)
         return PyErr_Format(PyExc_ValueError,
                             "cpu_backup_backend must be 'pinned' or 'mmap', got '%s'", kind_name);
     struct tms_err err = {0};
-    int tag_id;
-    if (tms_core_tag_id(tag, &tag_id, &err)) return raise_err(module, &err);
+    int tag_id, rc;
+    Py_BEGIN_ALLOW_THREADS  /* the table lock: no C lock is awaited holding the GIL */
+    rc = tms_core_tag_id(tag, &tag_id, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
     struct tms_region *r = tms_region_current();
     r->active = active;
     r->tag_id = tag_id;
@@ -226,7 +234,11 @@ static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
     struct tms_err err = {0};
     struct tms_backup *b = NULL;
     size_t offset = 0;
-    if (tms_core_backup_of(ptr, (size_t)nbytes, &b, &offset, &err)) return raise_err(module, &err);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS  /* waits while a pause or resume moves that allocation */
+    rc = tms_core_backup_of(ptr, (size_t)nbytes, &b, &offset, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
     if (!b) Py_RETURN_NONE;
     module_state *st = state_of(module);
     backup_view *v = PyObject_New(backup_view, st->view_type);
@@ -262,13 +274,24 @@ static PyObject *list_of_dicts(const void *rows, size_t n, size_t row_size, PyOb
 PyDoc_STRVAR(allocations_doc,
 "allocations($module, /)\n--\n\nA list of dicts, one per allocation the core holds.");
 
+static const char *state_name(int state)
+{
+    switch (state) {
+    case TMS_ACTIVE: return "active";
+    case TMS_PAUSED: return "paused";
+    case TMS_PAUSING: return "pausing";
+    case TMS_RESUMING: return "resuming";
+    }
+    return "?";
+}
+
 static PyObject *alloc_row_dict(const void *row)
 {
     const struct tms_alloc_info *r = row;
     return Py_BuildValue(
         "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:i}", "ptr", (unsigned long long)r->ptr, "size",
         (Py_ssize_t)r->size, "reserved", (Py_ssize_t)r->reserved, "device", r->device, "tag",
-        tms_core_tag_name(r->tag_id), "state", r->state == TMS_PAUSED ? "paused" : "active", "cpu_backup",
+        tms_core_tag_name(r->tag_id), "state", state_name(r->state), "cpu_backup",
         r->backup ? Py_True : Py_False, "cpu_backup_backend", tms_backup_kind_name(r->backup_kind),
         "has_cpu_backup", r->has_host_copy ? Py_True : Py_False, "chunks", r->n_chunks);
 }
@@ -279,7 +302,11 @@ static PyObject *py_allocations(PyObject *module, PyObject *unused)
     struct tms_err err = {0};
     struct tms_alloc_info *rows = NULL;
     size_t n = 0;
-    if (tms_core_list(&rows, &n, &err)) return raise_err(module, &err);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_core_list(&rows, &n, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
     PyObject *list = list_of_dicts(rows, n, sizeof *rows, alloc_row_dict);
     free(rows);
     return list;
@@ -311,7 +338,11 @@ static PyObject *py_stats(PyObject *module, PyObject *unused)
     struct tms_err err = {0};
     struct tms_stats_row *rows = NULL;
     size_t n = 0;
-    if (tms_core_stats(&rows, &n, &err)) return raise_err(module, &err);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_core_stats(&rows, &n, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
     PyObject *list = list_of_dicts(rows, n, sizeof *rows, stats_row_dict);
     free(rows);
     return list;
@@ -362,7 +393,11 @@ static PyObject *py_use_backend(PyObject *module, PyObject *arg)
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
     struct tms_err err = {0};
-    if (tms_driver_select(name, &err)) return raise_err(module, &err);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS  /* the driver lock is held while a backend loads */
+    rc = tms_driver_select(name, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
     Py_RETURN_NONE;
 }
 
@@ -417,6 +452,33 @@ static PyObject *py_loaded_backend(PyObject *module, PyObject *unused)
     return PyUnicode_FromString(name);
 }
 
+PyDoc_STRVAR(mem_get_info_doc,
+"mem_get_info($module, device, /)\n--\n\n"
+"(free bytes, total bytes) of a device, as the backend reports them (loads it).");
+static PyObject *py_mem_get_info(PyObject *module, PyObject *args)
+{
+    int device;
+    if (!PyArg_ParseTuple(args, "i:mem_get_info", &device)) return NULL;
+    if (device < 0) return PyErr_Format(PyExc_ValueError, "mem_get_info: device must be >= 0, got %d", device);
+    const struct tms_driver *drv;
+    struct tms_err err = {0};
+    size_t free_bytes = 0, total = 0;
+    int rc, count = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_driver_get(&drv, &err);
+    if (!rc && (rc = drv->device_count(&count)))
+        rc = tms_fail(&err, TMS_E_DRIVER, rc, "device count failed: %s (%d)", drv->code_name(rc), rc);
+    else if (!rc && device >= count)
+        rc = tms_fail(&err, TMS_E_ARG, 0, "device %d does not exist (%d devices)", device, count);
+    else if (!rc && (rc = drv->mem_get_info(device, &free_bytes, &total)))
+        rc = tms_fail(&err, TMS_E_DRIVER, rc, "mem_get_info on device %d failed: %s (%d)", device,
+                      drv->code_name(rc), rc);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
+    return Py_BuildValue("(nn)", (Py_ssize_t)free_bytes, (Py_ssize_t)total);
+}
+
+#if TMS_VARIANT_IS_PRELOAD
 PyDoc_STRVAR(preload_active_doc,
 "preload_active($module, /)\n--\n\n"
 "(active, winner): active is True if this library's cudaMalloc is the one the\n"
@@ -430,6 +492,7 @@ static PyObject *py_preload_active(PyObject *module, PyObject *unused)
     if (!winner) return Py_BuildValue("(NO)", PyBool_FromLong(active), Py_None);
     return Py_BuildValue("(Ns)", PyBool_FromLong(active), winner);
 }
+#endif
 
 PyDoc_STRVAR(library_path_doc, "library_path($module, /)\n--\n\nPath of this shared library.");
 static PyObject *py_library_path(PyObject *module, PyObject *unused)
@@ -479,7 +542,10 @@ static PyMethodDef module_methods[] = {
     {"loaded_backend", py_loaded_backend, METH_NOARGS, loaded_backend_doc},
     {"warm_backups", py_warm_backups, METH_NOARGS, warm_backups_doc},
     {"copy_progress", py_copy_progress, METH_NOARGS, copy_progress_doc},
+    {"mem_get_info", py_mem_get_info, METH_VARARGS, mem_get_info_doc},
+#if TMS_VARIANT_IS_PRELOAD
     {"preload_active", py_preload_active, METH_NOARGS, preload_active_doc},
+#endif
     {"library_path", py_library_path, METH_NOARGS, library_path_doc},
     {"last_hook_error", py_last_hook_error, METH_NOARGS, last_hook_error_doc},
     {"defaults", py_defaults, METH_NOARGS, defaults_doc},
@@ -488,9 +554,9 @@ static PyMethodDef module_methods[] = {
 
 static int module_exec(PyObject *module)
 {
-    const struct tms_defaults *d = tms_defaults();
-    if (d->parse_error.status) {
-        PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s", d->parse_error.msg);
+    struct tms_err env_err = {0};
+    if (tms_env_check(&env_err)) {
+        PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s", env_err.msg);
         return -1;
     }
     module_state *st = state_of(module);

@@ -29,9 +29,27 @@ def enter(cm):
         pass
 
 
-def test_enabled_is_true(fresh):
+def test_enabled_is_true_read_only_and_does_not_start_the_core(fresh, run_py):
+    # Upstream's compatibility property: True. Older upstream versions answered
+    # False when the hook library was not preloaded; here that case is a clear
+    # error at the first region instead, so a process without LD_PRELOAD
+    # still reads True, in both hook modes, before any use.
     assert fresh.enabled is True
-    assert torch_memory_saver.torch_memory_saver.enabled is True
+    with pytest.raises(AttributeError):
+        fresh.enabled = False
+    out = check_ok(run_py("""
+        import os, sys
+        from torch_memory_saver import TorchMemorySaver
+        assert "LD_PRELOAD" not in os.environ
+        for mode in ("preload", "torch"):
+            t = TorchMemorySaver()
+            t.hook_mode = mode
+            assert t.enabled is True and t._impl is None, mode
+        cores = [m for m in sys.modules if m in ("torch_memory_saver._tms_preload", "torch_memory_saver._tms_torch")]
+        assert cores == [], cores
+        print("done")
+    """, prelude=False))
+    assert out == "done\n"
 
 
 @pytest.mark.parametrize("value", ["cuda", "Preload", "", None, 1])
@@ -187,35 +205,39 @@ _MALFORMED = [
     ("TMS_CHUNK_BYTES", "lots"),
     ("TMS_CHUNK_BYTES", "-4MiB"),
     ("TMS_CHUNK_BYTES", "4TiB"),
+    ("TMS_CHUNK_BYTES", "18446744073709551615"),   # wrapped to 0 when rounded: SIGFPE at first allocation
+    ("TMS_CHUNK_BYTES", "2048GiB"),                # above the 1 TiB bound
+    ("TMS_PROGRESS", "on"),
 ]
 
 
-@pytest.mark.parametrize("mode", HOOK_MODES)
 @pytest.mark.parametrize("var,value", _MALFORMED, ids=[f"{v}={x}" for v, x in _MALFORMED])
-def test_malformed_env_raises_value_error_naming_variable_and_value(run_py, mode, var, value):
+def test_malformed_env_raises_value_error_at_import_naming_variable_and_value(run_py, var, value):
     out = check_ok(run_py(f"""
-        import importlib
-        import torch_memory_saver                          # the package imports fine
-        for attempt in range(2):
-            try:
-                importlib.import_module("torch_memory_saver._tms_{mode}")
-            except ValueError as e:
-                msg = str(e)
-                assert "{var}" in msg and "'{value}'" in msg, msg
-            else:
-                raise AssertionError("import succeeded")
-        tms = torch_memory_saver.torch_memory_saver
-        tms.hook_mode = "{mode}"
-        for first_use in (lambda: tms.pause(), lambda: tms.region("x").__enter__()):
-            try:
-                first_use()
-            except ValueError as e:
-                assert "{var}" in str(e) and "'{value}'" in str(e), str(e)
-            else:
-                raise AssertionError("first use succeeded")
+        import importlib, sys
+        for name in ("torch_memory_saver", "torch_memory_saver._tms_preload", "torch_memory_saver._tms_torch"):
+            for attempt in range(2):                   # a failed import is not cached as success
+                try:
+                    importlib.import_module(name)
+                except ValueError as e:
+                    assert "{var}" in str(e) and "'{value}'" in str(e), (name, str(e))
+                else:
+                    raise AssertionError(f"import of {{name}} succeeded")
         print("done")
     """, prelude=False, env={var: value}))
     assert out == "done\n"
+
+
+def test_chunk_bytes_at_its_bound_allocates(run_py):
+    out = check_ok(run_py("""
+        with raw_region("t"):
+            p = core.malloc(3 * MiB)
+        assert row(p)["chunks"] == 1, row(p)          # a chunk above the allocation: one handle
+        tms.pause("t"); tms.resume("t")
+        core.free(p)
+        print(core.defaults()["chunk_bytes"])
+    """, env={"TMS_CHUNK_BYTES": str(1 << 40)}))
+    assert out == f"{1 << 40}\n"
 
 
 @pytest.mark.parametrize("var,value,key,expected", [
@@ -323,9 +345,20 @@ def test_without_ld_preload_the_hook_is_not_active(run_py):
     assert out == ["", "(False, None)"]
 
 
-def test_torch_variant_never_reports_preload_active(run_py, preload_lib):
+def test_torch_variant_has_no_allocator_hook(run_py, preload_lib):
+    # Only the preload variant defines cudaMalloc/cudaFree and can report on
+    # them; the torch variant is reached through the pluggable allocator only.
     out = check_ok(run_py("""
-        import torch_memory_saver._tms_torch as t
-        print(t.preload_active())
+        import ctypes
+        import torch_memory_saver._tms_torch as t, torch_memory_saver._tms_preload as p
+        assert not hasattr(t, "preload_active") and p.preload_active()[0] is True
+        torch_lib, preload_lib = ctypes.CDLL(t.library_path()), ctypes.CDLL(p.library_path())
+        for name in ("cudaMalloc", "cudaFree", "hipMalloc", "hipFree"):
+            assert not hasattr(torch_lib, name), name
+            assert hasattr(preload_lib, name), name
+        assert hasattr(torch_lib, "tms_torch_malloc") and hasattr(torch_lib, "tms_torch_free")
+        print("done")
     """, prelude=False, env={"LD_PRELOAD": preload_lib}))
-    assert out == "(False, None)\n"
+    assert out == "done\n"
+
+

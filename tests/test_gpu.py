@@ -152,6 +152,7 @@ def check_passed(proc, empty_stderr=False):
     "soak",
     "stress_threads",
     "stats_match",
+    "nothing_waits",
 ])
 def test_scenario(scenario, hook_mode):
     check_passed(run_scenario(scenario, hook_mode))

@@ -526,18 +526,23 @@ def test_init_backup_env_without_init_enable(run_py):
     ("TMS_FAULT", "explode:1", "TMS_FAULT='explode:1' is malformed"),
     ("TMS_FAULT", "create:0", "TMS_FAULT='create:0' is malformed"),
     ("TMS_HOST_DEVICE_BYTES", "lots", "TMS_HOST_DEVICE_BYTES='lots'"),
-    ("TMS_HOST_DEVICES", "9", "TMS_HOST_DEVICES=9"),
+    ("TMS_HOST_DEVICES", "9", "TMS_HOST_DEVICES='9'"),
     ("TMS_BACKEND", "tpu", "TMS_BACKEND='tpu'"),
 ])
-def test_malformed_backend_env_raises_on_first_use(run_py, var, value, fragment):
+def test_malformed_backend_env_raises_at_import(run_py, var, value, fragment):
+    # The backend's own variables are checked at import too, before the backend loads.
     out = check_ok(run_py(f"""
-        for attempt in range(2):                           # not cached as success
-            e = expect(ValueError, tms.pause, match={fragment!r})
-        expect(ValueError, tms.region("x").__enter__, match={fragment!r})
-        with raw_region("x"):
-            expect(ValueError, core.malloc, MiB, match={fragment!r})
+        import sys
+        for name in ("torch_memory_saver", "torch_memory_saver._tms_torch"):
+            try:
+                __import__(name)
+            except ValueError as e:
+                assert {fragment!r} in str(e), str(e)
+            else:
+                raise AssertionError(name)
+        assert "torch_memory_saver._tms_preload" not in sys.modules
         print("done")
-    """, env={var: value}))
+    """, prelude=False, env={var: value}))
     assert out == "done\n"
 
 
@@ -723,6 +728,26 @@ def test_failed_unmap_keeps_no_backup(run_py):
         assert read(p, n) == d
         print("done")
     """, env={"TMS_CHUNK_BYTES": "4MiB", "TMS_FAULT": "unmap:2"}))
+    assert out == "done\n"
+
+
+def test_a_failing_rollback_is_reported_in_the_error(run_py):
+    # Creating chunk 2 of 3 fails; undoing it, unmapping chunk 1 fails too:
+    # both are in the message, and the emulated device gets every byte back.
+    out = check_ok(run_py("""
+        free0, total = core.mem_get_info(0)
+        with raw_region("r"):
+            e = expect(core.OutOfMemoryError, core.malloc, 6 * MiB)
+        msg = str(e)
+        assert "map of 2097152 bytes (chunk 2 of 3)" in msg and "'r'" in msg, msg
+        assert "undoing it, unmap of chunk 1 failed" in msg, msg
+        assert core.mem_get_info(0) == (free0, total)
+        assert core.allocations() == []
+        with raw_region("r"):
+            p = core.malloc(6 * MiB)                      # each fault fires once
+        core.free(p)
+        print("done")
+    """, env={"TMS_CHUNK_BYTES": "2MiB", "TMS_FAULT": "map:2,unmap:1"}))
     assert out == "done\n"
 
 

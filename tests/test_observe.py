@@ -32,10 +32,14 @@ def test_stats_follow_every_state_change(run_py):
         for dev, tag in ((0, "kv"), (0, "w"), (1, "p")):
             assert s[dev][tag]["pauses"] == 1 and s[dev][tag]["pause_ns"] > 0, (tag, s)
         # the emulated device's free bytes agree with the gauges
-        assert sum(r["bytes_mapped"] for r in s[0].values()) == 0
+        for dev in (0, 1):
+            free, total = core.mem_get_info(dev)
+            assert total - free == sum(r["bytes_mapped"] for r in s[dev].values()) == 0, (dev, free, total, s)
 
         tms.resume("w")
         s = torch_memory_saver.stats()
+        free, total = core.mem_get_info(0)
+        assert total - free == s[0]["w"]["bytes_mapped"] == 3 * G, (free, total, s)
         assert s[0]["w"]["bytes_mapped"] == 3 * G and s[0]["w"]["bytes_backup_mmap"] == 0, s
         assert s[0]["w"]["resumes"] == 1 and s[0]["w"]["bytes_to_device"] == 5 * MiB + 1, s
         assert s[0]["kv"]["resumes"] == 0, s                 # other tags untouched

@@ -1,7 +1,10 @@
 """Release the GPU memory behind chosen tensors and give it back later at the
 same virtual addresses, optionally keeping the contents on the host."""
+from . import _library
 from ._preload import configure_subprocess
 from .entrypoint import TorchMemorySaver
+
+_library.check_environment()  # a malformed TMS_* variable is a ValueError here, not at first use
 
 __version__ = "0.1.0"
 

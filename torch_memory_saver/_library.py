@@ -20,6 +20,13 @@ def load(hook_mode: str):
     return importlib.import_module(module_name(hook_mode))
 
 
+def check_environment():
+    """Raises ValueError naming the first malformed TMS_* variable: the small
+    _tms_env module parses them with the core's own parser, without loading
+    a core (the variants check them again when they load)."""
+    importlib.import_module("torch_memory_saver._tms_env")
+
+
 def path(hook_mode: str) -> str:
     """Absolute path of a variant's shared library, without importing it."""
     spec = importlib.util.find_spec(module_name(hook_mode))

@@ -1,0 +1,168 @@
+/* Pause and resume: the driver work on claimed allocations, with the table lock released. */
+#include "core.h"
+
+#include <stdlib.h>
+
+#include "core_internal.h"
+#include "log.h"
+#include "transfer.h"
+
+static struct tms_transfer transfer_of(const struct tms_alloc *a, const struct tms_backup *copy)
+{
+    return (struct tms_transfer){
+        .device = a->device, .dev = a->va, .host = copy->host, .n = a->size,
+        .host_pinned = copy->kind == TMS_BACKUP_PINNED,
+    };
+}
+
+/* Forgets the backup a move would install, dropping it if it is new. */
+static void discard_copy(struct tms_move *m)
+{
+    if (m->copy != m->a->host_copy) tms_backup_unref(m->copy);
+    m->copy = NULL;
+}
+
+/* Queued kernels may still write the memory: copy and unmap only after. */
+static int synchronize_devices(const struct tms_driver *drv, const struct tms_move *m, size_t n, struct tms_err *err)
+{
+    uint64_t done = 0;  /* bit per device; devices >= 64 are synchronized every time */
+    for (size_t i = 0; i < n; i++) {
+        int device = m[i].a->device;
+        if (device < 64 && (done >> device & 1)) continue;
+        int rc = drv->synchronize(device);
+        if (rc)
+            return tms_fail(err, TMS_E_DRIVER, rc, "synchronize of device %d before pause failed: %s (%d)", device,
+                            drv->code_name(rc), rc);
+        if (device < 64) done |= 1ull << device;
+    }
+    return TMS_OK;
+}
+
+/* Makes (or reuses) the host copies and fills them. On failure every host
+ * copy this call touched is dropped: the device still holds the truth, and
+ * a half-overwritten retained copy must not be served as a backup. */
+static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n, struct tms_err *err)
+{
+    struct tms_transfer *copies = calloc(n, sizeof *copies);
+    if (!copies) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", n);
+    size_t k = 0;
+    int rc = TMS_OK;
+    for (size_t i = 0; i < n && !rc; i++) {
+        const struct tms_alloc *a = m[i].a;
+        if (!a->backup) continue;
+        if (m[i].copy && m[i].copy->kind != a->backup_kind) m[i].copy = NULL;  /* settle drops the old one */
+        if (!m[i].copy) rc = tms_backup_new(drv, a->backup_kind, a->size, &m[i].copy, err);
+        if (!rc) copies[k++] = transfer_of(a, m[i].copy);
+    }
+    if (!rc) rc = tms_transfer_run(drv, 1, copies, k, err);
+    free(copies);
+    if (rc)
+        for (size_t i = 0; i < n; i++) discard_copy(&m[i]);
+    return rc;
+}
+
+/* Unmaps and releases each allocation; one whose unmap fails stays active
+ * and whole (and keeps its new copy only as a retained one). */
+static int unmap_all(const struct tms_driver *drv, struct tms_move *m, size_t n, struct tms_err *err)
+{
+    int rc = TMS_OK, retain = tms_core_retain();
+    for (size_t i = 0; i < n; i++) {
+        struct tms_alloc *a = m[i].a;
+        const char *tag = tms_core_tag_name(a->tag_id);
+        struct tms_err one_err = {0};
+        int one = tms_chunks_unmap(drv, a, tag, &one_err);
+        if (one == TMS_OK) {
+            m[i].state = TMS_PAUSED;
+            m[i].copied = m[i].copy ? a->size : 0;
+            one = tms_chunks_release(drv, a, tag, &one_err);  /* paused all the same: reported, not undone */
+        } else if (m[i].copy && !retain) {
+            discard_copy(&m[i]);  /* still active: the device holds the bytes */
+        }
+        if (one && !rc) {
+            rc = one;
+            if (err) *err = one_err;
+        }
+    }
+    return rc;
+}
+
+int tms_core_pause(const char *tag, struct tms_err *err)
+{
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    if (rc) return rc;
+    uint64_t start = tms_now_ns();
+    struct tms_move *m;
+    size_t n;
+    if ((rc = tms_table_claim(tag, TMS_ACTIVE, &m, &n, err)) || n == 0) return rc;
+    rc = synchronize_devices(drv, m, n, err);
+    /* All backups first: if one fails, nothing has been unmapped yet. */
+    if (!rc) rc = backup_all(drv, m, n, err);
+    if (!rc) rc = unmap_all(drv, m, n, err);
+    uint64_t ns = tms_now_ns() - start;
+    tms_table_settle(drv, m, n, 1, ns);
+    TMS_DEBUG("pause %s: %zu allocations, %.3f ms, status %d", tag ? tag : "<all>", n, (double)ns / 1e6, rc);
+    return rc;
+}
+
+/* An allocation whose restore failed goes back to paused, its backup kept
+ * for a retry. If its memory cannot even be unmapped it is left mapped and
+ * active with its backup, and the message says its contents are incomplete. */
+static void unrestore(const struct tms_driver *drv, struct tms_move *m, struct tms_err *err)
+{
+    struct tms_alloc *a = m->a;
+    const char *tag = tms_core_tag_name(a->tag_id);
+    struct tms_err undo_err = {0};
+    if (tms_chunks_unmap(drv, a, tag, &undo_err) == TMS_OK) {
+        if (tms_chunks_release(drv, a, tag, &undo_err))
+            tms_log_warn("after a failed restore of 0x%llx: %s", (unsigned long long)a->va, undo_err.msg);
+        return;
+    }
+    m->state = TMS_ACTIVE;
+    tms_err_append(err, "allocation 0x%llx (tag '%s') stays mapped with incomplete contents, its backup kept: %s",
+                   (unsigned long long)a->va, tag, undo_err.msg);
+}
+
+int tms_core_resume(const char *tag, struct tms_err *err)
+{
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    if (rc) return rc;
+    uint64_t start = tms_now_ns();
+    struct tms_move *m;
+    size_t n, mapped = 0, k = 0;
+    if ((rc = tms_table_claim(tag, TMS_PAUSED, &m, &n, err)) || n == 0) return rc;
+    struct tms_transfer *copies = calloc(n, sizeof *copies);
+    if (!copies) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu restores", n);
+    /* Map what fits; on the first failure (typically OOM) stop, so the rest
+     * stay paused with their backups and a retry resumes them. */
+    for (; !rc && mapped < n; mapped++) {
+        struct tms_alloc *a = m[mapped].a;
+        if ((rc = tms_chunks_map(drv, a, tms_core_tag_name(a->tag_id), err))) break;
+        if (m[mapped].copy) copies[k++] = transfer_of(a, m[mapped].copy);
+    }
+    struct tms_err copy_err = {0};
+    int copy_rc = copies ? tms_transfer_run(drv, 0, copies, k, &copy_err) : TMS_OK;
+    if (copy_rc && !rc) {
+        rc = copy_rc;
+        if (err) *err = copy_err;
+    }
+    /* An allocation is active only once all its bytes are back. */
+    int retain = tms_core_retain();
+    for (size_t i = 0, c = 0; i < mapped; i++) {
+        int restored = !m[i].copy || copies[c].done == copies[c].n;
+        if (m[i].copy) c++;
+        if (!restored) {
+            unrestore(drv, &m[i], err);
+            continue;
+        }
+        m[i].state = TMS_ACTIVE;
+        m[i].copied = m[i].copy ? m[i].a->size : 0;
+        if (!retain) m[i].copy = NULL;  /* settle drops it */
+    }
+    free(copies);
+    uint64_t ns = tms_now_ns() - start;
+    tms_table_settle(drv, m, n, 0, ns);
+    TMS_DEBUG("resume %s: %zu allocations, %.3f ms, status %d", tag ? tag : "<all>", n, (double)ns / 1e6, rc);
+    return rc;
+}
