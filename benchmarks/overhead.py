@@ -279,94 +279,114 @@ def _latency_summary(samples_ns):
 
 
 def contention(env, params, deadline):
-    """Latency of one pass-through cudaMalloc+cudaFree pair (2 MiB, outside any
-    region) on a second thread, idle and while the main thread pauses
-    params['bytes'] with backup: through the hook, and libcudart's own
-    functions (which bypass the library) interleaved on the same thread, so
-    what CUDA itself adds during the copies is measured beside what we add.
-    With the table lock spanning a pause, the hook's p99 was the pause's
-    duration (issue 12)."""
+    """Latency of calls on a second thread, idle and while the main thread
+    pauses params['bytes'] with backup. With the table lock spanning a pause,
+    any call that took it waited for the whole pause (issue 12).
+
+    - pair: cudaMalloc+cudaFree of 2 MiB outside any region, through the hook
+      and through libcudart's own functions, interleaved: the hook's cost is
+      the difference (during the copies CUDA's own pair is slow: its
+      cudaFree waits for the device);
+    - foreign free: cudaFree of a host address (neither the library's nor
+      CUDA's), through the hook and directly: the hook's lookup takes the table
+      lock, and CUDA answers at once with an error (per-thread, cleared);
+    - stats(): the library's counters, from Python."""
     if env.mode != "preload":
         raise RuntimeError("contention runs in the preload process (the hook is what it measures)")
     if env.kind != "cuda":
         ctypes.CDLL(find_cudart()[0], mode=ctypes.RTLD_GLOBAL)  # dry run: something to forward to
     import threading
 
-    paths = {"hook": _bind(ctypes.CDLL(None)), "direct": _bind(ctypes.CDLL(find_cudart()[0]))}
+    cudart = ctypes.CDLL(find_cudart()[0])
+    hook_malloc, hook_free = _bind(ctypes.CDLL(None))
+    direct_malloc, direct_free = _bind(cudart)
     size = 2 * MiB
+    foreign = ctypes.create_string_buffer(4096)
+    foreign_ptr = ctypes.cast(foreign, ctypes.c_void_p)
+    p = ctypes.c_void_p()
+    pp = ctypes.byref(p)
+    ops = {
+        "pair_hook": lambda: (hook_malloc(pp, size), hook_free(p)),
+        "pair_direct": lambda: (direct_malloc(pp, size), direct_free(p)),
+        "foreign_free_hook": lambda: hook_free(foreign_ptr),
+        "foreign_free_direct": lambda: direct_free(foreign_ptr),
+        "stats": env.tms.stats,
+    }
     total, ntensors, cycles = int(params["bytes"]), int(params["tensors"]), int(params["cycles"])
     tag = "contention"
     block = env.alloc(tag, [total // ntensors] * ntensors, backup=True, backend="mmap")
     env.fill_random(block, 3)
     env.sync()
-    out = {"bytes": total, "tensors": ntensors, "pair_bytes": size, "unit": "µs per cudaMalloc+cudaFree pair"}
+    out = {"bytes": total, "tensors": ntensors, "pair_bytes": size, "unit": "µs per call"}
+    pair_rcs = set()
 
-    def sample(stop, into):
-        p = ctypes.c_void_p()
-        pp = ctypes.byref(p)
-        rcs = set()
+    # The pair (milliseconds during the copies) and the short calls are sampled in
+    # separate windows: a short call right after a long blocking one pays for the
+    # thread's wake-up, which is not the call's cost. Order alternates each round.
+    groups = [["foreign_free_hook", "foreign_free_direct", "stats"], ["pair_hook", "pair_direct"]]
+
+    def sample(stop, labels, into):
+        order = list(labels)
         while not stop.is_set():
-            for label, (malloc, free) in paths.items():
+            for label in order:
                 t0 = time.perf_counter_ns()
-                rc = malloc(pp, size)
-                rc2 = free(p)
-                t1 = time.perf_counter_ns()
-                into[label].append((t0, t1 - t0))
-                rcs.add((rc, rc2))
-        into["rcs"] = sorted(rcs)
+                r = ops[label]()
+                into[label].append((t0, time.perf_counter_ns() - t0))
+                if label.startswith("pair"):
+                    pair_rcs.add(tuple(r))
+            order.reverse()
 
-    def run(window_fn):
-        into = {"hook": [], "direct": []}
-        stop = threading.Event()
-        t = threading.Thread(target=sample, args=(stop, into))
-        t.start()
-        time.sleep(0.05)  # the sampler is running before the window opens
-        start, end = window_fn()
-        stop.set()
-        t.join()
-        return {label: [d for s, d in into[label] if start <= s and s + d <= end] for label in paths}, into["rcs"]
+    def run(window_fn, acc):
+        for labels in groups:
+            into = {label: [] for label in labels}
+            stop = threading.Event()
+            t = threading.Thread(target=sample, args=(stop, labels, into))
+            t.start()
+            time.sleep(0.05)  # the sampler is running before the window opens
+            start, end = window_fn()
+            stop.set()
+            t.join()
+            for label in labels:
+                acc[label] += [d for s, d in into[label] if start <= s and s + d <= end]
+            if window_fn.__name__ == "pause_window":
+                env.tms.resume(tag)
+                env.sync()
 
-    idle = {"hook": [], "direct": []}
-    during = {"hook": [], "direct": []}
+    idle = {label: [] for label in ops}
+    during = {label: [] for label in ops}
     pause_s = []
+
+    def idle_window():
+        t0 = time.perf_counter_ns()
+        time.sleep(0.25)
+        return t0, time.perf_counter_ns()
+
+    def pause_window():
+        t0 = time.perf_counter_ns()
+        env.tms.pause(tag)
+        t1 = time.perf_counter_ns()
+        pause_s.append((t1 - t0) / 1e9)
+        return t0, t1
+
     try:
         for c in range(cycles):
-            if c and not deadline.allows(3 * (pause_s[-1] if pause_s else 1.0) + 5):
+            if c and not deadline.allows(6 * pause_s[-1] + 5):
                 out["truncated"] = True
                 break
-
-            def idle_window():
-                t0 = time.perf_counter_ns()
-                time.sleep(0.25)
-                return t0, time.perf_counter_ns()
-
-            def pause_window():
-                t0 = time.perf_counter_ns()
-                env.tms.pause(tag)
-                t1 = time.perf_counter_ns()
-                pause_s.append((t1 - t0) / 1e9)
-                return t0, t1
-
-            got, rcs = run(idle_window)
-            for k in idle:
-                idle[k] += got[k]
-            got, rcs2 = run(pause_window)
-            for k in during:
-                during[k] += got[k]
-            env.tms.resume(tag)
-            env.sync()
-            out.setdefault("return_codes", sorted({tuple(x) for x in rcs + rcs2}))
+            run(idle_window, idle)
+            run(pause_window, during)
     finally:
+        out["last_error_cleared"] = _clear_last_error(cudart)
         env.dispose(block, tag)
     out["pause_s"] = pause_s
     out["pause_gbps"] = [total / s / 1e9 for s in pause_s]
-    for label in paths:
+    out["pair_return_codes"] = sorted(pair_rcs)
+    for label in ops:
         out[f"idle_{label}"] = _latency_summary(idle[label])
         out[f"during_pause_{label}"] = _latency_summary(during[label])
-    if env.kind == "cuda" and any(rc != (0, 0) for rc in out.get("return_codes", [])):
-        raise RuntimeError(f"cudaMalloc/cudaFree during the pause returned {out['return_codes']}")
-    h, d = out["during_pause_hook"], out["during_pause_direct"]
-    log(f"contention: during a {total / 2**30:.0f} GiB backed-up pause ({median(pause_s) * 1e3:.0f} ms): "
-        f"hook p99 {h['p99_us']:.1f} µs (max {h['max_us']:.1f}), libcudart p99 {d['p99_us']:.1f} µs; "
-        f"idle hook p99 {out['idle_hook']['p99_us']:.1f} µs")
+    if env.kind == "cuda" and any(rc != (0, 0) for rc in pair_rcs):
+        raise RuntimeError(f"cudaMalloc/cudaFree of {size} bytes returned {sorted(pair_rcs)}")
+    d = {k: out[f"during_pause_{k}"]["p99_us"] for k in ops}
+    log(f"contention: during a {total / 2**30:.1f} GiB backed-up pause ({median(pause_s) * 1e3:.0f} ms), p99 µs: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in d.items()))
     return out
