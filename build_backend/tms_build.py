@@ -58,8 +58,12 @@ def _flags():
 
 
 def compile_env_module(out_path):
+    """Without TMS_EXTRA_CFLAGS: this module loads at package import, before torch,
+    and a sanitizer runtime loaded that early breaks torch's static initialisers
+    (make sanitize-python); its sources are sanitized inside the variants."""
     sources = [str(ROOT / "src" / s) for s in ENV_SOURCES]
-    cmd = _compiler() + _flags() + ["-I" + sysconfig.get_paths()["include"], "-shared", "-o", str(out_path),
+    flags = list(CFLAGS) + (["-Werror"] if os.environ.get("TMS_WERROR", "1") != "0" else [])
+    cmd = _compiler() + flags + ["-I" + sysconfig.get_paths()["include"], "-shared", "-o", str(out_path),
                                     *sources, "-lpthread"]
     subprocess.run(cmd, check=True)
 
