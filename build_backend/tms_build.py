@@ -162,8 +162,9 @@ def get_requires_for_build_editable(config_settings=None):
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     name = _wheel_name()
     wheel = _Wheel(Path(wheel_directory) / name)
-    for py in sorted((ROOT / NAME).rglob("*.py")):
-        wheel.add(py.relative_to(ROOT).as_posix(), py.read_bytes())
+    for pattern in ("*.py", "*.pyi", "py.typed"):
+        for f in sorted((ROOT / NAME).rglob(pattern)):
+            wheel.add(f.relative_to(ROOT).as_posix(), f.read_bytes())
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / NAME).mkdir()
         env_module = Path(tmp) / NAME / extension_name("env")

@@ -77,7 +77,8 @@ static int cuda_load(struct tms_err *err)
     if (!lib) {
         const char *why = dlerror();
         return tms_fail(err, TMS_E_NO_DRIVER, 0,
-                        "CUDA driver not found: dlopen(\"libcuda.so.1\") failed: %s", why ? why : "?");
+                        "CUDA driver not found: dlopen(\"libcuda.so.1\") failed: %s (no GPU here? TMS_BACKEND=host "
+                        "runs the library on host memory, for tests and demos)", why ? why : "?");
     }
     /* _v2 (CUDA 12+) reports per-symbol status; plain is the 11.3 form. */
     get_proc_v2_fn get_v2 = (get_proc_v2_fn)dlsym(lib, "cuGetProcAddress_v2");

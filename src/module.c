@@ -552,14 +552,20 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static int module_exec(PyObject *module)
+/* The package's own classes (torch_memory_saver/_errors.py), so both variants
+ * raise the same torch_memory_saver.Error. A variant loaded outside the
+ * package (a C build's test) makes classes of its own. */
+static int import_error_types(module_state *st)
 {
-    struct tms_err env_err = {0};
-    if (tms_env_check(&env_err)) {
-        PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s", env_err.msg);
-        return -1;
+    PyObject *errors = PyImport_ImportModule("torch_memory_saver._errors");
+    if (errors) {
+        st->error = PyObject_GetAttrString(errors, "Error");
+        st->oom_error = st->error ? PyObject_GetAttrString(errors, "OutOfMemoryError") : NULL;
+        Py_DECREF(errors);
+        return st->oom_error ? 0 : -1;
     }
-    module_state *st = state_of(module);
+    if (!PyErr_ExceptionMatches(PyExc_ImportError)) return -1;
+    PyErr_Clear();
     st->error = PyErr_NewExceptionWithDoc("torch_memory_saver." TMS_MODULE_NAME ".Error",
                                           "A torch_memory_saver operation failed; the message says which and why.",
                                           PyExc_RuntimeError, NULL);
@@ -570,7 +576,18 @@ static int module_exec(PyObject *module)
                                               "Device or host memory ran out (or the margin was reached).",
                                               oom_bases, NULL);
     Py_DECREF(oom_bases);
-    if (!st->oom_error) return -1;
+    return st->oom_error ? 0 : -1;
+}
+
+static int module_exec(PyObject *module)
+{
+    struct tms_err env_err = {0};
+    if (tms_env_check(&env_err)) {
+        PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s", env_err.msg);
+        return -1;
+    }
+    module_state *st = state_of(module);
+    if (import_error_types(st) < 0) return -1;
     st->view_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &view_spec, NULL);
     if (!st->view_type) return -1;
     if (PyModule_AddObjectRef(module, "Error", st->error) < 0) return -1;

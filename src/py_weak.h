@@ -15,6 +15,10 @@
 #pragma weak PyErr_Format
 #pragma weak PyLong_Type
 #pragma weak PyErr_Clear
+#pragma weak PyErr_ExceptionMatches
+#pragma weak PyExc_ImportError
+#pragma weak PyImport_ImportModule
+#pragma weak PyObject_GetAttrString
 #pragma weak PyLong_AsUnsignedLongLong
 #pragma weak PyUnicode_AsUTF8AndSize
 #pragma weak PyLong_FromUnsignedLongLong

@@ -362,3 +362,97 @@ def test_torch_variant_has_no_allocator_hook(run_py, preload_lib):
     assert out == "done\n"
 
 
+# ---- the public surface: one exception type, typed, documented (issue 13) ------------
+
+def test_both_variants_raise_the_one_public_error(run_py):
+    out = check_ok(run_py("""
+        import pickle
+        import torch_memory_saver
+        import torch_memory_saver._tms_preload as p, torch_memory_saver._tms_torch as t
+        assert p.Error is t.Error is torch_memory_saver.Error and issubclass(torch_memory_saver.Error, RuntimeError)
+        assert p.OutOfMemoryError is t.OutOfMemoryError is torch_memory_saver.OutOfMemoryError
+        assert issubclass(torch_memory_saver.OutOfMemoryError, (torch_memory_saver.Error, MemoryError))
+        assert repr(torch_memory_saver.Error) == "<class 'torch_memory_saver.Error'>"
+        e = pickle.loads(pickle.dumps(torch_memory_saver.Error("x")))
+        assert type(e) is torch_memory_saver.Error and str(e) == "x"
+        for mode in ("preload", "torch"):
+            core = getattr(torch_memory_saver, "_tms_" + mode)
+            core.set_region(True, "dbl-" + mode, False, "mmap")
+            ptr = core.malloc(1 << 20)
+            core.set_region(False, "default", False, "mmap")
+            core.pause("dbl-" + mode)
+            try:
+                core.pause("dbl-" + mode)
+            except torch_memory_saver.Error as e:
+                assert "already paused" in str(e), e
+            else:
+                raise AssertionError(mode)
+            core.free(ptr)
+        print("done")
+    """, prelude=False))
+    assert out == "done\n"
+
+
+def _stub_names(path):
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    names |= {t.id for n in tree.body if isinstance(n, ast.AnnAssign) for t in [n.target] if not t.id.startswith("_")}
+    names |= {a.asname for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names if a.asname}
+    return names
+
+
+@pytest.mark.parametrize("mode", HOOK_MODES)
+def test_stubs_declare_exactly_the_native_members(mode, built_libs):
+    import importlib
+
+    module = importlib.import_module(f"torch_memory_saver._tms_{mode}")
+    public = {n for n in dir(module) if not n.startswith("_")}
+    declared = _stub_names(REPO / "torch_memory_saver" / f"_tms_{mode}.pyi")
+    assert declared == public, (sorted(declared - public), sorted(public - declared))
+    assert (REPO / "torch_memory_saver" / "py.typed").is_file()
+
+
+def test_every_public_member_is_documented():
+    missing = [name for name in dir(TorchMemorySaver) if not name.startswith("_")
+               and not (getattr(TorchMemorySaver, name).__doc__ or "").strip()]
+    assert missing == [], missing
+    for name in ("Error", "OutOfMemoryError", "configure_subprocess", "stats", "memory_summary"):
+        assert (getattr(torch_memory_saver, name).__doc__ or "").strip(), name
+
+
+def test_public_malloc_and_free_on_the_host_backend(run_py):
+    out = check_ok(run_py("""
+        with tms.region("w", enable_cpu_backup=True):
+            p = tms.malloc(3 * MiB + 1)
+            q = tms.malloc(MiB, 1)                          # on device 1
+        data = fill(p, 3 * MiB + 1)
+        tms.pause("w")
+        assert row(p)["state"] == "paused" and row(q)["device"] == 1
+        tms.resume("w")
+        assert read(p, 3 * MiB + 1) == data
+        tms.free(p)
+        tms.free(q)
+        expect(ValueError, tms.malloc, MiB, match="outside a region")
+        expect(TypeError, tms.malloc, True, match="nbytes must be an int")
+        expect(ValueError, tms.free, p, match="not an allocation")
+        print("done")
+    """))
+    assert out == "done\n"
+
+
+@pytest.mark.parametrize("argv0,prog", [("/venv/bin/torch-memory-saver", "torch-memory-saver"),
+                                        ("/x/torch_memory_saver/__main__.py", "python -m torch_memory_saver")])
+def test_help_names_the_command_it_was_started_as(run_py, argv0, prog):
+    out = check_ok(run_py(f"""
+        import sys
+        sys.argv[0] = {argv0!r}
+        from torch_memory_saver.__main__ import main
+        try:
+            main(["--help"])
+        except SystemExit as e:
+            assert e.code == 0
+    """, prelude=False))
+    assert out.startswith(f"usage: {prog} "), out
+

@@ -1,6 +1,7 @@
 """Release the GPU memory behind chosen tensors and give it back later at the
 same virtual addresses, optionally keeping the contents on the host."""
 from . import _library
+from ._errors import Error, OutOfMemoryError
 from ._preload import configure_subprocess
 from .entrypoint import TorchMemorySaver
 
@@ -12,4 +13,5 @@ torch_memory_saver = TorchMemorySaver()
 stats = torch_memory_saver.stats
 memory_summary = torch_memory_saver.memory_summary
 
-__all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "stats", "memory_summary", "__version__"]
+__all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "stats", "memory_summary", "Error",
+           "OutOfMemoryError", "__version__"]

@@ -49,11 +49,28 @@ def _cmd_info(args):
 def _cmd_demo(args):
     from . import _demo
 
+    if args.hook_mode == "preload" and _demo.gpu_available() and not _library.load("preload").preload_active()[0]:
+        # The preload hook must be in place when the process starts: start again under it.
+        if os.environ.get("TMS_DEMO_REEXEC"):
+            print("torch_memory_saver demo: the preload library is still not active after restarting under it",
+                  file=sys.stderr)
+            return 1
+        env = dict(os.environ, TMS_DEMO_REEXEC="1")
+        env["LD_PRELOAD"] = _preload.preload_env_value(env.get("LD_PRELOAD", ""))
+        cmd = [sys.executable, "-m", "torch_memory_saver", "demo", "--hook-mode", "preload"]
+        sys.stdout.flush()
+        os.execve(sys.executable, cmd, env)
     return _demo.main(args.hook_mode)
 
 
+def _prog():
+    """The name this was started as: the console script, or `python -m`."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name and name != "__main__.py" else "python -m torch_memory_saver"
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m torch_memory_saver")
+    parser = argparse.ArgumentParser(prog=_prog())
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="pause/resume a few GiB and print free memory and timings")
     demo.add_argument("--hook-mode", choices=_library.HOOK_MODES, default="torch")

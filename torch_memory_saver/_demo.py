@@ -6,7 +6,7 @@ import time
 GiB = 1 << 30
 
 
-def _gpu_available() -> bool:
+def gpu_available() -> bool:
     try:
         import torch
 
@@ -97,6 +97,6 @@ def _host_demo(hook_mode):
 
 
 def main(hook_mode="torch"):
-    if _gpu_available():
+    if gpu_available():
         return _gpu_demo(hook_mode)
     return _host_demo(hook_mode)

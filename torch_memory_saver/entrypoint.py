@@ -75,10 +75,17 @@ class TorchMemorySaver:
 
     @property
     def enabled(self) -> bool:
+        """True. Kept for code written against the upstream library (its older
+        versions answered False when the hook was not preloaded; here that case is
+        a clear error at the first region)."""
         return True
 
     @property
     def hook_mode(self) -> str:
+        """How allocations reach the library: "preload" (the default; cudaMalloc is
+        interposed through LD_PRELOAD, which also catches CUDA graphs' and
+        extensions' allocations) or "torch" (a PyTorch pluggable allocator; no
+        LD_PRELOAD). Set it before the first region, pause or resume."""
         return self._hook_mode
 
     @hook_mode.setter
@@ -105,6 +112,9 @@ class TorchMemorySaver:
 
     @property
     def memory_margin_bytes(self) -> int:
+        """Allocations inside regions fail with OutOfMemoryError (PyTorch then frees
+        its cache and retries) if they would leave fewer than this many bytes free on
+        the device. 0 (the default) turns the check off."""
         return self._impl.core.get_memory_margin_bytes() if self._impl else self._pending_margin
 
     @memory_margin_bytes.setter
@@ -122,6 +132,9 @@ class TorchMemorySaver:
 
     @property
     def retain_cpu_backup(self) -> bool:
+        """Keep host backups across resume: the next pause copies into them instead
+        of allocating (faster), at the cost of the host memory. TMS_RETAIN_CPU_BACKUP
+        gives the default."""
         if self._impl:
             return self._impl.core.get_retain_cpu_backup()
         if self._pending_retain is not None:
@@ -238,8 +251,25 @@ class TorchMemorySaver:
         """A readable table of stats(), like torch.cuda.memory_summary()."""
         return _observe.memory_summary(self._ensure_initialized().core)
 
+    def malloc(self, nbytes: int, device: Optional[int] = None) -> int:
+        """Allocates nbytes through the library with this thread's region settings,
+        as the hooks do for PyTorch, and returns the address. Must be called inside
+        a region. On the host backend (TMS_BACKEND=host) this is how Python code gets
+        pauseable memory to read and write (e.g. with ctypes); on a GPU, allocate
+        tensors instead. device: None for the current one."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"torch_memory_saver: nbytes must be an int, not {type(nbytes).__name__}")
+        core = self._ensure_initialized().core
+        return core.malloc(nbytes) if device is None else core.malloc(nbytes, device)
+
+    def free(self, ptr: int) -> None:
+        """Frees an address malloc() returned (active or paused)."""
+        self._ensure_initialized().core.free(ptr)
+
     @staticmethod
     def configure_subprocess():
+        """Context manager: child processes started inside it have the preload
+        library on LD_PRELOAD (see torch_memory_saver.configure_subprocess)."""
         return _preload.configure_subprocess()
 
     # ---- internals -----------------------------------------------------------
