@@ -4,14 +4,16 @@ BUILD_DIR ?= build/cmake
 
 .PHONY: build deps reinstall test demo bench sanitize sanitize-thread sanitize-python fuzz clean
 
-# Both variants compiled in place (torch_memory_saver/_tms_*.so) for tests.
+# The extensions compiled in place (torch_memory_saver/_tms_*.abi3.so, the upstream-named
+# shims at the root) for tests; warnings are errors here and in CI, never in a user's install.
 build:
-	$(PYTHON) build_backend/tms_build.py
+	TMS_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace
 
-# Installs the package into the current environment (offline; no build deps).
+# The development loop: an editable install into the current environment (offline,
+# with the environment's setuptools).
 reinstall:
 	$(PYTHON) -m pip uninstall -y torch_memory_saver >/dev/null 2>&1 || true
-	$(PYTHON) -m pip install --no-build-isolation .
+	TMS_WERROR=1 $(PYTHON) -m pip install -q --no-build-isolation -e .
 
 # torch and pytest only if missing: `pip install torch==2.13.0` takes the CPU
 # wheel from disk on CI machines; GPU machines already have their torch.
@@ -41,10 +43,10 @@ sanitize:
 # left out), then the normal build again.
 SAN_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 sanitize-python:
-	TMS_EXTRA_CFLAGS="$(SAN_FLAGS)" $(PYTHON) build_backend/tms_build.py
+	TMS_WERROR=1 TMS_EXTRA_CFLAGS="$(SAN_FLAGS)" $(PYTHON) setup.py -q build_ext --inplace --force
 	ASAN_OPTIONS=verify_asan_link_order=0:detect_leaks=0 $(PYTHON) -m pytest -q -p no:cacheprovider \
 	    tests/test_host_backend.py tests/test_observe.py tests/test_teardown.py \
-	    -k "not touching_paused_memory_faults"; rc=$$?; $(PYTHON) build_backend/tms_build.py; exit $$rc
+	    -k "not touching_paused_memory_faults"; rc=$$?; TMS_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --force; exit $$rc
 
 # The threads scenario and the fuzz driver under ThreadSanitizer.
 sanitize-thread:

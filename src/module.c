@@ -1,5 +1,9 @@
 /* The CPython face of the core: module _tms_preload or _tms_torch, one per hook variant. */
 #define PY_SSIZE_T_CLEAN
+/* The stable ABI of CPython 3.10 and later: one abi3 build serves them all. */
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030A0000
+#endif
 #include <Python.h>
 
 #include <dlfcn.h>
@@ -30,12 +34,30 @@ int tms_preload_is_interposed(const char **winner);  /* hook_preload.c */
 
 /* Module state: Python objects only. */
 typedef struct {
-    PyObject *error;          /* _tms.Error(RuntimeError) */
-    PyObject *oom_error;      /* _tms.OutOfMemoryError(Error, MemoryError) */
-    PyTypeObject *view_type;  /* _tms.BackupView: buffer over a host backup */
+    PyObject *error;          /* torch_memory_saver.Error(RuntimeError) */
+    PyObject *oom_error;      /* torch_memory_saver.OutOfMemoryError(Error, MemoryError) */
+    PyTypeObject *view_type;  /* BackupView: keeps a host backup alive */
+    PyObject *make_view;      /* torch_memory_saver._backup_view.view, or NULL outside the package */
 } module_state;
 
 static module_state *state_of(PyObject *module) { return (module_state *)PyModule_GetState(module); }
+
+/* type(obj).__name__ as a new str (the limited API has no tp_name), or NULL. */
+static PyObject *type_name(PyObject *obj)
+{
+    return PyObject_GetAttrString((PyObject *)Py_TYPE(obj), "__name__");
+}
+
+/* Raises TypeError "<what> must be <expected>, not <type name>"; returns NULL. */
+static PyObject *type_error(const char *what, const char *expected, PyObject *obj)
+{
+    PyObject *name = type_name(obj);
+    if (name) {
+        PyErr_Format(PyExc_TypeError, "%s must be %s, not %U", what, expected, name);
+        Py_DECREF(name);
+    }
+    return NULL;
+}
 
 /* The one place a library status becomes a Python exception. */
 static PyObject *raise_err(PyObject *module, const struct tms_err *err)
@@ -108,9 +130,11 @@ static PyObject *run_tag_op(PyObject *module, PyObject *arg, tag_op op, const ch
 {
     const char *tag = NULL;
     if (arg != Py_None) {
-        if (!PyUnicode_Check(arg))
-            return PyErr_Format(PyExc_TypeError, "%s: tag must be a str or None, not %.100s", name,
-                                Py_TYPE(arg)->tp_name);
+        if (!PyUnicode_Check(arg)) {
+            char what[64];
+            snprintf(what, sizeof what, "%s: tag", name);
+            return type_error(what, "a str or None", arg);
+        }
         Py_ssize_t len = 0;
         tag = PyUnicode_AsUTF8AndSize(arg, &len);
         if (!tag) return NULL;
@@ -162,7 +186,7 @@ PyDoc_STRVAR(free_doc, "free($module, ptr, /)\n--\n\nFree an allocation made by 
 static PyObject *py_free(PyObject *module, PyObject *arg)
 {
     if (!PyLong_Check(arg))
-        return PyErr_Format(PyExc_TypeError, "free: pointer must be an int, not %.100s", Py_TYPE(arg)->tp_name);
+        return type_error("free: pointer", "an int", arg);
     unsigned long long address = PyLong_AsUnsignedLongLong(arg);  /* rejects negatives: no wrap-around */
     if (address == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear();
@@ -180,37 +204,33 @@ static PyObject *py_free(PyObject *module, PyObject *arg)
 
 /* ---- host backups as Python buffers ------------------------------------------ */
 
+/* Keeps one reference on a host backup. The limited API of 3.10 has no
+ * buffer protocol, so the bytes are exported by a ctypes array that holds
+ * this object (torch_memory_saver/_backup_view.py): any view of them keeps
+ * them alive. */
 typedef struct {
     PyObject_HEAD
     struct tms_backup *backup;  /* one reference, dropped in dealloc */
-    char *start;
-    Py_ssize_t len;
-} backup_view;
-
-static int view_getbuffer(PyObject *self, Py_buffer *view, int flags)
-{
-    backup_view *v = (backup_view *)self;
-    return PyBuffer_FillInfo(view, self, v->start, v->len, 0, flags);
-}
+} backup_keeper;
 
 static void view_dealloc(PyObject *self)
 {
     PyTypeObject *type = Py_TYPE(self);
-    tms_backup_unref(((backup_view *)self)->backup);
-    type->tp_free(self);
+    tms_backup_unref(((backup_keeper *)self)->backup);
+    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    tp_free(self);
     Py_DECREF(type);
 }
 
 static PyType_Slot view_slots[] = {
-    {Py_bf_getbuffer, view_getbuffer},
     {Py_tp_dealloc, view_dealloc},
-    {Py_tp_doc, "Host backup bytes of a paused (or retained) allocation; keeps them alive."},
+    {Py_tp_doc, "Keeps the host backup of a paused (or retained) allocation alive while a view of it exists."},
     {0, NULL},
 };
 
 static PyType_Spec view_spec = {
     .name = "torch_memory_saver." TMS_MODULE_NAME ".BackupView",
-    .basicsize = sizeof(backup_view),
+    .basicsize = sizeof(backup_keeper),
     .flags = Py_TPFLAGS_DEFAULT,
     .slots = view_slots,
 };
@@ -241,17 +261,18 @@ static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
     if (rc) return raise_err(module, &err);
     if (!b) Py_RETURN_NONE;
     module_state *st = state_of(module);
-    backup_view *v = PyObject_New(backup_view, st->view_type);
-    if (!v) {
+    if (!st->make_view) {
+        tms_backup_unref(b);
+        return PyErr_Format(PyExc_ImportError, "get_cpu_backup needs torch_memory_saver._backup_view");
+    }
+    backup_keeper *keeper = PyObject_New(backup_keeper, st->view_type);
+    if (!keeper) {
         tms_backup_unref(b);
         return NULL;
     }
-    v->backup = b;
-    v->start = (char *)b->host + offset;
-    v->len = nbytes;
-    PyObject *mv = PyMemoryView_FromObject((PyObject *)v);
-    Py_DECREF(v);
-    return mv;
+    keeper->backup = b;
+    return PyObject_CallFunction(st->make_view, "NnN", PyLong_FromVoidPtr((char *)b->host + offset), nbytes,
+                                 (PyObject *)keeper);
 }
 
 /* ---- introspection ----------------------------------------------------------- */
@@ -266,7 +287,10 @@ static PyObject *list_of_dicts(const void *rows, size_t n, size_t row_size, PyOb
             Py_CLEAR(list);
             break;
         }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+        if (PyList_SetItem(list, (Py_ssize_t)i, d) < 0) {  /* steals d */
+            Py_CLEAR(list);
+            break;
+        }
     }
     return list;
 }
@@ -354,7 +378,7 @@ static PyObject *py_set_margin(PyObject *module, PyObject *arg)
 {
     (void)module;
     if (!PyLong_Check(arg))
-        return PyErr_Format(PyExc_TypeError, "memory_margin_bytes must be an int, not %.100s", Py_TYPE(arg)->tp_name);
+        return type_error("memory_margin_bytes", "an int", arg);
     if (PyObject_RichCompareBool(arg, Py_False, Py_LT) == 1)
         return PyErr_Format(PyExc_ValueError, "memory_margin_bytes must be >= 0, got %R", arg);
     size_t n = PyLong_AsSize_t(arg);
@@ -390,7 +414,8 @@ static PyObject *py_get_retain(PyObject *module, PyObject *unused)
 PyDoc_STRVAR(use_backend_doc, "use_backend($module, name, /)\n--\n\nChoose 'cuda', 'hip' or 'host' before first use.");
 static PyObject *py_use_backend(PyObject *module, PyObject *arg)
 {
-    const char *name = PyUnicode_AsUTF8(arg);
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8AndSize(arg, NULL) : NULL;
+    if (!name && !PyErr_Occurred()) return type_error("use_backend: name", "a str", arg);
     if (!name) return NULL;
     struct tms_err err = {0};
     int rc;
@@ -590,6 +615,16 @@ static int module_exec(PyObject *module)
     if (import_error_types(st) < 0) return -1;
     st->view_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &view_spec, NULL);
     if (!st->view_type) return -1;
+    PyObject *views = PyImport_ImportModule("torch_memory_saver._backup_view");
+    if (views) {
+        st->make_view = PyObject_GetAttrString(views, "view");
+        Py_DECREF(views);
+        if (!st->make_view) return -1;
+    } else if (PyErr_ExceptionMatches(PyExc_ImportError)) {
+        PyErr_Clear();  /* loaded outside the package: get_cpu_backup says why it cannot */
+    } else {
+        return -1;
+    }
     if (PyModule_AddObjectRef(module, "Error", st->error) < 0) return -1;
     if (PyModule_AddObjectRef(module, "OutOfMemoryError", st->oom_error) < 0) return -1;
     if (PyModule_AddObjectRef(module, "BackupView", (PyObject *)st->view_type) < 0) return -1;
@@ -603,6 +638,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->error);
     Py_VISIT(st->oom_error);
     Py_VISIT(st->view_type);
+    Py_VISIT(st->make_view);
     return 0;
 }
 
@@ -612,6 +648,7 @@ static int module_clear(PyObject *module)
     Py_CLEAR(st->error);
     Py_CLEAR(st->oom_error);
     Py_CLEAR(st->view_type);
+    Py_CLEAR(st->make_view);
     return 0;
 }
 

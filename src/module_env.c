@@ -1,5 +1,8 @@
 /* _tms_env: every TMS_* variable checked at `import torch_memory_saver`, without loading a core. */
 #define PY_SSIZE_T_CLEAN
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030A0000  /* the stable ABI, as the variants */
+#endif
 #include <Python.h>
 
 #include "config.h"

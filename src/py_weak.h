@@ -3,7 +3,7 @@
  * is no libpython; a weak reference resolves to NULL there instead of failing
  * the load, also under LD_BIND_NOW=1 (DESIGN req. 1). Inside Python they
  * resolve to the interpreter's. tests/test_build.py fails if one is missing.
- * Superset across CPython 3.9-3.13 (macros expand to different names). */
+ * Superset across CPython 3.10-3.13 (macros expand to different names). */
 #ifndef TMS_PY_WEAK_H
 #define TMS_PY_WEAK_H
 
@@ -33,6 +33,10 @@
 #pragma weak PyExc_TypeError
 #pragma weak PyExc_ValueError
 #pragma weak PyList_New
+#pragma weak PyList_SetItem
+#pragma weak PyObject_CallFunction
+#pragma weak PyType_GetSlot
+#pragma weak _PyObject_CallFunction_SizeT
 #pragma weak PyLong_AsSize_t
 #pragma weak PyLong_AsVoidPtr
 #pragma weak PyLong_FromSize_t

@@ -1,7 +1,7 @@
 """Compiles the C test programs (tests/c/*.c + the core) straight with the C compiler,
 for the suites that run them under a tool (valgrind, libFuzzer); one build per
 (program, compiler, flags) per pytest session. The core's source list is
-tms_build.py's, as in CMakeLists.txt."""
+src/sources.txt, as in setup.py and CMakeLists.txt."""
 import atexit
 import os
 import re
@@ -22,10 +22,10 @@ _out_dir = None
 
 
 def core_sources():
-    text = (ROOT / "build_backend" / "tms_build.py").read_text()
-    line = re.search(r"^CORE_SOURCES = \[(.*)\]$", text, re.M)
-    assert line, "no CORE_SOURCES = [...] line in build_backend/tms_build.py"
-    return [SRC / name for name in re.findall(r'"([a-z_]+\.c)"', line.group(1))]
+    lines = (SRC / "sources.txt").read_text().splitlines()
+    names = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert names, "no source listed in src/sources.txt"
+    return [SRC / name for name in names]
 
 
 def compiler():

@@ -9,7 +9,6 @@ import itertools
 import os
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -34,8 +33,8 @@ def rss_bytes(pid="self"):
 
 
 def library_file(mode):
-    """Path of the in-place build of one variant (torch_memory_saver/_tms_<mode>*.so)."""
-    return PKG / f"_tms_{mode}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    """Path of the in-place build of one variant (torch_memory_saver/_tms_<mode>.abi3.so)."""
+    return PKG / f"_tms_{mode}.abi3.so"
 
 
 # Helpers every child snippet gets (prelude=True): the public singleton `tms`,
@@ -120,7 +119,8 @@ def pytest_configure(config):
 def _ensure_built():
     missing = [m for m in HOOK_MODES if not library_file(m).exists()]
     if missing:
-        subprocess.run([sys.executable, str(REPO / "build_backend" / "tms_build.py")], cwd=REPO, check=True)
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=REPO, check=True,
+                       env=dict(os.environ, TMS_WERROR="1"))
     for m in HOOK_MODES:
         assert library_file(m).exists(), f"{library_file(m)} missing: run `make build`"
 

@@ -181,13 +181,59 @@ def test_import_works_without_a_gpu_and_gpu_work_raises_clearly(run_py):
     assert out == "done\n"
 
 
-@pytest.mark.slow
-def test_pip_wheel_contains_both_libraries_and_works(tmp_path):
-    wheels = tmp_path / "wheels"
-    proc = _run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
-                 "-w", str(wheels), str(REPO)], cwd=tmp_path)
+def _glibc_versions(lib):
+    """Every GLIBC_x.y version the library needs (readelf's version-needs section)."""
+    out = check_ok(_run([_tool("readelf"), "-V", "-W", str(lib)]))
+    return {tuple(int(x) for x in v.split(".")) for v in re.findall(r"Name: GLIBC_([0-9.]+)", out)}
+
+
+def test_every_library_needs_glibc_2_28_at_most(built_libs):
+    libs = sorted(REPO.glob("torch_memory_saver/_tms_*.abi3.so")) + sorted(REPO.glob("torch_memory_saver_hook_mode_*.so"))
+    assert len(libs) == 9, libs
+    for lib in libs:
+        versions = _glibc_versions(lib)
+        assert versions and max(versions) <= (2, 28), (lib.name, sorted(versions))
+        if lib.name.startswith("_tms_"):   # where older glibc keeps dl* and pthread_*
+            assert {"libdl.so.2", "libpthread.so.0"} <= set(_needed(lib)), (lib.name, _needed(lib))
+
+
+@pytest.fixture(scope="session")
+def wheel_file(tmp_path_factory):
+    """The wheel `pip wheel .` builds from this tree (offline, with this environment's setuptools)."""
+    wheels = tmp_path_factory.mktemp("wheels")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
+                           "-w", str(wheels), str(REPO)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [wheel] = list(wheels.glob("torch_memory_saver-*.whl"))
+    return wheel
+
+
+def test_one_abi3_manylinux_wheel_with_its_metadata(wheel_file):
+    import platform
+
+    from torch_memory_saver import __version__
+
+    assert wheel_file.name == f"torch_memory_saver-{__version__}-cp310-abi3-manylinux_2_28_{platform.machine()}.whl"
+    with zipfile.ZipFile(wheel_file) as z:
+        names = z.namelist()
+        info = f"torch_memory_saver-{__version__}.dist-info"
+        meta = z.read(f"{info}/METADATA").decode()
+        wheel_meta = z.read(f"{info}/WHEEL").decode()
+    assert f"Tag: cp310-abi3-manylinux_2_28_{platform.machine()}" in wheel_meta and "Root-Is-Purelib: false" in wheel_meta
+    assert "License: MIT" in meta or "License-Expression: MIT" in meta, meta[:800]
+    for line in ("Requires-Python: >=3.10", 'Requires-Dist: torch>=2.3; extra == "torch"',
+                 f"Version: {__version__}"):
+        assert line in meta, (line, meta[:800])
+    assert any(n.endswith("/LICENSE") and ".dist-info/" in n for n in names), names
+    assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "src/", "setup"))], names
+    assert "torch_memory_saver/include/torch_memory_saver.h" in names
+    assert sorted(n for n in names if n.endswith(".so")) == sorted(
+        [f"torch_memory_saver/_tms_{m}.abi3.so" for m in ("env", "preload", "torch")]
+        + [f"torch_memory_saver_hook_mode_{m}{s}.abi3.so" for m in HOOK_MODES for s in ("", "_cu12", "_cu13")])
+
+
+def test_pip_wheel_contains_both_libraries_and_works(wheel_file, tmp_path):
+    wheel = wheel_file
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         bad = z.testzip()

@@ -72,11 +72,9 @@ def test_ctest(cmake_build):
 
 
 def test_variants_import(cmake_build):
-    """Both variants come out under tms_build.py's file names and load as CPython modules."""
-    import sysconfig
-
+    """Both variants come out under setup.py's file names (the stable ABI's) and load as CPython modules."""
     for variant in ("preload", "torch"):
-        path = cmake_build / f"_tms_{variant}{sysconfig.get_config_var('EXT_SUFFIX')}"
+        path = cmake_build / f"_tms_{variant}.abi3.so"
         assert path.is_file(), sorted(p.name for p in cmake_build.iterdir())
         code = (
             "import importlib.util, sys\n"
