@@ -11,6 +11,18 @@
 #include <features.h>  /* defines __GLIBC__; this file comes before every other header */
 #endif
 
+/* glibc 2.38 redirects strtol and friends to __isoc23_* (GLIBC_2.38) under
+ * _GNU_SOURCE; the C23 forms differ only for base 0 or 2 ("0b" prefixes),
+ * which nothing here uses. Keep the classic symbols. */
+#if defined(__GLIBC_USE_C2X_STRTOL)
+#undef __GLIBC_USE_C2X_STRTOL
+#define __GLIBC_USE_C2X_STRTOL 0
+#endif
+#if defined(__GLIBC_USE_C23_STRTOL)
+#undef __GLIBC_USE_C23_STRTOL
+#define __GLIBC_USE_C23_STRTOL 0
+#endif
+
 #if defined(__x86_64__) && defined(__GLIBC__)
 __asm__(".symver dlopen,dlopen@GLIBC_2.2.5");
 __asm__(".symver dlsym,dlsym@GLIBC_2.2.5");
