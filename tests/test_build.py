@@ -263,3 +263,25 @@ def test_pip_wheel_contains_both_libraries_and_works(wheel_file, tmp_path):
     assert check_ok(proc) == "ok\n"
     for lib in (tmp_path / "site" / "torch_memory_saver").glob("_tms_*.so"):
         assert not [n for n in _needed(lib) if FORBIDDEN_NEEDED.search(n)]
+
+
+@pytest.mark.slow
+def test_sdist_builds_the_same_wheel_and_holds_no_build_output(tmp_path):
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    [sdist] = list(tmp_path.glob("torch_memory_saver-*.tar.gz"))
+    import tarfile
+
+    with tarfile.open(sdist) as tar:
+        names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
+    assert not [n for n in names if n.endswith((".so", ".o", ".whl"))], names
+    for needed in ("setup.py", "pyproject.toml", "LICENSE", "src/sources.txt", "src/shim.c", "src/glibc_compat.h",
+                   "include/torch_memory_saver.h", "torch_memory_saver/py.typed", "torch_memory_saver/_tms_torch.pyi"):
+        assert needed in names, (needed, sorted(names))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
+                           "-w", str(tmp_path / "w"), str(sdist)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [w.name.split("-", 2)[2] for w in (tmp_path / "w").glob("*.whl")] == [
+        f"cp310-abi3-manylinux_2_28_{__import__('platform').machine()}.whl"]
+
