@@ -88,9 +88,17 @@ def site(tmp_path_factory):
     return tmp / "site"
 
 
-def test_this_machine_has_several_interpreters():
-    assert len(INTERPRETERS) >= 1, INTERPRETERS   # at least the one running the tests
+def test_every_interpreter_of_this_machine_is_covered():
+    # The discovery is what makes this suite mean "every CPython >= 3.10 here":
+    # the running one and each pyenv version from 3.10 on must be in it.
     print("interpreters:", {v: str(p) for v, p in sorted(INTERPRETERS.items())})
+    expected = {"%d.%d" % sys.version_info[:2]}
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for d in (pyenv.iterdir() if pyenv.is_dir() else []):
+        m = re.fullmatch(r"(\d+)\.(\d+)\.\d+", d.name)
+        if m and (int(m.group(1)), int(m.group(2))) >= (3, 10) and (d / "bin" / "python3").exists():
+            expected.add(f"{m.group(1)}.{m.group(2)}")
+    assert expected <= set(INTERPRETERS), (sorted(expected), sorted(INTERPRETERS))
 
 
 @pytest.mark.parametrize("version", sorted(INTERPRETERS))
