@@ -4,7 +4,7 @@ machine without a GPU, allocations of the library's host backend (HostEnv).
 Both offer the same small interface, so the measurement loops in cycles.py and
 overhead.py are the same code in a real run and in a dry run:
 
-  alloc(tag, sizes, backup, backend) -> block   allocations made inside region(tag)
+  alloc(tag, sizes, backup, backend, disk) -> block   allocations made inside region(tag)
   alloc_granules(tag, n) -> block               n allocations of one granule (2 MiB)
   dispose(block, tag, pause)                    drop a block and give its memory back
   fill_random(block, seed) / snapshot / verify  contents checks
@@ -77,16 +77,18 @@ class GpuEnv:
         self.torch.cuda.synchronize()
         return int(self.torch.cuda.mem_get_info(self.device)[0])
 
-    def alloc(self, tag, sizes, backup=False, backend=None):
+    def alloc(self, tag, sizes, backup=False, backend=None, disk=False):
         torch = self.torch
         kw = {"tag": tag}
         if backup:
             kw.update(enable_cpu_backup=True, cpu_backup_backend=backend)
+        if disk:
+            kw.update(enable_disk_backup=True)
         try:
             with self.tms.region(**kw):
                 block = [torch.empty(int(s), dtype=torch.uint8, device=self.device) for s in sizes]
         except BaseException:
-            if not backup:
+            if not backup and not disk:
                 self.dispose([], tag)  # give back what was allocated before the failure
             raise
         self.sync()
@@ -203,10 +205,12 @@ class HostEnv:
     def free_bytes(self):
         return None  # freed memory is read from RSS instead
 
-    def alloc(self, tag, sizes, backup=False, backend=None):
+    def alloc(self, tag, sizes, backup=False, backend=None, disk=False):
         kw = {"tag": tag}
         if backup:
             kw.update(enable_cpu_backup=True, cpu_backup_backend=backend)
+        if disk:
+            kw.update(enable_disk_backup=True)
         with self.tms.region(**kw):
             block = [(self.core.malloc(int(s)), int(s)) for s in sizes]
         for p, n in block:

@@ -50,6 +50,7 @@ PRESETS = {
         "scaling_bytes": {"sizes": [s * MiB for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)],
                           "cycles": 5, "warmup": 1},
         "floor": {"cycles": 7, "warmup": 1},
+        "disk": {"bytes": 8 * GiB, "tensors": 16, "cycles": 3, "limit_reps": 2},
     },
     "quick": {
         "budget_s": 240,
@@ -62,6 +63,7 @@ PRESETS = {
         "scaling_count": {"counts": [1, 16, 256, 1024], "cycles": 5, "warmup": 1},
         "scaling_bytes": {"sizes": [s * MiB for s in (256, 1024, 4096, 8192)], "cycles": 5, "warmup": 1},
         "floor": {"cycles": 5, "warmup": 1},
+        "disk": {"bytes": 8 * GiB, "tensors": 16, "cycles": 3, "limit_reps": 1},
     },
     "dry": {
         "budget_s": 180,
@@ -74,6 +76,7 @@ PRESETS = {
         "scaling_count": {"counts": [1, 4, 16, 64], "cycles": 3, "warmup": 1},
         "scaling_bytes": {"sizes": [2 * MiB, 8 * MiB, 32 * MiB, 128 * MiB], "cycles": 3, "warmup": 1},
         "floor": {"cycles": 3, "warmup": 1},
+        "disk": {"bytes": 64 * MiB, "tensors": 16, "cycles": 3, "limit_reps": 1},
     },
 }
 
@@ -89,6 +92,8 @@ STEPS = [
     Step("backup:mmap", "worker", "torch", ["backup:mmap"], 80, 30),
     Step("backup:mmap_retained", "worker", "torch", ["backup:mmap_retained"], 80, 30),
     Step("backup:pinned_retained", "worker", "torch", ["backup:pinned_retained"], 80, 30),
+    Step("disk:disk", "worker", "torch", ["disk:disk"], 150, 60),
+    Step("disk:tmpfs", "worker", "torch", ["disk:tmpfs"], 60, 15),
 ]
 GRACE_S = 30  # past a worker's soft deadline before it is killed
 
@@ -346,6 +351,8 @@ def merge(results, step, sections):
             results.setdefault("scaling", {})["bytes"] = out
         elif name.startswith("backup:"):
             results.setdefault("backup", {})[name.split(":", 1)[1]] = out
+        elif name.startswith("disk:"):
+            results.setdefault("disk", {})[name.split(":", 1)[1]] = out
         if isinstance(out, dict) and "error" in out:
             results["errors"].append({"where": f"{step.name}/{name}", "error": out["error"]})
         elif isinstance(out, dict):
@@ -370,6 +377,9 @@ def _failed_checks(results, where, out):
                                       "error": "check failed: contents differ after resume"})
     if out.get("cycle_error"):
         results["errors"].append({"where": where, "error": out["cycle_error"]})
+    if out.get("files_ok") is False:
+        results["errors"].append({"where": where, "error": "check failed: not one backup file per allocation, or "
+                                  "stats' bytes_backup_disk != the bytes backed up"})
     if out.get("copied_bytes_ok") is False:
         results["errors"].append({"where": where, "error": "check failed: bytes copied to/from host != tensor bytes"})
 

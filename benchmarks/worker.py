@@ -17,7 +17,7 @@ from .common import Deadline, error_record, log, set_log_prefix, write_json_atom
 
 
 def _section_fn(name):
-    from . import cycles, limits, overhead
+    from . import cycles, disk, limits, overhead
 
     if name == "limits":
         return limits.run
@@ -33,6 +33,9 @@ def _section_fn(name):
         return overhead.passthrough
     if name == "contention":
         return overhead.contention
+    if name.startswith("disk:"):
+        target = name.split(":", 1)[1]
+        return lambda env, params, deadline: disk.run(env, target, params, deadline)
     if name.startswith("backup:"):
         config = name.split(":", 1)[1]
         return lambda env, params, deadline: cycles.backup(env, config, params, deadline)
@@ -40,7 +43,7 @@ def _section_fn(name):
 
 
 def _param_key(name):
-    return "backup" if name.startswith("backup:") else name
+    return name.split(":", 1)[0] if name.startswith(("backup:", "disk:")) else name
 
 
 def main(argv=None):

@@ -36,7 +36,8 @@ extern "C" {
 #define TMS_STATUS_STATE 5          /* not allowed now: pause of a paused tag, resume of an active one */
 #define TMS_STATUS_ARG 6            /* bad argument: empty tag, unknown backend name */
 #define TMS_STATUS_NOT_FOUND 7      /* pointer not owned by torch_memory_saver */
-#define TMS_STATUS_UNSUPPORTED 8    /* asked for a feature this build does not have (disk backup) */
+#define TMS_STATUS_UNSUPPORTED 8    /* asked for a feature this build does not have */
+#define TMS_STATUS_IO 9             /* a disk backup file could not be made, written or read (disk full, I/O error) */
 
 /* Allocations this thread makes are pauseable while true. */
 int tms_set_interesting_region(bool is_interesting);
@@ -54,11 +55,13 @@ bool tms_get_enable_cpu_backup(void);
 int tms_set_cpu_backup_backend(const char *backend);
 const char *tms_get_cpu_backup_backend(void);
 
-/* Disk backup is not available in this build: enabling it returns
- * TMS_STATUS_UNSUPPORTED (disabling is fine), the getter returns false, and
- * a directory (non-empty) is accepted and unused. */
+/* Back this thread's next allocations up to a file each across pause
+ * (instead of host memory; if CPU backup is enabled too, disk wins). */
 int tms_set_enable_disk_backup(bool enable);
 bool tms_get_enable_disk_backup(void);
+/* Process-wide directory of the backup files, created (mode 0700) if
+ * missing; files left there by dead processes are removed. Default:
+ * TMS_DISK_BACKUP_DIR, else $TMPDIR, else /tmp. */
 int tms_set_disk_backup_dir(const char *dir);
 
 /* Process-wide: allocations fail with out-of-memory if they would leave

@@ -5,12 +5,14 @@
 
 #include "config.h"
 #include "core.h"
+#include "disk.h"
 #include "hook.h"
 
 _Static_assert(TMS_STATUS_OK == TMS_OK && TMS_STATUS_OOM == TMS_E_OOM && TMS_STATUS_HOST_OOM == TMS_E_HOST_OOM &&
                    TMS_STATUS_DRIVER == TMS_E_DRIVER && TMS_STATUS_NO_DRIVER == TMS_E_NO_DRIVER &&
                    TMS_STATUS_STATE == TMS_E_STATE && TMS_STATUS_ARG == TMS_E_ARG &&
-                   TMS_STATUS_NOT_FOUND == TMS_E_NOT_FOUND && TMS_STATUS_UNSUPPORTED == TMS_E_UNSUPPORTED,
+                   TMS_STATUS_NOT_FOUND == TMS_E_NOT_FOUND && TMS_STATUS_UNSUPPORTED == TMS_E_UNSUPPORTED &&
+                   TMS_STATUS_IO == TMS_E_IO,
                "the public status codes are the core's");
 
 #define TMS_EXPORT_ABI __attribute__((visibility("default")))
@@ -68,23 +70,16 @@ TMS_EXPORT_ABI const char *tms_get_cpu_backup_backend(void)
 
 TMS_EXPORT_ABI int tms_set_enable_disk_backup(bool enable)
 {
-    if (!enable) return TMS_OK;
-    struct tms_err err;
-    return answer(tms_fail(&err, TMS_E_UNSUPPORTED, 0, "tms_set_enable_disk_backup: disk backup is not available "
-                           "in this build of torch_memory_saver (use CPU backup)"), &err);
+    tms_region_current()->disk_backup = enable;
+    return TMS_OK;
 }
 
-TMS_EXPORT_ABI bool tms_get_enable_disk_backup(void) { return false; }
+TMS_EXPORT_ABI bool tms_get_enable_disk_backup(void) { return tms_region_current()->disk_backup; }
 
-/* Accepted (upstream callers set it at start-up) and checked; disk backup
- * itself is not available yet, so nothing reads it. */
 TMS_EXPORT_ABI int tms_set_disk_backup_dir(const char *dir)
 {
-    struct tms_err err;
-    if (!dir || !*dir)
-        return answer(tms_fail(&err, TMS_E_ARG, 0, "tms_set_disk_backup_dir: the directory must be a non-empty path"),
-                      &err);
-    return TMS_OK;
+    struct tms_err err = {0};
+    return answer(tms_disk_set_dir(dir, &err), &err);
 }
 
 TMS_EXPORT_ABI int set_memory_margin_bytes(uint64_t bytes)

@@ -1,9 +1,10 @@
-/* Host copies of paused allocations: buffers and the device<->host transfers. */
+/* Backups of paused allocations: host buffers and disk files, reference-counted. */
 #include "backup.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "config.h"
 #include "transfer.h"
@@ -50,13 +51,15 @@ static int pin_fresh(const struct tms_driver *drv, struct tms_backup *b, size_t 
     return TMS_OK;
 }
 
-int tms_backup_new(const struct tms_driver *drv, int kind, size_t size, struct tms_backup **out,
+int tms_backup_new(const struct tms_driver *drv, int kind, size_t size, uint64_t va, struct tms_backup **out,
                    struct tms_err *err)
 {
     struct tms_backup *b = calloc(1, sizeof *b);
     if (!b) return tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a backup record");
     int rc = TMS_OK;
-    if (kind == TMS_BACKUP_PINNED) {
+    if (kind == TMS_BACKUP_DISK) {
+        rc = tms_disk_create(va, size, &b->file, err);
+    } else if (kind == TMS_BACKUP_PINNED) {
         rc = pin_fresh(drv, b, size, err);
     } else if (!(b->host = map_fresh(size))) {
         rc = tms_fail(err, TMS_E_HOST_OOM, errno, "cannot map %zu bytes of mmap host memory for a backup: errno %d",
@@ -74,6 +77,11 @@ int tms_backup_new(const struct tms_driver *drv, int kind, size_t size, struct t
     return TMS_OK;
 }
 
+int tms_backup_reusable(const struct tms_backup *b, int kind)
+{
+    return b->kind == kind && (kind != TMS_BACKUP_DISK || b->file.owner == getpid());
+}
+
 void tms_backup_ref(struct tms_backup *b)
 {
     __atomic_add_fetch(&b->refs, 1, __ATOMIC_RELAXED);
@@ -83,7 +91,9 @@ void tms_backup_unref(struct tms_backup *b)
 {
     if (!b || __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
     /* Driver calls here fail only at driver teardown, when the process ends. */
-    if (b->kind == TMS_BACKUP_PINNED && !b->registered) {
+    if (b->kind == TMS_BACKUP_DISK) {
+        tms_disk_remove(&b->file);
+    } else if (b->kind == TMS_BACKUP_PINNED && !b->registered) {
         (void)b->drv->host_free_pinned(b->host, b->size);
     } else {
         if (b->registered) (void)b->drv->host_unregister(b->host);

@@ -25,7 +25,7 @@ int tms_backup_kind_parse(const char *name, int *kind)
 
 const char *tms_backup_kind_name(int kind)
 {
-    return kind == TMS_BACKUP_PINNED ? "pinned" : "mmap";
+    return kind == TMS_BACKUP_PINNED ? "pinned" : kind == TMS_BACKUP_DISK ? "disk" : "mmap";
 }
 
 int tms_parse_bytes(const char *s, size_t *out)
@@ -82,12 +82,31 @@ static void env_threads(void)
     defaults.backup_threads = (int)n;
 }
 
+/* Upstream's spelling: whole MiB. */
+static void env_disk_block(void)
+{
+    defaults.disk_block_bytes = (size_t)256 << 20;
+    const char *s = getenv("TMS_DISK_BACKUP_CHUNK_MB");
+    if (!s || !*s) return;
+    char *end = NULL;
+    long n = isdigit((unsigned char)s[0]) ? strtol(s, &end, 10) : -1;
+    if (n < 1 || n > 4096 || *end) {
+        if (!defaults.parse_error.status)
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                     "TMS_DISK_BACKUP_CHUNK_MB='%s' is not a whole number of MiB from 1 to 4096", s);
+        return;
+    }
+    defaults.disk_block_bytes = (size_t)n << 20;
+}
+
 static void load_defaults(void)
 {
     defaults.init_backup_kind = TMS_BACKUP_DEFAULT;
     env_bool("TMS_INIT_ENABLE", &defaults.init_enable);
     env_bool("TMS_INIT_ENABLE_CPU_BACKUP", &defaults.init_backup);
     env_bool("TMS_RETAIN_CPU_BACKUP", &defaults.retain_backup);
+    env_bool("TMS_INIT_ENABLE_DISK_BACKUP", &defaults.init_disk_backup);
+    env_disk_block();
     const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
     if (kind && *kind && tms_backup_kind_parse(kind, &defaults.init_backup_kind) != TMS_OK &&
         !defaults.parse_error.status)
@@ -163,6 +182,7 @@ static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
 {
     static const char *const names[TMS_FAULT_OPS] = {
         "create", "map", "unmap", "copy_to_host", "copy_to_device", "host_alloc",
+        "disk_write", "disk_read", "disk_short_write",
     };
     const char *s = getenv("TMS_FAULT");
     if (!s || !*s) return TMS_OK;
@@ -183,7 +203,8 @@ static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
         if (op < 0 || n <= 0 || !end || *end)
             return tms_fail(err, TMS_E_ARG, 0,
                             "TMS_FAULT='%s' is malformed (expected op:n with op one of create, map, "
-                            "unmap, copy_to_host, copy_to_device, host_alloc)", s);
+                            "unmap, copy_to_host, copy_to_device, host_alloc, disk_write, disk_read, "
+                            "disk_short_write)", s);
         at[op] = n;
     }
     return TMS_OK;
@@ -232,6 +253,7 @@ struct tms_region *tms_region_current(void)
         thread_region.tag_id = TMS_TAG_DEFAULT_ID;
         thread_region.backup = d->init_backup;
         thread_region.backup_kind = d->init_backup_kind;
+        thread_region.disk_backup = d->init_disk_backup;
         thread_region_ready = 1;
     }
     return &thread_region;

@@ -9,6 +9,7 @@
 enum tms_backup_kind {
     TMS_BACKUP_PINNED = 0,  /* page-locked host memory */
     TMS_BACKUP_MMAP = 1,    /* pageable anonymous memory, returned to the OS on resume */
+    TMS_BACKUP_DISK = 2,    /* a file in the disk backup directory (disk.h); never a CPU backup backend */
 };
 /* mmap is the default: it reaches link speed without keeping memory pinned
  * between cycles (issue 4); pinning 8 GiB alone costs ~3 s (DESIGN). */
@@ -22,13 +23,16 @@ struct tms_region {
     int active;       /* inside a region and not disabled */
     int tag_id;
     int backup;       /* keep a host copy across pause */
-    int backup_kind;  /* enum tms_backup_kind */
+    int backup_kind;  /* enum tms_backup_kind of the CPU backup: pinned or mmap */
+    int disk_backup;  /* back up to a file instead; wins over backup when both are set */
 };
 
 struct tms_defaults {
     int init_enable;             /* TMS_INIT_ENABLE */
     int init_backup;             /* TMS_INIT_ENABLE_CPU_BACKUP */
     int init_backup_kind;        /* TMS_INIT_CPU_BACKUP_BACKEND */
+    int init_disk_backup;        /* TMS_INIT_ENABLE_DISK_BACKUP */
+    size_t disk_block_bytes;     /* TMS_DISK_BACKUP_CHUNK_MB: largest file I/O (default 256 MiB) */
     int retain_backup;           /* TMS_RETAIN_CPU_BACKUP */
     size_t chunk_bytes;          /* TMS_CHUNK_BYTES (<= TMS_CHUNK_BYTES_MAX); 0 = one handle per allocation */
     int chunk_bytes_set;         /* else the backend's default applies */
@@ -48,6 +52,8 @@ const struct tms_defaults *tms_defaults(void);
 #define TMS_HOST_MAX_DEVICES 8
 enum tms_fault_op {
     TMS_FAULT_CREATE, TMS_FAULT_MAP, TMS_FAULT_UNMAP, TMS_FAULT_TO_HOST, TMS_FAULT_TO_DEVICE, TMS_FAULT_HOST_ALLOC,
+    /* disk.c's, under every backend: a write or read failing with EIO, a write moving half its bytes */
+    TMS_FAULT_DISK_WRITE, TMS_FAULT_DISK_READ, TMS_FAULT_DISK_SHORT_WRITE,
     TMS_FAULT_OPS
 };
 struct tms_host_env {

@@ -152,7 +152,8 @@ static void account_locked(const struct tms_alloc *a, int sign)
     if (a->state == TMS_ACTIVE) st->bytes_mapped += s * a->reserved;
     else st->bytes_paused += s * a->reserved;
     if (a->host_copy && a->host_copy->kind == TMS_BACKUP_PINNED) st->bytes_backup_pinned += s * a->host_copy->size;
-    if (a->host_copy && a->host_copy->kind != TMS_BACKUP_PINNED) st->bytes_backup_mmap += s * a->host_copy->size;
+    if (a->host_copy && a->host_copy->kind == TMS_BACKUP_MMAP) st->bytes_backup_mmap += s * a->host_copy->size;
+    if (a->host_copy && a->host_copy->kind == TMS_BACKUP_DISK) st->bytes_backup_disk += s * a->host_copy->size;
 }
 
 /* A pause or resume that changed an allocation counts once per (tag,
@@ -456,8 +457,8 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     a->device = device;
     a->tag_id = r->tag_id;
     a->state = TMS_ACTIVE;
-    a->backup = r->backup;
-    a->backup_kind = r->backup_kind;
+    a->backup = r->backup || r->disk_backup;
+    a->backup_kind = r->disk_backup ? TMS_BACKUP_DISK : r->backup_kind;
     a->handles = a->n_chunks == 1 ? &a->one_handle : calloc(n_chunks, sizeof *a->handles);
     if (!a->handles) {
         free(a);
@@ -599,7 +600,7 @@ int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *
     } else if (n > owner->size || ptr - owner->va > owner->size - n) {
         rc = tms_fail(err, TMS_E_ARG, 0, "range 0x%llx + %zu bytes runs past allocation 0x%llx of %zu bytes",
                       (unsigned long long)ptr, n, (unsigned long long)owner->va, owner->size);
-    } else if (owner->host_copy) {
+    } else if (owner->host_copy && owner->host_copy->kind != TMS_BACKUP_DISK) {  /* a file is no CPU backup */
         tms_backup_ref(owner->host_copy);
         *out = owner->host_copy;
         *offset = (size_t)(ptr - owner->va);

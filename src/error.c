@@ -43,6 +43,7 @@ const char *tms_status_name(int status)
     case TMS_E_ARG: return "invalid argument";
     case TMS_E_NOT_FOUND: return "not found";
     case TMS_E_UNSUPPORTED: return "not supported";
+    case TMS_E_IO: return "disk backup I/O error";
     }
     return "unrecognised status";
 }

@@ -16,6 +16,7 @@ enum tms_status {
     TMS_E_ARG,        /* bad argument */
     TMS_E_NOT_FOUND,  /* pointer not owned by the core */
     TMS_E_UNSUPPORTED, /* a feature this build does not have */
+    TMS_E_IO,         /* a disk backup file could not be made, written or read (disk full, I/O error) */
 };
 
 /* Filled by the failing call, owned by the caller (on its stack): no error

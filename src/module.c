@@ -11,6 +11,7 @@
 
 #include "config.h"
 #include "core.h"
+#include "disk.h"
 #include "driver.h"
 #include "hook.h"
 #include "transfer.h"
@@ -71,6 +72,7 @@ static PyObject *raise_err(PyObject *module, const struct tms_err *err)
     case TMS_E_NOT_FOUND: type = PyExc_ValueError; break;
     case TMS_E_UNSUPPORTED: type = PyExc_NotImplementedError; break;
     case TMS_E_DRIVER:
+    case TMS_E_IO:
     case TMS_E_NO_DRIVER:
     case TMS_E_STATE: type = st->error; break;
     default:
@@ -84,14 +86,15 @@ static PyObject *raise_err(PyObject *module, const struct tms_err *err)
 /* ---- region settings (thread-local in C) ----------------------------------- */
 
 PyDoc_STRVAR(set_region_doc,
-"set_region($module, active, tag, enable_cpu_backup, cpu_backup_backend, /)\n--\n\n"
-"Set the calling thread's region: allocations it makes while active are pauseable.");
+"set_region($module, active, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup=False, /)\n--\n\n"
+"Set the calling thread's region: allocations it makes while active are pauseable\n"
+"(backed up to a file each when enable_disk_backup, which wins over enable_cpu_backup).");
 
 static PyObject *py_set_region(PyObject *module, PyObject *args)
 {
-    int active, backup;
+    int active, backup, disk = 0;
     const char *tag, *kind_name;
-    if (!PyArg_ParseTuple(args, "psps:set_region", &active, &tag, &backup, &kind_name)) return NULL;
+    if (!PyArg_ParseTuple(args, "psps|p:set_region", &active, &tag, &backup, &kind_name, &disk)) return NULL;
     int kind;
     if (tms_backup_kind_parse(kind_name, &kind) != TMS_OK)
         return PyErr_Format(PyExc_ValueError,
@@ -107,19 +110,21 @@ static PyObject *py_set_region(PyObject *module, PyObject *args)
     r->tag_id = tag_id;
     r->backup = backup;
     r->backup_kind = kind;
+    r->disk_backup = disk;
     Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(get_region_doc,
 "get_region($module, /)\n--\n\n"
-"The calling thread's region as (active, tag, enable_cpu_backup, cpu_backup_backend).");
+"The calling thread's region as (active, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup).");
 
 static PyObject *py_get_region(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const struct tms_region *r = tms_region_current();
-    return Py_BuildValue("(NsNs)", PyBool_FromLong(r->active), tms_core_tag_name(r->tag_id),
-                         PyBool_FromLong(r->backup), tms_backup_kind_name(r->backup_kind));
+    return Py_BuildValue("(NsNsN)", PyBool_FromLong(r->active), tms_core_tag_name(r->tag_id),
+                         PyBool_FromLong(r->backup), tms_backup_kind_name(r->backup_kind),
+                         PyBool_FromLong(r->disk_backup));
 }
 
 /* ---- pause / resume ---------------------------------------------------------- */
@@ -312,12 +317,14 @@ static const char *state_name(int state)
 static PyObject *alloc_row_dict(const void *row)
 {
     const struct tms_alloc_info *r = row;
+    int disk = r->backup && r->backup_kind == TMS_BACKUP_DISK;
     return Py_BuildValue(
-        "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:i}", "ptr", (unsigned long long)r->ptr, "size",
+        "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:i}", "ptr", (unsigned long long)r->ptr, "size",
         (Py_ssize_t)r->size, "reserved", (Py_ssize_t)r->reserved, "device", r->device, "tag",
         tms_core_tag_name(r->tag_id), "state", state_name(r->state), "cpu_backup",
-        r->backup ? Py_True : Py_False, "cpu_backup_backend", tms_backup_kind_name(r->backup_kind),
-        "has_cpu_backup", r->has_host_copy ? Py_True : Py_False, "chunks", r->n_chunks);
+        r->backup && !disk ? Py_True : Py_False, "cpu_backup_backend", tms_backup_kind_name(r->backup_kind),
+        "has_cpu_backup", r->has_host_copy && !disk ? Py_True : Py_False, "disk_backup", disk ? Py_True : Py_False,
+        "has_disk_backup", r->has_host_copy && disk ? Py_True : Py_False, "chunks", r->n_chunks);
 }
 
 static PyObject *py_allocations(PyObject *module, PyObject *unused)
@@ -541,11 +548,47 @@ static PyObject *py_defaults(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const struct tms_defaults *d = tms_defaults();
-    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:n}", "init_enable", d->init_enable ? Py_True : Py_False,
+    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n}", "init_enable", d->init_enable ? Py_True : Py_False,
                          "init_enable_cpu_backup", d->init_backup ? Py_True : Py_False,
                          "init_cpu_backup_backend", tms_backup_kind_name(d->init_backup_kind),
+                         "init_enable_disk_backup", d->init_disk_backup ? Py_True : Py_False,
                          "retain_cpu_backup", d->retain_backup ? Py_True : Py_False, "chunk_bytes",
-                         (Py_ssize_t)d->chunk_bytes);
+                         (Py_ssize_t)d->chunk_bytes, "disk_backup_chunk_bytes", (Py_ssize_t)d->disk_block_bytes);
+}
+
+PyDoc_STRVAR(set_disk_backup_dir_doc,
+"set_disk_backup_dir($module, path, /)\n--\n\n"
+"Make path (created if missing) the process's directory for backup files; files left\n"
+"there by dead processes are removed.");
+static PyObject *py_set_disk_backup_dir(PyObject *module, PyObject *arg)
+{
+    PyObject *bytes = NULL;
+    if (!PyUnicode_FSConverter(arg, &bytes)) return NULL;
+    const char *path = PyBytes_AsString(bytes);
+    struct tms_err err = {0};
+    int rc = TMS_E_ARG;
+    if (path && strlen(path) != (size_t)PyBytes_Size(bytes)) {
+        tms_fail(&err, TMS_E_ARG, 0, "disk backup directory contains a null character");
+    } else if (path) {
+        Py_BEGIN_ALLOW_THREADS  /* mkdir, locks and a directory sweep */
+        rc = tms_disk_set_dir(path, &err);
+        Py_END_ALLOW_THREADS
+    }
+    Py_DECREF(bytes);
+    if (!path) return NULL;
+    if (rc) return raise_err(module, &err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(disk_backup_dir_doc, "disk_backup_dir($module, /)\n--\n\nThe directory backup files are created in now.");
+static PyObject *py_disk_backup_dir(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    char dir[4096];
+    Py_BEGIN_ALLOW_THREADS
+    tms_disk_get_dir(dir, sizeof dir);
+    Py_END_ALLOW_THREADS
+    return PyUnicode_DecodeFSDefault(dir);
 }
 
 static PyMethodDef module_methods[] = {
@@ -574,6 +617,8 @@ static PyMethodDef module_methods[] = {
     {"library_path", py_library_path, METH_NOARGS, library_path_doc},
     {"last_hook_error", py_last_hook_error, METH_NOARGS, last_hook_error_doc},
     {"defaults", py_defaults, METH_NOARGS, defaults_doc},
+    {"set_disk_backup_dir", py_set_disk_backup_dir, METH_O, set_disk_backup_dir_doc},
+    {"disk_backup_dir", py_disk_backup_dir, METH_NOARGS, disk_backup_dir_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,8 +11,16 @@ static struct tms_transfer transfer_of(const struct tms_alloc *a, const struct t
 {
     return (struct tms_transfer){
         .device = a->device, .dev = a->va, .host = copy->host, .n = a->size,
+        .file = copy->kind == TMS_BACKUP_DISK ? &copy->file : NULL,
         .host_pinned = copy->kind == TMS_BACKUP_PINNED,
     };
+}
+
+/* Does an active allocation keep this backup? A host copy only when
+ * retained; a file always, to be rewritten in place by the next pause. */
+static int kept_while_active(const struct tms_backup *copy, int retain)
+{
+    return retain || copy->kind == TMS_BACKUP_DISK;
 }
 
 /* Forgets the backup a move would install, dropping it if it is new. */
@@ -38,9 +46,9 @@ static int synchronize_devices(const struct tms_driver *drv, const struct tms_mo
     return TMS_OK;
 }
 
-/* Makes (or reuses) the host copies and fills them. On failure every host
- * copy this call touched is dropped: the device still holds the truth, and
- * a half-overwritten retained copy must not be served as a backup. */
+/* Makes (or reuses) the backups and fills them. On failure every backup
+ * this call touched is dropped (a file is removed): the device still holds
+ * the truth, and a half-overwritten copy must not be served as a backup. */
 static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n, struct tms_err *err)
 {
     struct tms_transfer *copies = calloc(n, sizeof *copies);
@@ -50,8 +58,8 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
     for (size_t i = 0; i < n && !rc; i++) {
         const struct tms_alloc *a = m[i].a;
         if (!a->backup) continue;
-        if (m[i].copy && m[i].copy->kind != a->backup_kind) m[i].copy = NULL;  /* settle drops the old one */
-        if (!m[i].copy) rc = tms_backup_new(drv, a->backup_kind, a->size, &m[i].copy, err);
+        if (m[i].copy && !tms_backup_reusable(m[i].copy, a->backup_kind)) m[i].copy = NULL;  /* settle drops the old one */
+        if (!m[i].copy) rc = tms_backup_new(drv, a->backup_kind, a->size, a->va, &m[i].copy, err);
         if (!rc) copies[k++] = transfer_of(a, m[i].copy);
     }
     if (!rc) rc = tms_transfer_run(drv, 1, copies, k, err);
@@ -75,7 +83,7 @@ static int unmap_all(const struct tms_driver *drv, struct tms_move *m, size_t n,
             m[i].state = TMS_PAUSED;
             m[i].copied = m[i].copy ? a->size : 0;
             one = tms_chunks_release(drv, a, tag, &one_err);  /* paused all the same: reported, not undone */
-        } else if (m[i].copy && !retain) {
+        } else if (m[i].copy && !kept_while_active(m[i].copy, retain)) {
             discard_copy(&m[i]);  /* still active: the device holds the bytes */
         }
         if (one && !rc) {
@@ -158,7 +166,7 @@ int tms_core_resume(const char *tag, struct tms_err *err)
         }
         m[i].state = TMS_ACTIVE;
         m[i].copied = m[i].copy ? m[i].a->size : 0;
-        if (!retain) m[i].copy = NULL;  /* settle drops it */
+        if (m[i].copy && !kept_while_active(m[i].copy, retain)) m[i].copy = NULL;  /* settle drops it */
     }
     free(copies);
     uint64_t ns = tms_now_ns() - start;

@@ -11,6 +11,8 @@
 #pragma weak PyArg_ParseTupleAndKeywords
 #pragma weak PyBool_FromLong
 #pragma weak PyBuffer_FillInfo
+#pragma weak PyBytes_AsString
+#pragma weak PyBytes_Size
 #pragma weak PyDict_SetItemString
 #pragma weak PyErr_Format
 #pragma weak PyLong_Type
@@ -21,6 +23,7 @@
 #pragma weak PyObject_GetAttrString
 #pragma weak PyLong_AsUnsignedLongLong
 #pragma weak PyUnicode_AsUTF8AndSize
+#pragma weak PyUnicode_FSConverter
 #pragma weak PyLong_FromUnsignedLongLong
 #pragma weak PyErr_NewExceptionWithDoc
 #pragma weak PyErr_Occurred

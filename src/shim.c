@@ -8,6 +8,13 @@
  * LD_PRELOAD it sits before the executable's own dependencies (libcudart of a
  * C program), where the library it needs does not.
  */
+/* Launchers test a library's features by searching the file they are given
+ * for the variables it reads (slime looks for TMS_INIT_ENABLE_DISK_BACKUP in
+ * the preload library before asking for disk backup); a shim is that file. */
+static const char reads_environment[] __attribute__((used)) =
+    "TMS_INIT_ENABLE TMS_INIT_ENABLE_CPU_BACKUP TMS_INIT_CPU_BACKUP_BACKEND TMS_RETAIN_CPU_BACKUP "
+    "TMS_INIT_ENABLE_DISK_BACKUP TMS_DISK_BACKUP_DIR TMS_DISK_BACKUP_CHUNK_MB";
+
 #ifdef TMS_SHIM_PRELOAD
 #include "hook_forward.h"
 

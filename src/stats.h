@@ -15,7 +15,8 @@
     X(bytes_paused, gauge, "reserved bytes whose device memory is released")        \
     X(bytes_backup_pinned, gauge, "host bytes held in page-locked backups")         \
     X(bytes_backup_mmap, gauge, "host bytes held in pageable backups")              \
-    X(pauses, counter, "pause calls that released memory of this tag")             \
+    X(bytes_backup_disk, gauge, "bytes held in backup files on disk")               \
+    X(pauses, counter, "pause calls that released memory of this tag")              \
     X(resumes, counter, "resume calls that mapped memory of this tag back")         \
     X(pause_ns, counter, "time spent in those pause calls")                         \
     X(resume_ns, counter, "time spent in those resume calls")                       \

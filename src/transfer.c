@@ -134,7 +134,15 @@ static void finish(struct worker *w, struct job *j, ssize_t b, int slot)
         fail_driver(j, j->to_host ? "backup copy" : "restore copy", blk, rc);
         return;
     }
-    if (j->to_host && !it->host_pinned) memcpy((char *)it->host + blk->offset, w->slot[slot], blk->len);
+    if (j->to_host && it->file) {
+        struct tms_err e;
+        if (tms_disk_write(it->file, w->slot[slot], blk->len, blk->offset, &e)) {
+            job_fail(j, &e);
+            return;
+        }
+    } else if (j->to_host && !it->host_pinned) {
+        memcpy((char *)it->host + blk->offset, w->slot[slot], blk->len);
+    }
     __atomic_add_fetch(&it->done, blk->len, __ATOMIC_RELAXED);
     __atomic_add_fetch(&progress_done, blk->len, __ATOMIC_RELAXED);
 }
@@ -172,7 +180,15 @@ static void worker_run(struct worker *w, struct job *j)
         if (!s) break;
         char *host = (char *)it->host + blk->offset;
         void *staging = it->host_pinned ? host : w->slot[cur];
-        if (!j->to_host && !it->host_pinned) memcpy(staging, host, blk->len);
+        if (!j->to_host && it->file) {
+            struct tms_err e;
+            if (tms_disk_read(it->file, staging, blk->len, blk->offset, &e)) {
+                job_fail(j, &e);
+                break;
+            }
+        } else if (!j->to_host && !it->host_pinned) {
+            memcpy(staging, host, blk->len);
+        }
         int rc = j->drv->copy_async(it->device, j->to_host, staging, it->dev + blk->offset, blk->len, *s);
         if (rc) {
             fail_driver(j, j->to_host ? "backup copy" : "restore copy", blk, rc);
@@ -303,13 +319,40 @@ static int run_job(const struct tms_driver *drv, int kind, struct tms_transfer *
     size_t fixed = tms_defaults()->backup_block_bytes;
     size_t block_bytes = fixed ? fixed : kind == JOB_TO_HOST ? TO_HOST_BLOCK_BYTES : TO_DEVICE_BLOCK_BYTES;
     if (block_bytes > slot_bytes) block_bytes = slot_bytes;
-    for (size_t i = 0; i < count; i++) n_blocks += (items[i].n + block_bytes - 1) / block_bytes;
+    size_t file_block = tms_defaults()->disk_block_bytes < slot_bytes ? tms_defaults()->disk_block_bytes : slot_bytes;
+    for (size_t i = 0; i < count; i++) {
+        size_t bs = items[i].file ? file_block : block_bytes;
+        n_blocks += (items[i].n + bs - 1) / bs;
+    }
     struct block *blocks = malloc(n_blocks * sizeof *blocks);
-    if (!blocks) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu copy blocks", n_blocks);
-    size_t k = 0;
-    for (size_t i = 0; i < count; i++)
+    size_t *files = malloc((count ? count : 1) * sizeof *files);
+    if (!blocks || !files) {
+        free(blocks);
+        free(files);
+        return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu copy blocks", n_blocks);
+    }
+    size_t k = 0, n_files = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (items[i].file) {
+            files[n_files++] = i;
+            continue;
+        }
         for (size_t off = 0; off < items[i].n; off += block_bytes)
             blocks[k++] = (struct block){i, off, items[i].n - off < block_bytes ? items[i].n - off : block_bytes};
+    }
+    /* Files take turns, so the workers keep I/O in flight on several files
+     * (and their extents) at once rather than all on the first one. */
+    for (size_t off = 0; n_files > 0; off += file_block) {
+        size_t left = 0;
+        for (size_t f = 0; f < n_files; f++) {
+            size_t i = files[f];
+            if (off >= items[i].n) continue;
+            blocks[k++] = (struct block){i, off, items[i].n - off < file_block ? items[i].n - off : file_block};
+            files[left++] = i;
+        }
+        n_files = left;
+    }
+    free(files);
 
     if (kind != JOB_POPULATE) {
         __atomic_store_n(&progress_done, 0, __ATOMIC_RELAXED);

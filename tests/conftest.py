@@ -66,10 +66,10 @@ CHILD_PRELUDE = (
         import contextlib
 
         @contextlib.contextmanager
-        def raw_region(tag, backup=False, kind="mmap"):
+        def raw_region(tag, backup=False, kind="mmap", disk=False):
             # A region set through the native API only (no Python-side warm-up).
             previous = core.get_region()
-            core.set_region(True, tag, backup, kind)
+            core.set_region(True, tag, backup, kind, disk)
             try:
                 yield
             finally:

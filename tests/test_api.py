@@ -191,7 +191,7 @@ def test_native_argument_errors(run_py):
         with tms.region("t"):
             expect(ValueError, core.malloc, -1, match="size must be >= 0")
         expect(ValueError, core.free, 4096, match="not an allocation of torch_memory_saver")
-        assert core.get_region() == (False, "default", False, "mmap")   # failed set_region changed nothing
+        assert core.get_region() == (False, "default", False, "mmap", False)   # failed set_region changed nothing
         print("done")
     """))
     assert out == "done\n"

@@ -49,7 +49,7 @@ def test_unencodable_non_ascii_and_long_tags(run_py):
         for enter in (lambda: tms.region("\\ud800").__enter__(), lambda: tms.pause("\\ud800"),
                       lambda: tms.resume("bad\\udfff"), lambda: core.set_region(True, "\\ud800", False, "mmap")):
             expect(ValueError, enter)
-        assert core.get_region() == (False, "default", False, "mmap")
+        assert core.get_region() == (False, "default", False, "mmap", False)
         # Any other str is a tag, and errors name it.
         tag = "kv-缓存-ключ"
         with tms.region(tag, enable_cpu_backup=True):

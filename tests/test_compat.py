@@ -60,6 +60,45 @@ def test_upstream_preload_names_load_into_a_non_python_process(installed, name):
         assert "/torch_memory_saver/_tms_preload." in proc.stdout     # the real library came with it
 
 
+def test_slime_disk_offload_call_shape(installed, tmp_path):
+    # slime's --offload-train-target disk: it checks the preload library's bytes for
+    # TMS_INIT_ENABLE_DISK_BACKUP, then starts the trainer with LD_PRELOAD and
+    # TMS_INIT_ENABLE=1, TMS_INIT_ENABLE_CPU_BACKUP=0, TMS_INIT_ENABLE_DISK_BACKUP=1,
+    # TMS_DISK_BACKUP_CHUNK_MB; untagged pause/resume.
+    pytest.importorskip("torch")
+    from pathlib import Path
+
+    check = subprocess.run([sys.executable, "-c", (
+        "from torch_memory_saver.utils import get_binary_path_from_package as g; from pathlib import Path; "
+        "p = g('torch_memory_saver_hook_mode_preload'); print(p); "
+        "assert b'TMS_INIT_ENABLE_DISK_BACKUP' in Path(p).read_bytes()")],
+        env=installed_env(installed), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stderr
+    dynlib = check.stdout.strip()
+    assert Path(dynlib).parent == installed, dynlib
+    backups = tmp_path / "disk"
+    out = check_ok(_run_installed(installed, tmp_path, """
+        tms._ensure_initialized()
+        core = tms._core
+        cdll = tms._impl._binary_wrapper.cdll
+        assert cdll.tms_get_enable_disk_backup() is True and cdll.tms_get_enable_cpu_backup() is False
+        n = 5 * MiB + 3
+        p = core.malloc(n)
+        data = fill(p, n)
+        tms.pause()
+        d = os.environ["TMS_DISK_BACKUP_DIR"]
+        assert len([f for f in os.listdir(d) if f.endswith(".bin")]) == 1
+        assert tms.get_cpu_backup.__self__ is tms and core.get_cpu_backup(p, n) is None
+        tms.resume()
+        assert read(p, n) == data
+        print("done")
+    """, env={"LD_PRELOAD": dynlib, "TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "0",
+              "TMS_INIT_ENABLE_DISK_BACKUP": "1", "TMS_DISK_BACKUP_CHUNK_MB": "1",
+              "TMS_DISK_BACKUP_DIR": str(backups), "TMS_BACKEND": "host"}))
+    assert out == "done\n"
+    assert os.listdir(backups) == []
+
+
 def test_slime_style_preload_path_gives_one_core(installed, tmp_path):
     # slime: LD_PRELOAD=<site-packages>/torch_memory_saver_hook_mode_preload_cu12.abi3.so,
     # TMS_INIT_ENABLE=1, TMS_INIT_ENABLE_CPU_BACKUP=1; untagged pause/resume; the cdll
@@ -85,7 +124,7 @@ def test_slime_style_preload_path_gives_one_core(installed, tmp_path):
         assert core.get_region()[0] is False                     # the same thread state as the module's
         expect(ValueError, core.malloc, MiB, match="outside a region")
         cdll.tms_set_interesting_region(True)
-        assert core.get_region() == (True, "default", True, "mmap")
+        assert core.get_region() == (True, "default", True, "mmap", False)
         tms.pause()
         assert core.allocations()[0]["state"] == "paused"
         t = torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8)
@@ -178,7 +217,7 @@ def test_abi_through_the_binary_wrapper(run_py, mode):
         assert cdll.tms_set_enable_cpu_backup(True) == 0 and cdll.tms_get_enable_cpu_backup() is True
         assert cdll.tms_set_cpu_backup_backend(b"pinned") == 0 and cdll.tms_get_cpu_backup_backend() == b"pinned"
         assert cdll.tms_set_interesting_region(True) == 0
-        assert core.get_region() == (True, "w", True, "pinned")   # one thread state for module and ABI
+        assert core.get_region() == (True, "w", True, "pinned", False)   # one thread state for module and ABI
         n = 5 * MiB + 3
         p = core.malloc(n)
         assert core.allocations()[0]["tag"] == "w"
@@ -195,7 +234,9 @@ def test_abi_through_the_binary_wrapper(run_py, mode):
         assert not cdll.tms_get_cpu_backup_pointer(ctypes.cast(p, ctypes.POINTER(ctypes.c_uint8)), n)
         assert cdll.tms_set_cpu_backup_backend(b"disk") == 6 and b"'disk'" in cdll.tms_get_last_error()
         assert cdll.tms_set_current_tag(b"") == 6 and cdll.tms_get_current_tag() == b"w"
-        assert cdll.tms_set_enable_disk_backup(True) == 8 and cdll.tms_get_enable_disk_backup() is False
+        assert cdll.tms_set_enable_disk_backup(True) == 0 and cdll.tms_get_enable_disk_backup() is True
+        assert core.get_region()[4] is True                       # the module sees the ABI's setting
+        assert cdll.tms_set_enable_disk_backup(False) == 0 and cdll.tms_get_enable_disk_backup() is False
         assert cdll.set_memory_margin_bytes(12345) == 0 and tms.memory_margin_bytes == 12345
         assert cdll.tms_set_retain_cpu_backup(True) == 0 and tms.retain_cpu_backup is True
         core.free(p)
@@ -327,9 +368,11 @@ def test_upstream_region_signature_and_private_names(run_py):
         params = list(inspect.signature(tms.region).parameters)
         assert params == ["tag", "enable_cpu_backup", "enable_disk_backup", "cpu_backup_backend"], params
         with tms.region("w", True, False):                       # upstream's positional order
-            assert tms._core.get_region() == (True, "w", True, "mmap")
-        e = expect(NotImplementedError, tms.region("w", enable_disk_backup=True).__enter__)
-        assert "disk backup" in str(e)
+            assert tms._core.get_region() == (True, "w", True, "mmap", False)
+        with tms.region("w", False, True):                      # enable_disk_backup, third as upstream
+            assert tms._core.get_region() == (True, "w", False, "mmap", True)
+        e = expect(ValueError, tms.region("w", True, True).__enter__)
+        assert "mutually exclusive" in str(e)
         assert "cpu_backup_backend" in inspect.signature(tms.cuda_graph).parameters
         assert tms._ensure_initialized() is tms._impl and tms._impl._hook_mode == "preload"
         print("done")

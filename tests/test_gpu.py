@@ -159,6 +159,14 @@ def test_scenario(scenario, hook_mode):
 
 
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
+def test_disk_backup(hook_mode, tmp_path):
+    d = tmp_path / "disk"
+    proc = run_scenario("disk_backup", hook_mode, env={"TMS_TEST_DISK_DIR": str(d)})
+    check_passed(proc)
+    assert os.listdir(d) == [], f"left in {d} at exit: {os.listdir(d)}\n{_report(proc)}"
+
+
+@pytest.mark.parametrize("hook_mode", HOOK_MODES)
 def test_nested_regions_init_enable(hook_mode):
     # The "default"-tag part (allocations outside regions) runs in preload mode only.
     check_passed(run_scenario("nested_init_enable", hook_mode, env={"TMS_INIT_ENABLE": "1"}))

@@ -328,29 +328,29 @@ def test_pause_resume_of_unknown_tag_is_a_noop(run_py):
 
 def test_nested_regions_restore_outer_settings(run_py):
     out = check_ok(run_py("""
-        assert core.get_region() == (False, "default", False, "mmap")
+        assert core.get_region() == (False, "default", False, "mmap", False)
         with tms.region("outer", enable_cpu_backup=True, cpu_backup_backend="pinned"):
-            assert core.get_region() == (True, "outer", True, "pinned")
+            assert core.get_region() == (True, "outer", True, "pinned", False)
             o1 = core.malloc(MiB)
             with tms.region("inner"):
-                assert core.get_region() == (True, "inner", False, "mmap")
+                assert core.get_region() == (True, "inner", False, "mmap", False)
                 i1 = core.malloc(MiB)
                 with tms.disable():
                     assert core.get_region()[0] is False
                     expect(ValueError, core.malloc, MiB, match="outside a region")
                     with tms.region("deep", enable_cpu_backup=True):
-                        assert core.get_region() == (True, "deep", True, "mmap")
+                        assert core.get_region() == (True, "deep", True, "mmap", False)
                     assert core.get_region()[0] is False
-                assert core.get_region() == (True, "inner", False, "mmap")
-            assert core.get_region() == (True, "outer", True, "pinned")
+                assert core.get_region() == (True, "inner", False, "mmap", False)
+            assert core.get_region() == (True, "outer", True, "pinned", False)
             try:
                 with tms.region("boom", enable_cpu_backup=True, cpu_backup_backend="mmap"):
                     raise KeyError("inside")
             except KeyError:
                 pass
-            assert core.get_region() == (True, "outer", True, "pinned")
+            assert core.get_region() == (True, "outer", True, "pinned", False)
             o2 = core.malloc(MiB)
-        assert core.get_region() == (False, "default", False, "mmap")
+        assert core.get_region() == (False, "default", False, "mmap", False)
         expect(ValueError, core.malloc, MiB, match="outside a region")
         for p in (o1, o2):
             assert (row(p)["tag"], row(p)["cpu_backup"], row(p)["cpu_backup_backend"]) == ("outer", True, "pinned")
@@ -375,7 +375,7 @@ def test_threads_have_independent_region_state(run_py):
                     barrier.wait()
                     mine = []
                     for i in range(K):
-                        assert core.get_region() == (True, tag, backup, kind or "mmap"), core.get_region()
+                        assert core.get_region() == (True, tag, backup, kind or "mmap", False), core.get_region()
                         mine.append(core.malloc(MiB + i))
                     results[tag] = mine
             except BaseException as e:
@@ -413,7 +413,7 @@ def test_threads_have_independent_region_state(run_py):
             assert (rows[p]["tag"], rows[p]["cpu_backup"], rows[p]["cpu_backup_backend"]) == ("a", True, "pinned")
         for p in results["b"]:
             assert (rows[p]["tag"], rows[p]["cpu_backup"]) == ("b", False)
-        assert core.get_region() == (False, "default", False, "mmap")   # main thread never entered one
+        assert core.get_region() == (False, "default", False, "mmap", False)   # main thread never entered one
         assert [read(p, MiB + 5) for p in c] == dc
         tms.pause("a")
         assert sorted(set(states())) == [("a", "paused"), ("b", "active"), ("c", "active")], states()
@@ -440,11 +440,11 @@ def test_init_enable_makes_fresh_threads_active(run_py, value, active):
                 expect(ValueError, core.malloc, MiB, match="outside a region")
         t = threading.Thread(target=fresh)
         t.start(); t.join()
-        assert got["region"] == (active, "default", False, "mmap"), got
-        assert core.get_region() == (active, "default", False, "mmap")
+        assert got["region"] == (active, "default", False, "mmap", False), got
+        assert core.get_region() == (active, "default", False, "mmap", False)
         with tms.region("x"):
             pass
-        assert core.get_region() == (active, "default", False, "mmap")   # restored to the env default
+        assert core.get_region() == (active, "default", False, "mmap", False)   # restored to the env default
         if active:
             assert (row(got["ptr"])["tag"], row(got["ptr"])["state"]) == ("default", "active")
             with tms.disable():
@@ -475,15 +475,16 @@ def test_init_cpu_backup_env_and_retain_env_are_honoured(run_py):
         assert tms.retain_cpu_backup is True                # read from the env before first use
         core = tms._core
         assert core.defaults() == {"init_enable": True, "init_enable_cpu_backup": True,
-                                   "init_cpu_backup_backend": "pinned", "retain_cpu_backup": True,
-                                   "chunk_bytes": 0}, core.defaults()
+                                   "init_cpu_backup_backend": "pinned", "init_enable_disk_backup": False,
+                                   "retain_cpu_backup": True, "chunk_bytes": 0,
+                                   "disk_backup_chunk_bytes": 256 * MiB}, core.defaults()
         got = {}
         def fresh():
             got["region"] = core.get_region()
             got["ptr"] = core.malloc(3 * MiB + 1)
         t = threading.Thread(target=fresh)
         t.start(); t.join()
-        assert got["region"] == (True, "default", True, "pinned"), got
+        assert got["region"] == (True, "default", True, "pinned", False), got
         p, n = got["ptr"], 3 * MiB + 1
         assert (row(p)["cpu_backup"], row(p)["cpu_backup_backend"]) == (True, "pinned")
         d = fill(p, n)
@@ -494,7 +495,7 @@ def test_init_cpu_backup_env_and_retain_env_are_honoured(run_py):
         assert row(p)["has_cpu_backup"] is True                           # retained
         assert core.get_cpu_backup(p, n).tobytes() == d
         with tms.region("e", enable_cpu_backup=True):                     # backend default from the env
-            assert core.get_region() == (True, "e", True, "pinned")
+            assert core.get_region() == (True, "e", True, "pinned", False)
         print("done")
     """, load_core=False, env={"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "true",
                                "TMS_INIT_CPU_BACKUP_BACKEND": "pinned", "TMS_RETAIN_CPU_BACKUP": "yes"}))
@@ -508,10 +509,10 @@ def test_init_backup_env_without_init_enable(run_py):
         d = core.defaults()
         assert (d["init_enable"], d["init_enable_cpu_backup"], d["init_cpu_backup_backend"], d["retain_cpu_backup"]) \\
             == (False, True, "mmap", False), d
-        assert core.get_region() == (False, "default", True, "mmap")
+        assert core.get_region() == (False, "default", True, "mmap", False)
         expect(ValueError, core.malloc, MiB, match="outside a region")
         with tms.region("z", enable_cpu_backup=True):
-            assert core.get_region() == (True, "z", True, "mmap")
+            assert core.get_region() == (True, "z", True, "mmap", False)
             p = core.malloc(MiB)
         data = fill(p, MiB)
         tms.pause("z"); tms.resume("z")

@@ -69,8 +69,9 @@ def test_memory_summary_lists_every_tag(run_py):
     rows = {line.split()[1]: line for line in lines[3:]}
     assert set(rows) == {"kv_cache", "weights"}
     assert "4.00 MiB" in rows["kv_cache"] and rows["kv_cache"].rstrip().endswith("0        0")
-    # weights: reserved 6 MiB, mapped 0, paused 6 MiB, backup (mmap) 5 MiB, 1 pause
-    assert rows["weights"].split()[3:] == ["6.00", "MiB", "0", "B", "6.00", "MiB", "0", "B", "5.00", "MiB", "1", "0"]
+    # weights: reserved 6 MiB, mapped 0, paused 6 MiB, backup (mmap) 5 MiB, (disk) 0, 1 pause
+    assert rows["weights"].split()[3:] == ["6.00", "MiB", "0", "B", "6.00", "MiB", "0", "B", "5.00", "MiB", "0", "B",
+                                           "1", "0"]
 
 
 def test_pause_and_resume_log_a_summary_at_info_and_allocations_at_debug(run_py):

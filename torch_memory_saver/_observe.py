@@ -7,7 +7,7 @@ import time
 logger = logging.getLogger("torch_memory_saver")
 
 _GAUGES = ("allocations", "bytes_requested", "bytes_reserved", "bytes_mapped", "bytes_paused",
-           "bytes_backup_pinned", "bytes_backup_mmap")
+           "bytes_backup_pinned", "bytes_backup_mmap", "bytes_backup_disk")
 
 
 def stats(core):
@@ -37,16 +37,16 @@ def _fmt_bytes(n):
 
 
 def memory_summary(core) -> str:
-    """A table of every (device, tag): allocations, mapped, paused, host backups, cycles."""
+    """A table of every (device, tag): allocations, mapped, paused, backups by kind, cycles."""
     rows = sorted(core.stats(), key=lambda r: (r["device"], r["tag"]))
     head = ("device", "tag", "allocs", "reserved", "mapped", "paused", "backup (pinned)", "backup (mmap)",
-            "pauses", "resumes")
+            "backup (disk)", "pauses", "resumes")
     table = [head]
     for r in rows:
         table.append((str(r["device"]), r["tag"], str(r["allocations"]), _fmt_bytes(r["bytes_reserved"]),
                       _fmt_bytes(r["bytes_mapped"]), _fmt_bytes(r["bytes_paused"]),
                       _fmt_bytes(r["bytes_backup_pinned"]), _fmt_bytes(r["bytes_backup_mmap"]),
-                      str(r["pauses"]), str(r["resumes"])))
+                      _fmt_bytes(r["bytes_backup_disk"]), str(r["pauses"]), str(r["resumes"])))
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["torch_memory_saver memory summary"]
     for i, row in enumerate(table):
@@ -139,4 +139,5 @@ def logged(core, op, tag):
         for a in core.allocations():
             if tag is None or a["tag"] == tag:
                 logger.debug("  0x%x %s tag=%s device=%d %s backup=%s", a["ptr"], _fmt_bytes(a["size"]), a["tag"],
-                             a["device"], a["state"], a["cpu_backup_backend"] if a["has_cpu_backup"] else "none")
+                             a["device"], a["state"],
+                             a["cpu_backup_backend"] if a["has_cpu_backup"] or a["has_disk_backup"] else "none")

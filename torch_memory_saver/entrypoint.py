@@ -156,11 +156,13 @@ class TorchMemorySaver:
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, enable_disk_backup: bool = False,
                cpu_backup_backend: Optional[str] = None):
         """Allocations made by this thread inside are pauseable under `tag`.
-        (Parameters in upstream's order; disk backup is not available yet.)"""
+        enable_cpu_backup keeps their contents in host memory across a pause;
+        enable_disk_backup in a file each, in the disk backup directory (see
+        set_disk_backup_dir), with host memory flat. (Upstream's parameter order.)"""
         _check_tag(tag)
         kind = self._backup_backend(enable_cpu_backup, cpu_backup_backend, enable_disk_backup)
         impl = self._ensure_initialized()
-        with impl.region(tag, bool(enable_cpu_backup), kind):
+        with impl.region(tag, enable_cpu_backup, kind, enable_disk_backup):
             yield
 
     @contextlib.contextmanager
@@ -266,6 +268,24 @@ class TorchMemorySaver:
         """Frees an address malloc() returned (active or paused)."""
         self._ensure_initialized().core.free(ptr)
 
+    def set_disk_backup_dir(self, path) -> None:
+        """Directory for the backup files of regions with enable_disk_backup=True
+        (created, mode 0700, if missing), process-wide, for the files made from now
+        on. Files left there by processes that died are removed. Default:
+        TMS_DISK_BACKUP_DIR, else $TMPDIR, else /tmp."""
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise TypeError(f"torch_memory_saver: set_disk_backup_dir expects a path, not {type(path).__name__}")
+        path = os.fsdecode(os.fspath(path))
+        if not path:
+            raise ValueError("torch_memory_saver: set_disk_backup_dir needs a non-empty path")
+        os.makedirs(path, mode=0o700, exist_ok=True)  # OSError (PermissionError, ...) as upstream
+        self._ensure_initialized().core.set_disk_backup_dir(path)
+
+    @property
+    def disk_backup_dir(self) -> str:
+        """The directory disk backups are written to now (see set_disk_backup_dir)."""
+        return self._ensure_initialized().core.disk_backup_dir()
+
     @staticmethod
     def configure_subprocess():
         """Context manager: child processes started inside it have the preload
@@ -281,9 +301,9 @@ class TorchMemorySaver:
         if not isinstance(enable_disk_backup, bool):
             raise TypeError(f"torch_memory_saver: enable_disk_backup must be a bool, "
                             f"not {type(enable_disk_backup).__name__}")
-        if enable_disk_backup:
-            raise NotImplementedError("torch_memory_saver: enable_disk_backup=True: disk backup is not available "
-                                      "in this version (use enable_cpu_backup=True)")
+        if enable_disk_backup and enable_cpu_backup:
+            raise ValueError("torch_memory_saver: enable_cpu_backup and enable_disk_backup are mutually exclusive "
+                             "(a region backs up to host memory or to disk)")
         if cpu_backup_backend is None:
             return _library.load(self._hook_mode).defaults()["init_cpu_backup_backend"]
         if cpu_backup_backend not in _BACKUP_BACKENDS:
@@ -350,10 +370,10 @@ class _Impl:
 
     # Pools keep region allocations in segments of their own, so PyTorch's
     # cache never hands region memory to code outside the region or back.
-    def _pool(self, tag, backup, kind, device):
+    def _pool(self, tag, backup, kind, device, disk=False):
         import torch
 
-        key = (tag, backup, kind, device)
+        key = (tag, backup, kind, disk, device)
         with self._pools_lock:
             pool = self._pools.get(key)
             if pool is None:
@@ -370,9 +390,9 @@ class _Impl:
         return pool
 
     @contextlib.contextmanager
-    def _thread_region(self, active, tag, backup, kind):
+    def _thread_region(self, active, tag, backup, kind, disk=False):
         previous = self.core.get_region()
-        self.core.set_region(active, tag, backup, kind)
+        self.core.set_region(active, tag, backup, kind, disk)
         try:
             yield
         finally:
@@ -388,23 +408,23 @@ class _Impl:
             yield
 
     @contextlib.contextmanager
-    def region(self, tag, backup, kind):
-        if backup and not self._warm:
+    def region(self, tag, backup, kind, disk=False):
+        if (backup or disk) and not self._warm:
             self.core.warm_backups()  # pins the staging once, not in the first pause
             self._warm = True
         if not self.on_gpu():
-            with self._thread_region(True, tag, backup, kind):
+            with self._thread_region(True, tag, backup, kind, disk):
                 yield
             return
-        with self._pools_on_all_devices(lambda device: self._pool(tag, backup, kind, device)):
-            with self._thread_region(True, tag, backup, kind):
+        with self._pools_on_all_devices(lambda device: self._pool(tag, backup, kind, device, disk)):
+            with self._thread_region(True, tag, backup, kind, disk):
                 yield
 
     @contextlib.contextmanager
     def disable(self):
-        _, tag, backup, kind = self.core.get_region()
+        _, tag, backup, kind, disk = self.core.get_region()
         if not self.on_gpu():
-            with self._thread_region(False, tag, backup, kind):
+            with self._thread_region(False, tag, backup, kind, disk):
                 yield
             return
         import torch
@@ -414,7 +434,7 @@ class _Impl:
         taken = [(device, *self._scratch.take(device)) for device in range(torch.cuda.device_count())]
         try:
             with self._pools_on_all_devices(lambda device: taken[device][1]):
-                with self._thread_region(False, tag, backup, kind):
+                with self._thread_region(False, tag, backup, kind, disk):
                     yield
         finally:
             self._scratch.give_back(taken)
