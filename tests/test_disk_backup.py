@@ -384,6 +384,8 @@ def test_forked_child_never_removes_or_rewrites_the_parents_files(run_disk):
         data = fill(p, 2 * MiB)
         tms.pause("w")
         before = inodes()
+        import warnings
+        warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)  # 3.12+
         pid = os.fork()
         if pid == 0:
             try:
