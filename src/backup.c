@@ -4,7 +4,6 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <sys/mman.h>
-#include <unistd.h>
 
 #include "config.h"
 #include "transfer.h"
@@ -79,7 +78,7 @@ int tms_backup_new(const struct tms_driver *drv, int kind, size_t size, uint64_t
 
 int tms_backup_reusable(const struct tms_backup *b, int kind)
 {
-    return b->kind == kind && (kind != TMS_BACKUP_DISK || b->file.owner == getpid());
+    return b->kind == kind && (kind != TMS_BACKUP_DISK || tms_disk_rewritable(&b->file));
 }
 
 void tms_backup_ref(struct tms_backup *b)

@@ -26,7 +26,7 @@ struct tms_backup {
 int tms_backup_new(const struct tms_driver *drv, int kind, size_t size, uint64_t va, struct tms_backup **out,
                    struct tms_err *err);
 /* A pause of an allocation backed up as kind may write into b again: same
- * kind, and a file only in the process that made it (not a forked child). */
+ * kind, and a file only where tms_disk_rewritable says so. */
 int tms_backup_reusable(const struct tms_backup *b, int kind);
 void tms_backup_ref(struct tms_backup *b);
 void tms_backup_unref(struct tms_backup *b);

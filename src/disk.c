@@ -47,6 +47,7 @@ static size_t dir_count;
 static unsigned long long token;
 static pid_t token_pid;             /* the process token belongs to (fork makes another) */
 static unsigned long long file_seq;
+static unsigned long fork_generation;  /* forks made by this process (its files before one are shared) */
 
 static long fault_calls[TMS_FAULT_OPS];  /* atomic; only the disk ops are used here */
 
@@ -104,6 +105,20 @@ static int owner_dead(int dfd, int pid, unsigned long long tok)
     return dead;
 }
 
+/* A lock file not yet renamed into place (its owner died in between):
+ * unlocked and older than a minute, so one being made now is left alone
+ * whatever pid namespace its owner lives in. */
+static int stale_new_lock(int dfd, const char *name)
+{
+    struct stat st;
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || time(NULL) - st.st_mtime < 60) return 0;
+    int fd = openat(dfd, name, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    int dead = flock(fd, LOCK_EX | LOCK_NB) == 0;
+    close(fd);
+    return dead;
+}
+
 /* Removes what dead owners left in the directory (or, mine_only, this
  * process's own files: at exit). */
 static void sweep(int dfd, const char *path, int mine_only)
@@ -111,8 +126,9 @@ static void sweep(int dfd, const char *path, int mine_only)
     int list_fd = dup(dfd);
     DIR *d = list_fd >= 0 ? fdopendir(list_fd) : NULL;
     if (!d) {
+        int e = errno;
         if (list_fd >= 0) close(list_fd);
-        tms_log_warn("disk backup: cannot list %s to remove stale backups: %s", path, strerror(errno));
+        tms_log_warn("disk backup: cannot list %s to remove stale backups: %s", path, strerror(e));
         return;
     }
     size_t removed = 0;
@@ -125,7 +141,7 @@ static void sweep(int dfd, const char *path, int mine_only)
         int remove;
         if (mine_only) remove = mine;
         else if (mine) remove = 0;
-        else if (kind == NAME_NEW_LOCK) remove = kill(pid, 0) != 0 && errno == ESRCH;
+        else if (kind == NAME_NEW_LOCK) remove = stale_new_lock(dfd, e->d_name);
         else remove = owner_dead(dfd, pid, tok);
         if (remove && unlinkat(dfd, e->d_name, 0) == 0) removed++;
     }
@@ -164,12 +180,16 @@ static int take_lock(int dfd, const char *path, int *lock_fd, struct tms_err *er
     return TMS_OK;
 }
 
-static int prepare_dir_locked(const char *path, struct backup_dir **out, struct tms_err *err)
+/* dir is resolved to an absolute path first: a relative one (or $TMPDIR)
+ * must not move with the working directory, away from the lock file. */
+static int prepare_dir_locked(const char *dir, struct backup_dir **out, struct tms_err *err)
 {
+    if (make_dirs(dir) != 0) return fail_errno(err, errno, "creating directory", dir);
+    char path[PATH_MAX];
+    if (!realpath(dir, path)) return fail_errno(err, errno, "resolving directory", dir);
     for (size_t i = 0; i < dir_count; i++)
         if (strcmp(dirs[i].path, path) == 0) return *out = &dirs[i], TMS_OK;
     ensure_token_locked();
-    if (make_dirs(path) != 0) return fail_errno(err, errno, "creating directory", path);
     int dfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0) return fail_errno(err, errno, "opening directory", path);
     struct backup_dir d = {.lock_fd = -1};
@@ -205,9 +225,11 @@ static const char *dir_in_use_locked(void)
 
 /* ---- exit and fork -------------------------------------------------------- */
 
+/* trylock: a thread stuck in a slow directory must not hold up the exit;
+ * what is left then, the next process's sweep removes. */
 static void remove_mine_at_exit(void)
 {
-    pthread_mutex_lock(&disk_lock);
+    if (pthread_mutex_trylock(&disk_lock) != 0) return;
     if (token_pid == getpid()) {
         for (size_t i = 0; i < dir_count; i++) {
             int dfd = open(dirs[i].path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -220,7 +242,11 @@ static void remove_mine_at_exit(void)
 }
 
 static void fork_prepare(void) { pthread_mutex_lock(&disk_lock); }
-static void fork_parent(void) { pthread_mutex_unlock(&disk_lock); }
+static void fork_parent(void)
+{
+    fork_generation++;
+    pthread_mutex_unlock(&disk_lock);
+}
 
 /* The child is a new owner: it makes its own token and locks on first use,
  * and the parent's files (still in the child's table) are never removed by it. */
@@ -254,17 +280,20 @@ int tms_disk_set_dir(const char *dir, struct tms_err *err)
     pthread_mutex_lock(&disk_lock);
     struct backup_dir *d;
     int rc = prepare_dir_locked(copy, &d, err);
-    if (rc == TMS_OK) {
+    free(copy);
+    char *resolved = rc ? NULL : strdup(d->path);
+    if (!rc && !resolved) rc = tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a path");
+    if (!rc) {
         free(chosen_dir);
-        chosen_dir = copy;
+        chosen_dir = resolved;
     }
     pthread_mutex_unlock(&disk_lock);
-    if (rc) free(copy);
     return rc;
 }
 
 void tms_disk_get_dir(char *buf, size_t n)
 {
+    pthread_once(&handlers_once, install_handlers);
     pthread_mutex_lock(&disk_lock);
     snprintf(buf, n, "%s", dir_in_use_locked());
     pthread_mutex_unlock(&disk_lock);
@@ -277,6 +306,7 @@ int tms_disk_create(uint64_t va, size_t size, struct tms_disk_file *f, struct tm
     struct backup_dir *d;
     int rc = prepare_dir_locked(dir_in_use_locked(), &d, err);
     int memory_fs = rc ? 0 : d->memory_fs;
+    unsigned long generation = fork_generation;
     char *path = NULL;
     if (!rc && asprintf(&path, "%s/tms-%d-%016llx-%llx-%llu.bin", d->path, (int)getpid(), token,
                         (unsigned long long)va, ++file_seq) < 0) {
@@ -298,31 +328,53 @@ int tms_disk_create(uint64_t va, size_t size, struct tms_disk_file *f, struct tm
         free(path);
         return rc;
     }
+    struct tms_disk_file made = {.fd = fd, .direct = direct, .drop_cache = !direct && !memory_fs, .owner = getpid(),
+                                 .generation = generation, .path = path};
     /* Reserving the blocks up front makes a full disk fail here, before any
      * copy. Not on tmpfs: there it would zero every page once more. */
     if (!memory_fs && fallocate(fd, 0, 0, (off_t)round_up_align(size)) != 0 && errno != EOPNOTSUPP &&
         errno != ENOSYS) {
-        rc = tms_fail(err, TMS_E_IO, errno, "disk backup: reserving %zu bytes for allocation 0x%llx in %s failed: %s "
-                      "(errno %d)", round_up_align(size), (unsigned long long)va, path, strerror(errno), errno);
-        close(fd);
-        unlink(path);
-        free(path);
+        int e = errno;
+        rc = tms_fail(err, TMS_E_IO, e, "disk backup: reserving %zu bytes for allocation 0x%llx in %s failed: %s "
+                      "(errno %d)", round_up_align(size), (unsigned long long)va, path, strerror(e), e);
+        tms_disk_remove(&made);
         return rc;
     }
-    *f = (struct tms_disk_file){.fd = fd, .direct = direct, .drop_cache = !direct && !memory_fs, .owner = getpid(),
-                                .path = path};
+    *f = made;
     return TMS_OK;
+}
+
+int tms_disk_open(struct tms_disk_file *f, struct tms_err *err)
+{
+    if (f->fd >= 0) return TMS_OK;
+    f->fd = open(f->path, O_RDWR | O_CLOEXEC | (f->direct ? O_DIRECT : 0));
+    return f->fd < 0 ? fail_errno(err, errno, "opening", f->path) : TMS_OK;
+}
+
+void tms_disk_close(struct tms_disk_file *f)
+{
+    if (f->fd >= 0) close(f->fd);
+    f->fd = -1;
+}
+
+int tms_disk_rewritable(const struct tms_disk_file *f)
+{
+    pthread_mutex_lock(&disk_lock);
+    int same = f->owner == getpid() && f->generation == fork_generation;
+    pthread_mutex_unlock(&disk_lock);
+    return same;
 }
 
 void tms_disk_remove(struct tms_disk_file *f)
 {
     if (!f->path) return;
-    close(f->fd);
-    if (f->owner == getpid() && unlink(f->path) != 0 && errno != ENOENT)
-        tms_log_warn("disk backup: cannot remove %s: %s", f->path, strerror(errno));
+    tms_disk_close(f);
+    if (f->owner == getpid() && unlink(f->path) != 0 && errno != ENOENT) {
+        int e = errno;
+        tms_log_warn("disk backup: cannot remove %s: %s", f->path, strerror(e));
+    }
     free(f->path);
     f->path = NULL;
-    f->fd = -1;
 }
 
 static int io_failed(const struct tms_disk_file *f, struct tms_err *err, const char *what, size_t len, size_t offset,
@@ -345,7 +397,8 @@ int tms_disk_write(const struct tms_disk_file *f, const void *buf, size_t len, s
             w = pwrite(f->fd, (const char *)buf + done, n, (off_t)(offset + done));
         }
         if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return io_failed(f, err, "write", want, offset, w < 0 ? errno : ENOSPC);
+        if (w < 0) return io_failed(f, err, "write", want, offset, errno);
+        if (w == 0) return io_failed(f, err, "write", want, offset, ENOSPC);
         done += (size_t)w;
     }
     /* Without O_DIRECT the pages would stay cached: the backup's size in RAM. */

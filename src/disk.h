@@ -12,11 +12,17 @@
  * covers every block size Linux filesystems use for it. */
 #define TMS_DISK_ALIGN ((size_t)4096)
 
+/* A process with thousands of disk-backed allocations must not hold a
+ * descriptor for each (RLIMIT_NOFILE is often 1024): a file is open only
+ * while a pause or resume moves it, at most this many at once. */
+#define TMS_DISK_FILES_OPEN_AT_ONCE 64
+
 struct tms_disk_file {
-    int fd;
-    int direct;       /* opened with O_DIRECT: no page cache */
-    int drop_cache;   /* buffered on a real disk: its pages are dropped after each block */
-    pid_t owner;      /* the process that made it; only that one removes it */
+    int fd;                    /* -1 between pauses and resumes (tms_disk_open) */
+    int direct;                /* O_DIRECT: no page cache */
+    int drop_cache;            /* buffered on a real disk: its pages are dropped after each block */
+    pid_t owner;               /* the process that made it; only that one removes it */
+    unsigned long generation;  /* forks the process had made when it made the file */
     char *path;
 };
 
@@ -33,6 +39,15 @@ void tms_disk_get_dir(char *buf, size_t n);
  * where the filesystem can (so a full disk fails here, before any copy).
  * TMS_E_IO naming the path and errno on failure. */
 int tms_disk_create(uint64_t va, size_t size, struct tms_disk_file *f, struct tms_err *err);
+
+/* Opens a file made earlier again, for a pause to rewrite or a resume to
+ * read. TMS_E_IO naming the path and errno (a file removed meanwhile). */
+int tms_disk_open(struct tms_disk_file *f, struct tms_err *err);
+void tms_disk_close(struct tms_disk_file *f);
+
+/* A pause may rewrite f in place: this process made it and has not forked
+ * since (a child may still read it to resume its copy of the allocation). */
+int tms_disk_rewritable(const struct tms_disk_file *f);
 
 /* Closes the file and, in its owner process, removes it. */
 void tms_disk_remove(struct tms_disk_file *f);

@@ -7,7 +7,7 @@
 #include "log.h"
 #include "transfer.h"
 
-static struct tms_transfer transfer_of(const struct tms_alloc *a, const struct tms_backup *copy)
+static struct tms_transfer transfer_of(const struct tms_alloc *a, struct tms_backup *copy)
 {
     return (struct tms_transfer){
         .device = a->device, .dev = a->va, .host = copy->host, .n = a->size,
@@ -21,6 +21,39 @@ static struct tms_transfer transfer_of(const struct tms_alloc *a, const struct t
 static int kept_while_active(const struct tms_backup *copy, int retain)
 {
     return retain || copy->kind == TMS_BACKUP_DISK;
+}
+
+/* Copies run in batches holding at most TMS_DISK_FILES_OPEN_AT_ONCE open
+ * files, each batch's files closed once it has run; memory copies ride along. */
+struct batcher {
+    const struct tms_driver *drv;
+    int to_host;
+    struct tms_transfer *items;
+    size_t start, count, files;
+    int rc;              /* the first failure */
+    struct tms_err err;
+};
+
+static void batch_close(struct batcher *b)
+{
+    for (size_t i = b->start; i < b->count; i++)
+        if (b->items[i].file) tms_disk_close(b->items[i].file);
+    b->start = b->count;
+    b->files = 0;
+}
+
+static void batch_run(struct batcher *b)
+{
+    struct tms_err e = {0};
+    int rc = tms_transfer_run(b->drv, b->to_host, b->items + b->start, b->count - b->start, &e);
+    if (rc && !b->rc) b->rc = rc, b->err = e;
+    batch_close(b);
+}
+
+static void batch_add(struct batcher *b, struct tms_transfer t)
+{
+    b->items[b->count++] = t;
+    if (t.file && ++b->files == TMS_DISK_FILES_OPEN_AT_ONCE) batch_run(b);
 }
 
 /* Forgets the backup a move would install, dropping it if it is new. */
@@ -51,19 +84,24 @@ static int synchronize_devices(const struct tms_driver *drv, const struct tms_mo
  * the truth, and a half-overwritten copy must not be served as a backup. */
 static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n, struct tms_err *err)
 {
-    struct tms_transfer *copies = calloc(n, sizeof *copies);
-    if (!copies) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", n);
-    size_t k = 0;
+    struct batcher b = {.drv = drv, .to_host = 1, .items = calloc(n, sizeof *b.items)};
+    if (!b.items) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", n);
     int rc = TMS_OK;
-    for (size_t i = 0; i < n && !rc; i++) {
+    for (size_t i = 0; i < n && !rc && !b.rc; i++) {
         const struct tms_alloc *a = m[i].a;
         if (!a->backup) continue;
         if (m[i].copy && !tms_backup_reusable(m[i].copy, a->backup_kind)) m[i].copy = NULL;  /* settle drops the old one */
-        if (!m[i].copy) rc = tms_backup_new(drv, a->backup_kind, a->size, a->va, &m[i].copy, err);
-        if (!rc) copies[k++] = transfer_of(a, m[i].copy);
+        if (!m[i].copy) rc = tms_backup_new(drv, a->backup_kind, a->size, a->va, &m[i].copy, err);  /* a file: open */
+        else if (m[i].copy->kind == TMS_BACKUP_DISK) rc = tms_disk_open(&m[i].copy->file, err);
+        if (!rc) batch_add(&b, transfer_of(a, m[i].copy));
     }
-    if (!rc) rc = tms_transfer_run(drv, 1, copies, k, err);
-    free(copies);
+    if (rc) batch_close(&b);
+    else batch_run(&b);
+    if (!rc && b.rc) {
+        rc = b.rc;
+        if (err) *err = b.err;
+    }
+    free(b.items);
     if (rc)
         for (size_t i = 0; i < n; i++) discard_copy(&m[i]);
     return rc;
@@ -138,22 +176,29 @@ int tms_core_resume(const char *tag, struct tms_err *err)
     if (rc) return rc;
     uint64_t start = tms_now_ns();
     struct tms_move *m;
-    size_t n, mapped = 0, k = 0;
+    size_t n, mapped = 0;
     if ((rc = tms_table_claim(tag, TMS_PAUSED, &m, &n, err)) || n == 0) return rc;
-    struct tms_transfer *copies = calloc(n, sizeof *copies);
+    struct batcher b = {.drv = drv, .to_host = 0, .items = calloc(n, sizeof *b.items)};
+    struct tms_transfer *copies = b.items;
     if (!copies) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu restores", n);
-    /* Map what fits; on the first failure (typically OOM) stop, so the rest
-     * stay paused with their backups and a retry resumes them. */
+    /* Map what fits; on the first failure (typically OOM, or a backup file
+     * that cannot be opened) stop, so the rest stay paused with their
+     * backups and a retry resumes them. */
     for (; !rc && mapped < n; mapped++) {
         struct tms_alloc *a = m[mapped].a;
-        if ((rc = tms_chunks_map(drv, a, tms_core_tag_name(a->tag_id), err))) break;
-        if (m[mapped].copy) copies[k++] = transfer_of(a, m[mapped].copy);
+        struct tms_backup *copy = m[mapped].copy;
+        int file = copy && copy->kind == TMS_BACKUP_DISK;
+        if (file && (rc = tms_disk_open(&copy->file, err))) break;
+        if ((rc = tms_chunks_map(drv, a, tms_core_tag_name(a->tag_id), err))) {
+            if (file) tms_disk_close(&copy->file);
+            break;
+        }
+        if (copy) batch_add(&b, transfer_of(a, copy));
     }
-    struct tms_err copy_err = {0};
-    int copy_rc = copies ? tms_transfer_run(drv, 0, copies, k, &copy_err) : TMS_OK;
-    if (copy_rc && !rc) {
-        rc = copy_rc;
-        if (err) *err = copy_err;
+    if (copies) batch_run(&b);
+    if (b.rc && !rc) {
+        rc = b.rc;
+        if (err) *err = b.err;
     }
     /* An allocation is active only once all its bytes are back. */
     int retain = tms_core_retain();

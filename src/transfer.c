@@ -178,8 +178,7 @@ static void worker_run(struct worker *w, struct job *j)
         if (!j->to_host) finish(w, j, in_slot[cur], cur), in_slot[cur] = -1;
         tms_stream *s = stream_for(w, j, blk, cur);
         if (!s) break;
-        char *host = (char *)it->host + blk->offset;
-        void *staging = it->host_pinned ? host : w->slot[cur];
+        void *staging = it->host_pinned ? (char *)it->host + blk->offset : w->slot[cur];
         if (!j->to_host && it->file) {
             struct tms_err e;
             if (tms_disk_read(it->file, staging, blk->len, blk->offset, &e)) {
@@ -187,7 +186,7 @@ static void worker_run(struct worker *w, struct job *j)
                 break;
             }
         } else if (!j->to_host && !it->host_pinned) {
-            memcpy(staging, host, blk->len);
+            memcpy(staging, (char *)it->host + blk->offset, blk->len);
         }
         int rc = j->drv->copy_async(it->device, j->to_host, staging, it->dev + blk->offset, blk->len, *s);
         if (rc) {

@@ -12,7 +12,7 @@ struct tms_transfer {
     int device;
     tms_va dev;
     void *host;
-    const struct tms_disk_file *file;  /* instead of host: the bytes go to or come from its offset 0 */
+    struct tms_disk_file *file;  /* instead of host (open): the bytes go to or come from its offset 0 */
     size_t n;
     int host_pinned;   /* host is page-locked: the DMA goes straight to it */
     size_t done;       /* out (atomic): bytes known complete, == n on success */
