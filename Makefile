@@ -45,7 +45,7 @@ SAN_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-r
 sanitize-python:
 	TMS_WERROR=1 TMS_EXTRA_CFLAGS="$(SAN_FLAGS)" $(PYTHON) setup.py -q build_ext --inplace --force
 	ASAN_OPTIONS=verify_asan_link_order=0:detect_leaks=0 $(PYTHON) -m pytest -q -p no:cacheprovider \
-	    tests/test_host_backend.py tests/test_observe.py tests/test_teardown.py \
+	    tests/test_host_backend.py tests/test_observe.py tests/test_teardown.py tests/test_disk_backup.py \
 	    -k "not touching_paused_memory_faults"; rc=$$?; TMS_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --force; exit $$rc
 
 # The threads scenario and the fuzz driver under ThreadSanitizer.
