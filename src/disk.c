@@ -110,8 +110,8 @@ static int owner_dead(int dfd, int pid, unsigned long long tok)
  * whatever pid namespace its owner lives in. */
 static int stale_new_lock(int dfd, const char *name)
 {
-    struct stat st;
-    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || time(NULL) - st.st_mtime < 60) return 0;
+    struct statx st;  /* statx, not fstatat: fstatat is a GLIBC_2.33 symbol, the wheel targets 2.28 */
+    if (statx(dfd, name, AT_SYMLINK_NOFOLLOW, STATX_MTIME, &st) != 0 || time(NULL) - st.stx_mtime.tv_sec < 60) return 0;
     int fd = openat(dfd, name, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return 0;
     int dead = flock(fd, LOCK_EX | LOCK_NB) == 0;
