@@ -17,8 +17,11 @@ reinstall:
 
 # torch and pytest only if missing: `pip install torch==2.13.0` takes the CPU
 # wheel from disk on CI machines; GPU machines already have their torch.
+# auditwheel checks the wheel's manylinux tag; where it cannot be had (no
+# network, as on the lent GPU machines) that one test skips.
 deps:
 	@$(PYTHON) -c "import torch, pytest" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0 pytest
+	@$(PYTHON) -c "import auditwheel" 2>/dev/null || $(PYTHON) -m pip install -q auditwheel 2>/dev/null || true
 
 test: deps build
 	$(PYTHON) -m pytest -q tests

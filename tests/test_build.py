@@ -232,6 +232,19 @@ def test_one_abi3_manylinux_wheel_with_its_metadata(wheel_file):
         + [f"torch_memory_saver_hook_mode_{m}{s}.abi3.so" for m in HOOK_MODES for s in ("", "_cu12", "_cu13")])
 
 
+def test_auditwheel_agrees_with_the_manylinux_tag(wheel_file):
+    # auditwheel (where installed; `pip install auditwheel`) reads every library's
+    # symbol versions and NEEDED entries and names the policy the wheel meets.
+    import platform
+
+    pytest.importorskip("auditwheel", reason="auditwheel not installed (pip install auditwheel)")
+    proc = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel_file)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert f'consistent with the following platform tag: "manylinux_2_28_{platform.machine()}"' in text, proc.stdout
+
+
 def test_pip_wheel_contains_both_libraries_and_works(wheel_file, tmp_path):
     wheel = wheel_file
     with zipfile.ZipFile(wheel) as z:
