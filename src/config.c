@@ -106,6 +106,8 @@ static void load_defaults(void)
     env_bool("TMS_INIT_ENABLE_CPU_BACKUP", &defaults.init_backup);
     env_bool("TMS_RETAIN_CPU_BACKUP", &defaults.retain_backup);
     env_bool("TMS_INIT_ENABLE_DISK_BACKUP", &defaults.init_disk_backup);
+    defaults.reloc_hooks = 1;
+    env_bool("TMS_RELOC_HOOKS", &defaults.reloc_hooks);
     env_disk_block();
     const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
     if (kind && *kind && tms_backup_kind_parse(kind, &defaults.init_backup_kind) != TMS_OK &&

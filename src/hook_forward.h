@@ -16,16 +16,23 @@
  */
 typedef void *(*tms_next_fn)(void);
 
-#define TMS_NEXT_RESOLVER(fn_name)                          \
-    static void *next_##fn_name(void)                       \
-    {                                                       \
-        static void *slot; /* atomic */                     \
-        void *fn = __atomic_load_n(&slot, __ATOMIC_ACQUIRE); \
-        if (!fn) {                                          \
-            fn = dlsym(RTLD_NEXT, #fn_name);                \
-            __atomic_store_n(&slot, fn, __ATOMIC_RELEASE);  \
-        }                                                   \
-        return fn;                                          \
+/* When the hooks were installed by relocation (reloc.c) rather than
+ * LD_PRELOAD, the library was loaded RTLD_LOCAL and RTLD_NEXT does not see
+ * the runtime: the GOT entries it replaced name the definition. Weak and
+ * hidden: the shims have no reloc.c and see NULL. */
+extern void *tms_reloc_original(const char *name) __attribute__((weak, visibility("hidden")));
+
+#define TMS_NEXT_RESOLVER(fn_name)                                     \
+    static void *next_##fn_name(void)                                  \
+    {                                                                  \
+        static void *slot; /* atomic */                                \
+        void *fn = __atomic_load_n(&slot, __ATOMIC_ACQUIRE);            \
+        if (!fn) {                                                     \
+            if (tms_reloc_original) fn = tms_reloc_original(#fn_name); \
+            if (!fn) fn = dlsym(RTLD_NEXT, #fn_name);                  \
+            __atomic_store_n(&slot, fn, __ATOMIC_RELEASE);             \
+        }                                                              \
+        return fn;                                                     \
     }
 
 /* Defines malloc_name(void **, size_t) and free_name(void *), exported,

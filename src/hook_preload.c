@@ -6,6 +6,7 @@
 #include "core.h"
 #include "hook.h"
 #include "hook_forward.h"
+#include "reloc.h"
 
 typedef int (*malloc_fn)(void **, size_t);
 typedef int (*free_fn)(void *);
@@ -38,6 +39,9 @@ TMS_DEFINE_ALLOCATOR_HOOKS(hipMalloc, hipFree, route_malloc, route_free)
  * would go through the GOT and find whichever definition wins. */
 extern int tms_own_cuda_malloc(void **ptr, size_t size)
     __attribute__((alias("cudaMalloc"), visibility("hidden")));
+extern int tms_own_cuda_free(void *ptr) __attribute__((alias("cudaFree"), visibility("hidden")));
+extern int tms_own_hip_malloc(void **ptr, size_t size) __attribute__((alias("hipMalloc"), visibility("hidden")));
+extern int tms_own_hip_free(void *ptr) __attribute__((alias("hipFree"), visibility("hidden")));
 extern int tms_own_preload_malloc(void **ptr, size_t size, tms_next_fn next)
     __attribute__((alias("tms_preload_malloc"), visibility("hidden")));
 
@@ -62,4 +66,20 @@ int tms_preload_is_interposed(const char **winner)
     void *router = lib ? dlsym(lib, "tms_preload_malloc") : NULL;
     if (lib) dlclose(lib);
     return router == (void *)tms_own_preload_malloc;
+}
+
+int tms_preload_install_relocation(struct tms_err *err)
+{
+    const struct tms_reloc_target hooks[] = {
+        {"cudaMalloc", (void *)tms_own_cuda_malloc}, {"cudaFree", (void *)tms_own_cuda_free},
+        {"hipMalloc", (void *)tms_own_hip_malloc}, {"hipFree", (void *)tms_own_hip_free},
+    };
+    return tms_reloc_install(hooks, sizeof hooks / sizeof *hooks, err);
+}
+
+const char *tms_preload_method(void)
+{
+    const char *winner;
+    if (tms_preload_is_interposed(&winner)) return "ld_preload";
+    return tms_reloc_installed() ? "relocation" : NULL;
 }

@@ -14,6 +14,7 @@
 #include "disk.h"
 #include "driver.h"
 #include "hook.h"
+#include "reloc.h"
 #include "transfer.h"
 #include "py_weak.h"
 
@@ -31,6 +32,8 @@
 
 #if TMS_VARIANT_IS_PRELOAD
 int tms_preload_is_interposed(const char **winner);  /* hook_preload.c */
+int tms_preload_install_relocation(struct tms_err *err);
+const char *tms_preload_method(void);
 #endif
 
 /* Module state: Python objects only. */
@@ -524,6 +527,46 @@ static PyObject *py_preload_active(PyObject *module, PyObject *unused)
     if (!winner) return Py_BuildValue("(NO)", PyBool_FromLong(active), Py_None);
     return Py_BuildValue("(Ns)", PyBool_FromLong(active), winner);
 }
+
+PyDoc_STRVAR(install_relocation_hooks_doc,
+"install_relocation_hooks($module, /)\n--\n\n"
+"Point every loaded object's GOT entries for cudaMalloc/cudaFree (hipMalloc/hipFree)\n"
+"at this library's hooks, and those of objects loaded later (through dlopen): preload\n"
+"mode without LD_PRELOAD. Idempotent. NotImplementedError if TMS_RELOC_HOOKS=0.");
+static PyObject *py_install_relocation_hooks(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    struct tms_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS  /* walks every object's relocations */
+    rc = tms_preload_install_relocation(&err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(relocation_report_doc,
+"relocation_report($module, /)\n--\n\n"
+"(patched, static_runtime): the objects whose GOT entries were patched, and those that\n"
+"define cudaMalloc themselves (a statically linked runtime, not hookable by relocation).");
+static PyObject *py_relocation_report(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    char patched[8192], statics[4096];
+    tms_reloc_report(patched, sizeof patched, statics, sizeof statics);
+    return Py_BuildValue("(ss)", patched, statics);
+}
+
+PyDoc_STRVAR(preload_method_doc,
+"preload_method($module, /)\n--\n\n"
+"How this process's allocations reach the hooks: 'ld_preload', 'relocation', or None.");
+static PyObject *py_preload_method(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    const char *method = tms_preload_method();
+    if (!method) Py_RETURN_NONE;
+    return PyUnicode_FromString(method);
+}
 #endif
 
 PyDoc_STRVAR(library_path_doc, "library_path($module, /)\n--\n\nPath of this shared library.");
@@ -613,6 +656,9 @@ static PyMethodDef module_methods[] = {
     {"mem_get_info", py_mem_get_info, METH_VARARGS, mem_get_info_doc},
 #if TMS_VARIANT_IS_PRELOAD
     {"preload_active", py_preload_active, METH_NOARGS, preload_active_doc},
+    {"install_relocation_hooks", py_install_relocation_hooks, METH_NOARGS, install_relocation_hooks_doc},
+    {"relocation_report", py_relocation_report, METH_NOARGS, relocation_report_doc},
+    {"preload_method", py_preload_method, METH_NOARGS, preload_method_doc},
 #endif
     {"library_path", py_library_path, METH_NOARGS, library_path_doc},
     {"last_hook_error", py_last_hook_error, METH_NOARGS, last_hook_error_doc},

@@ -1,0 +1,156 @@
+"""Preload mode without LD_PRELOAD (issue 14): the hooks installed by patching the GOT
+entries of loaded objects, checked with a stub CUDA runtime and small libraries built
+here: loaded before the patch and dlopen'ed after, with lazy binding, full RELRO and
+-fno-plt; a bare-name dlopen through a patched dlopen keeps the caller's RUNPATH."""
+import os
+import subprocess
+import textwrap
+
+import pytest
+
+from conftest import REPO, check_ok
+
+C = REPO / "tests" / "c"
+VARIANTS = {  # name: extra flags
+    "lazy": [],
+    "now": ["-Wl,-z,relro,-z,now"],
+    "noplt": ["-fno-plt", "-Wl,-z,relro,-z,now"],
+    "late": ["-Wl,-z,relro,-z,now"],
+}
+
+
+def _cc(*args):
+    proc = subprocess.run(["cc", *map(str, args)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reloc")
+    _cc("-shared", "-fPIC", "-O2", "-o", d / "libcudart_stub.so", C / "reloc_runtime_stub.c")
+    for name, flags in VARIANTS.items():
+        _cc("-shared", "-fPIC", "-O2", *flags, "-o", d / f"libuser_{name}.so", C / "reloc_user.c",
+            f"-L{d}", "-lcudart_stub", f"-Wl,-rpath,{d}", "-ldl")
+    (d / "sub").mkdir()
+    _cc("-shared", "-fPIC", "-O2", "-Wl,-z,relro,-z,now", "-o", d / "sub" / "libinner.so", C / "reloc_user.c",
+        f"-L{d}", "-lcudart_stub", f"-Wl,-rpath,{d}", "-ldl")
+    _cc("-shared", "-fPIC", "-O2", "-Wl,--enable-new-dtags,-rpath,$ORIGIN/sub", "-o", d / "libuser_runpath.so",
+        C / "reloc_user.c", f"-L{d}", "-lcudart_stub", f"-Wl,-rpath,{d}", "-ldl")
+    # A library with the runtime linked in: it defines cudaMalloc itself.
+    _cc("-shared", "-fPIC", "-O2", "-o", d / "libstatic_runtime.so", C / "reloc_runtime_stub.c")
+    return d
+
+
+PRELUDE = """
+D = sys.argv[1]
+tms.hook_mode = "preload"
+core = tms._core
+
+def load(name):
+    lib = ctypes.CDLL(os.path.join(D, name))
+    lib.user_alloc.restype = ctypes.c_void_p
+    lib.user_alloc.argtypes = [ctypes.c_size_t]
+    lib.user_free.argtypes = [ctypes.c_void_p]
+    lib.user_open.restype = ctypes.c_void_p
+    lib.user_open.argtypes = [ctypes.c_char_p]
+    return lib
+
+stub = ctypes.CDLL(os.path.join(D, "libcudart_stub.so"))
+def counts():
+    return stub.stub_mallocs(), stub.stub_frees()
+
+def ours(p):
+    return any(r["ptr"] == p for r in core.allocations())
+
+def check_routes(lib, what):
+    m0, f0 = counts()
+    p = lib.user_alloc(4096)                               # outside a region: the runtime's
+    assert p and counts() == (m0 + 1, f0) and not ours(p), (what, counts())
+    assert lib.user_free(p) == 0 and counts() == (m0 + 1, f0 + 1), what
+    core.set_region(True, "r", False, "mmap")
+    try:
+        q = lib.user_alloc(3 * MiB)                        # inside: the library's
+    finally:
+        core.set_region(False, "default", False, "mmap")
+    assert q and ours(q) and counts() == (m0 + 1, f0 + 1), (what, counts())
+    data = fill(q, 3 * MiB)
+    tms.pause("r"); tms.resume("r")
+    assert lib.user_free(q) == 0 and not ours(q) and counts() == (m0 + 1, f0 + 1), what   # freed by the core
+"""
+
+
+def _run(run_py, body, **kw):
+    return run_py(PRELUDE + textwrap.dedent(body), **kw)
+
+
+def test_hooks_reach_objects_loaded_before_and_after(run_py, libs):
+    out = check_ok(_run(run_py, """
+        early = {k: load(f"libuser_{k}.so") for k in ("lazy", "now", "noplt")}
+        before = early["now"].user_alloc(4096)                 # allocated before the patch
+        assert core.preload_method() is None
+        assert counts() == (1, 0)
+        core.install_relocation_hooks()
+        core.install_relocation_hooks()                        # idempotent
+        assert core.preload_method() == "relocation"
+        patched, statics = core.relocation_report()
+        for k in early:
+            assert os.path.join(D, f"libuser_{k}.so") in patched.splitlines(), (k, patched)
+        assert statics == ""
+        for k, lib in early.items():
+            check_routes(lib, k)
+        assert early["now"].user_free(before) == 0 and counts()[1] >= 1   # foreign: forwarded to the runtime
+        late = load("libuser_late.so")                         # dlopen'ed by ctypes, through the patched dlopen
+        assert os.path.join(D, "libuser_late.so") in core.relocation_report()[0].splitlines()
+        check_routes(late, "late")
+        print("done")
+    """, load_core=False, args=(libs,)))
+    assert out == "done\n"
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_bare_name_dlopen_keeps_the_callers_runpath(run_py, libs, hooks):
+    # Without the hooks the control: the loader finds libinner.so in the caller's RUNPATH.
+    out = check_ok(_run(run_py, f"""
+        outer = load("libuser_runpath.so")
+        assert not outer.user_open(b"libnothere_tms.so")
+        if {hooks}:
+            core.install_relocation_hooks()
+        h = outer.user_open(b"libinner.so")                    # only in $ORIGIN/sub of the caller
+        assert h, "bare-name dlopen lost the caller's RUNPATH"
+        inner = load("sub/libinner.so")                        # the same object, already loaded
+        if {hooks}:
+            assert os.path.join(D, "sub", "libinner.so") in core.relocation_report()[0].splitlines()
+            check_routes(inner, "inner")
+        print("done")
+    """, load_core=False, args=(libs,)))
+    assert out == "done\n"
+
+
+def test_a_statically_linked_runtime_is_named(run_py, libs):
+    proc = _run(run_py, """
+        ctypes.CDLL(os.path.join(D, "libstatic_runtime.so"))
+        core.install_relocation_hooks()
+        print(core.relocation_report()[1].strip())
+    """, load_core=False, args=(libs,))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(libs / "libstatic_runtime.so")
+    assert "libstatic_runtime.so defines cudaMalloc itself" in proc.stderr, proc.stderr
+
+
+def test_reloc_hooks_off_leaves_objects_alone(run_py, libs):
+    out = check_ok(_run(run_py, """
+        lib = load("libuser_now.so")
+        expect(NotImplementedError, core.install_relocation_hooks, match="TMS_RELOC_HOOKS=0")
+        assert core.preload_method() is None and core.relocation_report() == ("", "")
+        core.set_region(True, "r", False, "mmap")
+        p = lib.user_alloc(MiB)
+        core.set_region(False, "default", False, "mmap")
+        assert p and not ours(p) and counts() == (1, 0)          # the runtime's, untouched
+        print("done")
+    """, load_core=False, args=(libs,), env={"TMS_RELOC_HOOKS": "0"}))
+    assert out == "done\n"
+
+
+def test_malformed_reloc_hooks_is_a_value_error(run_py):
+    proc = run_py("import torch_memory_saver", prelude=False, env={"TMS_RELOC_HOOKS": "maybe"})
+    assert proc.returncode != 0 and "TMS_RELOC_HOOKS='maybe'" in proc.stderr, proc.stderr
