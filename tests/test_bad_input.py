@@ -242,21 +242,21 @@ def test_margin_beyond_size_t_before_first_use_raises_at_assignment(run_py):
 
 def test_missing_ld_preload_message_says_how_to_fix(run_py, built_libs):
     # The check regions run in preload mode on a GPU backend (entrypoint.py
-    # _Impl.on_gpu); here it is called directly, without and with the library
-    # on LD_PRELOAD.
+    # _Impl.on_gpu); here it is called directly: with the library on LD_PRELOAD,
+    # without it (relocation hooks), and without it with TMS_RELOC_HOOKS=0.
     code = """
         from torch_memory_saver import _preload
-        if os.environ.get("LD_PRELOAD"):
-            _preload.check_interposed(core)
-            print("interposed")
-        else:
-            e = expect(RuntimeError, _preload.check_interposed, core)
+        if os.environ.get("TMS_RELOC_HOOKS") == "0":
+            e = expect(RuntimeError, _preload.ensure_hooked, core)
             msg = str(e)
             for part in ("hook_mode='preload' needs", core.library_path(), "in LD_PRELOAD",
-                         "python -m torch_memory_saver run --", "configure_subprocess()",
+                         "python -m torch_memory_saver run --", "configure_subprocess()", "TMS_RELOC_HOOKS=0",
                          "hook_mode = 'torch'"):
                 assert part in msg, (part, msg)
             print("raised")
+        else:
+            print(_preload.ensure_hooked(core))
     """
-    assert check_ok(run_py(code)) == "raised\n"
-    assert check_ok(run_py(code, env={"LD_PRELOAD": built_libs["preload"]})) == "interposed\n"
+    assert check_ok(run_py(code, env={"TMS_RELOC_HOOKS": "0"})) == "raised\n"
+    assert check_ok(run_py(code)) == "relocation\n"
+    assert check_ok(run_py(code, env={"LD_PRELOAD": built_libs["preload"]})) == "ld_preload\n"

@@ -96,8 +96,23 @@ pytestmark = [
 ]
 
 
+# Preload mode twice: with the library on LD_PRELOAD, and without it, where the
+# hooks are installed by patching relocation tables (issue 14).
+RELOCATION = "preload-relocation"
+GPU_MODES = ("preload", RELOCATION, "torch")
+
+
+def _relocation_env(hook_mode, child_env):
+    """The scenario's own hook mode and, for RELOCATION, the method begin() must see."""
+    if hook_mode == RELOCATION:
+        child_env["TMS_TEST_PRELOAD_METHOD"] = "relocation"
+        return "preload"
+    return hook_mode
+
+
 def run_scenario(name, hook_mode, *args, env=None):
-    """Runs tests/gpu_scenarios/<name>.py in a fresh process; returns the CompletedProcess."""
+    """Runs tests/gpu_scenarios/<name>.py in a fresh process; returns the CompletedProcess.
+    hook_mode RELOCATION: preload mode started without LD_PRELOAD."""
     if PROBE_ERROR:
         pytest.fail(PROBE_ERROR)
     for mode in HOOK_MODES:
@@ -113,7 +128,7 @@ def run_scenario(name, hook_mode, *args, env=None):
         child_env["LD_PRELOAD"] = _without_preload_library(child_env.get("LD_PRELOAD", ""))
         if not child_env["LD_PRELOAD"]:
             del child_env["LD_PRELOAD"]
-    cmd = [sys.executable, str(SCENARIOS / f"{name}.py"), hook_mode, *args]
+    cmd = [sys.executable, str(SCENARIOS / f"{name}.py"), _relocation_env(hook_mode, child_env), *args]
     try:
         return subprocess.run(cmd, cwd=REPO_ROOT, env=child_env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
@@ -137,7 +152,7 @@ def check_passed(proc, empty_stderr=False):
         assert proc.stderr.strip() == "", f"stderr not empty\n{report}"
 
 
-@pytest.mark.parametrize("hook_mode", HOOK_MODES)
+@pytest.mark.parametrize("hook_mode", GPU_MODES)
 @pytest.mark.parametrize("scenario", [
     "pause_frees",
     "cpu_backup",
@@ -158,7 +173,7 @@ def test_scenario(scenario, hook_mode):
     check_passed(run_scenario(scenario, hook_mode))
 
 
-@pytest.mark.parametrize("hook_mode", HOOK_MODES)
+@pytest.mark.parametrize("hook_mode", GPU_MODES)
 def test_disk_backup(hook_mode, tmp_path):
     d = tmp_path / "disk"
     proc = run_scenario("disk_backup", hook_mode, env={"TMS_TEST_DISK_DIR": str(d)})
@@ -166,7 +181,7 @@ def test_disk_backup(hook_mode, tmp_path):
     assert os.listdir(d) == [], f"left in {d} at exit: {os.listdir(d)}\n{_report(proc)}"
 
 
-@pytest.mark.parametrize("hook_mode", HOOK_MODES)
+@pytest.mark.parametrize("hook_mode", GPU_MODES)
 def test_nested_regions_init_enable(hook_mode):
     # The "default"-tag part (allocations outside regions) runs in preload mode only.
     check_passed(run_scenario("nested_init_enable", hook_mode, env={"TMS_INIT_ENABLE": "1"}))
@@ -209,7 +224,9 @@ def run_installed_scenario(name, hook_mode, site, tmp_path, preload=None, env=No
         child_env["LD_PRELOAD"] = str(site / preload)
     elif hook_mode == "preload":
         child_env["LD_PRELOAD"] = str(next(site.glob("torch_memory_saver/_tms_preload*.so")))
-    cmd = [sys.executable, str(SCENARIOS / f"{name}.py"), hook_mode]
+    else:
+        child_env.pop("LD_PRELOAD", None)
+    cmd = [sys.executable, str(SCENARIOS / f"{name}.py"), _relocation_env(hook_mode, child_env)]
     try:
         return subprocess.run(cmd, cwd=tmp_path, env=child_env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
@@ -217,7 +234,7 @@ def run_installed_scenario(name, hook_mode, site, tmp_path, preload=None, env=No
                     f"--- stderr ---\n{e.stderr}")
 
 
-@pytest.mark.parametrize("hook_mode", HOOK_MODES)
+@pytest.mark.parametrize("hook_mode", GPU_MODES)
 @pytest.mark.parametrize("scenario", ["compat_sglang", "compat_verl", "compat_disable"])
 def test_compat_scenario(scenario, hook_mode, installed, tmp_path):
     check_passed(run_installed_scenario(scenario, hook_mode, installed, tmp_path))
@@ -274,3 +291,20 @@ def test_c_program_on_the_gpu_through_the_abi(installed, tmp_path):
         env["LD_PRELOAD"] = str(installed / name)
         proc = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=120)
         assert (proc.returncode, proc.stdout, proc.stderr) == (0, "OK cuda\n", ""), _report(proc)
+
+
+def test_extension_loaded_after_import_is_hooked_by_relocation(tmp_path):
+    # A CUDA library built here (cudaMalloc/cudaFree through libcudart, as a CUDA
+    # extension calls them), loaded after the hooks were installed without LD_PRELOAD:
+    # its allocation in a region is the library's, pauses and resumes with its bytes.
+    toolkit = _cuda_toolkit()
+    if toolkit is None:
+        pytest.skip("no CUDA toolkit (cuda_runtime_api.h and libcudart.so) found")
+    include, lib = toolkit
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    ext = tmp_path / "libtms_test_ext.so"
+    build = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wl,-z,relro,-z,now", f"-I{include}",
+                            str(REPO_ROOT / "tests" / "c" / "cuda_ext.c"), "-o", str(ext), f"-L{lib}", "-lcudart",
+                            f"-Wl,-rpath,{lib}"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    check_passed(run_scenario("reloc_extension", RELOCATION, env={"TMS_TEST_EXTENSION": str(ext)}))

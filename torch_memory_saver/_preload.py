@@ -46,16 +46,26 @@ def configure_subprocess():
             os.environ[_ENV] = previous
 
 
-def check_interposed(core) -> None:
-    """Raises if this process's cudaMalloc is not the preload library's."""
-    active, winner = core.preload_active()
-    if active:
-        return
+def ensure_hooked(core) -> str:
+    """Makes sure this process's cudaMalloc calls reach the preload library and says
+    how: "ld_preload" if the library is interposed (LD_PRELOAD), else "relocation"
+    after patching every loaded object's GOT entries (and those of objects loaded
+    later). Raises if neither is possible (TMS_RELOC_HOOKS=0 without LD_PRELOAD)."""
+    method = core.preload_method()
+    if method:
+        return method
+    try:
+        core.install_relocation_hooks()
+    except NotImplementedError as e:
+        off = str(e)
+    else:
+        return core.preload_method()
+    _, winner = core.preload_active()
     ours = core.library_path()
     where = f"the process's cudaMalloc comes from {winner}" if winner else "no cudaMalloc is interposed"
     raise RuntimeError(
         f"torch_memory_saver: hook_mode='preload' needs {ours} in LD_PRELOAD when the process starts "
-        f"({where}). Start the process with `python -m torch_memory_saver run -- <command>`, or inside "
-        f"`with torch_memory_saver.configure_subprocess():`, or with LD_PRELOAD={ours}; "
-        f"or set torch_memory_saver.hook_mode = 'torch' before first use."
+        f"({where}; {off}). Start the process with `python -m torch_memory_saver run -- <command>`, or inside "
+        f"`with torch_memory_saver.configure_subprocess():`, or with LD_PRELOAD={ours}; or unset "
+        f"TMS_RELOC_HOOKS; or set torch_memory_saver.hook_mode = 'torch' before first use."
     )

@@ -286,10 +286,23 @@ class TorchMemorySaver:
         """The directory disk backups are written to now (see set_disk_backup_dir)."""
         return self._ensure_initialized().core.disk_backup_dir()
 
+    @property
+    def preload_method(self) -> Optional[str]:
+        """How cudaMalloc calls reach the library in preload mode: "ld_preload" (the
+        library was on LD_PRELOAD at start) or "relocation" (it was not: the GOT
+        entries of every loaded object, and of objects loaded later, were pointed at
+        its hooks). Installs the hooks if needed; None in torch mode or without a GPU."""
+        impl = self._ensure_initialized()
+        if self._hook_mode != "preload" or not impl.on_gpu():
+            return None
+        return impl.preload_method
+
     @staticmethod
     def configure_subprocess():
         """Context manager: child processes started inside it have the preload
-        library on LD_PRELOAD (see torch_memory_saver.configure_subprocess)."""
+        library on LD_PRELOAD (see torch_memory_saver.configure_subprocess).
+        Optional: a child that imports the package without it hooks itself by
+        relocation (see preload_method)."""
         return _preload.configure_subprocess()
 
     # ---- internals -----------------------------------------------------------
@@ -345,6 +358,7 @@ class _Impl:
         self._allocator = None
         self._on_gpu = None
         self._warm = False
+        self.preload_method = None  # set by on_gpu(): "ld_preload" or "relocation"
         if not os.environ.get("TMS_BACKEND") and self.core.loaded_backend() is None and _torch_is_rocm():
             self.core.use_backend("hip")  # one build serves both: the platform is chosen here
         if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
@@ -364,7 +378,7 @@ class _Impl:
             # backend (a HIP backend under a CUDA torch is a test stub, not a GPU).
             gpu = backend != "host" and backend == _torch_gpu_platform()  # host: no torch import
             if gpu and self.hook_mode == "preload":
-                _preload.check_interposed(self.core)
+                self.preload_method = _preload.ensure_hooked(self.core)
             self._on_gpu = gpu
         return self._on_gpu
 

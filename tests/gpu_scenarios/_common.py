@@ -41,9 +41,13 @@ def begin(name, hook_mode):
     say(f"== {name}: hook_mode={hook_mode}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
         f"{torch.cuda.device_count()} device(s)")
     if hook_mode == "preload":
-        active, winner = core().preload_active()
-        check(active, f"hook_mode='preload' but this process's cudaMalloc is {winner!r}, not the preload "
-                      f"library's: start the scenario with the library on LD_PRELOAD")
+        import os
+
+        want = os.environ.get("TMS_TEST_PRELOAD_METHOD", "ld_preload")
+        method = tms.preload_method  # installs the relocation hooks when not preloaded
+        check(method == want, f"hook_mode='preload' reaches the hooks by {method!r}, expected {want!r} "
+                              f"(LD_PRELOAD={os.environ.get('LD_PRELOAD')!r})")
+        say(f"preload method: {method}")
     return tms
 
 
