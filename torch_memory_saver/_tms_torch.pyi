@@ -1,5 +1,5 @@
 """Type stubs of the native core (src/module.c), torch hook variant: the members of
-_tms_preload but preload_active. Private: the public API is torch_memory_saver.torch_memory_saver."""
+_tms_preload but preload_active and the relocation functions. Private: the public API is torch_memory_saver.torch_memory_saver."""
 from typing import Dict, List, Literal, Optional, Tuple, Union
 
 from ._errors import Error as Error

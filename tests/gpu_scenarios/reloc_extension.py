@@ -25,7 +25,7 @@ def main(hook_mode):
     check(plain and owner(plain) is None, "an allocation outside a region was taken by the library")
     check(ext.ext_free(plain) == 0, "cudaFree of CUDA's own allocation failed")
 
-    n = 256 * MiB + 12345
+    n = 1024 * MiB + 12345  # large next to the fixed cost (~16 MiB) of the first backed-up pause
     base = free_bytes()
     with tms.region(tag="ext", enable_cpu_backup=True):
         ptr = ext.ext_alloc(n)
