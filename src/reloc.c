@@ -60,7 +60,7 @@ struct object {
 
 static pthread_mutex_t reloc_lock = PTHREAD_MUTEX_INITIALIZER;  /* guards all below */
 static struct target targets[MAX_TARGETS];
-static size_t target_count;
+static size_t target_count;  /* atomic: published before the first entry is patched */
 static int installed;  /* atomic */
 static uintptr_t self_base;
 static struct seen *seen;
@@ -129,7 +129,8 @@ static int store(void **slot, void *value)
 
 static struct target *target_named(const char *name)
 {
-    for (size_t i = 0; i < target_count; i++)
+    size_t count = __atomic_load_n(&target_count, __ATOMIC_ACQUIRE);
+    for (size_t i = 0; i < count; i++)
         if (strcmp(targets[i].name, name) == 0) return &targets[i];
     return NULL;
 }
@@ -181,6 +182,11 @@ static void patch_relocs(const struct object *o, const ElfW(Rela) *rel, size_t n
         if (!__atomic_load_n(&t->original, __ATOMIC_ACQUIRE)) {
             void *orig = inside(o, (uintptr_t)cur) || is_hook(cur) ? resolve_for(o, t->name) : cur;
             __atomic_store_n(&t->original, orig, __ATOMIC_RELEASE);  /* before any call can reach the hook */
+        }
+        if (!__atomic_load_n(&t->original, __ATOMIC_ACQUIRE)) {
+            /* The hook could not forward what it does not serve: leave the entry. */
+            TMS_DEBUG("relocation hooks: %s in %s left alone: no definition to forward to", t->name, o->name);
+            continue;
         }
         int rc = store(slot, t->hook);
         if (rc) {
@@ -363,7 +369,7 @@ int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms
         if (dladdr((void *)reloc_dlopen, &self)) self_base = (uintptr_t)self.dli_fbase;
         for (size_t i = 0; i < count; i++) targets[i] = (struct target){t[i].name, t[i].hook, NULL};
         targets[count] = (struct target){"dlopen", (void *)reloc_dlopen, NULL};
-        target_count = count + 1;
+        __atomic_store_n(&target_count, count + 1, __ATOMIC_RELEASE);
     }
     patch_all_locked();
     __atomic_store_n(&installed, 1, __ATOMIC_RELEASE);
@@ -374,11 +380,11 @@ int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms
 
 int tms_reloc_installed(void) { return __atomic_load_n(&installed, __ATOMIC_ACQUIRE); }
 
-/* No lock: the hooks call this, and the targets do not change once
- * `installed` is published (only their atomic originals do). */
+/* No lock: the hooks call this, also while a pass is patching, and the
+ * targets do not change once published (only their atomic originals do,
+ * each set before the first entry that leads to the hook). */
 void *tms_reloc_original(const char *name)
 {
-    if (!tms_reloc_installed()) return NULL;
     struct target *t = target_named(name);
     return t ? __atomic_load_n(&t->original, __ATOMIC_ACQUIRE) : NULL;
 }

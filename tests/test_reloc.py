@@ -53,6 +53,9 @@ def load(name):
     lib.user_free.argtypes = [ctypes.c_void_p]
     lib.user_open.restype = ctypes.c_void_p
     lib.user_open.argtypes = [ctypes.c_char_p]
+    lib.user_hip_alloc.restype = ctypes.c_void_p
+    lib.user_hip_alloc.argtypes = [ctypes.c_size_t]
+    lib.user_hip_free.argtypes = [ctypes.c_void_p]
     return lib
 
 stub = ctypes.CDLL(os.path.join(D, "libcudart_stub.so"))
@@ -102,6 +105,31 @@ def test_hooks_reach_objects_loaded_before_and_after(run_py, libs):
         late = load("libuser_late.so")                         # dlopen'ed by ctypes, through the patched dlopen
         assert os.path.join(D, "libuser_late.so") in core.relocation_report()[0].splitlines()
         check_routes(late, "late")
+        print("done")
+    """, load_core=False, args=(libs,)))
+    assert out == "done\n"
+
+
+def test_hip_names_and_patching_while_other_threads_allocate(run_py, libs):
+    out = check_ok(_run(run_py, """
+        lib = load("libuser_lazy.so")
+        failures = []
+        def churn():
+            failures.append(lib.user_churn(200000))            # ctypes releases the GIL: runs during the patch
+        threads = [threading.Thread(target=churn) for _ in range(2)]
+        for t in threads:
+            t.start()
+        core.install_relocation_hooks()
+        for t in threads:
+            t.join()
+        assert failures == [0, 0], failures
+        m, f = counts()
+        assert m == f and m == 400000, (m, f)                   # outside regions: all forwarded, none lost
+        core.set_region(True, "h", False, "mmap")
+        p = lib.user_hip_alloc(2 * MiB)
+        core.set_region(False, "default", False, "mmap")
+        assert p and ours(p) and counts() == (m, f)             # hipMalloc in a region: the library's
+        assert lib.user_hip_free(p) == 0 and not ours(p)
         print("done")
     """, load_core=False, args=(libs,)))
     assert out == "done\n"

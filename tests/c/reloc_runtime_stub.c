@@ -3,21 +3,25 @@
 #include <stddef.h>
 #include <stdlib.h>
 
-static int mallocs, frees;
+static int mallocs, frees;  /* atomic */
 
 int cudaMalloc(void **ptr, size_t size)
 {
-    mallocs++;
+    __atomic_add_fetch(&mallocs, 1, __ATOMIC_RELAXED);
     *ptr = malloc(size ? size : 1);
     return *ptr ? 0 : 2;
 }
 
 int cudaFree(void *ptr)
 {
-    frees++;
+    __atomic_add_fetch(&frees, 1, __ATOMIC_RELAXED);
     free(ptr);
     return 0;
 }
 
-int stub_mallocs(void) { return mallocs; }
-int stub_frees(void) { return frees; }
+/* ROCm builds of PyTorch call the HIP names: the same stand-in. */
+int hipMalloc(void **ptr, size_t size) { return cudaMalloc(ptr, size); }
+int hipFree(void *ptr) { return cudaFree(ptr); }
+
+int stub_mallocs(void) { return __atomic_load_n(&mallocs, __ATOMIC_RELAXED); }
+int stub_frees(void) { return __atomic_load_n(&frees, __ATOMIC_RELAXED); }

@@ -6,6 +6,8 @@
 
 int cudaMalloc(void **ptr, size_t size);
 int cudaFree(void *ptr);
+int hipMalloc(void **ptr, size_t size);
+int hipFree(void *ptr);
 
 void *user_alloc(size_t size)
 {
@@ -14,6 +16,25 @@ void *user_alloc(size_t size)
 }
 
 int user_free(void *ptr) { return cudaFree(ptr); }
+
+void *user_hip_alloc(size_t size)
+{
+    void *p = NULL;
+    return hipMalloc(&p, size) == 0 ? p : NULL;
+}
+
+int user_hip_free(void *ptr) { return hipFree(ptr); }
+
+/* n allocate/free pairs: a thread calling through the GOT while it is patched. */
+int user_churn(int n)
+{
+    int failures = 0;
+    for (int i = 0; i < n; i++) {
+        void *p = NULL;
+        if (cudaMalloc(&p, 64) != 0 || cudaFree(p) != 0) failures++;
+    }
+    return failures;
+}
 
 void *user_open(const char *name)
 {
