@@ -1,7 +1,6 @@
 """Disk backup on the host backend (issue 11): files, their lifecycle and owners,
 failures with every byte kept, the page cache left alone, environment and API."""
 import os
-import signal
 import subprocess
 import sys
 import textwrap

@@ -270,21 +270,26 @@ def _cuda_toolkit():
     return None
 
 
-def test_c_program_on_the_gpu_through_the_abi(installed, tmp_path):
-    # A C program: cudaMalloc (served by the preloaded library under TMS_INIT_ENABLE=1),
-    # tms_pause(NULL) / tms_resume(NULL) on a size that is not a multiple of the
-    # granularity, its bytes checked through cudaMemcpy (tests/c/abi_client.c).
+def _build_with_cudart(source, out, *flags, libs=()):
+    """Builds tests/c/<source> against the CUDA toolkit's runtime (skips without one); returns out.
+    libs come last on the command line (after what needs them: --as-needed linkers)."""
     toolkit = _cuda_toolkit()
     if toolkit is None:
         pytest.skip("no CUDA toolkit (cuda_runtime_api.h and libcudart.so) found")
     include, lib = toolkit
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    exe = tmp_path / "abi_client"
-    build = subprocess.run([cc, "-std=c11", "-D_GNU_SOURCE", "-DABI_CLIENT_CUDA", "-Wall", "-Wextra",
-                            f"-I{REPO_ROOT / 'include'}", f"-I{include}", str(REPO_ROOT / "tests" / "c" / "abi_client.c"),
-                            "-o", str(exe), f"-L{lib}", "-lcudart", f"-Wl,-rpath,{lib}", "-ldl"],
-                           capture_output=True, text=True)
+    build = subprocess.run([cc, *flags, f"-I{include}", str(REPO_ROOT / "tests" / "c" / source), "-o", str(out),
+                            f"-L{lib}", "-lcudart", f"-Wl,-rpath,{lib}", *libs], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
+    return out
+
+
+def test_c_program_on_the_gpu_through_the_abi(installed, tmp_path):
+    # A C program: cudaMalloc (served by the preloaded library under TMS_INIT_ENABLE=1),
+    # tms_pause(NULL) / tms_resume(NULL) on a size that is not a multiple of the
+    # granularity, its bytes checked through cudaMemcpy (tests/c/abi_client.c).
+    exe = _build_with_cudart("abi_client.c", tmp_path / "abi_client", "-std=c11", "-D_GNU_SOURCE",
+                             "-DABI_CLIENT_CUDA", "-Wall", "-Wextra", f"-I{REPO_ROOT / 'include'}", libs=["-ldl"])
     env = installed_env(installed, {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"})
     env.pop("TMS_BACKEND", None)
     for name in ("torch_memory_saver_hook_mode_preload_cu13.abi3.so", "torch_memory_saver_hook_mode_preload.abi3.so"):
@@ -297,14 +302,6 @@ def test_extension_loaded_after_import_is_hooked_by_relocation(tmp_path):
     # A CUDA library built here (cudaMalloc/cudaFree through libcudart, as a CUDA
     # extension calls them), loaded after the hooks were installed without LD_PRELOAD:
     # its allocation in a region is the library's, pauses and resumes with its bytes.
-    toolkit = _cuda_toolkit()
-    if toolkit is None:
-        pytest.skip("no CUDA toolkit (cuda_runtime_api.h and libcudart.so) found")
-    include, lib = toolkit
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    ext = tmp_path / "libtms_test_ext.so"
-    build = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wl,-z,relro,-z,now", f"-I{include}",
-                            str(REPO_ROOT / "tests" / "c" / "cuda_ext.c"), "-o", str(ext), f"-L{lib}", "-lcudart",
-                            f"-Wl,-rpath,{lib}"], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
+    ext = _build_with_cudart("cuda_ext.c", tmp_path / "libtms_test_ext.so", "-shared", "-fPIC", "-O2",
+                             "-Wl,-z,relro,-z,now")
     check_passed(run_scenario("reloc_extension", RELOCATION, env={"TMS_TEST_EXTENSION": str(ext)}))

@@ -2,7 +2,6 @@
 entries of loaded objects, checked with a stub CUDA runtime and small libraries built
 here: loaded before the patch and dlopen'ed after, with lazy binding, full RELRO and
 -fno-plt; a bare-name dlopen through a patched dlopen keeps the caller's RUNPATH."""
-import os
 import subprocess
 import textwrap
 

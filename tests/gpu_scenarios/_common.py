@@ -70,6 +70,15 @@ def check_installed():
     say(f"installed package: {torch_memory_saver.__file__}")
 
 
+def rss_bytes():
+    """This process's resident set size (VmRSS), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
 def free_bytes(device=None):
     """Free memory of a device (default: the current one) once its queued work is done."""
     device = torch.cuda.current_device() if device is None else device

@@ -11,16 +11,8 @@ import sys
 import torch
 
 from _common import (MiB, begin, check, check_equal, check_owned, check_released, check_states, check_taken,
-                     free_bytes, random_tensor, say, tag_bytes)
+                     free_bytes, random_tensor, rss_bytes, say, tag_bytes)
 from free_while_paused import HookEntryPoints
-
-
-def rss_bytes():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def cached_bytes(path):

@@ -5,17 +5,9 @@ import sys
 
 import torch
 
-from _common import MiB, begin, check, free_bytes, say
+from _common import MiB, begin, check, free_bytes, rss_bytes, say
 
 CYCLES = 200
-
-
-def rss_bytes():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def main(hook_mode):
