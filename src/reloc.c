@@ -343,14 +343,28 @@ static void *dlopen_for(const void *caller, const char *file, int mode)
     return dlopen(file, mode);
 }
 
+/* A pass asked for while another thread holds reloc_lock. */
+static int pass_pending;  /* atomic */
+
+/* Never waits for reloc_lock: this runs inside dlopen, possibly in a
+ * library constructor under the loader's lock, while the thread holding
+ * reloc_lock may be waiting for that loader lock (its pass calls dlopen).
+ * A busy lock leaves the pass pending; its holder runs it before leaving. */
+static void patch_all_soon(void)
+{
+    __atomic_store_n(&pass_pending, 1, __ATOMIC_RELEASE);
+    while (__atomic_load_n(&pass_pending, __ATOMIC_ACQUIRE) && pthread_mutex_trylock(&reloc_lock) == 0) {
+        while (__atomic_exchange_n(&pass_pending, 0, __ATOMIC_ACQ_REL)) patch_all_locked();
+        pthread_mutex_unlock(&reloc_lock);
+    }
+}
+
 static void *reloc_dlopen(const char *file, int mode)
 {
     void *h = dlopen_for(__builtin_return_address(0), file, mode);
     if (h) {
         int saved = errno;
-        pthread_mutex_lock(&reloc_lock);
-        patch_all_locked();
-        pthread_mutex_unlock(&reloc_lock);
+        patch_all_soon();
         errno = saved;
     }
     return h;
@@ -374,6 +388,7 @@ int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms
     patch_all_locked();
     __atomic_store_n(&installed, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&reloc_lock);
+    patch_all_soon();  /* what a dlopen meanwhile left pending */
     TMS_DEBUG("relocation hooks installed; patched:\n%s", patched_names);
     return TMS_OK;
 }
