@@ -388,7 +388,7 @@ int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms
     patch_all_locked();
     __atomic_store_n(&installed, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&reloc_lock);
-    patch_all_soon();  /* what a dlopen meanwhile left pending */
+    if (__atomic_load_n(&pass_pending, __ATOMIC_ACQUIRE)) patch_all_soon();  /* what a dlopen meanwhile left */
     TMS_DEBUG("relocation hooks installed; patched:\n%s", patched_names);
     return TMS_OK;
 }

@@ -4,7 +4,6 @@ cycle) at the same addresses. Each allocation has one file in the backup
 directory, rewritten in place; the page cache and the process's RSS do not grow
 by the backup; get_cpu_backup is None; an allocation freed while paused takes
 its file with it; at exit nothing is left (the harness checks the directory)."""
-import ctypes
 import os
 import sys
 
@@ -12,25 +11,8 @@ import torch
 
 from _common import (MiB, begin, check, check_equal, check_owned, check_released, check_states, check_taken,
                      free_bytes, random_tensor, rss_bytes, say, tag_bytes)
+from _pagecache import cached_bytes
 from free_while_paused import HookEntryPoints
-
-
-def cached_bytes(path):
-    """Bytes of the file in the page cache (mincore over a mapping that reads nothing)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    n = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY)
-    addr = libc.mmap(None, n, 1, 1, fd, 0)
-    os.close(fd)
-    check(addr not in (None, ctypes.c_void_p(-1).value), f"mmap of {path} failed: errno {ctypes.get_errno()}")
-    vec = ctypes.create_string_buffer((n + 4095) // 4096)
-    check(libc.mincore(addr, n, vec) == 0, f"mincore failed: errno {ctypes.get_errno()}")
-    libc.munmap(addr, n)
-    return sum(b & 1 for b in vec.raw) * 4096
 
 
 def backup_files(d):
