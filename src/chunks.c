@@ -14,7 +14,10 @@ int tms_chunks_map(const struct tms_driver *drv, struct tms_alloc *a, const char
     int created = 0, mapped = 0, rc = 0;
     const char *op = "create";
     for (; created < a->n_chunks; created++) {
-        rc = drv->create(a->device, tms_chunk_size(a, created), &a->handles[created]);
+        size_t size = tms_chunk_size(a, created);
+        rc = a->handle_types && drv->create_shareable
+                 ? drv->create_shareable(a->device, size, a->handle_types, &a->handles[created])
+                 : drv->create(a->device, size, &a->handles[created]);
         if (rc) break;
     }
     if (!rc) {

@@ -407,6 +407,14 @@ static int check_margin(const struct tms_driver *drv, int device, size_t reserve
     return TMS_OK;
 }
 
+int tms_core_check_margin(int device, size_t bytes, int tag_id, struct tms_err *err)
+{
+    if (!tms_core_margin()) return TMS_OK;
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    return rc ? rc : check_margin(drv, device, bytes, bytes, tms_core_tag_name(tag_id), err);
+}
+
 /* n rounded up to a multiple of unit (> 0); 0 if that does not fit a size_t. */
 static size_t round_up(size_t n, size_t unit)
 {
@@ -498,7 +506,8 @@ int tms_core_owns(const void *ptr)
 {
     if (!ptr || __atomic_load_n(&alloc_count, __ATOMIC_RELAXED) == 0) return 0;
     lock_table();
-    int owned = table_find_locked((tms_va)(uintptr_t)ptr) != NULL;
+    const struct tms_alloc *a = table_find_locked((tms_va)(uintptr_t)ptr);
+    int owned = a && !a->adopted;  /* adopted memory is its owner's to give back (tms_core_disown) */
     unlock_table();
     return owned;
 }
@@ -560,7 +569,7 @@ int tms_core_free(void *ptr, struct tms_err *err)
         lock_table();
         struct tms_alloc **link = table_link_locked(va);
         a = link ? *link : NULL;
-        if (a && a->free_requested) {
+        if (a && (a->free_requested || a->adopted)) {
             a = NULL;
         } else if (a && a->moving) {
             a->free_requested = 1;
@@ -577,6 +586,92 @@ int tms_core_free(void *ptr, struct tms_err *err)
         return TMS_OK;
     }
     return release_detached(drv, a, err);
+}
+
+/* ---- adopted memory ------------------------------------------------------- */
+
+int tms_core_adopt(uint64_t va, size_t size, int device, tms_phys handle, uint64_t owner_handle, int handle_types,
+                   const struct tms_region *r, struct tms_err *err)
+{
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    if (rc) return rc;
+    struct tms_alloc *a = calloc(1, sizeof *a);
+    if (!a) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for an allocation record");
+    *a = (struct tms_alloc){
+        .va = va, .size = size, .reserved = size, .chunk = size, .n_chunks = 1, .device = device,
+        .tag_id = r->tag_id, .state = TMS_ACTIVE, .backup = r->backup || r->disk_backup,
+        .backup_kind = r->disk_backup ? TMS_BACKUP_DISK : r->backup_kind, .adopted = 1,
+        .owner_handle = owner_handle, .handle_types = handle_types, .one_handle = handle,
+    };
+    a->handles = &a->one_handle;
+    lock_table();
+    if (table_find_locked(va)) {
+        rc = tms_fail(err, TMS_E_STATE, 0, "adopting 0x%llx (%zu bytes): the table already holds an allocation there",
+                      (unsigned long long)va, size);
+    } else if (table_insert_locked(a)) {
+        rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory growing the allocation table");
+    }
+    unlock_table();
+    if (rc) {
+        free(a);
+        return rc;
+    }
+    TMS_DEBUG("adopt 0x%llx size %zu device %d tag '%s' backup %s", (unsigned long long)va, size, device,
+              tms_core_tag_name(r->tag_id), a->backup ? tms_backup_kind_name(a->backup_kind) : "none");
+    return TMS_OK;
+}
+
+int tms_core_disown(uint64_t va, size_t max_size, tms_phys *handle, uint64_t *owner_handle, size_t *size,
+                    struct tms_err *err)
+{
+    struct tms_alloc *a;
+    size_t found_size = 0;
+    lock_table();
+    for (;;) {
+        struct tms_alloc **link = table_link_locked(va);
+        a = link ? *link : NULL;
+        if (a && !a->adopted) a = NULL;
+        if (!a || !a->moving) {
+            if (a && a->size > max_size) found_size = a->size, a = NULL;
+            else if (a) table_unlink_locked(link);
+            break;
+        }
+        /* Its mover holds no lock of ours and never waits: it settles. */
+        pthread_cond_wait(&table_settled, &table_lock);
+    }
+    unlock_table();
+    if (found_size)
+        return tms_fail(err, TMS_E_ARG, 0, "0x%llx: unmap of %zu bytes covers part of an adopted allocation of %zu",
+                        (unsigned long long)va, max_size, found_size);
+    if (!a) return tms_fail(err, TMS_E_NOT_FOUND, 0, "0x%llx: no adopted allocation starts there", (unsigned long long)va);
+    *handle = a->state == TMS_ACTIVE ? a->one_handle : 0;
+    *owner_handle = a->owner_handle;
+    *size = a->size;
+    TMS_DEBUG("disown 0x%llx size %zu tag '%s' (%s)", (unsigned long long)va, a->size, tms_core_tag_name(a->tag_id),
+              a->state == TMS_ACTIVE ? "active" : "paused: nothing mapped, backup dropped");
+    alloc_destroy(a);
+    return TMS_OK;
+}
+
+int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, tms_phys *handle)
+{
+    if (__atomic_load_n(&alloc_count, __ATOMIC_RELAXED) == 0) return TMS_E_NOT_FOUND;
+    int rc = TMS_E_NOT_FOUND;
+    lock_table();
+    const struct tms_alloc *owner = table_find_locked(ptr);
+    if (!owner) {
+        FOR_EACH_ALLOC(a) {
+            if (ptr >= a->va && ptr < a->va + a->reserved) owner = a;
+        }
+    }
+    if (owner && owner->adopted) {
+        *owner_handle = owner->owner_handle;
+        *handle = owner->state == TMS_ACTIVE && !owner->moving ? owner->one_handle : 0;
+        rc = TMS_OK;
+    }
+    unlock_table();
+    return rc;
 }
 
 /* ---- queries and settings ------------------------------------------------ */
@@ -628,7 +723,7 @@ int tms_core_list(struct tms_alloc_info **rows, size_t *count, struct tms_err *e
         out[i++] = (struct tms_alloc_info){
             .ptr = a->va, .size = a->size, .reserved = a->reserved, .device = a->device,
             .tag_id = a->tag_id, .state = state, .backup = a->backup, .backup_kind = a->backup_kind,
-            .has_host_copy = a->host_copy != NULL, .n_chunks = a->n_chunks,
+            .has_host_copy = a->host_copy != NULL, .n_chunks = a->n_chunks, .adopted = a->adopted,
         };
     }
     unlock_table();

@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "backup.h"
+#include "driver.h"
 #include "config.h"
 #include "error.h"
 #include "stats.h"
@@ -30,6 +31,7 @@ struct tms_alloc_info {
     int backup_kind;
     int has_host_copy;   /* a host backup exists now (paused, or retained) */
     int n_chunks;
+    int adopted;         /* mapped by its owner (tms_core_adopt), not allocated by the core */
 };
 
 /* Interns tag (any non-empty string) and returns its id; ids are never reused. */
@@ -73,6 +75,36 @@ int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *e
 
 /* A copy of the table (caller frees *rows). */
 int tms_core_list(struct tms_alloc_info **rows, size_t *count, struct tms_err *err);
+
+/* ---- adopted memory (cumem.c: PyTorch's expandable segments) ----------------
+ * Memory its owner reserved, created and mapped itself, taken into the table
+ * so pause and resume treat it as any allocation: backup, unmap and release
+ * on pause; new physical memory mapped at the same address on resume. The
+ * owner knows it by owner_handle and gives it back with tms_core_disown. */
+
+/* Errors if mapping bytes more on device would cross memory_margin_bytes
+ * (TMS_E_OOM naming the tag) or the device cannot be asked. */
+int tms_core_check_margin(int device, size_t bytes, int tag_id, struct tms_err *err);
+
+/* Takes [va, va+size) (mapped with handle, readable and writable by device)
+ * into the table as an active allocation with region r's settings.
+ * handle_types: the shareable types its owner created it with, kept for
+ * the handles a resume creates. */
+int tms_core_adopt(uint64_t va, size_t size, int device, tms_phys handle, uint64_t owner_handle, int handle_types,
+                   const struct tms_region *r, struct tms_err *err);
+
+/* Takes the adopted allocation at va out of the table (its owner unmaps it),
+ * first waiting for a pause or resume moving it. *handle: its physical
+ * handle, still mapped, if it was active; 0 if paused (nothing is mapped
+ * then and its backup is dropped). *owner_handle and *size: what
+ * tms_core_adopt got. TMS_E_NOT_FOUND if no adopted allocation starts at
+ * va; TMS_E_ARG (nothing changed) if it is longer than max_size. */
+int tms_core_disown(uint64_t va, size_t max_size, tms_phys *handle, uint64_t *owner_handle, size_t *size,
+                    struct tms_err *err);
+
+/* The adopted allocation holding ptr: *owner_handle and *handle (its
+ * physical handle now; 0 while paused or moving). TMS_E_NOT_FOUND if none. */
+int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, tms_phys *handle);
 
 void tms_core_set_margin(size_t bytes);
 size_t tms_core_margin(void);

@@ -22,6 +22,11 @@ struct tms_alloc {
     int free_requested;      /* freed while moving: its mover frees it when done */
     int backup;
     int backup_kind;
+    /* Adopted (core.h): mapped by its owner in a range the owner reserved;
+     * the core never reserves, frees or hands it to a free() of its own. */
+    int adopted;
+    uint64_t owner_handle;   /* adopted: the handle its owner knows it by */
+    int handle_types;        /* shareable handle types to create it with (0: none) */
     tms_phys *handles;       /* n_chunks entries; points at one_handle when n_chunks == 1 */
     tms_phys one_handle;
     struct tms_backup *host_copy;  /* paused with backup, or retained after resume */

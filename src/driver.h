@@ -50,6 +50,9 @@ struct tms_driver {
     /* pre: nothing mapped in [va, va+size). */
     int (*unreserve)(tms_va va, size_t size);
     int (*create)(int device, size_t size, tms_phys *handle);
+    /* create, exportable as handle_types (CUmemAllocationHandleType bits), as
+     * an adopted allocation's owner made it (cumem.c). NULL: create is used. */
+    int (*create_shareable)(int device, size_t size, int handle_types, tms_phys *handle);
     /* pre: handle not mapped anywhere. */
     int (*release)(tms_phys handle);
     /* Maps handle at va and grants device read-write access.

@@ -235,6 +235,16 @@ static int cuda_create(int device, size_t size, tms_phys *handle)
     return rc;
 }
 
+static int cuda_create_shareable(int device, size_t size, int handle_types, tms_phys *handle)
+{
+    tms_CUmemAllocationProp prop = device_prop(device);
+    prop.requestedHandleTypes = handle_types;
+    tms_CUmemHandle h = 0;
+    int rc = cu.cuMemCreate(&h, size, &prop, 0);
+    if (!rc) *handle = h;
+    return rc;
+}
+
 static int cuda_release(tms_phys handle) { return cu.cuMemRelease(handle); }
 
 static int cuda_map(int device, tms_va va, size_t size, tms_phys handle)
@@ -338,6 +348,7 @@ const struct tms_driver tms_driver_cuda = {
     .reserve = cuda_reserve,
     .unreserve = cuda_unreserve,
     .create = cuda_create,
+    .create_shareable = cuda_create_shareable,
     .release = cuda_release,
     .map = cuda_map,
     .unmap = cuda_unmap,

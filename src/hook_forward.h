@@ -46,8 +46,36 @@ extern void *tms_reloc_original(const char *name) __attribute__((weak, visibilit
     }                                                                                         \
     __attribute__((visibility("default"))) int free_name(void *ptr) { return route_free(ptr, next_##free_name); }
 
+/* The runtime's lookups of driver entry points (PyTorch's expandable
+ * segments find cuMemCreate & co. this way): answered by the next
+ * definition, then passed to route(symbol, fn, status, caller), which may
+ * put a wrapper in *fn. The caller's address says which library asked.
+ * status is the cudaError_t (3, initialization error, if there is no next). */
+#define TMS_DEFINE_ENTRY_POINT_HOOKS(route)                                                              \
+    TMS_NEXT_RESOLVER(cudaGetDriverEntryPoint)                                                           \
+    TMS_NEXT_RESOLVER(cudaGetDriverEntryPointByVersion)                                                  \
+    __attribute__((visibility("default"))) int cudaGetDriverEntryPoint(const char *symbol, void **fn,   \
+                                                                        unsigned long long flags,        \
+                                                                        int *status)                     \
+    {                                                                                                     \
+        int (*next)(const char *, void **, unsigned long long, int *) =                                  \
+            (int (*)(const char *, void **, unsigned long long, int *))next_cudaGetDriverEntryPoint();   \
+        int rc = next ? next(symbol, fn, flags, status) : 3;                                             \
+        return route(symbol, fn, rc, __builtin_return_address(0));                                       \
+    }                                                                                                     \
+    __attribute__((visibility("default"))) int cudaGetDriverEntryPointByVersion(                         \
+        const char *symbol, void **fn, unsigned int version, unsigned long long flags, int *status)      \
+    {                                                                                                     \
+        int (*next)(const char *, void **, unsigned int, unsigned long long, int *) =                    \
+            (int (*)(const char *, void **, unsigned int, unsigned long long, int *))                    \
+                next_cudaGetDriverEntryPointByVersion();                                                 \
+        int rc = next ? next(symbol, fn, version, flags, status) : 3;                                    \
+        return route(symbol, fn, rc, __builtin_return_address(0));                                       \
+    }
+
 /* The routers the preload library exports for its shims. */
 int tms_preload_malloc(void **ptr, size_t size, tms_next_fn next);
 int tms_preload_free(void *ptr, tms_next_fn next);
+int tms_preload_entry_point(const char *symbol, void **fn, int status, const void *caller);
 
 #endif

@@ -1,9 +1,11 @@
 /* Preload variant: cudaMalloc/cudaFree (and hipMalloc/hipFree) defined here; regions go to the core, the rest forwards. */
 #include <dlfcn.h>
 #include <stddef.h>
+#include <string.h>
 
 #include "config.h"
 #include "core.h"
+#include "cumem.h"
 #include "hook.h"
 #include "hook_forward.h"
 #include "reloc.h"
@@ -27,13 +29,34 @@ static int route_free(void *ptr, tms_next_fn next)
     return real ? real(ptr) : TMS_CUDA_ERROR_INITIALIZATION;
 }
 
+/* Only PyTorch's own lookups get the cuMem* wrappers: other libraries
+ * (NCCL, Triton, extensions) keep the driver's functions untouched. */
+static int asked_by_pytorch(const void *caller)
+{
+    Dl_info info;
+    if (!caller || !dladdr(caller, &info) || !info.dli_fname) return 0;
+    const char *slash = strrchr(info.dli_fname, '/');
+    return strncmp(slash ? slash + 1 : info.dli_fname, "libc10_cuda", 11) == 0;
+}
+
+static int route_entry_point(const char *symbol, void **fn, int status, const void *caller)
+{
+    if (status == 0 && fn && *fn && asked_by_pytorch(caller)) tms_cumem_wrap(symbol, fn);
+    return status;
+}
+
 TMS_EXPORT int tms_preload_malloc(void **ptr, size_t size, tms_next_fn next) { return route_malloc(ptr, size, next); }
+TMS_EXPORT int tms_preload_entry_point(const char *symbol, void **fn, int status, const void *caller)
+{
+    return route_entry_point(symbol, fn, status, caller);
+}
 TMS_EXPORT int tms_preload_free(void *ptr, tms_next_fn next) { return route_free(ptr, next); }
 
 TMS_DEFINE_ALLOCATOR_HOOKS(cudaMalloc, cudaFree, route_malloc, route_free)
 /* ROCm builds of PyTorch call the HIP names; the routing is the same and the
  * error codes the hooks return (0, 2 = out of memory, 3, 999) mean the same. */
 TMS_DEFINE_ALLOCATOR_HOOKS(hipMalloc, hipFree, route_malloc, route_free)
+TMS_DEFINE_ENTRY_POINT_HOOKS(route_entry_point)
 
 /* Hidden aliases name this library's own definitions: taking &cudaMalloc
  * would go through the GOT and find whichever definition wins. */
@@ -42,6 +65,11 @@ extern int tms_own_cuda_malloc(void **ptr, size_t size)
 extern int tms_own_cuda_free(void *ptr) __attribute__((alias("cudaFree"), visibility("hidden")));
 extern int tms_own_hip_malloc(void **ptr, size_t size) __attribute__((alias("hipMalloc"), visibility("hidden")));
 extern int tms_own_hip_free(void *ptr) __attribute__((alias("hipFree"), visibility("hidden")));
+extern int tms_own_entry_point(const char *symbol, void **fn, unsigned long long flags, int *status)
+    __attribute__((alias("cudaGetDriverEntryPoint"), visibility("hidden")));
+extern int tms_own_entry_point_by_version(const char *symbol, void **fn, unsigned int version, unsigned long long flags,
+                                          int *status)
+    __attribute__((alias("cudaGetDriverEntryPointByVersion"), visibility("hidden")));
 extern int tms_own_preload_malloc(void **ptr, size_t size, tms_next_fn next)
     __attribute__((alias("tms_preload_malloc"), visibility("hidden")));
 
@@ -73,6 +101,8 @@ int tms_preload_install_relocation(struct tms_err *err)
     const struct tms_reloc_target hooks[] = {
         {"cudaMalloc", (void *)tms_own_cuda_malloc}, {"cudaFree", (void *)tms_own_cuda_free},
         {"hipMalloc", (void *)tms_own_hip_malloc}, {"hipFree", (void *)tms_own_hip_free},
+        {"cudaGetDriverEntryPoint", (void *)tms_own_entry_point},
+        {"cudaGetDriverEntryPointByVersion", (void *)tms_own_entry_point_by_version},
     };
     return tms_reloc_install(hooks, sizeof hooks / sizeof *hooks, err);
 }

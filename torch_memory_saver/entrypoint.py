@@ -361,9 +361,6 @@ class _Impl:
         self.preload_method = None  # set by on_gpu(): "ld_preload" or "relocation"
         if not os.environ.get("TMS_BACKEND") and self.core.loaded_backend() is None and _torch_is_rocm():
             self.core.use_backend("hip")  # one build serves both: the platform is chosen here
-        if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
-            raise RuntimeError("torch_memory_saver: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is not "
-                               "supported (PyTorch then maps memory itself instead of calling cudaMalloc)")
 
     @property
     def _hook_mode(self) -> str:  # upstream's attribute name

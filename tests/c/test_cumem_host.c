@@ -1,0 +1,487 @@
+/* The expandable-segments translation layer (src/cumem.c) on the host backend: PyTorch's call shapes, then a random walk checked against a model.
+ *
+ * The "real" cuMem* functions here stand in for the driver's over the host
+ * backend (a handle is a memfd), and check that every handle they are given
+ * is a live one: a token, or a handle the layer already released, reaching
+ * them is a failure. Usage: test_cumem_host [--steps N] [--seed S]. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "core.h"
+#include "cuda_abi.h"
+#include "cumem.h"
+#include "driver.h"
+
+static int passed, failed;
+
+#define CHECK(cond) check_at(!!(cond), __LINE__, #cond)
+static void check_at(int ok, int line, const char *what)
+{
+    if (ok) {
+        passed++;
+        return;
+    }
+    failed++;
+    fprintf(stderr, "test_cumem_host.c:%d: FAILED: %s\n", line, what);
+}
+
+#define MiB ((size_t)1 << 20)
+#define PAGE (2 * MiB)
+#define TOKEN_TAG_MASK 0xffff000000000000ull
+#define TOKEN_TAG 0x7e5a000000000000ull
+
+static const struct tms_driver *drv;
+static int stale_handles;  /* a handle that is not a live memfd reached a "driver" call */
+
+static int live_handle(tms_CUmemHandle h)
+{
+    if ((h & TOKEN_TAG_MASK) == TOKEN_TAG) return 0;
+    char path[64], target[128];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", (int)(h & 0xffffffffu));
+    ssize_t n = readlink(path, target, sizeof target - 1);
+    if (n < 0) return 0;
+    target[n] = '\0';
+    return strstr(target, "memfd:tms-host-device") != NULL;
+}
+
+/* ---- the driver's functions, as PyTorch would find them ---------------------- */
+
+static tms_CUresult real_create(tms_CUmemHandle *h, size_t size, const tms_CUmemAllocationProp *prop,
+                                unsigned long long flags)
+{
+    (void)flags;
+    tms_phys p;
+    if (drv->create(prop->location.id, size, &p)) return TMS_CUDA_ERROR_OUT_OF_MEMORY;
+    *h = p;
+    return TMS_CUDA_SUCCESS;
+}
+
+static tms_CUresult real_map(tms_CUdeviceptr va, size_t size, size_t offset, tms_CUmemHandle h,
+                             unsigned long long flags)
+{
+    (void)flags;
+    if (!live_handle(h) || offset) return stale_handles++, TMS_CUDA_ERROR_INVALID_VALUE;
+    return drv->map(0, va, size, h) ? TMS_CUDA_ERROR_INVALID_VALUE : TMS_CUDA_SUCCESS;
+}
+
+static tms_CUresult real_set_access(tms_CUdeviceptr va, size_t size, const tms_CUmemAccessDesc *desc, size_t n)
+{
+    (void)va, (void)size, (void)desc, (void)n;
+    return TMS_CUDA_SUCCESS;  /* the host backend maps read-write */
+}
+
+static tms_CUresult real_unmap(tms_CUdeviceptr va, size_t size)
+{
+    return drv->unmap(va, size) ? TMS_CUDA_ERROR_INVALID_VALUE : TMS_CUDA_SUCCESS;
+}
+
+static tms_CUresult real_release(tms_CUmemHandle h)
+{
+    if (!live_handle(h)) return stale_handles++, TMS_CUDA_ERROR_INVALID_VALUE;
+    return drv->release(h) ? TMS_CUDA_ERROR_INVALID_VALUE : TMS_CUDA_SUCCESS;
+}
+
+static tms_CUresult real_props(tms_CUmemAllocationProp *prop, tms_CUmemHandle h)
+{
+    if (!live_handle(h)) return stale_handles++, TMS_CUDA_ERROR_INVALID_VALUE;
+    memset(prop, 0, sizeof *prop);
+    prop->location.type = TMS_CU_MEM_LOCATION_TYPE_DEVICE;
+    return TMS_CUDA_SUCCESS;
+}
+
+static tms_CUresult real_retain(tms_CUmemHandle *h, void *addr)
+{
+    (void)h, (void)addr;
+    return TMS_CUDA_ERROR_NOT_SUPPORTED;  /* the walk retains region memory only */
+}
+
+typedef tms_CUresult (*create_fn)(tms_CUmemHandle *, size_t, const tms_CUmemAllocationProp *, unsigned long long);
+typedef tms_CUresult (*map_fn)(tms_CUdeviceptr, size_t, size_t, tms_CUmemHandle, unsigned long long);
+typedef tms_CUresult (*access_fn)(tms_CUdeviceptr, size_t, const tms_CUmemAccessDesc *, size_t);
+typedef tms_CUresult (*unmap_fn)(tms_CUdeviceptr, size_t);
+typedef tms_CUresult (*release_fn)(tms_CUmemHandle);
+typedef tms_CUresult (*props_fn)(tms_CUmemAllocationProp *, tms_CUmemHandle);
+typedef tms_CUresult (*retain_fn)(tms_CUmemHandle *, void *);
+
+static struct {
+    create_fn create;
+    map_fn map;
+    access_fn set_access;
+    unmap_fn unmap;
+    release_fn release;
+    props_fn props;
+    retain_fn retain;
+} cu;
+
+static void *wrapped(const char *name, void *real)
+{
+    void *fn = real;
+    tms_cumem_wrap(name, &fn);
+    CHECK(fn != real);
+    return fn;
+}
+
+static void look_up_entry_points(void)
+{
+    cu.create = (create_fn)wrapped("cuMemCreate", (void *)real_create);
+    cu.map = (map_fn)wrapped("cuMemMap", (void *)real_map);
+    cu.set_access = (access_fn)wrapped("cuMemSetAccess", (void *)real_set_access);
+    cu.unmap = (unmap_fn)wrapped("cuMemUnmap", (void *)real_unmap);
+    cu.release = (release_fn)wrapped("cuMemRelease", (void *)real_release);
+    cu.props = (props_fn)wrapped("cuMemGetAllocationPropertiesFromHandle", (void *)real_props);
+    cu.retain = (retain_fn)wrapped("cuMemRetainAllocationHandle", (void *)real_retain);
+    void *other = (void *)real_create;
+    tms_cumem_wrap("cuMemAddressReserve", &other);  /* not wrapped: left as it is */
+    CHECK(other == (void *)real_create);
+}
+
+/* ---- helpers ------------------------------------------------------------------ */
+
+static uint64_t next_rand(uint64_t *s)
+{
+    uint64_t x = *s;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return *s = x;
+}
+
+static void fill(uint64_t va, size_t n, uint64_t seed)
+{
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull | 1;
+    for (size_t i = 0; i < n; i += 8) {
+        uint64_t v = next_rand(&s);
+        memcpy((char *)(uintptr_t)va + i, &v, 8);
+    }
+}
+
+static int matches(uint64_t va, size_t n, uint64_t seed)
+{
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull | 1;
+    for (size_t i = 0; i < n; i += 8) {
+        uint64_t v = next_rand(&s);
+        if (memcmp((char *)(uintptr_t)va + i, &v, 8) != 0) return 0;
+    }
+    return 1;
+}
+
+static int is_token(tms_CUmemHandle h) { return (h & TOKEN_TAG_MASK) == TOKEN_TAG; }
+
+static void enter_region(int tag_id, int backup)
+{
+    struct tms_region *r = tms_region_current();
+    r->active = 1;
+    r->tag_id = tag_id;
+    r->backup = backup;
+    r->backup_kind = TMS_BACKUP_MMAP;
+}
+
+static void leave_region(void) { tms_region_current()->active = 0; }
+
+static tms_CUmemAllocationProp device_prop(void)
+{
+    tms_CUmemAllocationProp prop = {.type = TMS_CU_MEM_ALLOCATION_TYPE_PINNED};
+    prop.location.type = TMS_CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.requestedHandleTypes = 1;  /* PyTorch asks for POSIX file descriptors */
+    return prop;
+}
+
+static const tms_CUmemAccessDesc access_rw = {.location = {TMS_CU_MEM_LOCATION_TYPE_DEVICE, 0},
+                                              .flags = TMS_CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+
+/* PyTorch's ExpandableSegment::map: create every handle, map each, then one access call. */
+static void grow(uint64_t va, int n, size_t page, tms_CUmemHandle *handles)
+{
+    tms_CUmemAllocationProp prop = device_prop();
+    for (int i = 0; i < n; i++) CHECK(cu.create(&handles[i], page, &prop, 0) == TMS_CUDA_SUCCESS);
+    for (int i = 0; i < n; i++) CHECK(cu.map(va + (uint64_t)i * page, page, 0, handles[i], 0) == TMS_CUDA_SUCCESS);
+    CHECK(cu.set_access(va, (size_t)n * page, &access_rw, 1) == TMS_CUDA_SUCCESS);
+}
+
+/* PyTorch's ExpandableSegment::unmapHandles: unmap, then release. */
+static void shrink(uint64_t va, size_t page, tms_CUmemHandle h)
+{
+    CHECK(cu.unmap(va, page) == TMS_CUDA_SUCCESS);
+    CHECK(cu.release(h) == TMS_CUDA_SUCCESS);
+}
+
+static size_t adopted_rows(int tag_id, int state)
+{
+    struct tms_alloc_info *rows;
+    size_t n, count = 0;
+    struct tms_err err = {0};
+    if (tms_core_list(&rows, &n, &err)) return (size_t)-1;
+    for (size_t i = 0; i < n; i++)
+        if (rows[i].adopted && (tag_id < 0 || rows[i].tag_id == tag_id) && (state < 0 || rows[i].state == state))
+            count++;
+    free(rows);
+    return count;
+}
+
+static size_t device_used(void)
+{
+    size_t free_bytes, total;
+    drv->mem_get_info(0, &free_bytes, &total);
+    return total - free_bytes;
+}
+
+static int tag(const char *name)
+{
+    int id;
+    struct tms_err err = {0};
+    if (tms_core_tag_id(name, &id, &err)) abort();
+    return id;
+}
+
+/* ---- PyTorch's call shapes -------------------------------------------------------- */
+
+static void test_segment_lifecycle(void)
+{
+    struct tms_err err = {0};
+    tms_va base;
+    CHECK(drv->reserve(16 * PAGE, PAGE, &base) == 0);
+    int weights = tag("cm_weights");
+    size_t used_before = device_used();
+
+    /* Outside a region: the driver's handles, untouched, not adopted. */
+    tms_CUmemHandle outside[2];
+    grow(base, 2, PAGE, outside);
+    CHECK(!is_token(outside[0]) && !is_token(outside[1]) && live_handle(outside[0]));
+    CHECK(adopted_rows(-1, -1) == 0);
+
+    /* In a region: tokens, adopted once accessible. */
+    enter_region(weights, 1);
+    tms_CUmemHandle in[3];
+    grow(base + 2 * PAGE, 3, PAGE, in);
+    leave_region();
+    CHECK(is_token(in[0]) && is_token(in[1]) && is_token(in[2]) && in[0] != in[1]);
+    CHECK(adopted_rows(weights, TMS_ACTIVE) == 3);
+    CHECK(tms_cumem_tokens() == 3);
+    for (int i = 0; i < 5; i++) fill(base + (uint64_t)i * PAGE, PAGE, 100 + (uint64_t)i);
+
+    tms_CUmemAllocationProp prop;
+    CHECK(cu.props(&prop, in[1]) == TMS_CUDA_SUCCESS);
+    CHECK(cu.map(base + 8 * PAGE, PAGE, 0, in[0], 0) == TMS_CUDA_ERROR_NOT_SUPPORTED);  /* one mapping per token */
+
+    /* Pause gives the memory back; the owner's tokens stay valid. */
+    CHECK(tms_core_pause("cm_weights", &err) == TMS_OK);
+    CHECK(adopted_rows(weights, TMS_PAUSED) == 3);
+    CHECK(device_used() == used_before + 2 * PAGE);
+    CHECK(cu.props(&prop, in[1]) == TMS_CUDA_ERROR_ILLEGAL_STATE);  /* no memory behind it while paused */
+
+    /* Resume maps new memory at the same addresses, contents restored. */
+    CHECK(tms_core_resume("cm_weights", &err) == TMS_OK);
+    CHECK(device_used() == used_before + 5 * PAGE);
+    for (int i = 0; i < 5; i++) CHECK(matches(base + (uint64_t)i * PAGE, PAGE, 100 + (uint64_t)i));
+
+    /* PyTorch shrinks with the tokens it was given: translated to the new handles. */
+    shrink(base + 4 * PAGE, PAGE, in[2]);
+    CHECK(adopted_rows(weights, -1) == 2);
+    CHECK(device_used() == used_before + 4 * PAGE);
+
+    /* A release while paused, then the unmap: both succeed without touching the driver. */
+    CHECK(tms_core_pause("cm_weights", &err) == TMS_OK);
+    CHECK(cu.release(in[1]) == TMS_CUDA_SUCCESS);
+    CHECK(adopted_rows(weights, TMS_PAUSED) == 2);  /* mapped still, as far as its owner knows */
+    CHECK(cu.unmap(base + 3 * PAGE, PAGE) == TMS_CUDA_SUCCESS);
+    CHECK(adopted_rows(weights, TMS_PAUSED) == 1);
+    CHECK(cu.release(in[1]) == TMS_CUDA_ERROR_INVALID_VALUE);  /* twice: the driver's answer to a stale handle */
+    shrink(base + 2 * PAGE, PAGE, in[0]);                      /* unmap + release while paused */
+    CHECK(adopted_rows(-1, -1) == 0);
+    CHECK(tms_cumem_tokens() == 0);
+    CHECK(tms_core_resume("cm_weights", &err) == TMS_OK);      /* nothing left: a no-op */
+
+    /* Memory grown after a resume joins the same tag and pauses with it. */
+    enter_region(weights, 1);
+    grow(base + 2 * PAGE, 2, PAGE, in);
+    leave_region();
+    fill(base + 2 * PAGE, 2 * PAGE, 7);
+    CHECK(tms_core_pause("cm_weights", &err) == TMS_OK);
+    CHECK(adopted_rows(weights, TMS_PAUSED) == 2);
+    CHECK(tms_core_resume("cm_weights", &err) == TMS_OK);
+    CHECK(matches(base + 2 * PAGE, 2 * PAGE, 7));
+
+    /* The outside pages never moved. */
+    CHECK(matches(base, PAGE, 100) && matches(base + PAGE, PAGE, 101));
+
+    /* An unmap covering part of an adopted allocation changes nothing. */
+    enter_region(weights, 0);
+    tms_CUmemHandle big;
+    tms_CUmemAllocationProp p = device_prop();
+    CHECK(cu.create(&big, 2 * PAGE, &p, 0) == TMS_CUDA_SUCCESS);
+    leave_region();
+    CHECK(cu.map(base + 6 * PAGE, 2 * PAGE, 0, big, 0) == TMS_CUDA_SUCCESS);
+    CHECK(cu.set_access(base + 6 * PAGE, 2 * PAGE, &access_rw, 1) == TMS_CUDA_SUCCESS);
+    CHECK(cu.unmap(base + 6 * PAGE, PAGE) == TMS_CUDA_ERROR_INVALID_VALUE);
+    CHECK(adopted_rows(weights, TMS_ACTIVE) == 3);
+    /* One unmap over several adopted allocations (legal for the driver). */
+    CHECK(cu.unmap(base + 2 * PAGE, 2 * PAGE) == TMS_CUDA_SUCCESS);
+    CHECK(cu.release(in[0]) == TMS_CUDA_SUCCESS && cu.release(in[1]) == TMS_CUDA_SUCCESS);
+    /* Retained from an address: the token again, one more reference. */
+    tms_CUmemHandle again = 0;
+    CHECK(cu.retain(&again, (void *)(uintptr_t)(base + 7 * PAGE)) == TMS_CUDA_SUCCESS && again == big);
+    CHECK(cu.release(again) == TMS_CUDA_SUCCESS);
+    shrink(base + 6 * PAGE, 2 * PAGE, big);
+
+    shrink(base, PAGE, outside[0]);
+    shrink(base + PAGE, PAGE, outside[1]);
+    CHECK(adopted_rows(-1, -1) == 0 && tms_cumem_tokens() == 0);
+    CHECK(device_used() == used_before);
+    CHECK(drv->unreserve(base, 16 * PAGE) == 0);
+}
+
+static void test_margin(void)
+{
+    int t = tag("cm_margin");
+    size_t free_bytes, total;
+    drv->mem_get_info(0, &free_bytes, &total);
+    tms_core_set_margin(free_bytes);  /* any region allocation would cross it */
+    tms_CUmemAllocationProp prop = device_prop();
+    tms_CUmemHandle h = 0;
+    enter_region(t, 0);
+    CHECK(cu.create(&h, PAGE, &prop, 0) == TMS_CUDA_ERROR_OUT_OF_MEMORY);
+    leave_region();
+    CHECK(cu.create(&h, PAGE, &prop, 0) == TMS_CUDA_SUCCESS && !is_token(h));  /* outside: not ours to refuse */
+    CHECK(cu.release(h) == TMS_CUDA_SUCCESS);
+    tms_core_set_margin(0);
+    CHECK(tms_cumem_tokens() == 0);
+}
+
+/* ---- random walk against a model ---------------------------------------------------- */
+
+#define PAGES 24
+#define TAGS 2  /* tag 0 backed up, tag 1 not */
+
+struct page {
+    int mapped;
+    int tag;        /* -1: outside any region */
+    int paused;
+    int valid;      /* contents known (seed) */
+    uint64_t seed;
+    tms_CUmemHandle handle;
+    int released;   /* the owner released it before unmapping */
+};
+
+static void check_model(const struct page *pages, uint64_t base, const int *tag_ids)
+{
+    for (int t = 0; t < TAGS; t++) {
+        size_t active = 0, paused = 0;
+        for (int i = 0; i < PAGES; i++) {
+            if (!pages[i].mapped || pages[i].tag != t) continue;
+            if (pages[i].paused) paused++;
+            else active++;
+        }
+        CHECK(adopted_rows(tag_ids[t], TMS_ACTIVE) == active);
+        CHECK(adopted_rows(tag_ids[t], TMS_PAUSED) == paused);
+    }
+    for (int i = 0; i < PAGES; i++)
+        if (pages[i].mapped && !pages[i].paused && pages[i].valid)
+            CHECK(matches(base + (uint64_t)i * PAGE, PAGE, pages[i].seed));
+}
+
+static void walk(uint64_t seed, int steps)
+{
+    struct tms_err err = {0};
+    const char *names[TAGS] = {"cm_walk_backup", "cm_walk_discard"};
+    int tag_ids[TAGS] = {tag(names[0]), tag(names[1])};
+    struct page pages[PAGES] = {{0}};
+    tms_va base;
+    CHECK(drv->reserve(PAGES * PAGE, PAGE, &base) == 0);
+    size_t used_before = device_used();
+    uint64_t rng = seed | 1;
+    for (int step = 0; step < steps; step++) {
+        int op = (int)(next_rand(&rng) % 6);
+        int t = (int)(next_rand(&rng) % TAGS);
+        if (op <= 1) {  /* grow: a run of unmapped pages, inside a region or not */
+            int start = (int)(next_rand(&rng) % PAGES), n = 0;
+            while (start + n < PAGES && n < 4 && !pages[start + n].mapped) n++;
+            if (!n) continue;
+            int where = (int)(next_rand(&rng) % 3) - 1;  /* -1 outside, else a tag */
+            tms_CUmemHandle h[4];
+            if (where >= 0) enter_region(tag_ids[where], where == 0);
+            grow(base + (uint64_t)start * PAGE, n, PAGE, h);
+            leave_region();
+            for (int i = 0; i < n; i++) {
+                struct page *p = &pages[start + i];
+                *p = (struct page){.mapped = 1, .tag = where, .valid = 1, .seed = next_rand(&rng), .handle = h[i]};
+                CHECK(is_token(h[i]) == (where >= 0));
+                fill(base + (uint64_t)(start + i) * PAGE, PAGE, p->seed);
+            }
+        } else if (op == 2) {  /* shrink one page, in either order, active or paused */
+            int i = (int)(next_rand(&rng) % PAGES);
+            struct page *p = &pages[i];
+            if (!p->mapped) continue;
+            if (!p->released && next_rand(&rng) % 3 == 0) {
+                CHECK(cu.release(p->handle) == TMS_CUDA_SUCCESS);  /* before the unmap: memory stays */
+                p->released = 1;
+                continue;
+            }
+            CHECK(cu.unmap(base + (uint64_t)i * PAGE, PAGE) == TMS_CUDA_SUCCESS);
+            if (!p->released) CHECK(cu.release(p->handle) == TMS_CUDA_SUCCESS);
+            *p = (struct page){0};
+        } else if (op == 3 || op == 4) {  /* pause or resume a tag */
+            int pause = op == 3;
+            size_t from = 0, other = 0;
+            for (int i = 0; i < PAGES; i++) {
+                if (!pages[i].mapped || pages[i].tag != t) continue;
+                if (pages[i].paused == !pause) from++;
+                else other++;
+            }
+            int want = !from && other ? TMS_E_STATE : TMS_OK;
+            int rc = pause ? tms_core_pause(names[t], &err) : tms_core_resume(names[t], &err);
+            CHECK(rc == want);
+            for (int i = 0; i < PAGES; i++) {
+                struct page *p = &pages[i];
+                if (!p->mapped || p->tag != t || p->paused != !pause) continue;
+                p->paused = pause;
+                if (!pause && t != 0) p->valid = 0;  /* no backup: contents undefined */
+            }
+        } else {  /* retain from an address inside a region page, and give it back */
+            int i = (int)(next_rand(&rng) % PAGES);
+            if (!pages[i].mapped || pages[i].tag < 0) continue;
+            tms_CUmemHandle h = 0;
+            CHECK(cu.retain(&h, (void *)(uintptr_t)(base + (uint64_t)i * PAGE + 4096)) == TMS_CUDA_SUCCESS);
+            CHECK(h == pages[i].handle);
+            CHECK(cu.release(h) == TMS_CUDA_SUCCESS);
+        }
+        check_model(pages, base, tag_ids);
+        if (failed) {
+            fprintf(stderr, "walk seed %llu: first failure at step %d (op %d)\n", (unsigned long long)seed, step, op);
+            break;
+        }
+    }
+    for (int i = 0; i < PAGES; i++) {
+        if (!pages[i].mapped) continue;
+        CHECK(cu.unmap(base + (uint64_t)i * PAGE, PAGE) == TMS_CUDA_SUCCESS);
+        if (!pages[i].released) CHECK(cu.release(pages[i].handle) == TMS_CUDA_SUCCESS);
+    }
+    CHECK(adopted_rows(-1, -1) == 0 && tms_cumem_tokens() == 0);
+    CHECK(device_used() == used_before);
+    CHECK(drv->unreserve(base, PAGES * PAGE) == 0);
+}
+
+int main(int argc, char **argv)
+{
+    int steps = 3000;
+    uint64_t seed = 1;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--seed")) seed = strtoull(argv[i + 1], NULL, 10);
+    }
+    struct tms_err err = {0};
+    if (tms_driver_select("host", &err) || tms_driver_get(&drv, &err)) {
+        fprintf(stderr, "host backend: %s\n", err.msg);
+        return 1;
+    }
+    look_up_entry_points();
+    test_segment_lifecycle();
+    test_margin();
+    for (uint64_t s = seed; s < seed + 4 && !failed; s++) walk(s, steps / 4);
+    CHECK(stale_handles == 0);
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
