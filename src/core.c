@@ -704,6 +704,17 @@ int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *
     return rc;
 }
 
+static struct tms_alloc_info info_of_locked(const struct tms_alloc *a)
+{
+    int state = a->state;
+    if (a->moving) state = a->state == TMS_ACTIVE ? TMS_PAUSING : TMS_RESUMING;
+    return (struct tms_alloc_info){
+        .ptr = a->va, .size = a->size, .reserved = a->reserved, .device = a->device,
+        .tag_id = a->tag_id, .state = state, .backup = a->backup, .backup_kind = a->backup_kind,
+        .has_host_copy = a->host_copy != NULL, .n_chunks = a->n_chunks, .adopted = a->adopted,
+    };
+}
+
 int tms_core_list(struct tms_alloc_info **rows, size_t *count, struct tms_err *err)
 {
     size_t n = __atomic_load_n(&alloc_count, __ATOMIC_RELAXED) + 16, i = 0;
@@ -718,18 +729,27 @@ int tms_core_list(struct tms_alloc_info **rows, size_t *count, struct tms_err *e
         unlock_table();
     }
     FOR_EACH_ALLOC(a) {
-        int state = a->state;
-        if (a->moving) state = a->state == TMS_ACTIVE ? TMS_PAUSING : TMS_RESUMING;
-        out[i++] = (struct tms_alloc_info){
-            .ptr = a->va, .size = a->size, .reserved = a->reserved, .device = a->device,
-            .tag_id = a->tag_id, .state = state, .backup = a->backup, .backup_kind = a->backup_kind,
-            .has_host_copy = a->host_copy != NULL, .n_chunks = a->n_chunks, .adopted = a->adopted,
-        };
+        out[i++] = info_of_locked(a);
     }
     unlock_table();
     *rows = out;
     *count = i;
     return TMS_OK;
+}
+
+int tms_core_find(uint64_t ptr, struct tms_alloc_info *row)
+{
+    if (__atomic_load_n(&alloc_count, __ATOMIC_RELAXED) == 0) return TMS_E_NOT_FOUND;
+    lock_table();
+    const struct tms_alloc *owner = table_find_locked(ptr);
+    if (!owner) {
+        FOR_EACH_ALLOC(a) {
+            if (ptr >= a->va && ptr < a->va + a->reserved) owner = a;
+        }
+    }
+    if (owner) *row = info_of_locked(owner);
+    unlock_table();
+    return owner ? TMS_OK : TMS_E_NOT_FOUND;
 }
 
 void tms_core_set_margin(size_t bytes) { __atomic_store_n(&margin_bytes, bytes, __ATOMIC_RELAXED); }

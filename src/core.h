@@ -75,6 +75,8 @@ int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *e
 
 /* A copy of the table (caller frees *rows). */
 int tms_core_list(struct tms_alloc_info **rows, size_t *count, struct tms_err *err);
+/* The row of the allocation holding ptr; TMS_E_NOT_FOUND if none. */
+int tms_core_find(uint64_t ptr, struct tms_alloc_info *row);
 
 /* ---- adopted memory (cumem.c: PyTorch's expandable segments) ----------------
  * Memory its owner reserved, created and mapped itself, taken into the table

@@ -46,6 +46,19 @@ extern void *tms_reloc_original(const char *name) __attribute__((weak, visibilit
     }                                                                                         \
     __attribute__((visibility("default"))) int free_name(void *ptr) { return route_free(ptr, next_##free_name); }
 
+/* The runtime's definition of `name` as seen from the object holding
+ * `caller`: for a runtime RTLD_NEXT cannot see (loaded RTLD_LOCAL, as
+ * Python loads extension libraries), the caller's own dependencies have it. */
+static inline void *tms_next_for_caller(const char *name, const void *caller, const void *self)
+{
+    Dl_info info;
+    if (!caller || !dladdr(caller, &info) || !info.dli_fname) return NULL;
+    void *lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    void *fn = lib ? dlsym(lib, name) : NULL;
+    if (lib) dlclose(lib);
+    return fn == self ? NULL : fn;
+}
+
 /* The runtime's lookups of driver entry points (PyTorch's expandable
  * segments find cuMemCreate & co. this way): answered by the next
  * definition, then passed to route(symbol, fn, status, caller), which may
@@ -58,19 +71,26 @@ extern void *tms_reloc_original(const char *name) __attribute__((weak, visibilit
                                                                         unsigned long long flags,        \
                                                                         int *status)                     \
     {                                                                                                     \
-        int (*next)(const char *, void **, unsigned long long, int *) =                                  \
-            (int (*)(const char *, void **, unsigned long long, int *))next_cudaGetDriverEntryPoint();   \
+        typedef int (*lookup_fn)(const char *, void **, unsigned long long, int *);                      \
+        const void *caller = __builtin_return_address(0);                                                \
+        lookup_fn next = (lookup_fn)next_cudaGetDriverEntryPoint();                                      \
+        if (!next)                                                                                        \
+            next = (lookup_fn)tms_next_for_caller("cudaGetDriverEntryPoint", caller,                     \
+                                                  (const void *)cudaGetDriverEntryPoint);                \
         int rc = next ? next(symbol, fn, flags, status) : 3;                                             \
-        return route(symbol, fn, rc, __builtin_return_address(0));                                       \
+        return route(symbol, fn, rc, caller);                                                            \
     }                                                                                                     \
     __attribute__((visibility("default"))) int cudaGetDriverEntryPointByVersion(                         \
         const char *symbol, void **fn, unsigned int version, unsigned long long flags, int *status)      \
     {                                                                                                     \
-        int (*next)(const char *, void **, unsigned int, unsigned long long, int *) =                    \
-            (int (*)(const char *, void **, unsigned int, unsigned long long, int *))                    \
-                next_cudaGetDriverEntryPointByVersion();                                                 \
+        typedef int (*lookup_fn)(const char *, void **, unsigned int, unsigned long long, int *);        \
+        const void *caller = __builtin_return_address(0);                                                \
+        lookup_fn next = (lookup_fn)next_cudaGetDriverEntryPointByVersion();                             \
+        if (!next)                                                                                        \
+            next = (lookup_fn)tms_next_for_caller("cudaGetDriverEntryPointByVersion", caller,            \
+                                                  (const void *)cudaGetDriverEntryPointByVersion);       \
         int rc = next ? next(symbol, fn, version, flags, status) : 3;                                    \
-        return route(symbol, fn, rc, __builtin_return_address(0));                                       \
+        return route(symbol, fn, rc, caller);                                                            \
     }
 
 /* The routers the preload library exports for its shims. */

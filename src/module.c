@@ -347,6 +347,26 @@ static PyObject *py_allocations(PyObject *module, PyObject *unused)
     return list;
 }
 
+PyDoc_STRVAR(allocation_at_doc,
+"allocation_at($module, ptr, /)\n--\n\nThe allocations() row of the allocation holding ptr, or None.");
+
+static PyObject *py_allocation_at(PyObject *module, PyObject *ptr_obj)
+{
+    (void)module;
+    unsigned long long ptr = PyLong_AsUnsignedLongLong(ptr_obj);
+    if (ptr == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_ValueError, "allocation_at: pointer %R is not a 64-bit address", ptr_obj);
+    }
+    struct tms_alloc_info row;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_core_find(ptr, &row);
+    Py_END_ALLOW_THREADS
+    if (rc) Py_RETURN_NONE;
+    return alloc_row_dict(&row);
+}
+
 PyDoc_STRVAR(stats_doc,
 "stats($module, /)\n--\n\n"
 "A list of dicts, one per (tag, device) with anything to report: the fields of\n"
@@ -644,6 +664,7 @@ static PyMethodDef module_methods[] = {
     {"free", py_free, METH_O, free_doc},
     {"get_cpu_backup", py_get_cpu_backup, METH_VARARGS, get_cpu_backup_doc},
     {"allocations", py_allocations, METH_NOARGS, allocations_doc},
+    {"allocation_at", py_allocation_at, METH_O, allocation_at_doc},
     {"stats", py_stats, METH_NOARGS, stats_doc},
     {"set_memory_margin_bytes", py_set_margin, METH_O, set_margin_doc},
     {"get_memory_margin_bytes", py_get_margin, METH_NOARGS, get_margin_doc},

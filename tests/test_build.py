@@ -15,7 +15,8 @@ FORBIDDEN_NEEDED = re.compile(r"lib(cuda|cudart|python)", re.IGNORECASE)
 # The C ABI both variants export (include/torch_memory_saver.h, issue 10).
 ABI = set(SIGNATURES)
 EXPORTS = {
-    "preload": {"cudaMalloc", "cudaFree", "PyInit__tms_preload", "tms_preload_malloc", "tms_preload_free"} | ABI,
+    "preload": {"cudaMalloc", "cudaFree", "PyInit__tms_preload", "tms_preload_malloc", "tms_preload_free",
+                "cudaGetDriverEntryPoint", "cudaGetDriverEntryPointByVersion", "tms_preload_entry_point"} | ABI,
     "torch": {"tms_torch_malloc", "tms_torch_free", "PyInit__tms_torch"} | ABI,
 }
 # The preload library may also hook the HIP runtime's pair (ROCm builds of PyTorch).

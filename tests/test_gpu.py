@@ -187,6 +187,30 @@ def test_nested_regions_init_enable(hook_mode):
     check_passed(run_scenario("nested_init_enable", hook_mode, env={"TMS_INIT_ENABLE": "1"}))
 
 
+# PyTorch's expandable segments (issue 15): the scenario of its own, and scenarios
+# of the suite whose memory then comes from expandable segments (in preload mode:
+# adopted from PyTorch's own cuMem* calls; TMS_INIT_ENABLE covers the default pool).
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+@pytest.mark.parametrize("hook_mode", GPU_MODES)
+@pytest.mark.parametrize("scenario", ["expandable", "cpu_backup", "free_while_paused", "stress_threads"])
+def test_expandable_segments(scenario, hook_mode):
+    check_passed(run_scenario(scenario, hook_mode, env=EXPANDABLE))
+
+
+@pytest.mark.parametrize("hook_mode", GPU_MODES)
+def test_expandable_segments_init_enable(hook_mode):
+    check_passed(run_scenario("nested_init_enable", hook_mode, env={**EXPANDABLE, "TMS_INIT_ENABLE": "1"}))
+
+
+@pytest.mark.parametrize("hook_mode", ["preload", RELOCATION])
+def test_expandable_segments_default_pool_shrinks(hook_mode):
+    # slime's and AReaL's start: every allocation pauseable, PyTorch's own segment shrinking under it.
+    check_passed(run_scenario("expandable_default_pool", hook_mode,
+                              env={**EXPANDABLE, "TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}))
+
+
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
 def test_multi_gpu(hook_mode):
     if DEVICE_COUNT < 2:

@@ -59,6 +59,7 @@ def ensure_hooked(core) -> str:
     except NotImplementedError as e:
         off = str(e)
     else:
+        _warn_if_segments_came_first()
         return core.preload_method()
     _, winner = core.preload_active()
     ours = core.library_path()
@@ -69,3 +70,28 @@ def ensure_hooked(core) -> str:
         f"`with torch_memory_saver.configure_subprocess():`, or with LD_PRELOAD={ours}; or unset "
         f"TMS_RELOC_HOOKS; or set torch_memory_saver.hook_mode = 'torch' before first use."
     )
+
+
+def expandable_segments_on() -> bool:
+    """PYTORCH_CUDA_ALLOC_CONF (or PyTorch's newer PYTORCH_ALLOC_CONF) asks for expandable segments."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def _warn_if_segments_came_first():
+    """PyTorch looks up its cuMem* entry points once, when it makes its first
+    expandable segment: hooks installed by relocation after that never see them."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not expandable_segments_on() or not torch.cuda.is_initialized():
+        return
+    if any(torch.cuda.memory_reserved(d) for d in range(torch.cuda.device_count())):
+        import warnings
+
+        warnings.warn(
+            "torch_memory_saver: expandable segments were in use before preload mode installed its hooks "
+            "(no LD_PRELOAD): PyTorch already holds the driver's cuMem* functions, so region memory in "
+            "expandable segments will not be pauseable in this process. Enter the first region (or read "
+            "torch_memory_saver.preload_method) before the first CUDA allocation, or start the process with "
+            "the library on LD_PRELOAD.", RuntimeWarning, stacklevel=4)

@@ -237,7 +237,17 @@ class TorchMemorySaver:
             return torch.empty(x.shape, dtype=x.dtype)
         item = x.element_size()
         span = (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * item
-        view = core.get_cpu_backup(x.data_ptr(), span)
+        try:
+            view = core.get_cpu_backup(x.data_ptr(), span)
+        except ValueError:
+            # An expandable segment's pages are allocations of their own: a tensor
+            # may span several, each with its own backup.
+            pages, flat = _backup_across_pages(core, x.data_ptr(), span)
+            if not pages:
+                raise
+            if flat is None:
+                return None
+            return flat.view(x.dtype).as_strided(x.shape, x.stride())  # a copy, whatever zero_copy says
         if view is None:
             return None
         host = torch.frombuffer(view, dtype=torch.uint8).view(x.dtype).as_strided(x.shape, x.stride())
@@ -343,6 +353,26 @@ class TorchMemorySaver:
     def _core(self):
         """The native module in use (for tests and the host backend)."""
         return self._ensure_initialized().core
+
+
+def _backup_across_pages(core, ptr: int, nbytes: int):
+    """(spans pages, copy): whether [ptr, ptr+nbytes) is made of consecutive
+    adopted allocations (expandable-segment pages), and if so its bytes copied
+    from their backups as a uint8 tensor, or None if one of them has none now."""
+    import torch
+
+    pieces, at, end = [], ptr, ptr + nbytes
+    while at < end:
+        row = core.allocation_at(at)
+        if row is None or not row["adopted"]:
+            return False, None
+        n = min(end, row["ptr"] + row["size"]) - at
+        view = core.get_cpu_backup(at, n)
+        if view is None:
+            return True, None
+        pieces.append(torch.frombuffer(view, dtype=torch.uint8).clone())
+        at += n
+    return True, torch.cat(pieces)
 
 
 class _Impl:
