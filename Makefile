@@ -2,7 +2,7 @@
 PYTHON ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: build deps reinstall test demo bench sanitize sanitize-thread sanitize-python fuzz clean
+.PHONY: build deps reinstall test demo bench bench-fragmentation sanitize sanitize-thread sanitize-python fuzz clean
 
 # The extensions compiled in place (torch_memory_saver/_tms_*.abi3.so, the upstream-named
 # shims at the root) for tests; warnings are errors here and in CI, never in a user's install.
@@ -34,6 +34,10 @@ demo:
 
 bench: build
 	$(PYTHON) -m benchmarks.run
+
+# Reserved bytes with and without expandable segments, both hook modes (issue 15).
+bench-fragmentation: build
+	$(PYTHON) -m benchmarks.fragmentation
 
 # C tests under AddressSanitizer + UndefinedBehaviorSanitizer.
 sanitize:

@@ -3,8 +3,9 @@
 
 One worker process per (hook mode, expandable segments on/off) runs the same
 seeded churn inside one region: each step allocates a tensor of log-uniform
-size from 1 MiB to 512 MiB (while under --live-gib live) and frees a random
-live one with probability 0.45. It then reports what the region
+size from 1 MiB to 512 MiB (while under --live-gib live); the "steady" churn
+then frees a random live one with probability 0.45, the "bursty" one a random
+30 % of the live ones with probability 0.3. It then reports what the region
 costs: live tensor bytes, PyTorch's reserved bytes, the bytes the library
 holds for the tag, device memory taken since the start; and what a pause of
 the tag gives back (free memory gained / tag bytes) and how long pause and
@@ -21,9 +22,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 GiB = 1 << 30
+PATTERNS = ("steady", "bursty")
 
 
-def worker(hook_mode, steps, live_gib, seed):
+def worker(hook_mode, pattern, steps, live_gib, seed):
     import random
 
     import torch
@@ -44,8 +46,11 @@ def worker(hook_mode, steps, live_gib, seed):
             if live_bytes + n <= live_gib * GiB:
                 live.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
                 live_bytes += n
-            if live and rng.random() < 0.45:
+            if pattern == "steady" and live and rng.random() < 0.45:
                 live_bytes -= live.pop(rng.randrange(len(live))).numel()
+            elif pattern == "bursty" and rng.random() < 0.3:
+                for i in sorted(rng.sample(range(len(live)), k=int(len(live) * 0.3)), reverse=True):
+                    live_bytes -= live.pop(i).numel()
     torch.cuda.synchronize()
     rows = [r for r in tms._core.allocations() if r["tag"] == "frag"]
     tag_bytes = sum(r["reserved"] for r in rows)
@@ -59,7 +64,7 @@ def worker(hook_mode, steps, live_gib, seed):
     tms.resume("frag")
     t2 = time.perf_counter()
     return {
-        "hook_mode": hook_mode,
+        "hook_mode": hook_mode, "pattern": pattern,
         "expandable": "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "live_tensors": len(live), "live_bytes": live_bytes, "torch_reserved": reserved, "tag_bytes": tag_bytes,
         "allocations": len(rows), "adopted": sum(1 for r in rows if r["adopted"]), "device_used": used,
@@ -67,7 +72,7 @@ def worker(hook_mode, steps, live_gib, seed):
     }
 
 
-def run_worker(hook_mode, expandable, args):
+def run_worker(hook_mode, pattern, expandable, args):
     from torch_memory_saver import configure_subprocess
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TMS_") and k != "PYTORCH_CUDA_ALLOC_CONF"}
@@ -79,11 +84,12 @@ def run_worker(hook_mode, expandable, args):
             env["LD_PRELOAD"] = os.environ["LD_PRELOAD"]
     else:
         env.pop("LD_PRELOAD", None)
-    cmd = [sys.executable, "-m", "benchmarks.fragmentation", "--worker", hook_mode, "--steps", str(args.steps),
+    cmd = [sys.executable, "-m", "benchmarks.fragmentation", "--worker", hook_mode, "--pattern", pattern,
+           "--steps", str(args.steps),
            "--live-gib", str(args.live_gib), "--seed", str(args.seed)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        return {"hook_mode": hook_mode, "expandable": expandable,
+        return {"hook_mode": hook_mode, "pattern": pattern, "expandable": expandable,
                 "error": f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -92,16 +98,17 @@ def table(results):
     def gib(n):
         return f"{n / GiB:.2f}"
 
-    lines = ["| hook mode | expandable segments | live tensors | live GiB | PyTorch reserved GiB | tag GiB "
+    lines = ["| churn | hook mode | expandable segments | live tensors | live GiB | PyTorch reserved GiB | tag GiB "
              "(allocations, adopted) | reserved / live | pause frees (of tag) | pause ms | resume ms |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['hook_mode']} | {'on' if r['expandable'] else 'off'} | error: {r['error'][:200]} "
+            lines.append(f"| {r['pattern']} | {r['hook_mode']} | {'on' if r['expandable'] else 'off'} | "
+                         f"error: {r['error'][:200]} "
                          "| | | | | | | |")
             continue
         lines.append(
-            f"| {r['hook_mode']} | {'on' if r['expandable'] else 'off'} | {r['live_tensors']} | {gib(r['live_bytes'])} "
+            f"| {r['pattern']} | {r['hook_mode']} | {'on' if r['expandable'] else 'off'} | {r['live_tensors']} | {gib(r['live_bytes'])} "
             f"| {gib(r['torch_reserved'])} | {gib(r['tag_bytes'])} ({r['allocations']}, {r['adopted']}) "
             f"| {r['torch_reserved'] / max(r['live_bytes'], 1):.2f}× "
             f"| {r['freed_by_pause'] / max(r['tag_bytes'], 1):.1%} | {r['pause_ms']:.1f} | {r['resume_ms']:.1f} |")
@@ -115,14 +122,16 @@ def main():
     parser.add_argument("--seed", type=int, default=15)
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     parser.add_argument("--worker", choices=("preload", "torch"))
+    parser.add_argument("--pattern", choices=PATTERNS, default="steady")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.live_gib, args.seed)))
+        print(json.dumps(worker(args.worker, args.pattern, args.steps, args.live_gib, args.seed)))
         return
     import torch
 
     device = torch.cuda.get_device_name(0).replace(" ", "-") if torch.cuda.is_available() else "no-GPU"
-    results = [run_worker(mode, expandable, args) for mode in ("preload", "torch") for expandable in (False, True)]
+    results = [run_worker(mode, pattern, expandable, args)
+               for pattern in PATTERNS for mode in ("preload", "torch") for expandable in (False, True)]
     now = datetime.datetime.now(datetime.timezone.utc)
     text = "\n".join([
         "# Fragmentation: one region's churn with and without expandable segments", "",
@@ -130,8 +139,9 @@ def main():
         f"torch {torch.__version__}, {now:%Y-%m-%dT%H:%M:%SZ}", "",
         f"command: `python -m benchmarks.fragmentation --steps {args.steps} --live-gib {args.live_gib} "
         f"--seed {args.seed}`", "",
-        "Same seeded sequence in every row: each step allocates a tensor of 1 MiB to 512 MiB (log-uniform) "
-        "while under the live cap, and frees a random live one with probability 0.45. *reserved / live*: PyTorch's "
+        "Same seeded sequence in every row of a churn: each step allocates a tensor of 1 MiB to 512 MiB "
+        "(log-uniform) while under the live cap; *steady* then frees a random live tensor with probability 0.45, "
+        "*bursty* frees a random 30 % of the live ones with probability 0.3. *reserved / live*: PyTorch's "
         "reserved bytes per live tensor byte (fragmentation). *pause frees*: device memory a pause of the "
         "tag gave back, as a share of the bytes the library held for it.", "",
         table(results), ""])
