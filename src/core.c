@@ -264,6 +264,18 @@ static struct tms_alloc *table_find_locked(tms_va va)
     for (size_t bucket_ = 0; bucket_ < bucket_count; bucket_++) \
         for (struct tms_alloc *a = buckets[bucket_]; a; a = a->next)
 
+/* The allocation holding ptr: by hash when ptr is its start, else by a walk. */
+static const struct tms_alloc *owner_of_locked(uint64_t ptr)
+{
+    const struct tms_alloc *owner = table_find_locked(ptr);
+    if (!owner) {
+        FOR_EACH_ALLOC(a) {
+            if (ptr >= a->va && ptr < a->va + a->reserved) owner = a;
+        }
+    }
+    return owner;
+}
+
 static void alloc_destroy(struct tms_alloc *a)
 {
     if (a->handles != &a->one_handle) free(a->handles);
@@ -659,12 +671,7 @@ int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, tms_phys *handle)
     if (__atomic_load_n(&alloc_count, __ATOMIC_RELAXED) == 0) return TMS_E_NOT_FOUND;
     int rc = TMS_E_NOT_FOUND;
     lock_table();
-    const struct tms_alloc *owner = table_find_locked(ptr);
-    if (!owner) {
-        FOR_EACH_ALLOC(a) {
-            if (ptr >= a->va && ptr < a->va + a->reserved) owner = a;
-        }
-    }
+    const struct tms_alloc *owner = owner_of_locked(ptr);
     if (owner && owner->adopted) {
         *owner_handle = owner->owner_handle;
         *handle = owner->state == TMS_ACTIVE && !owner->moving ? owner->one_handle : 0;
@@ -741,12 +748,7 @@ int tms_core_find(uint64_t ptr, struct tms_alloc_info *row)
 {
     if (__atomic_load_n(&alloc_count, __ATOMIC_RELAXED) == 0) return TMS_E_NOT_FOUND;
     lock_table();
-    const struct tms_alloc *owner = table_find_locked(ptr);
-    if (!owner) {
-        FOR_EACH_ALLOC(a) {
-            if (ptr >= a->va && ptr < a->va + a->reserved) owner = a;
-        }
-    }
+    const struct tms_alloc *owner = owner_of_locked(ptr);
     if (owner) *row = info_of_locked(owner);
     unlock_table();
     return owner ? TMS_OK : TMS_E_NOT_FOUND;
