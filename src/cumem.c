@@ -12,25 +12,16 @@
 #include "hook.h"
 #include "log.h"
 
-typedef tms_CUresult (*create_fn)(tms_CUmemHandle *, size_t, const tms_CUmemAllocationProp *, unsigned long long);
-typedef tms_CUresult (*map_fn)(tms_CUdeviceptr, size_t, size_t, tms_CUmemHandle, unsigned long long);
-typedef tms_CUresult (*access_fn)(tms_CUdeviceptr, size_t, const tms_CUmemAccessDesc *, size_t);
-typedef tms_CUresult (*unmap_fn)(tms_CUdeviceptr, size_t);
-typedef tms_CUresult (*release_fn)(tms_CUmemHandle);
-typedef tms_CUresult (*export_fn)(void *, tms_CUmemHandle, int, unsigned long long);
-typedef tms_CUresult (*props_fn)(tms_CUmemAllocationProp *, tms_CUmemHandle);
-typedef tms_CUresult (*retain_fn)(tms_CUmemHandle *, void *);
-
 /* The owner's own entry points, kept by tms_cumem_wrap (atomic: set once). */
 static struct {
-    create_fn create;
-    map_fn map;
-    access_fn set_access;
-    unmap_fn unmap;
-    release_fn release;
-    export_fn export_handle;
-    props_fn props;
-    retain_fn retain;
+    tms_cuMemCreate_fn create;
+    tms_cuMemMap_fn map;
+    tms_cuMemSetAccess_fn set_access;
+    tms_cuMemUnmap_fn unmap;
+    tms_cuMemRelease_fn release;
+    tms_cuMemExportToShareableHandle_fn export_handle;
+    tms_cuMemGetAllocationPropertiesFromHandle_fn props;
+    tms_cuMemRetainAllocationHandle_fn retain;
 } real;
 
 #define REAL(field) __atomic_load_n(&real.field, __ATOMIC_ACQUIRE)
@@ -147,7 +138,7 @@ unsigned long tms_cumem_tokens(void) { return __atomic_load_n(&live_tokens, __AT
 static tms_CUresult wrap_create(tms_CUmemHandle *h, size_t size, const tms_CUmemAllocationProp *prop,
                                 unsigned long long flags)
 {
-    create_fn create = REAL(create);
+    tms_cuMemCreate_fn create = REAL(create);
     const struct tms_region *r = tms_region_current();
     if (!r->active || !h || !prop || prop->location.type != TMS_CU_MEM_LOCATION_TYPE_DEVICE || !wrapped_all())
         return create(h, size, prop, flags);
@@ -181,7 +172,7 @@ static tms_CUresult wrap_create(tms_CUmemHandle *h, size_t size, const tms_CUmem
 static tms_CUresult wrap_map(tms_CUdeviceptr va, size_t size, size_t offset, tms_CUmemHandle h,
                              unsigned long long flags)
 {
-    map_fn map = REAL(map);
+    tms_cuMemMap_fn map = REAL(map);
     if (!is_token(h)) return map(va, size, offset, h, flags);
     tms_phys phys = 0;
     tms_CUresult rc = TMS_CUDA_SUCCESS;
@@ -258,7 +249,7 @@ static void after_disown(uint64_t value, uint64_t va, tms_phys handle)
     if (orphan) REAL(release)(orphan);
 }
 
-static tms_CUresult unmap_pending(unmap_fn unmap, tms_CUdeviceptr va, size_t size, int *found)
+static tms_CUresult unmap_pending(tms_cuMemUnmap_fn unmap, tms_CUdeviceptr va, size_t size, int *found)
 {
     lock_tokens();
     struct token *t = mapped_tokens ? mapped_at_locked(va) : NULL;
@@ -291,7 +282,7 @@ static tms_CUresult unmap_pending(unmap_fn unmap, tms_CUdeviceptr va, size_t siz
 
 static tms_CUresult wrap_unmap(tms_CUdeviceptr va, size_t size)
 {
-    unmap_fn unmap = REAL(unmap);
+    tms_cuMemUnmap_fn unmap = REAL(unmap);
     if (!__atomic_load_n(&live_tokens, __ATOMIC_RELAXED)) return unmap(va, size);
     int pending;
     tms_CUresult rc = unmap_pending(unmap, va, size, &pending);

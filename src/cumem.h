@@ -18,6 +18,21 @@
  * outside regions, and every call on a driver handle, go straight through.
  */
 
+#include <stddef.h>
+
+#include "cuda_abi.h"
+
+/* The driver's signatures of the wrapped entry points. */
+typedef tms_CUresult (*tms_cuMemCreate_fn)(tms_CUmemHandle *, size_t, const tms_CUmemAllocationProp *,
+                                           unsigned long long);
+typedef tms_CUresult (*tms_cuMemMap_fn)(tms_CUdeviceptr, size_t, size_t, tms_CUmemHandle, unsigned long long);
+typedef tms_CUresult (*tms_cuMemSetAccess_fn)(tms_CUdeviceptr, size_t, const tms_CUmemAccessDesc *, size_t);
+typedef tms_CUresult (*tms_cuMemUnmap_fn)(tms_CUdeviceptr, size_t);
+typedef tms_CUresult (*tms_cuMemRelease_fn)(tms_CUmemHandle);
+typedef tms_CUresult (*tms_cuMemExportToShareableHandle_fn)(void *, tms_CUmemHandle, int, unsigned long long);
+typedef tms_CUresult (*tms_cuMemGetAllocationPropertiesFromHandle_fn)(tms_CUmemAllocationProp *, tms_CUmemHandle);
+typedef tms_CUresult (*tms_cuMemRetainAllocationHandle_fn)(tms_CUmemHandle *, void *);
+
 /* If symbol is one of the wrapped entry points and *fn its definition,
  * keeps *fn as the real function and puts the wrapper in its place. */
 void tms_cumem_wrap(const char *symbol, void **fn);

@@ -161,6 +161,12 @@ def run_py(built_libs, tmp_path):
     return run
 
 
+def cc(*args):
+    """Compiles with the system C compiler; fails the test with its messages."""
+    proc = subprocess.run(["cc", *map(str, args)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
 def check_ok(proc, stderr_empty=True):
     """Asserts a child exited 0 (and wrote nothing to stderr); returns its stdout."""
     detail = f"rc={proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"

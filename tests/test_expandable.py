@@ -8,22 +8,17 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, check_ok
+from conftest import REPO, cc, check_ok
 
 C = REPO / "tests" / "c"
-
-
-def _cc(*args):
-    proc = subprocess.run(["cc", *map(str, args)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
     d = tmp_path_factory.mktemp("cumem")
-    _cc("-shared", "-fPIC", "-O2", "-o", d / "libcudart_stub.so", C / "cumem_runtime_stub.c")
+    cc("-shared", "-fPIC", "-O2", "-o", d / "libcudart_stub.so", C / "cumem_runtime_stub.c")
     for name in ("libc10_cuda.so", "libother.so"):
-        _cc("-shared", "-fPIC", "-O2", "-Wl,-z,relro,-z,now", "-o", d / name, C / "cumem_user.c", f"-L{d}",
+        cc("-shared", "-fPIC", "-O2", "-Wl,-z,relro,-z,now", "-o", d / name, C / "cumem_user.c", f"-L{d}",
             "-lcudart_stub", f"-Wl,-rpath,{d}")
     return d
 

@@ -2,12 +2,11 @@
 entries of loaded objects, checked with a stub CUDA runtime and small libraries built
 here: loaded before the patch and dlopen'ed after, with lazy binding, full RELRO and
 -fno-plt; a bare-name dlopen through a patched dlopen keeps the caller's RUNPATH."""
-import subprocess
 import textwrap
 
 import pytest
 
-from conftest import REPO, check_ok
+from conftest import REPO, cc, check_ok
 
 C = REPO / "tests" / "c"
 VARIANTS = {  # name: extra flags
@@ -18,25 +17,20 @@ VARIANTS = {  # name: extra flags
 }
 
 
-def _cc(*args):
-    proc = subprocess.run(["cc", *map(str, args)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-
-
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
     d = tmp_path_factory.mktemp("reloc")
-    _cc("-shared", "-fPIC", "-O2", "-o", d / "libcudart_stub.so", C / "reloc_runtime_stub.c")
+    cc("-shared", "-fPIC", "-O2", "-o", d / "libcudart_stub.so", C / "reloc_runtime_stub.c")
     for name, flags in VARIANTS.items():
-        _cc("-shared", "-fPIC", "-O2", *flags, "-o", d / f"libuser_{name}.so", C / "reloc_user.c",
+        cc("-shared", "-fPIC", "-O2", *flags, "-o", d / f"libuser_{name}.so", C / "reloc_user.c",
             f"-L{d}", "-lcudart_stub", f"-Wl,-rpath,{d}", "-ldl")
     (d / "sub").mkdir()
-    _cc("-shared", "-fPIC", "-O2", "-Wl,-z,relro,-z,now", "-o", d / "sub" / "libinner.so", C / "reloc_user.c",
+    cc("-shared", "-fPIC", "-O2", "-Wl,-z,relro,-z,now", "-o", d / "sub" / "libinner.so", C / "reloc_user.c",
         f"-L{d}", "-lcudart_stub", f"-Wl,-rpath,{d}", "-ldl")
-    _cc("-shared", "-fPIC", "-O2", "-Wl,--enable-new-dtags,-rpath,$ORIGIN/sub", "-o", d / "libuser_runpath.so",
+    cc("-shared", "-fPIC", "-O2", "-Wl,--enable-new-dtags,-rpath,$ORIGIN/sub", "-o", d / "libuser_runpath.so",
         C / "reloc_user.c", f"-L{d}", "-lcudart_stub", f"-Wl,-rpath,{d}", "-ldl")
     # A library with the runtime linked in: it defines cudaMalloc itself.
-    _cc("-shared", "-fPIC", "-O2", "-o", d / "libstatic_runtime.so", C / "reloc_runtime_stub.c")
+    cc("-shared", "-fPIC", "-O2", "-o", d / "libstatic_runtime.so", C / "reloc_runtime_stub.c")
     return d
 
 

@@ -99,22 +99,14 @@ static tms_CUresult real_retain(tms_CUmemHandle *h, void *addr)
     return TMS_CUDA_ERROR_NOT_SUPPORTED;  /* the walk retains region memory only */
 }
 
-typedef tms_CUresult (*create_fn)(tms_CUmemHandle *, size_t, const tms_CUmemAllocationProp *, unsigned long long);
-typedef tms_CUresult (*map_fn)(tms_CUdeviceptr, size_t, size_t, tms_CUmemHandle, unsigned long long);
-typedef tms_CUresult (*access_fn)(tms_CUdeviceptr, size_t, const tms_CUmemAccessDesc *, size_t);
-typedef tms_CUresult (*unmap_fn)(tms_CUdeviceptr, size_t);
-typedef tms_CUresult (*release_fn)(tms_CUmemHandle);
-typedef tms_CUresult (*props_fn)(tms_CUmemAllocationProp *, tms_CUmemHandle);
-typedef tms_CUresult (*retain_fn)(tms_CUmemHandle *, void *);
-
 static struct {
-    create_fn create;
-    map_fn map;
-    access_fn set_access;
-    unmap_fn unmap;
-    release_fn release;
-    props_fn props;
-    retain_fn retain;
+    tms_cuMemCreate_fn create;
+    tms_cuMemMap_fn map;
+    tms_cuMemSetAccess_fn set_access;
+    tms_cuMemUnmap_fn unmap;
+    tms_cuMemRelease_fn release;
+    tms_cuMemGetAllocationPropertiesFromHandle_fn props;
+    tms_cuMemRetainAllocationHandle_fn retain;
 } cu;
 
 static void *wrapped(const char *name, void *real)
@@ -127,13 +119,13 @@ static void *wrapped(const char *name, void *real)
 
 static void look_up_entry_points(void)
 {
-    cu.create = (create_fn)wrapped("cuMemCreate", (void *)real_create);
-    cu.map = (map_fn)wrapped("cuMemMap", (void *)real_map);
-    cu.set_access = (access_fn)wrapped("cuMemSetAccess", (void *)real_set_access);
-    cu.unmap = (unmap_fn)wrapped("cuMemUnmap", (void *)real_unmap);
-    cu.release = (release_fn)wrapped("cuMemRelease", (void *)real_release);
-    cu.props = (props_fn)wrapped("cuMemGetAllocationPropertiesFromHandle", (void *)real_props);
-    cu.retain = (retain_fn)wrapped("cuMemRetainAllocationHandle", (void *)real_retain);
+    cu.create = (tms_cuMemCreate_fn)wrapped("cuMemCreate", (void *)real_create);
+    cu.map = (tms_cuMemMap_fn)wrapped("cuMemMap", (void *)real_map);
+    cu.set_access = (tms_cuMemSetAccess_fn)wrapped("cuMemSetAccess", (void *)real_set_access);
+    cu.unmap = (tms_cuMemUnmap_fn)wrapped("cuMemUnmap", (void *)real_unmap);
+    cu.release = (tms_cuMemRelease_fn)wrapped("cuMemRelease", (void *)real_release);
+    cu.props = (tms_cuMemGetAllocationPropertiesFromHandle_fn)wrapped("cuMemGetAllocationPropertiesFromHandle", (void *)real_props);
+    cu.retain = (tms_cuMemRetainAllocationHandle_fn)wrapped("cuMemRetainAllocationHandle", (void *)real_retain);
     void *other = (void *)real_create;
     tms_cumem_wrap("cuMemAddressReserve", &other);  /* not wrapped: left as it is */
     CHECK(other == (void *)real_create);
