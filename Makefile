@@ -55,11 +55,12 @@ sanitize-python:
 	    tests/test_host_backend.py tests/test_observe.py tests/test_teardown.py tests/test_disk_backup.py \
 	    -k "not touching_paused_memory_faults"; rc=$$?; TMS_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --force; exit $$rc
 
-# The threads scenario and the fuzz driver under ThreadSanitizer.
+# The threads scenario, the expandable-segments race and the fuzz driver under ThreadSanitizer.
 sanitize-thread:
 	cmake -S . -B $(BUILD_DIR)-tsan -DTMS_SANITIZE=thread >/dev/null
-	cmake --build $(BUILD_DIR)-tsan -j2 --target test_core_host fuzz_core
+	cmake --build $(BUILD_DIR)-tsan -j2 --target test_core_host test_cumem_host fuzz_core
 	$(BUILD_DIR)-tsan/test_core_host threads && $(BUILD_DIR)-tsan/fuzz_core --runs 5
+	$(BUILD_DIR)-tsan/test_cumem_host --steps 400 --race-rounds 100
 
 # Coverage-guided fuzzing of the core (tests/c/fuzz_core.c) with clang's libFuzzer
 # (Debian: clang, libclang-rt-14-dev); CI runs the same harness as a plain driver.

@@ -3,7 +3,10 @@
  * The "real" cuMem* functions here stand in for the driver's over the host
  * backend (a handle is a memfd), and check that every handle they are given
  * is a live one: a token, or a handle the layer already released, reaching
- * them is a failure. Usage: test_cumem_host [--steps N] [--seed S]. */
+ * them is a failure. Last, a thread pausing and resuming a tag races the
+ * owner growing and shrinking it. Usage: test_cumem_host [--steps N]
+ * [--seed S] [--race-rounds N]. */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,16 +19,16 @@
 #include "cumem.h"
 #include "driver.h"
 
-static int passed, failed;
+static int passed, failed;  /* atomic: the race checks from two threads */
 
 #define CHECK(cond) check_at(!!(cond), __LINE__, #cond)
 static void check_at(int ok, int line, const char *what)
 {
     if (ok) {
-        passed++;
+        __atomic_add_fetch(&passed, 1, __ATOMIC_RELAXED);
         return;
     }
-    failed++;
+    __atomic_add_fetch(&failed, 1, __ATOMIC_RELAXED);
     fprintf(stderr, "test_cumem_host.c:%d: FAILED: %s\n", line, what);
 }
 
@@ -35,7 +38,7 @@ static void check_at(int ok, int line, const char *what)
 #define TOKEN_TAG 0x7e5a000000000000ull
 
 static const struct tms_driver *drv;
-static int stale_handles;  /* a handle that is not a live memfd reached a "driver" call */
+static int stale_handles;  /* atomic: a handle that is not a live memfd reached a "driver" call */
 
 static int live_handle(tms_CUmemHandle h)
 {
@@ -64,7 +67,7 @@ static tms_CUresult real_map(tms_CUdeviceptr va, size_t size, size_t offset, tms
                              unsigned long long flags)
 {
     (void)flags;
-    if (!live_handle(h) || offset) return stale_handles++, TMS_CUDA_ERROR_INVALID_VALUE;
+    if (!live_handle(h) || offset) return __atomic_add_fetch(&stale_handles, 1, __ATOMIC_RELAXED), TMS_CUDA_ERROR_INVALID_VALUE;
     return drv->map(0, va, size, h) ? TMS_CUDA_ERROR_INVALID_VALUE : TMS_CUDA_SUCCESS;
 }
 
@@ -81,13 +84,13 @@ static tms_CUresult real_unmap(tms_CUdeviceptr va, size_t size)
 
 static tms_CUresult real_release(tms_CUmemHandle h)
 {
-    if (!live_handle(h)) return stale_handles++, TMS_CUDA_ERROR_INVALID_VALUE;
+    if (!live_handle(h)) return __atomic_add_fetch(&stale_handles, 1, __ATOMIC_RELAXED), TMS_CUDA_ERROR_INVALID_VALUE;
     return drv->release(h) ? TMS_CUDA_ERROR_INVALID_VALUE : TMS_CUDA_SUCCESS;
 }
 
 static tms_CUresult real_props(tms_CUmemAllocationProp *prop, tms_CUmemHandle h)
 {
-    if (!live_handle(h)) return stale_handles++, TMS_CUDA_ERROR_INVALID_VALUE;
+    if (!live_handle(h)) return __atomic_add_fetch(&stale_handles, 1, __ATOMIC_RELAXED), TMS_CUDA_ERROR_INVALID_VALUE;
     memset(prop, 0, sizeof *prop);
     prop->location.type = TMS_CU_MEM_LOCATION_TYPE_DEVICE;
     return TMS_CUDA_SUCCESS;
@@ -456,13 +459,64 @@ static void walk(uint64_t seed, int steps)
     CHECK(drv->unreserve(base, PAGES * PAGE) == 0);
 }
 
+/* ---- a pause racing PyTorch growing and shrinking the same tag ----------------------- */
+
+#define RACE_PAGES 8
+static int race_rounds;
+static int race_done;  /* atomic */
+
+static void *race_pauser(void *arg)
+{
+    (void)arg;
+    while (!__atomic_load_n(&race_done, __ATOMIC_ACQUIRE)) {
+        struct tms_err err = {0};
+        int rc = tms_core_pause("cm_race", &err);
+        CHECK(rc == TMS_OK || rc == TMS_E_STATE);
+        rc = tms_core_resume("cm_race", &err);
+        CHECK(rc == TMS_OK || rc == TMS_E_STATE);
+    }
+    return NULL;
+}
+
+/* The owner never touches the memory: the other thread may have paused it. */
+static void race(void)
+{
+    int t = tag("cm_race");
+    tms_va base;
+    CHECK(drv->reserve(RACE_PAGES * PAGE, PAGE, &base) == 0);
+    size_t used_before = device_used();
+    pthread_t pauser;
+    CHECK(pthread_create(&pauser, NULL, race_pauser, NULL) == 0);
+    tms_CUmemHandle h[RACE_PAGES];
+    for (int round = 0; round < race_rounds; round++) {
+        enter_region(t, round % 2);
+        grow(base, RACE_PAGES, PAGE, h);
+        leave_region();
+        for (int i = RACE_PAGES - 1; i >= 0; i--) {
+            if (i % 3 == 0) {  /* release first, then unmap: the memory goes with the unmap */
+                CHECK(cu.release(h[i]) == TMS_CUDA_SUCCESS);
+                CHECK(cu.unmap(base + (uint64_t)i * PAGE, PAGE) == TMS_CUDA_SUCCESS);
+            } else {
+                shrink(base + (uint64_t)i * PAGE, PAGE, h[i]);
+            }
+        }
+    }
+    __atomic_store_n(&race_done, 1, __ATOMIC_RELEASE);
+    pthread_join(pauser, NULL);
+    CHECK(adopted_rows(-1, -1) == 0 && tms_cumem_tokens() == 0);
+    CHECK(device_used() == used_before);
+    CHECK(drv->unreserve(base, RACE_PAGES * PAGE) == 0);
+}
+
 int main(int argc, char **argv)
 {
     int steps = 3000;
     uint64_t seed = 1;
+    race_rounds = 60;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--seed")) seed = strtoull(argv[i + 1], NULL, 10);
+        else if (!strcmp(argv[i], "--race-rounds")) race_rounds = atoi(argv[i + 1]);
     }
     struct tms_err err = {0};
     if (tms_driver_select("host", &err) || tms_driver_get(&drv, &err)) {
@@ -473,6 +527,7 @@ int main(int argc, char **argv)
     test_segment_lifecycle();
     test_margin();
     for (uint64_t s = seed; s < seed + 4 && !failed; s++) walk(s, steps / 4);
+    race();
     CHECK(stale_handles == 0);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
