@@ -719,6 +719,7 @@ static struct tms_alloc_info info_of_locked(const struct tms_alloc *a)
         .ptr = a->va, .size = a->size, .reserved = a->reserved, .device = a->device,
         .tag_id = a->tag_id, .state = state, .backup = a->backup, .backup_kind = a->backup_kind,
         .has_host_copy = a->host_copy != NULL, .n_chunks = a->n_chunks, .adopted = a->adopted,
+        .host_copy_pinned = a->host_copy && a->host_copy->kind != TMS_BACKUP_DISK && tms_backup_pinned(a->host_copy),
     };
 }
 

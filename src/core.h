@@ -30,6 +30,7 @@ struct tms_alloc_info {
     int backup;          /* backup enabled for this allocation */
     int backup_kind;
     int has_host_copy;   /* a host backup exists now (paused, or retained) */
+    int host_copy_pinned; /* ... and it is page-locked (pinned, or a retained one pinned since) */
     int n_chunks;
     int adopted;         /* mapped by its owner (tms_core_adopt), not allocated by the core */
 };

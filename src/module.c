@@ -322,13 +322,13 @@ static PyObject *alloc_row_dict(const void *row)
     const struct tms_alloc_info *r = row;
     int disk = r->backup && r->backup_kind == TMS_BACKUP_DISK;
     return Py_BuildValue(
-        "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:i,s:O}", "ptr", (unsigned long long)r->ptr, "size",
+        "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:i,s:O,s:O}", "ptr", (unsigned long long)r->ptr, "size",
         (Py_ssize_t)r->size, "reserved", (Py_ssize_t)r->reserved, "device", r->device, "tag",
         tms_core_tag_name(r->tag_id), "state", state_name(r->state), "cpu_backup",
         r->backup && !disk ? Py_True : Py_False, "cpu_backup_backend", tms_backup_kind_name(r->backup_kind),
         "has_cpu_backup", r->has_host_copy && !disk ? Py_True : Py_False, "disk_backup", disk ? Py_True : Py_False,
         "has_disk_backup", r->has_host_copy && disk ? Py_True : Py_False, "chunks", r->n_chunks, "adopted",
-        r->adopted ? Py_True : Py_False);
+        r->adopted ? Py_True : Py_False, "cpu_backup_page_locked", r->host_copy_pinned ? Py_True : Py_False);
 }
 
 static PyObject *py_allocations(PyObject *module, PyObject *unused)

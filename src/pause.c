@@ -12,7 +12,7 @@ static struct tms_transfer transfer_of(const struct tms_alloc *a, struct tms_bac
     return (struct tms_transfer){
         .device = a->device, .dev = a->va, .host = copy->host, .n = a->size,
         .file = copy->kind == TMS_BACKUP_DISK ? &copy->file : NULL,
-        .host_pinned = copy->kind == TMS_BACKUP_PINNED,
+        .host_pinned = tms_backup_pinned(copy),
     };
 }
 
@@ -132,6 +132,14 @@ static int unmap_all(const struct tms_driver *drv, struct tms_move *m, size_t n,
     return rc;
 }
 
+/* Backups kept across resume are copied every cycle: page-locked in the
+ * background, the next copies skip the staging. */
+static void pin_retained(const struct tms_move *m, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (m[i].copy && m[i].copy->kind == TMS_BACKUP_MMAP) tms_backup_pin_later(m[i].copy);
+}
+
 int tms_core_pause(const char *tag, struct tms_err *err)
 {
     const struct tms_driver *drv;
@@ -145,6 +153,7 @@ int tms_core_pause(const char *tag, struct tms_err *err)
     /* All backups first: if one fails, nothing has been unmapped yet. */
     if (!rc) rc = backup_all(drv, m, n, err);
     if (!rc) rc = unmap_all(drv, m, n, err);
+    if (tms_core_retain()) pin_retained(m, n);
     uint64_t ns = tms_now_ns() - start;
     tms_table_settle(drv, m, n, 1, ns);
     TMS_DEBUG("pause %s: %zu allocations, %.3f ms, status %d", tag ? tag : "<all>", n, (double)ns / 1e6, rc);
@@ -213,6 +222,7 @@ int tms_core_resume(const char *tag, struct tms_err *err)
         m[i].copied = m[i].copy ? m[i].a->size : 0;
         if (m[i].copy && !kept_while_active(m[i].copy, retain)) m[i].copy = NULL;  /* settle drops it */
     }
+    if (retain) pin_retained(m, n);
     free(copies);
     uint64_t ns = tms_now_ns() - start;
     tms_table_settle(drv, m, n, 0, ns);
