@@ -726,8 +726,9 @@ def test_chunked_allocations_are_byte_exact_across_chunk_boundaries(run_py, kind
 # region(enable_cpu_backup=True) would also start the copy workers, whose
 # pinned staging takes host_alloc calls of its own.
 
-# One chunked allocation of 10 MiB - 1 in 4 MiB chunks (3 chunks: create/map
-# calls 1-3 happen at allocation time; two 8 MiB copy blocks).
+# One chunked allocation of 70 MiB - 1 in 32 MiB chunks (3 chunks: create/map
+# calls 1-3 happen at allocation time). Its backup is pinned, so the copies go
+# straight to it in 32 MiB blocks: three of them.
 _ONE_ALLOCATION_FAULTS = [
     # (TMS_FAULT, failing op, exception name, message fragment, state after the failed call)
     ("create:5", "resume", "OutOfMemoryError", "create of", "paused"),      # chunk 2 of 3
@@ -746,7 +747,7 @@ _ONE_ALLOCATION_FAULTS = [
                          ids=[f[0] for f in _ONE_ALLOCATION_FAULTS])
 def test_fault_in_one_chunked_allocation_loses_nothing(run_py, fault, op, exc, fragment, state):
     out = check_ok(run_py(f"""
-        n = 10 * MiB - 1
+        n = 70 * MiB - 1
         with raw_region("f", True, "pinned"):
             p = core.malloc(n)
         assert row(p)["chunks"] == 3
@@ -767,7 +768,7 @@ def test_fault_in_one_chunked_allocation_loses_nothing(run_py, fault, op, exc, f
         tms.resume("f")
         assert read(p, n) == d
         print("done")
-    """, env={"TMS_CHUNK_BYTES": "4MiB", "TMS_FAULT": fault}))
+    """, env={"TMS_CHUNK_BYTES": "32MiB", "TMS_FAULT": fault}))
     assert out == "done\n"
 
 
