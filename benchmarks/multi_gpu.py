@@ -1,0 +1,238 @@
+"""Every GPU of the host pausing at once (issue 16): `python -m benchmarks.multi_gpu
+[--gib G] [--cycles C] [--gpus N] [--out DIR]`.
+
+One process per GPU (CUDA_VISIBLE_DEVICES=i, torch hook mode), each holding G GiB
+of random data in one backed-up region, 512 MiB tensors. A barrier starts every
+pause and every resume in all processes together. Per backup configuration (mmap,
+pinned, mmap retained) and cycle it reports each GPU's GB/s and the aggregate
+(all bytes over the span from the first start to the last end), contents checked
+after every resume (a GPU-side checksum of every tensor and one tensor compared
+byte for byte), and every process's exit status.
+
+The host limits are measured in the same run with the same number of processes:
+fresh-page fill (each process writes G GiB of new anonymous huge-page memory
+with as many threads as it would run copy workers, all processes at once: the
+bound of a backup that keeps no memory between cycles) and pinned
+device->host / host->device copies on every GPU at once (the link). Output:
+DIR/<date>_<device>-multi_gpu.{md,json}.
+"""
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+GiB = 1 << 30
+TENSOR = 512 * MiB
+CONFIGS = {"mmap": ("mmap", False), "pinned": ("pinned", False), "mmap_retained": ("mmap", True)}
+
+
+def _threads():
+    n = int(os.environ.get("TMS_BACKUP_THREADS", "0") or 0)
+    return n if n > 0 else min(16, max(2, len(os.sched_getaffinity(0))))
+
+
+def _fill_fresh(nbytes, threads):
+    """Fresh anonymous memory (MADV_HUGEPAGE) and the threads that will write it:
+    (address, threads, unmap)."""
+    import ctypes
+    import threading
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    addr = libc.mmap(None, nbytes, 3, 0x22, -1, 0)  # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS
+    if not addr or addr == ctypes.c_void_p(-1).value:
+        raise OSError(ctypes.get_errno(), "mmap of the fill buffer failed")
+    libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
+    part = nbytes // threads
+    work = [threading.Thread(target=libc.memset, args=(ctypes.c_void_p(addr + i * part), 1, ctypes.c_size_t(part)))
+            for i in range(threads)]
+    return work, lambda: libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes))
+
+
+def limits_worker(rank, gib, barrier, results):
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    import torch
+
+    out = {"rank": rank}
+    threads = _threads()
+    work, unmap = _fill_fresh(int(gib * GiB), threads)
+    barrier.wait()
+    t0 = time.monotonic()
+    for w in work:
+        w.start()
+    for w in work:
+        w.join()
+    t1 = time.monotonic()
+    out["fill"] = (t0, t1, int(gib * GiB))
+    unmap()
+    n = 4 * GiB
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host.copy_(dev)  # warm
+    torch.cuda.synchronize()
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        barrier.wait()
+        t0 = time.monotonic()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out[name] = (t0, time.monotonic(), n)
+    results.put(out)
+
+
+def backup_worker(rank, config, gib, cycles, barrier, results):
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    sys.path.insert(0, REPO)
+    import torch
+
+    from torch_memory_saver import torch_memory_saver as tms
+
+    tms.hook_mode = "torch"
+    backend, retain = CONFIGS[config]
+    tms.retain_cpu_backup = retain
+    torch.manual_seed(rank)
+    count = max(1, int(gib * GiB) // TENSOR)
+    with tms.region(tag="mg", enable_cpu_backup=True, cpu_backup_backend=backend):
+        tensors = [torch.randint(-2**62, 2**62, (TENSOR // 8,), dtype=torch.int64, device="cuda")
+                   for _ in range(count)]
+    out = {"rank": rank, "bytes": count * TENSOR, "cycles": []}
+    for c in range(cycles):
+        for t in tensors:
+            t.random_(-2**62, 2**62)
+        sums = [t.sum().item() for t in tensors]
+        probe = tensors[c % count].cpu()
+        torch.cuda.synchronize()
+        barrier.wait()
+        t0 = time.monotonic()
+        tms.pause("mg")
+        t1 = time.monotonic()
+        barrier.wait()
+        t2 = time.monotonic()
+        tms.resume("mg")
+        torch.cuda.synchronize()
+        t3 = time.monotonic()
+        barrier.wait()
+        ok = [t.sum().item() for t in tensors] == sums and torch.equal(tensors[c % count].cpu(), probe)
+        out["cycles"].append({"pause": (t0, t1), "resume": (t2, t3), "verified": ok})
+    results.put(out)
+
+
+def _run(target, args, n):
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(n)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, *args, barrier, results)) for rank in range(n)]
+    for p in procs:
+        p.start()
+    got = []
+    deadline = time.monotonic() + 600
+    while len(got) < n and time.monotonic() < deadline:
+        try:
+            got.append(results.get(timeout=5))
+        except Exception:
+            if all(p.exitcode is not None for p in procs):
+                break
+    for p in procs:
+        p.join(timeout=60)
+    return sorted(got, key=lambda r: r["rank"]), [p.exitcode for p in procs]
+
+
+def _rates(spans):
+    """(per-process GB/s list, aggregate GB/s) of [(start, end, bytes)]."""
+    per = [b / (t1 - t0) / 1e9 for t0, t1, b in spans]
+    agg = sum(b for _, _, b in spans) / (max(t1 for _, t1, _ in spans) - min(t0 for t0, _, _ in spans)) / 1e9
+    return per, agg
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=24)
+    ap.add_argument("--cycles", type=int, default=3)
+    ap.add_argument("--gpus", type=int, default=0, help="processes (default: every GPU)")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    args = ap.parse_args()
+    import torch
+
+    n = args.gpus or torch.cuda.device_count()
+    if n < 1:
+        sys.exit("no GPU")
+    device = torch.cuda.get_device_name(0)
+    report = {"device": device, "gpus": n, "gib_per_gpu": args.gib, "cycles": args.cycles,
+              "copy_threads_per_process": _threads(), "cpus": os.cpu_count(),
+              "command": "python -m benchmarks.multi_gpu " + " ".join(sys.argv[1:]),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    lim, codes = _run(limits_worker, (args.gib,), n)
+    report["limits_exit_codes"] = codes
+    if len(lim) == n:
+        for key in ("fill", "d2h", "h2d"):
+            per, agg = _rates([r[key] for r in lim])
+            report[f"limit_{key}"] = {"per_gpu": per, "aggregate": agg}
+    rows = []
+    for config in args.configs.split(","):
+        res, codes = _run(backup_worker, (config, args.gib, args.cycles), n)
+        row = {"config": config, "exit_codes": codes, "cycles": []}
+        if len(res) == n:
+            for c in range(args.cycles):
+                cyc = {"verified": all(r["cycles"][c]["verified"] for r in res)}
+                for op in ("pause", "resume"):
+                    per, agg = _rates([(*r["cycles"][c][op], r["bytes"]) for r in res])
+                    cyc[op] = {"per_gpu": per, "aggregate": agg}
+                row["cycles"].append(cyc)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report["rows"] = rows
+    text = _markdown(report)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{datetime.datetime.now():%Y%m%d-%H%M%S}_{device.replace(' ', '-')}x{n}-multi_gpu")
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    print("written:", stem + ".md")
+
+
+def _markdown(r):
+    def fmt(x):
+        return f"{x:.1f}"
+
+    lines = [f"# {r['gpus']} GPUs pausing together: {r['device']}", "",
+             f"{r['date']}, {r['gib_per_gpu']} GiB per GPU in 512 MiB tensors, {r['cycles']} cycles, "
+             f"{r['copy_threads_per_process']} copy threads per process, {r['cpus']} CPUs. Command: `{r['command']}`",
+             ""]
+    if "limit_fill" in r:
+        lines += ["| host limit, all processes at once | per GPU GB/s | aggregate GB/s |", "|---|---:|---:|"]
+        for key, name in (("fill", "fresh-page fill (huge pages)"), ("d2h", "pinned device→host"),
+                          ("h2d", "pinned host→device")):
+            lim = r[f"limit_{key}"]
+            lines.append(f"| {name} | {' / '.join(map(fmt, lim['per_gpu']))} | {fmt(lim['aggregate'])} |")
+        lines.append("")
+    lines += ["| backup | cycle | pause per GPU GB/s | pause aggregate (× limit) | resume per GPU GB/s "
+              "| resume aggregate (× limit) | contents | exit codes |", "|---|---|---:|---:|---:|---:|---|---|"]
+    for row in r["rows"]:
+        retained = row["config"].endswith("retained")
+        for i, cyc in enumerate(row["cycles"]):
+            cells = []
+            for op, lim_key in (("pause", "d2h" if retained else "fill"), ("resume", "h2d")):
+                lim = r.get(f"limit_{lim_key}", {}).get("aggregate")
+                agg = cyc[op]["aggregate"]
+                ratio = f" ({agg / lim:.2f}× {lim_key})" if lim else ""
+                cells += [" / ".join(map(fmt, cyc[op]["per_gpu"])), fmt(agg) + ratio]
+            lines.append(f"| {row['config']} | {'first' if i == 0 else i + 1} | {' | '.join(cells)} | "
+                         f"{'exact' if cyc['verified'] else 'MISMATCH'} | {row['exit_codes']} |")
+        if not row["cycles"]:
+            lines.append(f"| {row['config']} | failed | | | | | | {row['exit_codes']} |")
+    lines.append("")
+    lines.append("Pause of a non-retained backup is bound by the fresh-page fill; a retained one (and every resume) "
+                 "by the link.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
