@@ -16,6 +16,7 @@ struct tms_backup {
     int kind;                        /* enum tms_backup_kind */
     int registered;                  /* pinned by host_register (else host_alloc_pinned) */
     int pinning;                     /* atomic, enum tms_pinning: an mmap backup page-locked later */
+    struct tms_backup *pin_next;     /* in the queue of backups to page-lock (backup.c) */
     int refs;                        /* atomic */
     const struct tms_driver *drv;
     struct tms_disk_file file;       /* kind TMS_BACKUP_DISK */
@@ -33,10 +34,11 @@ int tms_backup_new(const struct tms_driver *drv, int kind, size_t size, uint64_t
 int tms_backup_reusable(const struct tms_backup *b, int kind);
 /* Is b page-locked now (a DMA can go straight to it)? */
 int tms_backup_pinned(const struct tms_backup *b);
-/* Page-locks an mmap backup on a thread of its own, once: a retained backup
- * is copied again every cycle, and a page-locked one takes the DMA directly
- * at link speed instead of through the staging (issue 16). Until it is done
- * (~0.3 s per 8 GiB) copies go through the staging as before. */
+/* Queues an mmap backup to be page-locked, once, by a background thread
+ * while no copy runs: a retained backup is copied again every cycle, and a
+ * page-locked one takes the DMA directly at link speed instead of through
+ * the staging (issue 16). Until it is done (~0.3-0.5 s per 8 GiB) copies go
+ * through the staging as before. */
 void tms_backup_pin_later(struct tms_backup *b);
 void tms_backup_ref(struct tms_backup *b);
 void tms_backup_unref(struct tms_backup *b);

@@ -384,11 +384,18 @@ static int run_job(const struct tms_driver *drv, int kind, struct tms_transfer *
     return TMS_OK;
 }
 
+static int runs_in_progress;  /* atomic */
+
 int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
                      struct tms_err *err)
 {
-    return run_job(drv, to_host ? JOB_TO_HOST : JOB_TO_DEVICE, items, count, err);
+    __atomic_add_fetch(&runs_in_progress, 1, __ATOMIC_RELAXED);
+    int rc = run_job(drv, to_host ? JOB_TO_HOST : JOB_TO_DEVICE, items, count, err);
+    __atomic_sub_fetch(&runs_in_progress, 1, __ATOMIC_RELAXED);
+    return rc;
 }
+
+int tms_transfer_idle(void) { return __atomic_load_n(&runs_in_progress, __ATOMIC_RELAXED) == 0; }
 
 void tms_transfer_progress(size_t *done, size_t *total)
 {

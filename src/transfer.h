@@ -25,6 +25,9 @@ struct tms_transfer {
 int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
                      struct tms_err *err);
 
+/* 1 when no tms_transfer_run is in progress (a hint: one may start next). */
+int tms_transfer_idle(void);
+
 /* Bytes copied so far by the current (or last) copy job, and its size. */
 void tms_transfer_progress(size_t *done, size_t *total);
 
