@@ -99,9 +99,10 @@ int tms_backup_pinned(const struct tms_backup *b)
  */
 static pthread_mutex_t pin_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pin_queued = PTHREAD_COND_INITIALIZER;
-static pthread_cond_t pin_idle = PTHREAD_COND_INITIALIZER;
 static struct tms_backup *pin_head, *pin_tail;  /* guarded by pin_lock; each holds a reference */
-static int pin_thread_started, pin_busy, pin_stopping;  /* guarded by pin_lock */
+static int pin_thread_started;             /* guarded by pin_lock */
+static int pin_stopping;                   /* written under pin_lock; read atomically while waiting for copies */
+static pthread_t pin_thread;
 static pthread_once_t pin_once = PTHREAD_ONCE_INIT;
 
 static void drop_queue_locked(void)
@@ -115,13 +116,18 @@ static void drop_queue_locked(void)
     pin_tail = NULL;
 }
 
+/* The thread is joined, not left blocked: its stack and TLS go with it
+ * (valgrind counts a thread alive at exit as possibly lost memory). */
 static void stop_pinning_at_exit(void)
 {
     pthread_mutex_lock(&pin_lock);
-    pin_stopping = 1;
+    __atomic_store_n(&pin_stopping, 1, __ATOMIC_RELEASE);
     drop_queue_locked();
-    while (pin_busy) pthread_cond_wait(&pin_idle, &pin_lock);
+    int started = pin_thread_started;
+    pin_thread_started = 0;
+    pthread_cond_broadcast(&pin_queued);
     pthread_mutex_unlock(&pin_lock);
+    if (started) pthread_join(pin_thread, NULL);
 }
 
 static void pin_fork_prepare(void) { pthread_mutex_lock(&pin_lock); }
@@ -129,9 +135,8 @@ static void pin_fork_parent(void) { pthread_mutex_unlock(&pin_lock); }
 static void pin_fork_child(void)
 {
     pin_head = pin_tail = NULL;  /* the parent's: left alone */
-    pin_thread_started = pin_busy = 0;
+    pin_thread_started = 0;
     pthread_cond_init(&pin_queued, NULL);
-    pthread_cond_init(&pin_idle, NULL);
     pthread_mutex_unlock(&pin_lock);
 }
 
@@ -154,16 +159,14 @@ static void *pin_thread_main(void *arg)
         struct tms_backup *b = pin_head;
         pin_head = b->pin_next;
         if (!pin_head) pin_tail = NULL;
-        pin_busy = 1;
         pthread_mutex_unlock(&pin_lock);
-        while (!tms_transfer_idle()) usleep(1000);  /* a pause or resume copies now: after it */
-        int rc = b->drv->host_register(b->host, b->size);
-        if (rc) TMS_DEBUG("retained backup of %zu bytes stays pageable: %s (%d)", b->size, b->drv->code_name(rc), rc);
+        /* A pause or resume copies now: after it. */
+        while (!tms_transfer_idle() && !__atomic_load_n(&pin_stopping, __ATOMIC_ACQUIRE)) usleep(1000);
+        int rc = __atomic_load_n(&pin_stopping, __ATOMIC_ACQUIRE) ? -1 : b->drv->host_register(b->host, b->size);
+        if (rc > 0) TMS_DEBUG("retained backup of %zu bytes stays pageable: %s (%d)", b->size, b->drv->code_name(rc), rc);
         __atomic_store_n(&b->pinning, rc ? TMS_PIN_FAILED : TMS_PIN_DONE, __ATOMIC_RELEASE);
         tms_backup_unref(b);  /* the last reference unregisters it */
         pthread_mutex_lock(&pin_lock);
-        pin_busy = 0;
-        pthread_cond_broadcast(&pin_idle);
     }
     pthread_mutex_unlock(&pin_lock);
     return NULL;
@@ -180,14 +183,7 @@ void tms_backup_pin_later(struct tms_backup *b)
     pthread_mutex_lock(&pin_lock);
     int rc = pin_stopping ? -1 : 0;
     if (!rc && !pin_thread_started) {
-        pthread_attr_t attr;
-        pthread_t thread;
-        rc = pthread_attr_init(&attr);
-        if (!rc) {
-            (void)pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-            rc = pthread_create(&thread, &attr, pin_thread_main, NULL);
-            pthread_attr_destroy(&attr);
-        }
+        rc = pthread_create(&pin_thread, NULL, pin_thread_main, NULL);
         pin_thread_started = rc == 0;
     }
     if (!rc) {
