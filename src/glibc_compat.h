@@ -31,6 +31,7 @@ __asm__(".symver dladdr,dladdr@GLIBC_2.2.5");
 __asm__(".symver dladdr1,dladdr1@GLIBC_2.3.3");
 __asm__(".symver dlclose,dlclose@GLIBC_2.2.5");
 __asm__(".symver pthread_create,pthread_create@GLIBC_2.2.5");
+__asm__(".symver pthread_join,pthread_join@GLIBC_2.2.5");
 __asm__(".symver pthread_once,pthread_once@GLIBC_2.2.5");
 __asm__(".symver pthread_sigmask,pthread_sigmask@GLIBC_2.2.5");
 __asm__(".symver pthread_atfork,pthread_atfork@GLIBC_2.2.5");
