@@ -4,6 +4,7 @@
 #include "config.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -225,12 +226,23 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
+int tms_transfer_allowed_cpus(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    return cpus > 0 ? (int)cpus : 1;
+}
+
+/* One per core the process may run on: a launcher that pins each rank to
+ * its share of the host's cores (one process per GPU) gets that many, not
+ * one per core of the host competing with the other ranks' (issue 16). */
 static int wanted_workers(void)
 {
     int n = tms_defaults()->backup_threads;
     if (n > 0) return n;
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    return cpus < 2 ? 2 : cpus > DEFAULT_MAX_WORKERS ? DEFAULT_MAX_WORKERS : (int)cpus;
+    int cpus = tms_transfer_allowed_cpus();
+    return cpus < 2 ? 2 : cpus > DEFAULT_MAX_WORKERS ? DEFAULT_MAX_WORKERS : cpus;
 }
 
 static void pool_discard_locked(const struct tms_driver *drv)

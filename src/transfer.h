@@ -25,6 +25,10 @@ struct tms_transfer {
 int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
                      struct tms_err *err);
 
+/* CPUs the calling thread may run on (its affinity), else the online ones:
+ * the copy workers' default count, at least 2 and at most 16. */
+int tms_transfer_allowed_cpus(void);
+
 /* 1 when no tms_transfer_run is in progress (a hint: one may start next). */
 int tms_transfer_idle(void);
 

@@ -12,6 +12,7 @@
 #include "config.h"
 #include "core.h"
 #include "driver.h"
+#include "transfer.h"
 
 /* The TMS_FAULT plans the fault scenarios are written for: driver_host.c
  * counts calls per op from process start, and each scenario's comments give
@@ -943,6 +944,25 @@ struct test {
     void (*run)(void);
 };
 
+/* The copy workers' default count follows the affinity mask, not the host's cores. */
+static void test_affinity(void)
+{
+    cpu_set_t all, one;
+    if (sched_getaffinity(0, sizeof all, &all) != 0) return;
+    int allowed = CPU_COUNT(&all);
+    CHECK(tms_transfer_allowed_cpus() == allowed);
+    CPU_ZERO(&one);
+    for (int cpu = 0; cpu < CPU_SETSIZE; cpu++) {
+        if (!CPU_ISSET(cpu, &all)) continue;
+        CPU_SET(cpu, &one);
+        break;
+    }
+    CHECK(sched_setaffinity(0, sizeof one, &one) == 0);
+    CHECK(tms_transfer_allowed_cpus() == 1);
+    CHECK(sched_setaffinity(0, sizeof all, &all) == 0);
+    CHECK(tms_transfer_allowed_cpus() == allowed);
+}
+
 static const struct test tests[] = {
     {"config", test_config},
     {"driver", test_driver},
@@ -959,6 +979,7 @@ static const struct test tests[] = {
     {"devices", test_devices},
     {"threads", test_threads},  /* with nowait, what ThreadSanitizer runs: `test_core_host threads nowait` */
     {"nowait", test_nowait},
+    {"affinity", test_affinity},
 };
 
 static int selected(const char *name, int argc, char **argv)
