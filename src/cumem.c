@@ -13,16 +13,7 @@
 #include "log.h"
 
 /* The owner's own entry points, kept by tms_cumem_wrap (atomic: set once). */
-static struct {
-    tms_cuMemCreate_fn create;
-    tms_cuMemMap_fn map;
-    tms_cuMemSetAccess_fn set_access;
-    tms_cuMemUnmap_fn unmap;
-    tms_cuMemRelease_fn release;
-    tms_cuMemExportToShareableHandle_fn export_handle;
-    tms_cuMemGetAllocationPropertiesFromHandle_fn props;
-    tms_cuMemRetainAllocationHandle_fn retain;
-} real;
+static struct tms_cumem_entry_points real;
 
 #define REAL(field) __atomic_load_n(&real.field, __ATOMIC_ACQUIRE)
 

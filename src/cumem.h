@@ -33,6 +33,18 @@ typedef tms_CUresult (*tms_cuMemExportToShareableHandle_fn)(void *, tms_CUmemHan
 typedef tms_CUresult (*tms_cuMemGetAllocationPropertiesFromHandle_fn)(tms_CUmemAllocationProp *, tms_CUmemHandle);
 typedef tms_CUresult (*tms_cuMemRetainAllocationHandle_fn)(tms_CUmemHandle *, void *);
 
+/* One of each, as an owner looked them up. */
+struct tms_cumem_entry_points {
+    tms_cuMemCreate_fn create;
+    tms_cuMemMap_fn map;
+    tms_cuMemSetAccess_fn set_access;
+    tms_cuMemUnmap_fn unmap;
+    tms_cuMemRelease_fn release;
+    tms_cuMemExportToShareableHandle_fn export_handle;
+    tms_cuMemGetAllocationPropertiesFromHandle_fn props;
+    tms_cuMemRetainAllocationHandle_fn retain;
+};
+
 /* If symbol is one of the wrapped entry points and *fn its definition,
  * keeps *fn as the real function and puts the wrapper in its place. */
 void tms_cumem_wrap(const char *symbol, void **fn);

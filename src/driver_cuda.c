@@ -226,15 +226,6 @@ static int cuda_reserve(size_t size, size_t alignment, tms_va *va)
 
 static int cuda_unreserve(tms_va va, size_t size) { return cu.cuMemAddressFree(va, size); }
 
-static int cuda_create(int device, size_t size, tms_phys *handle)
-{
-    tms_CUmemAllocationProp prop = device_prop(device);
-    tms_CUmemHandle h = 0;
-    int rc = cu.cuMemCreate(&h, size, &prop, 0);
-    if (!rc) *handle = h;
-    return rc;
-}
-
 static int cuda_create_shareable(int device, size_t size, int handle_types, tms_phys *handle)
 {
     tms_CUmemAllocationProp prop = device_prop(device);
@@ -243,6 +234,11 @@ static int cuda_create_shareable(int device, size_t size, int handle_types, tms_
     int rc = cu.cuMemCreate(&h, size, &prop, 0);
     if (!rc) *handle = h;
     return rc;
+}
+
+static int cuda_create(int device, size_t size, tms_phys *handle)
+{
+    return cuda_create_shareable(device, size, 0, handle);
 }
 
 static int cuda_release(tms_phys handle) { return cu.cuMemRelease(handle); }

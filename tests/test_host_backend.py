@@ -221,20 +221,6 @@ def test_retained_mmap_backup_is_page_locked_in_the_background(run_py):
     assert out == "done\n"
 
 
-def test_exit_waits_for_a_backup_being_page_locked(run_py):
-    # The pause returns while its retained backup is being page-locked; the process
-    # exits at once and must still exit 0 (no thread left inside the driver).
-    out = check_ok(run_py("""
-        tms.retain_cpu_backup = True
-        with tms.region("r", enable_cpu_backup=True, cpu_backup_backend="mmap"):
-            p = core.malloc(256 * MiB)
-        fill(p, 256 * MiB)
-        tms.pause("r")
-        print("done")
-    """))
-    assert out == "done\n"
-
-
 @pytest.mark.parametrize("kind", ["mmap", "pinned"])
 def test_backup_memory_returned_after_resume_unless_retained(run_py, kind):
     out = check_ok(run_py(f"""

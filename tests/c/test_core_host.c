@@ -12,6 +12,7 @@
 #include "config.h"
 #include "core.h"
 #include "driver.h"
+#include "seeded_bytes.h"
 #include "transfer.h"
 
 /* The TMS_FAULT plans the fault scenarios are written for: driver_host.c
@@ -52,37 +53,6 @@ static void check_rc(int rc, int want, const struct tms_err *err, const char *fi
 static const struct tms_driver *drv;
 static const char *backend;  /* TMS_BACKEND, else "host" */
 static size_t gran;
-
-/* Deterministic bytes per seed, so contents are checked without a copy. */
-static uint64_t next_rand(uint64_t *s)
-{
-    uint64_t x = *s;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    return *s = x;
-}
-
-static void fill(void *p, size_t n, uint64_t seed)
-{
-    uint64_t s = seed * 0x9E3779B97F4A7C15ull | 1;
-    unsigned char *b = p;
-    for (size_t i = 0; i < n; i += 8) {
-        uint64_t v = next_rand(&s);
-        memcpy(b + i, &v, n - i < 8 ? n - i : 8);
-    }
-}
-
-static int matches(const void *p, size_t n, uint64_t seed)
-{
-    uint64_t s = seed * 0x9E3779B97F4A7C15ull | 1;
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i += 8) {
-        uint64_t v = next_rand(&s);
-        if (memcmp(b + i, &v, n - i < 8 ? n - i : 8) != 0) return 0;
-    }
-    return 1;
-}
 
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 

@@ -18,6 +18,7 @@
 #include "cuda_abi.h"
 #include "cumem.h"
 #include "driver.h"
+#include "seeded_bytes.h"
 
 static int passed, failed;  /* atomic: the race checks from two threads */
 
@@ -102,15 +103,7 @@ static tms_CUresult real_retain(tms_CUmemHandle *h, void *addr)
     return TMS_CUDA_ERROR_NOT_SUPPORTED;  /* the walk retains region memory only */
 }
 
-static struct {
-    tms_cuMemCreate_fn create;
-    tms_cuMemMap_fn map;
-    tms_cuMemSetAccess_fn set_access;
-    tms_cuMemUnmap_fn unmap;
-    tms_cuMemRelease_fn release;
-    tms_cuMemGetAllocationPropertiesFromHandle_fn props;
-    tms_cuMemRetainAllocationHandle_fn retain;
-} cu;
+static struct tms_cumem_entry_points cu;  /* the wrappers, as PyTorch would hold them */
 
 static void *wrapped(const char *name, void *real)
 {
@@ -136,33 +129,7 @@ static void look_up_entry_points(void)
 
 /* ---- helpers ------------------------------------------------------------------ */
 
-static uint64_t next_rand(uint64_t *s)
-{
-    uint64_t x = *s;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    return *s = x;
-}
-
-static void fill(uint64_t va, size_t n, uint64_t seed)
-{
-    uint64_t s = seed * 0x9E3779B97F4A7C15ull | 1;
-    for (size_t i = 0; i < n; i += 8) {
-        uint64_t v = next_rand(&s);
-        memcpy((char *)(uintptr_t)va + i, &v, 8);
-    }
-}
-
-static int matches(uint64_t va, size_t n, uint64_t seed)
-{
-    uint64_t s = seed * 0x9E3779B97F4A7C15ull | 1;
-    for (size_t i = 0; i < n; i += 8) {
-        uint64_t v = next_rand(&s);
-        if (memcmp((char *)(uintptr_t)va + i, &v, 8) != 0) return 0;
-    }
-    return 1;
-}
+static void *at(uint64_t va) { return (void *)(uintptr_t)va; }
 
 static int is_token(tms_CUmemHandle h) { return (h & TOKEN_TAG_MASK) == TOKEN_TAG; }
 
@@ -256,7 +223,7 @@ static void test_segment_lifecycle(void)
     CHECK(is_token(in[0]) && is_token(in[1]) && is_token(in[2]) && in[0] != in[1]);
     CHECK(adopted_rows(weights, TMS_ACTIVE) == 3);
     CHECK(tms_cumem_tokens() == 3);
-    for (int i = 0; i < 5; i++) fill(base + (uint64_t)i * PAGE, PAGE, 100 + (uint64_t)i);
+    for (int i = 0; i < 5; i++) fill(at(base + (uint64_t)i * PAGE), PAGE, 100 + (uint64_t)i);
 
     tms_CUmemAllocationProp prop;
     CHECK(cu.props(&prop, in[1]) == TMS_CUDA_SUCCESS);
@@ -271,7 +238,7 @@ static void test_segment_lifecycle(void)
     /* Resume maps new memory at the same addresses, contents restored. */
     CHECK(tms_core_resume("cm_weights", &err) == TMS_OK);
     CHECK(device_used() == used_before + 5 * PAGE);
-    for (int i = 0; i < 5; i++) CHECK(matches(base + (uint64_t)i * PAGE, PAGE, 100 + (uint64_t)i));
+    for (int i = 0; i < 5; i++) CHECK(matches(at(base + (uint64_t)i * PAGE), PAGE, 100 + (uint64_t)i));
 
     /* PyTorch shrinks with the tokens it was given: translated to the new handles. */
     shrink(base + 4 * PAGE, PAGE, in[2]);
@@ -294,14 +261,14 @@ static void test_segment_lifecycle(void)
     enter_region(weights, 1);
     grow(base + 2 * PAGE, 2, PAGE, in);
     leave_region();
-    fill(base + 2 * PAGE, 2 * PAGE, 7);
+    fill(at(base + 2 * PAGE), 2 * PAGE, 7);
     CHECK(tms_core_pause("cm_weights", &err) == TMS_OK);
     CHECK(adopted_rows(weights, TMS_PAUSED) == 2);
     CHECK(tms_core_resume("cm_weights", &err) == TMS_OK);
-    CHECK(matches(base + 2 * PAGE, 2 * PAGE, 7));
+    CHECK(matches(at(base + 2 * PAGE), 2 * PAGE, 7));
 
     /* The outside pages never moved. */
-    CHECK(matches(base, PAGE, 100) && matches(base + PAGE, PAGE, 101));
+    CHECK(matches(at(base), PAGE, 100) && matches(at(base + PAGE), PAGE, 101));
 
     /* An unmap covering part of an adopted allocation changes nothing. */
     enter_region(weights, 0);
@@ -375,7 +342,7 @@ static void check_model(const struct page *pages, uint64_t base, const int *tag_
     }
     for (int i = 0; i < PAGES; i++)
         if (pages[i].mapped && !pages[i].paused && pages[i].valid)
-            CHECK(matches(base + (uint64_t)i * PAGE, PAGE, pages[i].seed));
+            CHECK(matches(at(base + (uint64_t)i * PAGE), PAGE, pages[i].seed));
 }
 
 static void walk(uint64_t seed, int steps)
@@ -404,7 +371,7 @@ static void walk(uint64_t seed, int steps)
                 struct page *p = &pages[start + i];
                 *p = (struct page){.mapped = 1, .tag = where, .valid = 1, .seed = next_rand(&rng), .handle = h[i]};
                 CHECK(is_token(h[i]) == (where >= 0));
-                fill(base + (uint64_t)(start + i) * PAGE, PAGE, p->seed);
+                fill(at(base + (uint64_t)(start + i) * PAGE), PAGE, p->seed);
             }
         } else if (op == 2) {  /* shrink one page, in either order, active or paused */
             int i = (int)(next_rand(&rng) % PAGES);

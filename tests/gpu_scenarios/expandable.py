@@ -3,9 +3,11 @@
 Region memory is pauseable: pause frees >= 95 % of what the region's tags hold,
 a backed-up tag comes back bit-exact at the same addresses (get_cpu_backup of a
 tensor spanning several expandable-segment pages included), tensors allocated
-after a resume grow the same segment and pause with it, PyTorch shrinking the
-segment (empty_cache) while active and while paused loses nothing live, memory
-outside regions keeps expandable segments and never moves. Preload mode must
+after a resume grow the same segment and pause with it, freeing a tensor and
+calling empty_cache while paused and while active loses nothing live (PyTorch
+2.11 does not shrink a live MemPool's segment: expandable_default_pool.py is
+where PyTorch really unmaps pages under a paused tag), memory outside regions
+keeps expandable segments and never moves. Preload mode must
 show the region memory as adopted (PyTorch mapped it itself); torch mode serves
 it through the MemPool's allocator, which this scenario reports."""
 import os
@@ -69,7 +71,7 @@ def main(hook_mode):
     check_equal(tms.get_cpu_backup(matrix), matrix_ref, "get_cpu_backup of a strided view")
     check(tms.get_cpu_backup(kv) is None, "get_cpu_backup of a tag without backup is not None")
 
-    # PyTorch shrinks while paused: a freed tensor's pages go, nothing live is lost.
+    # A tensor freed and empty_cache while paused: nothing live is lost.
     dropped = weights.pop(1), refs.pop(1), ptrs.pop(1)
     del dropped
     torch.cuda.synchronize()
@@ -94,7 +96,7 @@ def main(hook_mode):
         seg = segment_of(grown.data_ptr())
         check(seg["address"] == region_seg["address"], "a tensor after resume is not in the region's segment")
 
-    # PyTorch shrinks while active: the freed pages are unmapped by PyTorch itself.
+    # The same while active.
     del weights[0], refs[0], ptrs[0]
     torch.cuda.synchronize()
     before_shrink = free_bytes()
