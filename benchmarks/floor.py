@@ -53,9 +53,9 @@ def build(workdir=None, timeout=60):
                        "cannot build vmm_floor.c: no C compiler with cuda.h found and no nvcc")
 
 
-def run(exe, shapes, cycles, warmup, timeout):
+def run(exe, shapes, cycles, warmup, timeout, options=()):
     """Runs the binary; returns its JSON (ok=false with the reason if the driver failed)."""
-    cmd = [exe, "--cycles", str(cycles), "--warmup", str(warmup)] + list(shapes)
+    cmd = [exe, "--cycles", str(cycles), "--warmup", str(warmup), *options] + list(shapes)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     try:
         doc = json.loads(p.stdout)

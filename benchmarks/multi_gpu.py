@@ -92,6 +92,18 @@ def limits_worker(rank, gib, barrier, results):
     results.put(out)
 
 
+def _faults_and_huge():
+    """(minor page faults of the process so far, bytes of its anonymous huge pages now)."""
+    import resource
+
+    huge = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                huge = int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt, huge
+
+
 def backup_worker(rank, config, gib, cycles, barrier, results):
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     sys.path.insert(0, REPO)
@@ -115,9 +127,11 @@ def backup_worker(rank, config, gib, cycles, barrier, results):
         probe = tensors[c % count].cpu()
         torch.cuda.synchronize()
         barrier.wait()
+        faults0, _ = _faults_and_huge()
         t0 = time.monotonic()
         tms.pause("mg")
         t1 = time.monotonic()
+        faults1, huge = _faults_and_huge()
         barrier.wait()
         t2 = time.monotonic()
         tms.resume("mg")
@@ -125,7 +139,8 @@ def backup_worker(rank, config, gib, cycles, barrier, results):
         t3 = time.monotonic()
         barrier.wait()
         ok = [t.sum().item() for t in tensors] == sums and torch.equal(tensors[c % count].cpu(), probe)
-        out["cycles"].append({"pause": (t0, t1), "resume": (t2, t3), "verified": ok})
+        out["cycles"].append({"pause": (t0, t1), "resume": (t2, t3), "verified": ok,
+                              "pause_faults": faults1 - faults0, "huge_bytes_paused": huge})
     results.put(out)
 
 
@@ -162,6 +177,8 @@ def main():
     ap.add_argument("--cycles", type=int, default=3)
     ap.add_argument("--gpus", type=int, default=0, help="processes (default: every GPU)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--limits-last", action="store_true",
+                    help="measure the host limits after the backups, so the first pause is the first touch")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     args = ap.parse_args()
     import torch
@@ -174,23 +191,18 @@ def main():
               "copy_threads_per_process": _threads(), "cpus": os.cpu_count(),
               "command": "python -m benchmarks.multi_gpu " + " ".join(sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
-    lim, codes = _run(limits_worker, (args.gib,), n)
-    report["limits_exit_codes"] = codes
-    if len(lim) == n:
-        for key in ("fill", "d2h", "h2d"):
-            reps = [_rates([r[key][i] for r in lim]) for i in range(len(lim[0][key]))]
-            if key == "fill":  # the first touch apart: later pauses reuse memory the VM backs already
-                report["limit_fill_first"] = {"per_gpu": reps[0][0], "aggregate": reps[0][1]}
-                reps = reps[1:]
-            per, agg = sorted(reps, key=lambda x: x[1])[len(reps) // 2]
-            report[f"limit_{key}"] = {"per_gpu": per, "aggregate": agg}
+    report["limits_last"] = args.limits_last
+    if not args.limits_last:
+        _limits(report, args.gib, n)
     rows = []
     for config in args.configs.split(","):
         res, codes = _run(backup_worker, (config, args.gib, args.cycles), n)
         row = {"config": config, "exit_codes": codes, "cycles": []}
         if len(res) == n:
             for c in range(args.cycles):
-                cyc = {"verified": all(r["cycles"][c]["verified"] for r in res)}
+                cyc = {"verified": all(r["cycles"][c]["verified"] for r in res),
+                       "pause_faults": [r["cycles"][c]["pause_faults"] for r in res],
+                       "huge_bytes_paused": [r["cycles"][c]["huge_bytes_paused"] for r in res]}
                 for op in ("pause", "resume"):
                     per, agg = _rates([(*r["cycles"][c][op], r["bytes"]) for r in res])
                     cyc[op] = {"per_gpu": per, "aggregate": agg}
@@ -198,6 +210,8 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
     report["rows"] = rows
+    if args.limits_last:
+        _limits(report, args.gib, n)
     text = _markdown(report)
     print(text)
     os.makedirs(args.out, exist_ok=True)
@@ -209,6 +223,19 @@ def main():
     print("written:", stem + ".md")
 
 
+def _limits(report, gib, n):
+    lim, codes = _run(limits_worker, (gib,), n)
+    report["limits_exit_codes"] = codes
+    if len(lim) == n:
+        for key in ("fill", "d2h", "h2d"):
+            reps = [_rates([r[key][i] for r in lim]) for i in range(len(lim[0][key]))]
+            if key == "fill":  # the first touch apart: later pauses reuse memory the VM backs already
+                report["limit_fill_first"] = {"per_gpu": reps[0][0], "aggregate": reps[0][1]}
+                reps = reps[1:]
+            per, agg = sorted(reps, key=lambda x: x[1])[len(reps) // 2]
+            report[f"limit_{key}"] = {"per_gpu": per, "aggregate": agg}
+
+
 def _markdown(r):
     def fmt(x):
         return f"{x:.1f}"
@@ -217,6 +244,9 @@ def _markdown(r):
              f"{r['date']}, {r['gib_per_gpu']} GiB per GPU in 512 MiB tensors, {r['cycles']} cycles, "
              f"{r['copy_threads_per_process']} copy threads per process, {r['cpus']} CPUs. Command: `{r['command']}`",
              ""]
+    if r.get("limits_last"):
+        lines += ["Host limits measured after the backups: the first pause is this VM's first touch of that memory.",
+                  ""]
     if "limit_fill" in r:
         lines += ["| host limit, all processes at once | per GPU GB/s | aggregate GB/s |", "|---|---:|---:|"]
         for key, name in (("fill_first", "fresh-page fill, first touch of the process"),
@@ -228,7 +258,8 @@ def _markdown(r):
             lines.append(f"| {name} | {' / '.join(map(fmt, lim['per_gpu']))} | {fmt(lim['aggregate'])} |")
         lines.append("")
     lines += ["| backup | cycle | pause per GPU GB/s | pause aggregate (× limit) | resume per GPU GB/s "
-              "| resume aggregate (× limit) | contents | exit codes |", "|---|---|---:|---:|---:|---:|---|---|"]
+              "| resume aggregate (× limit) | page faults in pause, per GPU | anon huge pages after pause GiB "
+              "| contents | exit codes |", "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for row in r["rows"]:
         retained = row["config"].endswith("retained")
         for i, cyc in enumerate(row["cycles"]):
@@ -238,10 +269,12 @@ def _markdown(r):
                 agg = cyc[op]["aggregate"]
                 ratio = f" ({agg / lim:.2f}× {lim_key})" if lim else ""
                 cells += [" / ".join(map(fmt, cyc[op]["per_gpu"])), fmt(agg) + ratio]
+            cells += [" / ".join(str(x) for x in cyc.get("pause_faults", [])),
+                      " / ".join(f"{x / GiB:.1f}" for x in cyc.get("huge_bytes_paused", []))]
             lines.append(f"| {row['config']} | {'first' if i == 0 else i + 1} | {' | '.join(cells)} | "
                          f"{'exact' if cyc['verified'] else 'MISMATCH'} | {row['exit_codes']} |")
         if not row["cycles"]:
-            lines.append(f"| {row['config']} | failed | | | | | | {row['exit_codes']} |")
+            lines.append(f"| {row['config']} | failed | | | | | | | | {row['exit_codes']} |")
     lines.append("")
     lines.append("Pause of a non-retained backup is bound by the fresh-page fill; a retained one (and every resume) "
                  "by the link.")

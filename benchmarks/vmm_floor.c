@@ -9,7 +9,12 @@
  * Each allocation has its own virtual range (cuMemAddressReserve), kept across
  * cycles, as in the library.
  *
- * Usage: vmm_floor [--cycles N] [--warmup W] [--margin BYTES] [SHAPE ...]
+ * Usage: vmm_floor [--cycles N] [--warmup W] [--margin BYTES] [--shuffle] [SHAPE ...]
+ *   --shuffle: each cycle visits the allocations in one fixed random order
+ *   instead of the order they were reserved in (the cost of the order itself).
+ *   --touch: between cycles (untimed) write the first 4 KiB of the first and the
+ *   last 4 KiB of the last allocation, as the library benchmarks do to check
+ *   the memory works: an unmap of memory the GPU has used costs more.
  *   SHAPE = COUNTxSIZE, SIZE in bytes or with a K/M/G/T suffix (binary):
  *   1x8G 64x128M 2048x4M (the default set).
  * Prints one JSON document on stdout; progress goes to stderr. Exit status 0 if
@@ -55,6 +60,7 @@ static struct {
     CUresult (*unmap)(CUdeviceptr, size_t);
     CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
     CUresult (*error_name)(CUresult, const char **);
+    CUresult (*memset8)(CUdeviceptr, unsigned char, size_t);
 } cu;
 
 static char load_error[512];
@@ -131,6 +137,7 @@ static int load_driver(void)
     R(unmap, "cuMemUnmap")
     R(set_access, "cuMemSetAccess")
     R(error_name, "cuGetErrorName")
+    R(memset8, "cuMemsetD8")
 #undef R
     return 0;
 }
@@ -205,6 +212,24 @@ static int parse_shape(const char *s, struct shape *out)
     return 0;
 }
 
+static int shuffle_order, touch_memory;
+
+/* The order a cycle visits the allocations in: reserved order, or a fixed
+ * permutation (xorshift, Fisher-Yates) with --shuffle. */
+static long *visit_order(long count)
+{
+    long *order = malloc((size_t)count * sizeof *order);
+    if (!order) return NULL;
+    for (long i = 0; i < count; i++) order[i] = i;
+    unsigned long long x = 88172645463325252ull;
+    for (long i = count - 1; shuffle_order && i > 0; i--) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        long j = (long)(x % (unsigned long long)(i + 1)), t = order[i];
+        order[i] = order[j], order[j] = t;
+    }
+    return order;
+}
+
 /* Cycles one shape; writes its JSON object (without a trailing comma). */
 static void run_shape(FILE *out, const struct shape *sh, CUdevice dev, size_t gran, int cycles, int warmup,
                       unsigned long long margin)
@@ -230,11 +255,13 @@ static void run_shape(FILE *out, const struct shape *sh, CUdevice dev, size_t gr
     CUdeviceptr *va = calloc((size_t)sh->count, sizeof *va);
     CUmemGenericAllocationHandle *h = calloc((size_t)sh->count, sizeof *h);
     char *mapped = calloc((size_t)sh->count, 1);
+    long *order = visit_order(sh->count);
     long reserved = 0;
+    int ascending = -1;  /* does the driver hand out addresses upwards? */
     size_t free_bytes = 0, total_bytes = 0;
 
     fprintf(stderr, "vmm_floor: %ld x %llu bytes ...\n", sh->count, sh->size);
-    if (!va || !h || !mapped) {
+    if (!va || !h || !mapped || !order) {
         snprintf(error, sizeof error, "out of host memory for %ld handles", sh->count);
         goto cleanup;
     }
@@ -253,6 +280,7 @@ static void run_shape(FILE *out, const struct shape *sh, CUdevice dev, size_t gr
             goto cleanup;
         }
     }
+    if (reserved >= 2) ascending = va[1] > va[0];
     /* Initial mapping (not a cycle). */
     double t0 = now_s();
     for (long i = 0; i < sh->count; i++) {
@@ -275,12 +303,19 @@ static void run_shape(FILE *out, const struct shape *sh, CUdevice dev, size_t gr
     first_map_s = now_s() - t0;
 
     for (int c = 0; c < warmup + cycles; c++) {
+        size_t edge = rsize < 4096 ? rsize : 4096;
+        if (touch_memory && ((rc = cu.memset8(va[0], (unsigned char)c, edge)) ||
+                             (rc = cu.memset8(va[sh->count - 1] + rsize - edge, (unsigned char)c, edge)))) {
+            snprintf(error, sizeof error, "cuMemsetD8 failed: %s (%d)", err_name(rc), rc);
+            goto cleanup;
+        }
         if ((rc = cu.ctx_sync())) {
             snprintf(error, sizeof error, "cuCtxSynchronize failed: %s (%d)", err_name(rc), rc);
             goto cleanup;
         }
         double a = now_s();
-        for (long i = 0; i < sh->count; i++) {
+        for (long k = 0; k < sh->count; k++) {
+            long i = order[k];
             if ((rc = cu.unmap(va[i], rsize))) {
                 snprintf(error, sizeof error, "cuMemUnmap #%ld failed: %s (%d)", i, err_name(rc), rc);
                 goto cleanup;
@@ -293,7 +328,8 @@ static void run_shape(FILE *out, const struct shape *sh, CUdevice dev, size_t gr
             h[i] = 0;
         }
         double b = now_s();
-        for (long i = 0; i < sh->count; i++) {
+        for (long k = 0; k < sh->count; k++) {
+            long i = order[k];
             if ((rc = cu.create(&h[i], rsize, &prop, 0))) {
                 h[i] = 0;
                 snprintf(error, sizeof error, "cuMemCreate(%zu) #%ld failed: %s (%d)", rsize, i, err_name(rc), rc);
@@ -329,11 +365,14 @@ cleanup:
     free(va);
     free(h);
     free(mapped);
+    free(order);
 
     fprintf(out, "    {\"shape\": ");
     json_string(out, sh->text);
     fprintf(out, ", \"count\": %ld, \"size\": %llu, \"reserved_size\": %zu, \"total_bytes\": %zu,\n", sh->count,
             sh->size, rsize, total);
+    fprintf(out, "     \"shuffled\": %d, \"touched\": %d, \"reserved_ascending\": %d,\n", shuffle_order,
+            touch_memory, ascending);
     fprintf(out, "     \"cycles\": %d, \"warmup\": %d, \"first_map_s\": ", done, warmup);
     if (first_map_s >= 0) fprintf(out, "%.9f,\n", first_map_s);
     else fprintf(out, "null,\n");
@@ -377,6 +416,10 @@ int main(int argc, char **argv)
         } else if (!strcmp(argv[i], "--warmup") && i + 1 < argc) {
             warmup = atoi(argv[++i]);
             if (warmup < 0 || warmup > 100) usage_error("bad --warmup", argv[i]);
+        } else if (!strcmp(argv[i], "--shuffle")) {
+            shuffle_order = 1;
+        } else if (!strcmp(argv[i], "--touch")) {
+            touch_memory = 1;
         } else if (!strcmp(argv[i], "--margin") && i + 1 < argc) {
             if (parse_size(argv[++i], &margin)) usage_error("bad --margin", argv[i]);
         } else if (n_shapes < MAX_SHAPES) {

@@ -91,12 +91,15 @@ int tms_backup_pinned(const struct tms_backup *b)
 }
 
 /*
- * One thread page-locks the queued backups, one at a time, and only while no
- * copy runs: cuMemHostRegister competing with a resume's DMA slowed it to
- * 23 GB/s (24 GiB in 48 backups, one thread each, on the lent H100). At exit
- * the queue is dropped and the exit waits for the backup being locked, so no
- * thread is inside the driver while it is torn down.
+ * One thread page-locks the queued backups, one piece at a time, and only
+ * while no copy runs: cuMemHostRegister competing with a resume's DMA slowed
+ * it to 23 GB/s (24 GiB in 48 backups, one thread each, on the lent H100),
+ * and a whole 512 MiB backup registered as the first resume began slowed that
+ * resume to 10 GB/s. At exit the queue is dropped and the exit waits for the
+ * piece being locked, so no thread is inside the driver while it is torn down.
  */
+_Static_assert(TMS_PIN_PIECE_BYTES % TMS_DIRECT_BLOCK_BYTES == 0,
+               "a direct copy block lies inside one registration");
 static pthread_mutex_t pin_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pin_queued = PTHREAD_COND_INITIALIZER;
 static struct tms_backup *pin_head, *pin_tail;  /* guarded by pin_lock; each holds a reference */
@@ -146,6 +149,24 @@ static void pin_setup(void)
     (void)pthread_atfork(pin_fork_prepare, pin_fork_parent, pin_fork_child);
 }
 
+static int stopping_now(void) { return __atomic_load_n(&pin_stopping, __ATOMIC_ACQUIRE); }
+
+/* Registers what is left of b, a piece at a time, each after the copies
+ * running now; -1 if the process is exiting. */
+static int register_in_pieces(struct tms_backup *b)
+{
+    while (b->pinned_bytes < b->size) {
+        while (!tms_transfer_idle() && !stopping_now()) usleep(1000);
+        if (stopping_now()) return -1;
+        size_t left = b->size - b->pinned_bytes;
+        size_t piece = left < TMS_PIN_PIECE_BYTES ? left : TMS_PIN_PIECE_BYTES;
+        int rc = b->drv->host_register((char *)b->host + b->pinned_bytes, piece);
+        if (rc) return rc;
+        b->pinned_bytes += piece;
+    }
+    return 0;
+}
+
 static void *pin_thread_main(void *arg)
 {
     (void)arg;
@@ -160,9 +181,7 @@ static void *pin_thread_main(void *arg)
         pin_head = b->pin_next;
         if (!pin_head) pin_tail = NULL;
         pthread_mutex_unlock(&pin_lock);
-        /* A pause or resume copies now: after it. */
-        while (!tms_transfer_idle() && !__atomic_load_n(&pin_stopping, __ATOMIC_ACQUIRE)) usleep(1000);
-        int rc = __atomic_load_n(&pin_stopping, __ATOMIC_ACQUIRE) ? -1 : b->drv->host_register(b->host, b->size);
+        int rc = register_in_pieces(b);
         if (rc > 0) TMS_DEBUG("retained backup of %zu bytes stays pageable: %s (%d)", b->size, b->drv->code_name(rc), rc);
         __atomic_store_n(&b->pinning, rc ? TMS_PIN_FAILED : TMS_PIN_DONE, __ATOMIC_RELEASE);
         tms_backup_unref(b);  /* the last reference unregisters it */
@@ -214,8 +233,9 @@ void tms_backup_unref(struct tms_backup *b)
     } else if (b->kind == TMS_BACKUP_PINNED && !b->registered) {
         (void)b->drv->host_free_pinned(b->host, b->size);
     } else {
-        if (b->registered || __atomic_load_n(&b->pinning, __ATOMIC_ACQUIRE) == TMS_PIN_DONE)
-            (void)b->drv->host_unregister(b->host);
+        if (b->registered) (void)b->drv->host_unregister(b->host);
+        for (size_t off = 0; off < b->pinned_bytes; off += TMS_PIN_PIECE_BYTES)
+            (void)b->drv->host_unregister((char *)b->host + off);  /* pieces of a failed locking too */
         munmap(b->host, b->size);
     }
     free(b);

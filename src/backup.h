@@ -16,6 +16,7 @@ struct tms_backup {
     int kind;                        /* enum tms_backup_kind */
     int registered;                  /* pinned by host_register (else host_alloc_pinned) */
     int pinning;                     /* atomic, enum tms_pinning: an mmap backup page-locked later */
+    size_t pinned_bytes;             /* of those, [0, pinned_bytes) is registered, in TMS_PIN_PIECE_BYTES pieces */
     struct tms_backup *pin_next;     /* in the queue of backups to page-lock (backup.c) */
     int refs;                        /* atomic */
     const struct tms_driver *drv;
@@ -23,6 +24,11 @@ struct tms_backup {
 };
 
 enum tms_pinning { TMS_PIN_NONE, TMS_PIN_RUNNING, TMS_PIN_DONE, TMS_PIN_FAILED };
+
+/* A backup is page-locked later in pieces of this many bytes (each a
+ * registration of its own), so a copy that starts meanwhile waits for one
+ * piece at most, not for the whole backup. */
+#define TMS_PIN_PIECE_BYTES ((size_t)64 << 20)
 
 /* New backup of size bytes for the allocation at va, with one reference.
  * Fills err on failure (TMS_E_HOST_OOM naming size and kind; TMS_E_IO for a
@@ -38,7 +44,8 @@ int tms_backup_pinned(const struct tms_backup *b);
  * while no copy runs: a retained backup is copied again every cycle, and a
  * page-locked one takes the DMA directly at link speed instead of through
  * the staging (issue 16). Until it is done (~0.3-0.5 s per 8 GiB) copies go
- * through the staging as before. */
+ * through the staging as before. The pieces are registered only while no
+ * copy runs. */
 void tms_backup_pin_later(struct tms_backup *b);
 void tms_backup_ref(struct tms_backup *b);
 void tms_backup_unref(struct tms_backup *b);

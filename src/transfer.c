@@ -28,9 +28,6 @@
  */
 #define TO_HOST_BLOCK_BYTES ((size_t)2 << 20)
 #define TO_DEVICE_BLOCK_BYTES ((size_t)8 << 20)
-/* Page-locked host memory needs no staging: larger blocks, fewer waits per
- * byte (issue 16: a retained backup's copies at link speed). */
-#define DIRECT_BLOCK_BYTES ((size_t)32 << 20)
 #define DEFAULT_MAX_WORKERS 16
 #define MAX_DEVICES 64
 
@@ -334,7 +331,7 @@ static int run_job(const struct tms_driver *drv, int kind, struct tms_transfer *
     size_t block_bytes = fixed ? fixed : kind == JOB_TO_HOST ? TO_HOST_BLOCK_BYTES : TO_DEVICE_BLOCK_BYTES;
     if (block_bytes > slot_bytes) block_bytes = slot_bytes;
     size_t file_block = tms_defaults()->disk_block_bytes < slot_bytes ? tms_defaults()->disk_block_bytes : slot_bytes;
-    size_t direct_block = fixed || kind == JOB_POPULATE ? block_bytes : DIRECT_BLOCK_BYTES;
+    size_t direct_block = fixed || kind == JOB_POPULATE ? block_bytes : TMS_DIRECT_BLOCK_BYTES;
     for (size_t i = 0; i < count; i++) {
         size_t bs = items[i].file ? file_block : items[i].host_pinned ? direct_block : block_bytes;
         n_blocks += (items[i].n + bs - 1) / bs;

@@ -860,13 +860,12 @@ def test_failed_pause_drops_stale_retained_copies(run_py):
 @pytest.mark.parametrize("failing", [0, 1, 3])
 def test_create_fault_during_resume_keeps_the_failed_allocation_paused(run_py, failing):
     # One create per allocation at allocation time (calls 1-4); resume maps in
-    # core.allocations() order (calls 5-8) and stops at the first failure.
+    # address order (calls 5-8: the order the driver is fastest in) and stops
+    # at the first failure.
     out = check_ok(run_py(_SEVERAL + textwrap.dedent(f"""
         tms.pause("p")
-        order = [r["ptr"] for r in core.allocations()]
         expect(core.OutOfMemoryError, tms.resume, "p", match="create of")
-        rows = core.allocations()
-        assert [r["ptr"] for r in rows] == order
+        rows = sorted(core.allocations(), key=lambda r: r["ptr"])
         for i, r in enumerate(rows):
             if i < {failing}:                              # resumed before the failure, contents back
                 assert r["state"] == "active", rows

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "backup.h"
 #include "config.h"
@@ -933,6 +934,71 @@ static void test_affinity(void)
     CHECK(tms_transfer_allowed_cpus() == allowed);
 }
 
+/* A backup page-locked later is registered in pieces that together cover it
+ * exactly, each no larger than TMS_PIN_PIECE_BYTES (a copy waits for one piece
+ * at most); its last reference unregisters every piece. */
+#define PIECES_MAX 8
+static struct tms_driver recording_drv;
+static pthread_mutex_t pieces_lock = PTHREAD_MUTEX_INITIALIZER;
+static char *piece_at[PIECES_MAX], *unregistered_at[PIECES_MAX];
+static size_t piece_len[PIECES_MAX];
+static int pieces, unregistered, register_failed;
+
+static int record_register(void *p, size_t n)
+{
+    int rc = drv->host_register(p, n);
+    pthread_mutex_lock(&pieces_lock);
+    if (pieces < PIECES_MAX) piece_at[pieces] = p, piece_len[pieces] = n;
+    if (rc == 0) pieces++;
+    else register_failed++;
+    pthread_mutex_unlock(&pieces_lock);
+    return rc;
+}
+
+static int record_unregister(void *p)
+{
+    pthread_mutex_lock(&pieces_lock);
+    if (unregistered < PIECES_MAX) unregistered_at[unregistered] = p;
+    unregistered++;
+    pthread_mutex_unlock(&pieces_lock);
+    return drv->host_unregister(p);
+}
+
+static void test_pin_pieces(void)
+{
+    recording_drv = *drv;
+    recording_drv.host_register = record_register;
+    recording_drv.host_unregister = record_unregister;
+    const size_t size = 2 * TMS_PIN_PIECE_BYTES + ((size_t)3 << 20) + 5;
+    struct tms_err err = {0};
+    struct tms_backup *b = NULL;
+    CHECK_RC(tms_backup_new(&recording_drv, TMS_BACKUP_MMAP, size, 0, &b, &err), TMS_OK);
+    if (!b) return;
+    CHECK(!tms_backup_pinned(b));
+    tms_backup_pin_later(b);
+    for (int i = 0; i < 10000 && __atomic_load_n(&b->pinning, __ATOMIC_ACQUIRE) == TMS_PIN_RUNNING; i++)
+        sched_yield(), usleep(1000);
+    if (register_failed) {  /* a backend that cannot page-lock (hip stub without it): stays pageable */
+        CHECK(!tms_backup_pinned(b) && pieces == 0 && register_failed == 1);
+        tms_backup_unref(b);
+        CHECK(unregistered == 0);
+        return;
+    }
+    CHECK(tms_backup_pinned(b));
+    pthread_mutex_lock(&pieces_lock);
+    CHECK(pieces == 3);
+    for (int i = 0; i < pieces && i < PIECES_MAX; i++) {
+        size_t want = i < 2 ? TMS_PIN_PIECE_BYTES : size - 2 * TMS_PIN_PIECE_BYTES;
+        CHECK(piece_at[i] == (char *)b->host + (size_t)i * TMS_PIN_PIECE_BYTES && piece_len[i] == want);
+    }
+    pthread_mutex_unlock(&pieces_lock);
+    char *host = b->host;
+    tms_backup_unref(b);
+    CHECK(unregistered == 3);
+    for (int i = 0; i < unregistered && i < PIECES_MAX; i++)
+        CHECK(unregistered_at[i] == host + (size_t)i * TMS_PIN_PIECE_BYTES);
+}
+
 static const struct test tests[] = {
     {"config", test_config},
     {"driver", test_driver},
@@ -950,6 +1016,7 @@ static const struct test tests[] = {
     {"threads", test_threads},  /* with nowait, what ThreadSanitizer runs: `test_core_host threads nowait` */
     {"nowait", test_nowait},
     {"affinity", test_affinity},
+    {"pin_pieces", test_pin_pieces},
 };
 
 static int selected(const char *name, int argc, char **argv)

@@ -1,0 +1,194 @@
+"""Pause/resume cost per allocation against the raw driver loop (issue 16):
+`python -m benchmarks.alloc_count [--counts 1,10,100,1000,10000] [--cycles C]
+[--perf N] [--out DIR] [--dry-run]`.
+
+A worker process per n (torch hook mode) holds n allocations of 2 MiB in one tag
+(2n tensors of 1 MiB: PyTorch packs two in each 2 MiB segment) and times
+pause(tag)/resume(tag): the wall time of the Python call and the time the core
+itself counts (stats' pause_ns/resume_ns), so what the binding and Python add
+shows apart. Between cycles the first and the last allocation are written (the
+memory works). vmm_floor.c runs the same driver calls, and the same writes
+(--touch), for the same shapes in the same run; the ratio to it is the target
+(<= 1.2x). It runs again with --shuffle: the driver's cost of a scattered order.
+
+--perf N: the worker runs again for N allocations under `perf record -g`, and
+`perf report` of it is written next to the results (where perf exists).
+--dry-run: host backend and no floor, for the plumbing only.
+Output: DIR/<date>_<device>-alloc_count.{md,json} (+ -perf.txt).
+"""
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import floor
+from .common import MiB, median
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALLOC_BYTES = 2 * MiB
+
+
+def worker(counts, cycles, warmup, dry_run):
+    """Runs in the worker process: {count: point}."""
+    from .envs import GpuEnv, HostEnv
+
+    env = HostEnv("torch") if dry_run else GpuEnv("torch")
+    points = []
+    for n in counts:
+        tag = f"count-{n}"
+        t0 = time.perf_counter()
+        block = env.alloc_granules(tag, n)
+        point = {"requested": n, "alloc_s": time.perf_counter() - t0, "allocations": len(env.tag_allocs(tag))}
+        for key in ("pause", "resume", "pause_core", "resume_core"):
+            point[key] = []
+        for c in range(warmup + cycles):
+            env.sync()
+            before = env.tag_stats(tag)
+            t0 = time.perf_counter()
+            env.tms.pause(tag)
+            t1 = time.perf_counter()
+            env.tms.resume(tag)
+            t2 = time.perf_counter()
+            after = env.tag_stats(tag)
+            env.touch(block, c)
+            if c >= warmup:
+                point["pause"].append(t1 - t0)
+                point["resume"].append(t2 - t1)
+                point["pause_core"].append((after["pause_ns"] - before["pause_ns"]) * 1e-9)
+                point["resume_core"].append((after["resume_ns"] - before["resume_ns"]) * 1e-9)
+        env.dispose(block, tag)
+        points.append(point)
+        print(f"alloc_count: {point['allocations']} allocations: pause {median(point['pause']) * 1e3:.3f} ms, "
+              f"resume {median(point['resume']) * 1e3:.3f} ms", file=sys.stderr, flush=True)
+    return {"points": points, "env": env.info()}
+
+
+def _run_worker(counts, cycles, warmup, dry_run, prefix=()):
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        cmd = [*prefix, sys.executable, "-m", "benchmarks.alloc_count", "--worker", out.name,
+               "--counts", ",".join(map(str, counts)), "--cycles", str(cycles), "--warmup", str(warmup)]
+        if dry_run:
+            cmd.append("--dry-run")
+        p = subprocess.run(cmd, cwd=REPO)
+        if p.returncode != 0:
+            raise RuntimeError(f"worker exited {p.returncode}: {' '.join(cmd)}")
+        return json.load(open(out.name))
+
+
+def _floor(counts, cycles, warmup, options=()):
+    exe, _ = floor.build()
+    doc = floor.run(exe, [f"{n}x2M" for n in counts], cycles, warmup, timeout=600, options=options)
+    by_count = {}
+    for shape in doc.get("shapes", []):
+        if not shape.get("error"):
+            by_count[int(shape["count"])] = shape
+    return doc, by_count
+
+
+def _floor_median(shape, op):
+    for key in (f"{op}_median_s", f"{op}_s"):
+        v = shape.get(key)
+        if isinstance(v, list):
+            return median(v)
+        if v is not None:
+            return v
+    return None
+
+
+def _perf(count, cycles, out_stem):
+    perf = shutil.which("perf")
+    if not perf:
+        return {"skipped": "no perf on PATH"}
+    data = out_stem + "-perf.data"
+    try:
+        _run_worker([count], cycles, 1, False, prefix=(perf, "record", "-F", "2999", "-g", "-o", data, "--"))
+        report = subprocess.run([perf, "report", "-i", data, "--stdio", "--no-children", "--percent-limit", "0.5",
+                                 "--sort", "dso,symbol"], capture_output=True, text=True, timeout=300)
+        with open(out_stem + "-perf.txt", "w") as f:
+            f.write(report.stdout[:400000])
+        return {"report": out_stem + "-perf.txt", "rc": report.returncode, "stderr": report.stderr[-2000:]}
+    except Exception as e:  # the measurement above stands without the profile
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        if os.path.exists(data):
+            os.remove(data)
+
+
+def _markdown(r):
+    lines = [f"# Pause/resume per allocation vs the driver floor — {r['device']}", "",
+             f"{r['date']}, `{r['command']}`, torch hook mode, allocations of 2 MiB, "
+             f"median of {r['cycles']} cycles after {r['warmup']} warm-up. `core` is the time the core counts "
+             "(stats pause_ns/resume_ns); `call` is the Python call's wall time; the floor is vmm_floor.c "
+             "(cuMemUnmap+cuMemRelease / cuMemCreate+cuMemMap+cuMemSetAccess per allocation, the same memory "
+             "written between cycles) in the same run. "
+             "`shuffled` is the same floor visiting the allocations in a fixed random order (vmm_floor --shuffle). "
+             "Target: call <= 1.2x floor.", "",
+             "| allocations | pause call ms | pause core ms | floor ms | shuffled ms | call/floor | µs/alloc (call) "
+             "| resume call ms | resume core ms | floor ms | shuffled ms | call/floor | µs/alloc (call) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in r["points"]:
+        cells = [str(p["allocations"])]
+        for op in ("pause", "resume"):
+            call, core, fl = median(p[op]), median(p[op + "_core"]), p.get(op + "_floor_s")
+            shuffled = p.get(op + "_floor_shuffled_s")
+            cells += [f"{call * 1e3:.3f}", f"{core * 1e3:.3f}", f"{fl * 1e3:.3f}" if fl else "-",
+                      f"{shuffled * 1e3:.3f}" if shuffled else "-",
+                      f"{call / fl:.2f}×" if fl else "-", f"{call / max(1, p['allocations']) * 1e6:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if r.get("perf"):
+        lines += ["", f"perf: `{json.dumps(r['perf'])}`"]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--counts", default="1,10,100,1000,10000")
+    ap.add_argument("--cycles", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--perf", type=int, default=0, help="profile this many allocations under perf record")
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    counts = [int(c) for c in args.counts.split(",") if c]
+    if args.worker:
+        if args.dry_run:
+            os.environ.setdefault("TMS_BACKEND", "host")
+        with open(args.worker, "w") as f:
+            json.dump(worker(counts, args.cycles, args.warmup, args.dry_run), f)
+        return
+    r = {"command": "python -m benchmarks.alloc_count " + " ".join(sys.argv[1:]), "cycles": args.cycles,
+         "warmup": args.warmup, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    # A process per count, as the floor frees each shape's reservations before
+    # the next: the driver's cost depends on what else the process holds.
+    runs = [_run_worker([n], args.cycles, args.warmup, args.dry_run) for n in counts]
+    r["device"] = runs[0]["env"]["device_name"]
+    r["points"] = [run["points"][0] for run in runs]
+    if not args.dry_run:
+        r["floor"], by_count = _floor(counts, args.cycles, args.warmup, ("--touch",))
+        r["floor_shuffled"], shuffled = _floor(counts, args.cycles, args.warmup, ("--touch", "--shuffle"))
+        for p in r["points"]:
+            for op in ("pause", "resume"):
+                for key, shapes in (("_floor_s", by_count), ("_floor_shuffled_s", shuffled)):
+                    shape = shapes.get(p["allocations"])
+                    p[op + key] = _floor_median(shape, op) if shape else None
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{datetime.datetime.now():%Y%m%d-%H%M%S}_{r['device'].replace(' ', '-')}-alloc_count")
+    if args.perf and not args.dry_run:
+        r["perf"] = _perf(args.perf, max(args.cycles, 10), stem)
+    text = _markdown(r)
+    print(text)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    with open(stem + ".json", "w") as f:
+        json.dump(r, f, indent=1)
+    print("written:", stem + ".md")
+
+
+if __name__ == "__main__":
+    main()
