@@ -30,11 +30,12 @@ enum tms_pinning { TMS_PIN_NONE, TMS_PIN_RUNNING, TMS_PIN_DONE, TMS_PIN_FAILED }
  * piece at most, not for the whole backup. */
 #define TMS_PIN_PIECE_BYTES ((size_t)64 << 20)
 
-/* New backup of size bytes for the allocation at va, with one reference.
- * Fills err on failure (TMS_E_HOST_OOM naming size and kind; TMS_E_IO for a
- * file). */
-int tms_backup_new(const struct tms_driver *drv, int kind, size_t size, uint64_t va, struct tms_backup **out,
-                   struct tms_err *err);
+/* New backup of size bytes for the allocation at va on device, with one
+ * reference; host memory is placed on the device's NUMA node where the
+ * driver knows it. Fills err on failure (TMS_E_HOST_OOM naming size and
+ * kind; TMS_E_IO for a file). */
+int tms_backup_new(const struct tms_driver *drv, int kind, int device, size_t size, uint64_t va,
+                   struct tms_backup **out, struct tms_err *err);
 /* A pause of an allocation backed up as kind may write into b again: same
  * kind, and a file only where tms_disk_rewritable says so. */
 int tms_backup_reusable(const struct tms_backup *b, int kind);

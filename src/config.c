@@ -180,6 +180,19 @@ static int parse_device_count(int *out, struct tms_err *err)
     return TMS_OK;
 }
 
+static int parse_numa_node(int *out, struct tms_err *err)
+{
+    const char *s = getenv("TMS_HOST_NUMA_NODE");
+    *out = -1;
+    if (!s || !*s) return TMS_OK;
+    char *end = NULL;
+    long n = isdigit((unsigned char)s[0]) ? strtol(s, &end, 10) : -1;
+    if (n < 0 || n > 1023 || *end)
+        return tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_NUMA_NODE='%s' is not a NUMA node from 0 to 1023", s);
+    *out = (int)n;
+    return TMS_OK;
+}
+
 static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
 {
     static const char *const names[TMS_FAULT_OPS] = {
@@ -217,6 +230,7 @@ static void load_host_env(void)
     struct tms_err *err = &host_env.error;
     if (parse_size_env("TMS_HOST_DEVICE_BYTES", (size_t)16 << 30, &host_env.device_bytes, err)) return;
     if (parse_device_count(&host_env.devices, err)) return;
+    if (parse_numa_node(&host_env.numa_node, err)) return;
     (void)parse_faults(host_env.fault_at, err);
 }
 

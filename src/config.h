@@ -48,8 +48,9 @@ struct tms_defaults {
 const struct tms_defaults *tms_defaults(void);
 
 /* The host backend's emulated devices and injected faults (driver_host.c):
- * TMS_HOST_DEVICE_BYTES, TMS_HOST_DEVICES and TMS_FAULT="op:n[,op:n...]",
- * the n-th call of op failing once. Parsed with the defaults. */
+ * TMS_HOST_DEVICE_BYTES, TMS_HOST_DEVICES, TMS_HOST_NUMA_NODE (the NUMA node
+ * the devices sit on) and TMS_FAULT="op:n[,op:n...]", the n-th call of op
+ * failing once. Parsed with the defaults. */
 #define TMS_HOST_MAX_DEVICES 8
 enum tms_fault_op {
     TMS_FAULT_CREATE, TMS_FAULT_MAP, TMS_FAULT_UNMAP, TMS_FAULT_TO_HOST, TMS_FAULT_TO_DEVICE, TMS_FAULT_HOST_ALLOC,
@@ -60,6 +61,7 @@ enum tms_fault_op {
 struct tms_host_env {
     size_t device_bytes;
     int devices;
+    int numa_node;                 /* -1: unknown */
     long fault_at[TMS_FAULT_OPS];  /* 0 = never */
     struct tms_err error;          /* status != 0: one was malformed, the host backend does not load */
 };

@@ -80,6 +80,9 @@ struct tms_driver {
      * host_alloc_pinned for large sizes: populate in parallel, then lock). */
     int (*host_register)(void *ptr, size_t size);
     int (*host_unregister)(void *ptr);
+    /* NUMA node of the host memory nearest the device (its backups go
+     * there), -1 where unknown; NULL where the backend cannot tell. */
+    int (*numa_node)(int device);
 };
 
 extern const struct tms_driver tms_driver_cuda;

@@ -6,6 +6,7 @@
 
 #include "cuda_abi.h"
 #include "driver.h"
+#include "topology.h"
 
 /* Every entry is requested at the ABI of CUDA 12.0, which CUDA 12 and 13
  * drivers both serve, so one build runs on either (DESIGN req. 3). */
@@ -16,6 +17,7 @@
     X(cuInit, (unsigned flags)) \
     X(cuDeviceGetCount, (int *count)) \
     X(cuDeviceGet, (tms_CUdevice *dev, int ordinal)) \
+    X(cuDeviceGetPCIBusId, (char *bus_id, int len, tms_CUdevice dev)) \
     X(cuDevicePrimaryCtxRetain, (tms_CUcontext *ctx, tms_CUdevice dev)) \
     X(cuCtxGetCurrent, (tms_CUcontext *ctx)) \
     X(cuCtxGetDevice, (tms_CUdevice *dev)) \
@@ -56,6 +58,7 @@ struct cuda_device {
     int ready;                /* atomic: 1 once the fields below are set */
     tms_CUcontext ctx;        /* primary context, retained for the process's life */
     size_t granularity;
+    int numa_node;            /* of the host memory nearest it, -1 unknown */
 };
 
 static pthread_mutex_t devices_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -178,6 +181,10 @@ static int device_get(int device, struct cuda_device **out)
         if (!rc) rc = cu.cuDevicePrimaryCtxRetain(&ctx, dev);
         if (!rc) rc = cu.cuMemGetAllocationGranularity(&gran, &prop, TMS_CU_MEM_ALLOC_GRANULARITY_MINIMUM);
         if (!rc) {
+            char bus_id[32];
+            d->numa_node = cu.cuDeviceGetPCIBusId(bus_id, (int)sizeof bus_id, dev) == TMS_CUDA_SUCCESS
+                               ? tms_topology_pci_numa_node(TMS_SYSFS, bus_id)
+                               : -1;
             d->ctx = ctx;
             d->granularity = gran;
             __atomic_store_n(&d->ready, 1, __ATOMIC_RELEASE);
@@ -330,6 +337,12 @@ static int cuda_host_unregister(void *ptr) { WITH_SOME_CONTEXT(cu.cuMemHostUnreg
 
 static size_t cuda_default_chunk_bytes(void) { return 0; }
 
+static int cuda_numa_node(int device)
+{
+    struct cuda_device *d;
+    return device_get(device, &d) ? -1 : d->numa_node;
+}
+
 const struct tms_driver tms_driver_cuda = {
     .name = "cuda",
     .load = cuda_load,
@@ -356,4 +369,5 @@ const struct tms_driver tms_driver_cuda = {
     .host_free_pinned = cuda_host_free_pinned,
     .host_register = cuda_host_register,
     .host_unregister = cuda_host_unregister,
+    .numa_node = cuda_numa_node,
 };

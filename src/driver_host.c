@@ -206,6 +206,13 @@ static int host_unregister(void *ptr)
 
 static size_t host_default_chunk_bytes(void) { return 0; }
 
+/* Every emulated device sits on TMS_HOST_NUMA_NODE, if set. */
+static int host_numa_node(int device)
+{
+    (void)device;
+    return tms_host_env()->numa_node;
+}
+
 const struct tms_driver tms_driver_host = {
     .name = "host",
     .load = host_load,
@@ -231,4 +238,5 @@ const struct tms_driver tms_driver_host = {
     .host_free_pinned = host_free_pinned,
     .host_register = host_register,
     .host_unregister = host_unregister,
+    .numa_node = host_numa_node,
 };

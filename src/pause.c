@@ -91,7 +91,7 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
         const struct tms_alloc *a = m[i].a;
         if (!a->backup) continue;
         if (m[i].copy && !tms_backup_reusable(m[i].copy, a->backup_kind)) m[i].copy = NULL;  /* settle drops the old one */
-        if (!m[i].copy) rc = tms_backup_new(drv, a->backup_kind, a->size, a->va, &m[i].copy, err);  /* a file: open */
+        if (!m[i].copy) rc = tms_backup_new(drv, a->backup_kind, a->device, a->size, a->va, &m[i].copy, err);  /* a file: open */
         else if (m[i].copy->kind == TMS_BACKUP_DISK) rc = tms_disk_open(&m[i].copy->file, err);
         if (!rc) batch_add(&b, transfer_of(a, m[i].copy));
     }

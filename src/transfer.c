@@ -2,6 +2,7 @@
 #include "transfer.h"
 
 #include "config.h"
+#include "topology.h"
 
 #include <pthread.h>
 #include <sched.h>
@@ -233,13 +234,22 @@ int tms_transfer_allowed_cpus(void)
 
 /* One per core the process may run on: a launcher that pins each rank to
  * its share of the host's cores (one process per GPU) gets that many, not
- * one per core of the host competing with the other ranks' (issue 16). */
+ * one per core of the host competing with the other ranks' (issue 16). A
+ * process free to run anywhere on a host of several GPUs takes its share. */
+int tms_transfer_default_workers(int allowed_cpus, int online_cpus, int host_gpus)
+{
+    int cpus = allowed_cpus;
+    if (allowed_cpus >= online_cpus && host_gpus > 1) cpus = online_cpus / host_gpus;
+    return cpus < 2 ? 2 : cpus > DEFAULT_MAX_WORKERS ? DEFAULT_MAX_WORKERS : cpus;
+}
+
 static int wanted_workers(void)
 {
     int n = tms_defaults()->backup_threads;
     if (n > 0) return n;
-    int cpus = tms_transfer_allowed_cpus();
-    return cpus < 2 ? 2 : cpus > DEFAULT_MAX_WORKERS ? DEFAULT_MAX_WORKERS : cpus;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    return tms_transfer_default_workers(tms_transfer_allowed_cpus(), online > 0 ? (int)online : 1,
+                                        tms_topology_host_gpus(TMS_SYSFS));
 }
 
 static void pool_discard_locked(const struct tms_driver *drv)

@@ -30,9 +30,13 @@ struct tms_transfer {
 int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
                      struct tms_err *err);
 
-/* CPUs the calling thread may run on (its affinity), else the online ones:
- * the copy workers' default count, at least 2 and at most 16. */
+/* CPUs the calling thread may run on (its affinity), else the online ones. */
 int tms_transfer_allowed_cpus(void);
+
+/* The copy workers' count unless TMS_BACKUP_THREADS sets it: one per allowed
+ * CPU, or, where the process may run on every online CPU, its share of them
+ * among the host's GPUs; at least 2 and at most 16. */
+int tms_transfer_default_workers(int allowed_cpus, int online_cpus, int host_gpus);
 
 /* 1 when no tms_transfer_run is in progress (a hint: one may start next). */
 int tms_transfer_idle(void);

@@ -142,6 +142,9 @@ _MALFORMED = [
     ("TMS_HOST_DEVICES", "0", "'0'"),
     ("TMS_HOST_DEVICES", "8MiB", "not a device count"),    # a count, not a size
     ("TMS_HOST_DEVICES", "2.0", "'2.0'"),
+    ("TMS_HOST_NUMA_NODE", "-1", "not a NUMA node"),
+    ("TMS_HOST_NUMA_NODE", "1024", "'1024'"),
+    ("TMS_HOST_NUMA_NODE", "node0", "'node0'"),
     ("TMS_FAULT", "create", "'create'"),
     ("TMS_FAULT", "create:2x", "'create:2x'"),
     ("TMS_FAULT", "create:-1", "'create:-1'"),

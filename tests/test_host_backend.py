@@ -222,6 +222,32 @@ def test_retained_mmap_backup_is_page_locked_in_the_background(run_py):
 
 
 @pytest.mark.parametrize("kind", ["mmap", "pinned"])
+@pytest.mark.parametrize("node", [None, "0"])
+def test_backup_placed_on_the_devices_numa_node(run_py, kind, node):
+    # Issue 16: a backup's host pages are preferred on the GPU's NUMA node (the
+    # host backend's devices sit on TMS_HOST_NUMA_NODE); the kernel lists the
+    # policy in /proc/self/numa_maps. Where the node is unknown, no policy.
+    out = check_ok(run_py(f"""
+        def preferred():
+            with open("/proc/self/numa_maps") as f:
+                return [line.split()[0] for line in f if " prefer:0 " in line]
+
+        n = 6 * MiB + 17
+        with tms.region("t", enable_cpu_backup=True, cpu_backup_backend="{kind}"):
+            p = core.malloc(n)
+        data = fill(p, n)
+        before = preferred()
+        tms.pause("t")
+        placed = [a for a in preferred() if a not in before]
+        assert core.get_cpu_backup(p, n).tobytes() == data
+        tms.resume("t")
+        assert read(p, n) == data
+        print(len(placed))
+    """, env={"TMS_HOST_NUMA_NODE": node} if node else None))
+    assert out == ("1\n" if node else "0\n")
+
+
+@pytest.mark.parametrize("kind", ["mmap", "pinned"])
 def test_backup_memory_returned_after_resume_unless_retained(run_py, kind):
     out = check_ok(run_py(f"""
         N = 128 * MiB

@@ -7,6 +7,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "backup.h"
@@ -14,6 +17,7 @@
 #include "core.h"
 #include "driver.h"
 #include "seeded_bytes.h"
+#include "topology.h"
 #include "transfer.h"
 
 /* The TMS_FAULT plans the fault scenarios are written for: driver_host.c
@@ -972,7 +976,7 @@ static void test_pin_pieces(void)
     const size_t size = 2 * TMS_PIN_PIECE_BYTES + ((size_t)3 << 20) + 5;
     struct tms_err err = {0};
     struct tms_backup *b = NULL;
-    CHECK_RC(tms_backup_new(&recording_drv, TMS_BACKUP_MMAP, size, 0, &b, &err), TMS_OK);
+    CHECK_RC(tms_backup_new(&recording_drv, TMS_BACKUP_MMAP, 0, size, 0, &b, &err), TMS_OK);
     if (!b) return;
     CHECK(!tms_backup_pinned(b));
     tms_backup_pin_later(b);
@@ -999,6 +1003,76 @@ static void test_pin_pieces(void)
         CHECK(unregistered_at[i] == host + (size_t)i * TMS_PIN_PIECE_BYTES);
 }
 
+/* A sysfs tree of the test's own: which PCI functions count as GPUs, and
+ * the NUMA node of a bus id however the driver spells it. */
+static void write_file(const char *dir, const char *name, const char *text)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (f) fputs(text, f), fclose(f);
+}
+
+static void fake_pci(const char *root, const char *id, const char *vendor, const char *class_code, const char *node)
+{
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/bus/pci/devices/%s", root, id);
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s'", dir);
+    CHECK(system(cmd) == 0);
+    write_file(dir, "vendor", vendor);
+    write_file(dir, "class", class_code);
+    write_file(dir, "numa_node", node);
+}
+
+static void test_topology(void)
+{
+    char root[] = "/tmp/tms-sysfs-XXXXXX";
+    CHECK(mkdtemp(root) != NULL);
+    CHECK(tms_topology_host_gpus(root) == 0);  /* no bus at all */
+    fake_pci(root, "0000:3b:00.0", "0x10de\n", "0x030200\n", "1\n");  /* H100: 3D controller */
+    fake_pci(root, "0000:86:00.0", "0x10de\n", "0x030200\n", "0\n");
+    fake_pci(root, "0000:c1:00.0", "0x1002\n", "0x120000\n", "-1\n");  /* Instinct: accelerator */
+    fake_pci(root, "0000:07:00.0", "0x10de\n", "0x068000\n", "0\n");  /* NVSwitch: a bridge */
+    fake_pci(root, "0000:00:02.0", "0x8086\n", "0x030000\n", "0\n");  /* another vendor's VGA */
+    CHECK(tms_topology_host_gpus(root) == 3);
+    CHECK(tms_topology_pci_numa_node(root, "0000:3b:00.0") == 1);
+    CHECK(tms_topology_pci_numa_node(root, "00000000:3B:00.0") == 1);  /* nvidia-smi's spelling */
+    CHECK(tms_topology_pci_numa_node(root, "0000:86:00.0") == 0);
+    CHECK(tms_topology_pci_numa_node(root, "0000:c1:00.0") == -1);     /* the kernel does not know */
+    CHECK(tms_topology_pci_numa_node(root, "0000:99:00.0") == -1);     /* no such device */
+    CHECK(tms_topology_pci_numa_node(root, "3b:00.0") == -1);
+    CHECK(tms_topology_pci_numa_node(root, "0000:3b:00.0 trailing") == -1);
+    CHECK(tms_topology_pci_numa_node(root, NULL) == -1);
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
+    CHECK(system(cmd) == 0);
+
+    /* The copy workers: the affinity mask, or a share of the host among its GPUs. */
+    CHECK(tms_transfer_default_workers(16, 16, 1) == 16);
+    CHECK(tms_transfer_default_workers(32, 32, 2) == 16);
+    CHECK(tms_transfer_default_workers(16, 16, 2) == 8);   /* two ranks free on 16 cores: 8 each */
+    CHECK(tms_transfer_default_workers(24, 96, 8) == 16);  /* pinned to 24 cores: the mask decides */
+    CHECK(tms_transfer_default_workers(6, 96, 8) == 6);
+    CHECK(tms_transfer_default_workers(128, 128, 8) == 16);
+    CHECK(tms_transfer_default_workers(4, 4, 4) == 2);
+    CHECK(tms_transfer_default_workers(1, 1, 0) == 2);
+
+    /* Placement: the kernel records the preferred node on the range. */
+    size_t size = (size_t)4 << 20;
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(p != MAP_FAILED);
+    CHECK(tms_topology_prefer_node(p, size, 0) == 0);
+    int mode = -1;
+    unsigned long mask[16] = {0};
+    CHECK(syscall(SYS_get_mempolicy, &mode, mask, 1024ul, p, 2ul /* MPOL_F_ADDR */) == 0);
+    CHECK(mode == 1 /* MPOL_PREFERRED */ && mask[0] == 1ul);
+    CHECK(tms_topology_prefer_node(p, size, 1024) == EINVAL);
+    CHECK(tms_topology_prefer_node(p, size, -1) == EINVAL);
+    munmap(p, size);
+}
+
 static const struct test tests[] = {
     {"config", test_config},
     {"driver", test_driver},
@@ -1017,6 +1091,7 @@ static const struct test tests[] = {
     {"nowait", test_nowait},
     {"affinity", test_affinity},
     {"pin_pieces", test_pin_pieces},
+    {"topology", test_topology},
 };
 
 static int selected(const char *name, int argc, char **argv)
