@@ -2,7 +2,7 @@
 PYTHON ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: build deps reinstall test demo bench bench-fragmentation sanitize sanitize-thread sanitize-python fuzz clean
+.PHONY: build deps reinstall test demo bench bench-multi-gpu bench-alloc-count bench-fragmentation sanitize sanitize-thread sanitize-python fuzz clean
 
 # The extensions compiled in place (torch_memory_saver/_tms_*.abi3.so, the upstream-named
 # shims at the root) for tests; warnings are errors here and in CI, never in a user's install.
@@ -34,6 +34,15 @@ demo:
 
 bench: build
 	$(PYTHON) -m benchmarks.run
+
+# Every GPU of the host pausing at once, one process per GPU (issue 16); GIB=24 by default.
+GIB ?= 24
+bench-multi-gpu: build
+	$(PYTHON) -m benchmarks.multi_gpu --gib $(GIB)
+
+# Pause/resume cost per allocation against the raw driver loop, 1 to 10,000 allocations (issue 16).
+bench-alloc-count: build
+	$(PYTHON) -m benchmarks.alloc_count
 
 # Reserved bytes with and without expandable segments, both hook modes (issue 15).
 bench-fragmentation: build

@@ -220,7 +220,48 @@ def main():
         f.write(text)
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=1)
+    png = _plot(report, stem)
+    if png:
+        with open(stem + ".md", "a") as f:
+            f.write(f"\n![aggregate GB/s per backup and cycle]({os.path.basename(png)})\n")
     print("written:", stem + ".md")
+
+
+def _plot(r, stem):
+    """Aggregate pause/resume GB/s per backup and cycle against the limits; the PNG's path, or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print(f"no plot: matplotlib unavailable ({type(e).__name__}: {e})")
+        return None
+    labels, pause, resume = [], [], []
+    for row in r["rows"]:
+        for i, cyc in enumerate(row["cycles"]):
+            labels.append(f"{row['config'].replace('_', chr(10))}\n{'first' if i == 0 else f'cycle {i + 1}'}")
+            pause.append(cyc["pause"]["aggregate"])
+            resume.append(cyc["resume"]["aggregate"])
+    if not labels:
+        return None
+    fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(labels)), 4.8))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], pause, 0.4, label="pause (aggregate)")
+    ax.bar([x + 0.2 for x in xs], resume, 0.4, label="resume (aggregate)")
+    for key, style, name in (("fill", ":", "fresh-page fill"), ("d2h", "-", "pinned D→H"), ("h2d", "--", "pinned H→D")):
+        lim = r.get(f"limit_{key}", {}).get("aggregate")
+        if lim:
+            ax.axhline(lim, color="k", ls=style, lw=1, label=f"{name} limit {lim:.1f}")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("GB/s, all GPUs together")
+    ax.set_title(f"{r['gpus']} × {r['device']} pausing together, {r['gib_per_gpu']:g} GiB each")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=110)
+    plt.close(fig)
+    return stem + ".png"
 
 
 def _limits(report, gib, n):
