@@ -27,7 +27,7 @@ import tempfile
 import time
 
 from . import floor
-from .common import MiB, median
+from .common import MiB, median, pyplot, save_png
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOC_BYTES = 2 * MiB
@@ -147,13 +147,8 @@ def _markdown(r):
 
 def _plot(r, stem):
     """Microseconds per allocation vs count, library and floor; the PNG's path, or None."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:
-        print(f"no plot: matplotlib unavailable ({type(e).__name__}: {e})")
+    plt = pyplot()
+    if plt is None:
         return None
     pts = [p for p in r["points"] if p.get("pause_floor_s")]
     if not pts:
@@ -171,10 +166,7 @@ def _plot(r, stem):
     ax.set_title(f"Pause/resume per allocation vs the driver floor\n{r['device']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=110)
-    plt.close(fig)
-    return stem + ".png"
+    return save_png(plt, fig, stem + ".png")
 
 
 def main():

@@ -101,3 +101,23 @@ def error_record(exc: BaseException) -> dict:
 
 def eprint(*args):
     print(*args, file=sys.stderr, flush=True)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (saying why) where it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print(f"no plot: matplotlib unavailable ({type(e).__name__}: {e})")
+        return None
+    return plt
+
+
+def save_png(plt, fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -26,6 +26,8 @@ import os
 import sys
 import time
 
+from .common import pyplot, save_png
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 GiB = 1 << 30
@@ -229,13 +231,8 @@ def main():
 
 def _plot(r, stem):
     """Aggregate pause/resume GB/s per backup and cycle against the limits; the PNG's path, or None."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:
-        print(f"no plot: matplotlib unavailable ({type(e).__name__}: {e})")
+    plt = pyplot()
+    if plt is None:
         return None
     labels, pause, resume = [], [], []
     for row in r["rows"]:
@@ -258,10 +255,7 @@ def _plot(r, stem):
     ax.set_ylabel("GB/s, all GPUs together")
     ax.set_title(f"{r['gpus']} × {r['device']} pausing together, {r['gib_per_gpu']:g} GiB each")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=110)
-    plt.close(fig)
-    return stem + ".png"
+    return save_png(plt, fig, stem + ".png")
 
 
 def _limits(report, gib, n):
