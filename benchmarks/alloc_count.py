@@ -77,7 +77,8 @@ def _run_worker(counts, cycles, warmup, dry_run, prefix=()):
         p = subprocess.run(cmd, cwd=REPO)
         if p.returncode != 0:
             raise RuntimeError(f"worker exited {p.returncode}: {' '.join(cmd)}")
-        return json.load(open(out.name))
+        with open(out.name) as f:
+            return json.load(f)
 
 
 def _floor(counts, cycles, warmup, options=()):
@@ -158,8 +159,10 @@ def _plot(r, stem):
     for op, marker in (("pause", "o"), ("resume", "s")):
         for key, style, name in (("", "-", "library (call)"), ("_floor_s", "--", "driver floor"),
                                  ("_floor_shuffled_s", ":", "driver floor, scattered order")):
-            ys = [(median(p[op]) if not key else p[op + key]) / max(1, p["allocations"]) * 1e6 for p in pts]
-            ax.plot(xs, ys, marker + style, label=f"{op}: {name}")
+            xy = [(x, median(p[op]) if not key else p.get(op + key)) for x, p in zip(xs, pts)]
+            xy = [(x, t / max(1, x) * 1e6) for x, t in xy if t]  # a shape the floor could not run: left out
+            if xy:
+                ax.plot([x for x, _ in xy], [y for _, y in xy], marker + style, label=f"{op}: {name}")
     ax.set_xscale("log")
     ax.set_xlabel("allocations (2 MiB each)")
     ax.set_ylabel("µs per allocation")
@@ -207,14 +210,16 @@ def main():
     stem = os.path.join(args.out, f"{datetime.datetime.now():%Y%m%d-%H%M%S}_{r['device'].replace(' ', '-')}-alloc_count")
     if args.perf and not args.dry_run:
         r["perf"] = _perf(args.perf, max(args.cycles, 10), stem)
-    text = _markdown(r)
-    if _plot(r, stem):
-        text += f"\n![per-allocation cost vs the driver floor]({os.path.basename(stem)}.png)\n"
-    print(text)
-    with open(stem + ".md", "w") as f:
-        f.write(text)
     with open(stem + ".json", "w") as f:
         json.dump(r, f, indent=1)
+    text = _markdown(r)
+    with open(stem + ".md", "w") as f:  # before the plot: a failing plot must not cost the figures
+        f.write(text)
+    if _plot(r, stem):
+        text += f"\n![per-allocation cost vs the driver floor]({os.path.basename(stem)}.png)\n"
+        with open(stem + ".md", "w") as f:
+            f.write(text)
+    print(text)
     print("written:", stem + ".md")
 
 

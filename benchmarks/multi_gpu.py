@@ -1,7 +1,8 @@
 """Every GPU of the host pausing at once (issue 16): `python -m benchmarks.multi_gpu
-[--gib G] [--cycles C] [--gpus N] [--out DIR]`.
+[--gib G] [--cycles C] [--gpus N] [--share-gpu] [--limits-last] [--out DIR]`.
 
-One process per GPU (CUDA_VISIBLE_DEVICES=i, torch hook mode), each holding G GiB
+One process per GPU (CUDA_VISIBLE_DEVICES=i, torch hook mode; with --share-gpu N
+processes all on GPU 0, a stand-in for the host side of N GPUs), each holding G GiB
 of random data in one backed-up region, 512 MiB tensors. A barrier starts every
 pause and every resume in all processes together. Per backup configuration (mmap,
 pinned, mmap retained) and cycle it reports each GPU's GB/s and the aggregate
@@ -37,9 +38,27 @@ FILL_REPS = 3
 CONFIGS = {"mmap": ("mmap", False), "pinned": ("pinned", False), "mmap_retained": ("mmap", True)}
 
 
+def _host_gpus():
+    """NVIDIA/AMD PCI functions of class display or accelerator, as src/topology.c counts them."""
+    root, n = "/sys/bus/pci/devices", 0
+    for dev in os.listdir(root) if os.path.isdir(root) else []:
+        try:
+            vendor = int(open(f"{root}/{dev}/vendor").read(), 16)
+            base_class = int(open(f"{root}/{dev}/class").read(), 16) >> 16
+        except (OSError, ValueError):
+            continue
+        n += vendor in (0x10DE, 0x1002) and base_class in (0x03, 0x12)
+    return n
+
+
 def _threads():
+    """The copy workers each process runs (src/transfer.c tms_transfer_default_workers)."""
     n = int(os.environ.get("TMS_BACKUP_THREADS", "0") or 0)
-    return n if n > 0 else min(16, max(2, len(os.sched_getaffinity(0))))
+    if n > 0:
+        return n
+    allowed, online, gpus = len(os.sched_getaffinity(0)), os.cpu_count() or 1, _host_gpus()
+    cpus = online // gpus if allowed >= online and gpus > 1 else allowed
+    return min(16, max(2, cpus))
 
 
 def _fill_fresh(nbytes, threads):
@@ -61,8 +80,8 @@ def _fill_fresh(nbytes, threads):
     return work, lambda: libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes))
 
 
-def limits_worker(rank, gib, barrier, results):
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+def limits_worker(rank, gpu, gib, barrier, results):
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import torch
 
     out = {"rank": rank}
@@ -106,8 +125,8 @@ def _faults_and_huge():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt, huge
 
 
-def backup_worker(rank, config, gib, cycles, barrier, results):
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+def backup_worker(rank, gpu, config, gib, cycles, barrier, results):
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     sys.path.insert(0, REPO)
     import torch
 
@@ -146,11 +165,14 @@ def backup_worker(rank, config, gib, cycles, barrier, results):
     results.put(out)
 
 
-def _run(target, args, n):
+def _run(target, args, n, share_gpu=False):
+    """Runs target in n processes, rank r on GPU r (every one on GPU 0 with
+    share_gpu); returns (their results by rank, their exit codes)."""
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(n)
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(rank, *args, barrier, results)) for rank in range(n)]
+    procs = [ctx.Process(target=target, args=(rank, 0 if share_gpu else rank, *args, barrier, results))
+             for rank in range(n)]
     for p in procs:
         p.start()
     got = []
@@ -178,6 +200,9 @@ def main():
     ap.add_argument("--gib", type=float, default=24)
     ap.add_argument("--cycles", type=int, default=3)
     ap.add_argument("--gpus", type=int, default=0, help="processes (default: every GPU)")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="every process on GPU 0: the host side (cores, fresh pages) shared as by N GPUs, "
+                         "the link shared too")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--limits-last", action="store_true",
                     help="measure the host limits after the backups, so the first pause is the first touch")
@@ -188,17 +213,19 @@ def main():
     n = args.gpus or torch.cuda.device_count()
     if n < 1:
         sys.exit("no GPU")
+    if n > torch.cuda.device_count() and not args.share_gpu:
+        sys.exit(f"{n} processes, {torch.cuda.device_count()} GPUs: pass --share-gpu to put them all on GPU 0")
     device = torch.cuda.get_device_name(0)
-    report = {"device": device, "gpus": n, "gib_per_gpu": args.gib, "cycles": args.cycles,
+    report = {"device": device, "gpus": n, "share_gpu": args.share_gpu, "gib_per_gpu": args.gib, "cycles": args.cycles,
               "copy_threads_per_process": _threads(), "cpus": os.cpu_count(),
               "command": "python -m benchmarks.multi_gpu " + " ".join(sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
     report["limits_last"] = args.limits_last
     if not args.limits_last:
-        _limits(report, args.gib, n)
+        _limits(report, args.gib, n, args.share_gpu)
     rows = []
     for config in args.configs.split(","):
-        res, codes = _run(backup_worker, (config, args.gib, args.cycles), n)
+        res, codes = _run(backup_worker, (config, args.gib, args.cycles), n, args.share_gpu)
         row = {"config": config, "exit_codes": codes, "cycles": []}
         if len(res) == n:
             for c in range(args.cycles):
@@ -213,11 +240,12 @@ def main():
         print(json.dumps(row), flush=True)
     report["rows"] = rows
     if args.limits_last:
-        _limits(report, args.gib, n)
+        _limits(report, args.gib, n, args.share_gpu)
     text = _markdown(report)
     print(text)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{datetime.datetime.now():%Y%m%d-%H%M%S}_{device.replace(' ', '-')}x{n}-multi_gpu")
+    shape = f"{n}procs-on-1" if args.share_gpu else f"x{n}"
+    stem = os.path.join(args.out, f"{datetime.datetime.now():%Y%m%d-%H%M%S}_{device.replace(' ', '-')}{shape}-multi_gpu")
     with open(stem + ".md", "w") as f:
         f.write(text)
     with open(stem + ".json", "w") as f:
@@ -253,13 +281,14 @@ def _plot(r, stem):
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("GB/s, all GPUs together")
-    ax.set_title(f"{r['gpus']} × {r['device']} pausing together, {r['gib_per_gpu']:g} GiB each")
+    who = f"{r['gpus']} processes on one {r['device']}" if r.get("share_gpu") else f"{r['gpus']} × {r['device']}"
+    ax.set_title(f"{who} pausing together, {r['gib_per_gpu']:g} GiB each")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return save_png(plt, fig, stem + ".png")
 
 
-def _limits(report, gib, n):
-    lim, codes = _run(limits_worker, (gib,), n)
+def _limits(report, gib, n, share_gpu):
+    lim, codes = _run(limits_worker, (gib,), n, share_gpu)
     report["limits_exit_codes"] = codes
     if len(lim) == n:
         for key in ("fill", "d2h", "h2d"):
@@ -275,7 +304,8 @@ def _markdown(r):
     def fmt(x):
         return f"{x:.1f}"
 
-    lines = [f"# {r['gpus']} GPUs pausing together: {r['device']}", "",
+    who = f"{r['gpus']} processes on one GPU" if r.get("share_gpu") else f"{r['gpus']} GPUs"
+    lines = [f"# {who} pausing together: {r['device']}", "",
              f"{r['date']}, {r['gib_per_gpu']} GiB per GPU in 512 MiB tensors, {r['cycles']} cycles, "
              f"{r['copy_threads_per_process']} copy threads per process, {r['cpus']} CPUs. Command: `{r['command']}`",
              ""]

@@ -109,7 +109,7 @@ int tms_backup_pinned(const struct tms_backup *b)
  * piece being locked, so no thread is inside the driver while it is torn down.
  */
 _Static_assert(TMS_PIN_PIECE_BYTES % TMS_DIRECT_BLOCK_BYTES == 0,
-               "a direct copy block lies inside one registration");
+               "default direct copy blocks tile the registered pieces");
 static pthread_mutex_t pin_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pin_queued = PTHREAD_COND_INITIALIZER;
 static struct tms_backup *pin_head, *pin_tail;  /* guarded by pin_lock; each holds a reference */
@@ -177,6 +177,13 @@ static int register_in_pieces(struct tms_backup *b)
     return 0;
 }
 
+static void unregister_pieces(struct tms_backup *b)
+{
+    for (size_t off = 0; off < b->pinned_bytes; off += TMS_PIN_PIECE_BYTES)
+        (void)b->drv->host_unregister((char *)b->host + off);
+    b->pinned_bytes = 0;
+}
+
 static void *pin_thread_main(void *arg)
 {
     (void)arg;
@@ -192,6 +199,7 @@ static void *pin_thread_main(void *arg)
         if (!pin_head) pin_tail = NULL;
         pthread_mutex_unlock(&pin_lock);
         int rc = register_in_pieces(b);
+        if (rc > 0) unregister_pieces(b);  /* copies stage through; locked pieces would only hold memory */
         if (rc > 0) TMS_DEBUG("retained backup of %zu bytes stays pageable: %s (%d)", b->size, b->drv->code_name(rc), rc);
         __atomic_store_n(&b->pinning, rc ? TMS_PIN_FAILED : TMS_PIN_DONE, __ATOMIC_RELEASE);
         tms_backup_unref(b);  /* the last reference unregisters it */
@@ -244,8 +252,7 @@ void tms_backup_unref(struct tms_backup *b)
         (void)b->drv->host_free_pinned(b->host, b->size);
     } else {
         if (b->registered) (void)b->drv->host_unregister(b->host);
-        for (size_t off = 0; off < b->pinned_bytes; off += TMS_PIN_PIECE_BYTES)
-            (void)b->drv->host_unregister((char *)b->host + off);  /* pieces of a failed locking too */
+        unregister_pieces(b);  /* those of a locking cut short by the exit too */
         munmap(b->host, b->size);
     }
     free(b);

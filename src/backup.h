@@ -7,6 +7,7 @@
 
 #include "disk.h"
 #include "driver.h"
+#include "transfer.h"
 
 /* Reference-counted so a zero-copy view handed to Python keeps the bytes
  * alive after the core has dropped them (resume without retain, free). */
@@ -25,11 +26,6 @@ struct tms_backup {
 
 enum tms_pinning { TMS_PIN_NONE, TMS_PIN_RUNNING, TMS_PIN_DONE, TMS_PIN_FAILED };
 
-/* A backup is page-locked later in pieces of this many bytes (each a
- * registration of its own), so a copy that starts meanwhile waits for one
- * piece at most, not for the whole backup. */
-#define TMS_PIN_PIECE_BYTES ((size_t)64 << 20)
-
 /* New backup of size bytes for the allocation at va on device, with one
  * reference; host memory is placed on the device's NUMA node where the
  * driver knows it. Fills err on failure (TMS_E_HOST_OOM naming size and
@@ -45,8 +41,9 @@ int tms_backup_pinned(const struct tms_backup *b);
  * while no copy runs: a retained backup is copied again every cycle, and a
  * page-locked one takes the DMA directly at link speed instead of through
  * the staging (issue 16). Until it is done (~0.3-0.5 s per 8 GiB) copies go
- * through the staging as before. The pieces are registered only while no
- * copy runs. */
+ * through the staging as before. It is registered in pieces of
+ * TMS_PIN_PIECE_BYTES (transfer.h), each only while no copy runs, so a copy
+ * that starts meanwhile waits for one piece at most. */
 void tms_backup_pin_later(struct tms_backup *b);
 void tms_backup_ref(struct tms_backup *b);
 void tms_backup_unref(struct tms_backup *b);

@@ -317,9 +317,9 @@ static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fo
 
 static int selected(const struct tms_alloc *a, int tag_id) { return tag_id < 0 || a->tag_id == tag_id; }
 
-/* Moves run in address order, the order they were reserved in: the driver's
- * unmap and map cost grows with scattered order (hash order: 61 vs 45 us per
- * allocation at 10,000, benchmarks/alloc_count.py on the lent H100). */
+/* Moves run in address order: the driver's unmap and map cost grows with a
+ * scattered order (hash order: 61 vs 45 us per allocation at 10,000,
+ * benchmarks/alloc_count.py on the lent H100). */
 static int by_device_and_address(const void *x, const void *y)
 {
     const struct tms_alloc *a = ((const struct tms_move *)x)->a, *b = ((const struct tms_move *)y)->a;
@@ -366,11 +366,11 @@ int tms_table_claim(const char *tag, int from, struct tms_move **moves, size_t *
         a->moving = 1;
         m[i++] = (struct tms_move){.a = a, .state = from, .copy = a->host_copy};
     }
-    qsort(m, i, sizeof *m, by_device_and_address);
     *moves = m;
     *n = i;
 out:
     unlock_table();
+    if (*moves) qsort(*moves, *n, sizeof **moves, by_device_and_address);  /* ours alone now */
     return rc;
 }
 

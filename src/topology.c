@@ -40,7 +40,9 @@ int tms_topology_host_gpus(const char *sysfs)
         long vendor = read_hex(path);
         if (vendor != PCI_VENDOR_NVIDIA && vendor != PCI_VENDOR_AMD) continue;
         snprintf(path, sizeof path, "%s/bus/pci/devices/%s/class", sysfs, e->d_name);
-        long base_class = read_hex(path) >> 16;  /* class code: base, sub, interface bytes */
+        long class_code = read_hex(path);  /* base, sub and interface bytes */
+        if (class_code < 0) continue;
+        long base_class = class_code >> 16;
         if (base_class == PCI_CLASS_DISPLAY || base_class == PCI_CLASS_ACCELERATOR) gpus++;
     }
     closedir(dir);
@@ -53,9 +55,10 @@ int tms_topology_pci_numa_node(const char *sysfs, const char *bus_id)
     char tail;
     if (!bus_id || sscanf(bus_id, "%x:%x:%x.%x%c", &domain, &bus, &device, &function, &tail) != 4) return -1;
     char path[512];
-    /* sysfs names a device by a 4-digit domain, lower case; drivers may print 8. */
-    snprintf(path, sizeof path, "%s/bus/pci/devices/%04x:%02x:%02x.%x/numa_node", sysfs, domain & 0xffffu, bus,
-             device, function);
+    /* sysfs names a device by its domain in at least 4 digits, lower case
+     * (VMD domains take 5); drivers may print 8 with leading zeros. */
+    snprintf(path, sizeof path, "%s/bus/pci/devices/%04x:%02x:%02x.%x/numa_node", sysfs, domain, bus, device,
+             function);
     FILE *f = fopen(path, "re");
     if (!f) return -1;
     int node = -1;
@@ -69,7 +72,9 @@ int tms_topology_prefer_node(void *p, size_t size, int node)
     if (node < 0 || node >= MAX_NODES) return EINVAL;
     unsigned long mask[MAX_NODES / (8 * sizeof(unsigned long))] = {0};
     mask[node / (8 * sizeof mask[0])] = 1ul << (node % (8 * sizeof mask[0]));
-    /* glibc has no mbind wrapper (libnuma has; no new dependency for it). */
-    if (syscall(SYS_mbind, p, size, MPOL_PREFERRED_MODE, mask, (unsigned long)MAX_NODES, 0u) != 0) return errno;
+    /* glibc has no mbind wrapper (libnuma has; no new dependency for it). The
+     * kernel reads maxnode - 1 bits of the mask. Containers under Docker's
+     * default seccomp profile get EPERM: the backup then goes where it falls. */
+    if (syscall(SYS_mbind, p, size, MPOL_PREFERRED_MODE, mask, (unsigned long)MAX_NODES + 1, 0u) != 0) return errno;
     return 0;
 }

@@ -9,7 +9,8 @@
 
 /* GPUs on the host, whichever process they are visible to (NVIDIA or AMD
  * PCI functions of class display or processing accelerator); 0 if sysfs
- * cannot tell. */
+ * cannot tell. Counts what sysfs shows: SR-IOV virtual functions, GPUs passed
+ * to virtual machines and a workstation's display GPU too. */
 int tms_topology_host_gpus(const char *sysfs);
 
 /* NUMA node of the PCI device bus_id ("0000:3b:00.0", any case, a domain

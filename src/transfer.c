@@ -235,21 +235,26 @@ int tms_transfer_allowed_cpus(void)
 /* One per core the process may run on: a launcher that pins each rank to
  * its share of the host's cores (one process per GPU) gets that many, not
  * one per core of the host competing with the other ranks' (issue 16). A
- * process free to run anywhere on a host of several GPUs takes its share. */
-int tms_transfer_default_workers(int allowed_cpus, int online_cpus, int host_gpus)
+ * process free to run anywhere on a host of several GPUs takes the share of
+ * the GPUs it sees. */
+int tms_transfer_default_workers(int allowed_cpus, int online_cpus, int host_gpus, int visible_gpus)
 {
     int cpus = allowed_cpus;
-    if (allowed_cpus >= online_cpus && host_gpus > 1) cpus = online_cpus / host_gpus;
+    if (visible_gpus < 1) visible_gpus = 1;
+    if (allowed_cpus >= online_cpus && host_gpus > visible_gpus)
+        cpus = (int)((long long)online_cpus * visible_gpus / host_gpus);
     return cpus < 2 ? 2 : cpus > DEFAULT_MAX_WORKERS ? DEFAULT_MAX_WORKERS : cpus;
 }
 
-static int wanted_workers(void)
+static int wanted_workers(const struct tms_driver *drv)
 {
     int n = tms_defaults()->backup_threads;
     if (n > 0) return n;
     long online = sysconf(_SC_NPROCESSORS_ONLN);
+    int visible = 1;
+    if (drv->device_count(&visible) != 0) visible = 1;
     return tms_transfer_default_workers(tms_transfer_allowed_cpus(), online > 0 ? (int)online : 1,
-                                        tms_topology_host_gpus(TMS_SYSFS));
+                                        tms_topology_host_gpus(TMS_SYSFS), visible);
 }
 
 static void pool_discard_locked(const struct tms_driver *drv)
@@ -288,7 +293,7 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
         pthread_mutex_unlock(&pool_lock);
         return TMS_OK;
     }
-    int n = wanted_workers(), rc = TMS_OK;
+    int n = wanted_workers(drv), rc = TMS_OK;
     size_t fixed = tms_defaults()->backup_block_bytes;
     slot_bytes = fixed ? fixed : TO_DEVICE_BLOCK_BYTES > TO_HOST_BLOCK_BYTES ? TO_DEVICE_BLOCK_BYTES : TO_HOST_BLOCK_BYTES;
     workers = calloc((size_t)n, sizeof *workers);
@@ -326,6 +331,16 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
 
 int tms_transfer_warm(const struct tms_driver *drv, struct tms_err *err) { return pool_start(drv, err); }
 
+/* The block of it at off: bs, to the item's end, or for page-locked host
+ * memory (which may be registered in pieces) to the end of its piece,
+ * whichever is shortest: a DMA range within one registration. */
+static size_t block_len(const struct tms_transfer *it, size_t off, size_t bs)
+{
+    size_t len = it->n - off < bs ? it->n - off : bs;
+    size_t to_piece_end = TMS_PIN_PIECE_BYTES - off % TMS_PIN_PIECE_BYTES;
+    return it->host_pinned && len > to_piece_end ? to_piece_end : len;
+}
+
 static int run_job(const struct tms_driver *drv, int kind, struct tms_transfer *items, size_t count,
                    struct tms_err *err)
 {
@@ -343,8 +358,12 @@ static int run_job(const struct tms_driver *drv, int kind, struct tms_transfer *
     size_t file_block = tms_defaults()->disk_block_bytes < slot_bytes ? tms_defaults()->disk_block_bytes : slot_bytes;
     size_t direct_block = fixed || kind == JOB_POPULATE ? block_bytes : TMS_DIRECT_BLOCK_BYTES;
     for (size_t i = 0; i < count; i++) {
-        size_t bs = items[i].file ? file_block : items[i].host_pinned ? direct_block : block_bytes;
-        n_blocks += (items[i].n + bs - 1) / bs;
+        if (items[i].file) {
+            n_blocks += (items[i].n + file_block - 1) / file_block;
+            continue;
+        }
+        size_t bs = items[i].host_pinned ? direct_block : block_bytes;
+        for (size_t off = 0; off < items[i].n; off += block_len(&items[i], off, bs)) n_blocks++;
     }
     struct block *blocks = malloc(n_blocks * sizeof *blocks);
     size_t *files = malloc((count ? count : 1) * sizeof *files);
@@ -360,8 +379,8 @@ static int run_job(const struct tms_driver *drv, int kind, struct tms_transfer *
             continue;
         }
         size_t bs = items[i].host_pinned ? direct_block : block_bytes;
-        for (size_t off = 0; off < items[i].n; off += bs)
-            blocks[k++] = (struct block){i, off, items[i].n - off < bs ? items[i].n - off : bs};
+        for (size_t off = 0, len; off < items[i].n; off += len)
+            blocks[k++] = (struct block){i, off, len = block_len(&items[i], off, bs)};
     }
     /* Files take turns, so the workers keep I/O in flight on several files
      * (and their extents) at once rather than all on the first one. */

@@ -12,6 +12,10 @@
  * copies at link speed). Each block starts at a multiple of it. */
 #define TMS_DIRECT_BLOCK_BYTES ((size_t)32 << 20)
 
+/* Page-locked host memory may be registered in pieces of this many bytes
+ * (backup.c); a direct copy block never crosses a piece's end. */
+#define TMS_PIN_PIECE_BYTES ((size_t)64 << 20)
+
 /* One contiguous copy between a device range and host memory or a file. */
 struct tms_transfer {
     int device;
@@ -34,9 +38,9 @@ int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_trans
 int tms_transfer_allowed_cpus(void);
 
 /* The copy workers' count unless TMS_BACKUP_THREADS sets it: one per allowed
- * CPU, or, where the process may run on every online CPU, its share of them
- * among the host's GPUs; at least 2 and at most 16. */
-int tms_transfer_default_workers(int allowed_cpus, int online_cpus, int host_gpus);
+ * CPU, or, where the process may run on every online CPU, the share of them
+ * of the GPUs it sees among the host's; at least 2 and at most 16. */
+int tms_transfer_default_workers(int allowed_cpus, int online_cpus, int host_gpus, int visible_gpus);
 
 /* 1 when no tms_transfer_run is in progress (a hint: one may start next). */
 int tms_transfer_idle(void);
