@@ -1,6 +1,6 @@
 """Pause/resume cost per allocation against the raw driver loop (issue 16):
 `python -m benchmarks.alloc_count [--counts 1,10,100,1000,10000] [--cycles C]
-[--perf N] [--out DIR] [--dry-run]`.
+[--out DIR] [--dry-run]`.
 
 A worker process per n (torch hook mode) holds n allocations of 2 MiB in one tag
 (2n tensors of 1 MiB: PyTorch packs two in each 2 MiB segment) and times
@@ -11,16 +11,13 @@ memory works). vmm_floor.c runs the same driver calls, and the same writes
 (--touch), for the same shapes in the same run; the ratio to it is the target
 (<= 1.2x). It runs again with --shuffle: the driver's cost of a scattered order.
 
---perf N: the worker runs again for N allocations under `perf record -g`, and
-`perf report` of it is written next to the results (where perf exists).
 --dry-run: host backend and no floor, for the plumbing only.
-Output: DIR/<date>_<device>-alloc_count.{md,json} (+ -perf.txt).
+Output: DIR/<date>_<device>-alloc_count.{md,json,png}.
 """
 import argparse
 import datetime
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,9 +65,9 @@ def worker(counts, cycles, warmup, dry_run):
     return {"points": points, "env": env.info()}
 
 
-def _run_worker(counts, cycles, warmup, dry_run, prefix=()):
+def _run_worker(counts, cycles, warmup, dry_run):
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [*prefix, sys.executable, "-m", "benchmarks.alloc_count", "--worker", out.name,
+        cmd = [sys.executable, "-m", "benchmarks.alloc_count", "--worker", out.name,
                "--counts", ",".join(map(str, counts)), "--cycles", str(cycles), "--warmup", str(warmup)]
         if dry_run:
             cmd.append("--dry-run")
@@ -101,25 +98,6 @@ def _floor_median(shape, op):
     return None
 
 
-def _perf(count, cycles, out_stem):
-    perf = shutil.which("perf")
-    if not perf:
-        return {"skipped": "no perf on PATH"}
-    data = out_stem + "-perf.data"
-    try:
-        _run_worker([count], cycles, 1, False, prefix=(perf, "record", "-F", "2999", "-g", "-o", data, "--"))
-        report = subprocess.run([perf, "report", "-i", data, "--stdio", "--no-children", "--percent-limit", "0.5",
-                                 "--sort", "dso,symbol"], capture_output=True, text=True, timeout=300)
-        with open(out_stem + "-perf.txt", "w") as f:
-            f.write(report.stdout[:400000])
-        return {"report": out_stem + "-perf.txt", "rc": report.returncode, "stderr": report.stderr[-2000:]}
-    except Exception as e:  # the measurement above stands without the profile
-        return {"error": f"{type(e).__name__}: {e}"}
-    finally:
-        if os.path.exists(data):
-            os.remove(data)
-
-
 def _markdown(r):
     lines = [f"# Pause/resume per allocation vs the driver floor — {r['device']}", "",
              f"{r['date']}, `{r['command']}`, torch hook mode, allocations of 2 MiB, "
@@ -141,8 +119,6 @@ def _markdown(r):
                       f"{shuffled * 1e3:.3f}" if shuffled else "-",
                       f"{call / fl:.2f}×" if fl else "-", f"{call / max(1, p['allocations']) * 1e6:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    if r.get("perf"):
-        lines += ["", f"perf: `{json.dumps(r['perf'])}`"]
     return "\n".join(lines) + "\n"
 
 
@@ -179,7 +155,6 @@ def main():
     # The driver's unmap in a fresh PyTorch process takes a few cycles to settle
     # (one 2 MiB allocation: 305, 77, 59, 49, 50, 49 us on the lent H100).
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--perf", type=int, default=0, help="profile this many allocations under perf record")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -208,8 +183,6 @@ def main():
                     p[op + key] = _floor_median(shape, op) if shape else None
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{datetime.datetime.now():%Y%m%d-%H%M%S}_{r['device'].replace(' ', '-')}-alloc_count")
-    if args.perf and not args.dry_run:
-        r["perf"] = _perf(args.perf, max(args.cycles, 10), stem)
     with open(stem + ".json", "w") as f:
         json.dump(r, f, indent=1)
     text = _markdown(r)

@@ -220,6 +220,14 @@ static tms_CUresult wrap_set_access(tms_CUdeviceptr va, size_t size, const tms_C
     return TMS_CUDA_SUCCESS;
 }
 
+/* The core let go of t's page: its handle and address are the owner's again. */
+static void token_back_to_owner_locked(struct token *t, tms_phys handle, uint64_t va)
+{
+    t->adopted = 0;
+    t->handle = handle;
+    t->va = va;
+}
+
 /* The owner unmapped the memory of token `value` (handle: still mapped
  * if nonzero, unmapped by the caller next). */
 static void after_disown(uint64_t value, uint64_t va, tms_phys handle)
@@ -228,9 +236,7 @@ static void after_disown(uint64_t value, uint64_t va, tms_phys handle)
     lock_tokens();
     struct token *t = token_find_locked(value);
     if (t) {
-        t->adopted = 0;
-        t->handle = handle;
-        t->va = va;
+        token_back_to_owner_locked(t, handle, va);
         if (!t->refs) {
             orphan = handle;  /* released already: the unmap was all that kept it */
             token_free_locked(t);
@@ -296,9 +302,7 @@ static tms_CUresult wrap_unmap(tms_CUdeviceptr va, size_t size)
             lock_tokens();
             struct token *t = token_find_locked(value);
             if (t) {
-                t->adopted = 0;
-                t->handle = handle;
-                t->va = at;
+                token_back_to_owner_locked(t, handle, at);
                 t->mapped = 1;
                 mapped_tokens++;
             }
