@@ -10,6 +10,10 @@ shows apart. Between cycles the first and the last allocation are written (the
 memory works). vmm_floor.c runs the same driver calls, and the same writes
 (--touch), for the same shapes in the same run; the ratio to it is the target
 (<= 1.2x). It runs again with --shuffle: the driver's cost of a scattered order.
+Inside each worker the floor also holds n allocations of its own and runs one
+cycle beside each of the library's, first and second in turn (floor.Paired):
+the same process, context and idle time before the call, which moves the
+driver's cost of one allocation by up to 2x.
 
 --dry-run: host backend and no floor, for the plumbing only.
 Output: DIR/<date>_<device>-alloc_count.{md,json,png}.
@@ -30,8 +34,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOC_BYTES = 2 * MiB
 
 
-def worker(counts, cycles, warmup, dry_run):
-    """Runs in the worker process: {count: point}."""
+def _spin(seconds):
+    """Busy-waits: the device idles, the CPU does not (no sleep state to wake from)."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0):
+    """Runs in the worker process: {count: point}. With floor_lib, the floor
+    holds as many allocations of its own in this process and runs a cycle
+    beside each of the library's (floor.Paired), first and second in turn."""
     from .envs import GpuEnv, HostEnv
 
     env = HostEnv("torch") if dry_run else GpuEnv("torch")
@@ -41,23 +54,33 @@ def worker(counts, cycles, warmup, dry_run):
         t0 = time.perf_counter()
         block = env.alloc_granules(tag, n)
         point = {"requested": n, "alloc_s": time.perf_counter() - t0, "allocations": len(env.tag_allocs(tag))}
-        for key in ("pause", "resume", "pause_core", "resume_core"):
+        for key in ("pause", "resume", "pause_core", "resume_core", "pause_paired", "resume_paired"):
             point[key] = []
+        paired = floor.Paired(floor_lib, point["allocations"], ALLOC_BYTES) if floor_lib else None
         for c in range(warmup + cycles):
-            env.sync()
+            if paired and c % 2 == 0:
+                fp, fr = paired.cycle(c, idle_s)
             before = env.tag_stats(tag)
+            env.touch(block, c)  # ends in a synchronize, as the floor's cycle starts
+            _spin(idle_s)
             t0 = time.perf_counter()
             env.tms.pause(tag)
             t1 = time.perf_counter()
             env.tms.resume(tag)
             t2 = time.perf_counter()
             after = env.tag_stats(tag)
-            env.touch(block, c)
+            if paired and c % 2 == 1:
+                fp, fr = paired.cycle(c, idle_s)
             if c >= warmup:
                 point["pause"].append(t1 - t0)
                 point["resume"].append(t2 - t1)
                 point["pause_core"].append((after["pause_ns"] - before["pause_ns"]) * 1e-9)
                 point["resume_core"].append((after["resume_ns"] - before["resume_ns"]) * 1e-9)
+                if paired:
+                    point["pause_paired"].append(fp)
+                    point["resume_paired"].append(fr)
+        if paired:
+            paired.close()
         env.dispose(block, tag)
         points.append(point)
         print(f"alloc_count: {point['allocations']} allocations: pause {median(point['pause']) * 1e3:.3f} ms, "
@@ -65,12 +88,15 @@ def worker(counts, cycles, warmup, dry_run):
     return {"points": points, "env": env.info()}
 
 
-def _run_worker(counts, cycles, warmup, dry_run):
+def _run_worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_us=0.0):
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [sys.executable, "-m", "benchmarks.alloc_count", "--worker", out.name,
-               "--counts", ",".join(map(str, counts)), "--cycles", str(cycles), "--warmup", str(warmup)]
+               "--counts", ",".join(map(str, counts)), "--cycles", str(cycles), "--warmup", str(warmup),
+               "--idle-us", str(idle_us)]
         if dry_run:
             cmd.append("--dry-run")
+        if floor_lib:
+            cmd += ["--floor-lib", floor_lib]
         p = subprocess.run(cmd, cwd=REPO)
         if p.returncode != 0:
             raise RuntimeError(f"worker exited {p.returncode}: {' '.join(cmd)}")
@@ -101,23 +127,31 @@ def _floor_median(shape, op):
 def _markdown(r):
     lines = [f"# Pause/resume per allocation vs the driver floor — {r['device']}", "",
              f"{r['date']}, `{r['command']}`, torch hook mode, allocations of 2 MiB, "
-             f"median of {r['cycles']} cycles after {r['warmup']} warm-up. `core` is the time the core counts "
+             f"median of {r['cycles']} cycles after {r['warmup']} warm-up, "
+             f"{r.get('idle_us', 0):g} µs of device idle (a spin) before each timed call. "
+             "`core` is the time the core counts "
              "(stats pause_ns/resume_ns); `call` is the Python call's wall time; the floor is vmm_floor.c "
              "(cuMemUnmap+cuMemRelease / cuMemCreate+cuMemMap+cuMemSetAccess per allocation, the same memory "
              "written between cycles) in the same run. "
              "`shuffled` is the same floor visiting the allocations in a fixed random order (vmm_floor --shuffle). "
+             "`paired` is the same floor loop on as many allocations of its own inside the worker process, "
+             "one cycle of it beside each cycle of the library, first and second in turn (floor.Paired): "
+             "PyTorch loaded, its primary context, the same idle time before each call. "
              "Target: call <= 1.2x floor.", "",
-             "| allocations | pause call ms | pause core ms | floor ms | shuffled ms | call/floor | µs/alloc (call) "
-             "| resume call ms | resume core ms | floor ms | shuffled ms | call/floor | µs/alloc (call) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| allocations | pause call ms | pause core ms | floor ms | paired ms | shuffled ms | call/floor "
+             "| call/paired | µs/alloc (call) "
+             "| resume call ms | resume core ms | floor ms | paired ms | shuffled ms | call/floor | call/paired "
+             "| µs/alloc (call) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in r["points"]:
         cells = [str(p["allocations"])]
         for op in ("pause", "resume"):
             call, core, fl = median(p[op]), median(p[op + "_core"]), p.get(op + "_floor_s")
-            shuffled = p.get(op + "_floor_shuffled_s")
+            shuffled, paired = p.get(op + "_floor_shuffled_s"), p.get(op + "_floor_paired_s")
             cells += [f"{call * 1e3:.3f}", f"{core * 1e3:.3f}", f"{fl * 1e3:.3f}" if fl else "-",
-                      f"{shuffled * 1e3:.3f}" if shuffled else "-",
-                      f"{call / fl:.2f}×" if fl else "-", f"{call / max(1, p['allocations']) * 1e6:.1f}"]
+                      f"{paired * 1e3:.3f}" if paired else "-", f"{shuffled * 1e3:.3f}" if shuffled else "-",
+                      f"{call / fl:.2f}×" if fl else "-", f"{call / paired:.2f}×" if paired else "-",
+                      f"{call / max(1, p['allocations']) * 1e6:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -134,6 +168,7 @@ def _plot(r, stem):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for op, marker in (("pause", "o"), ("resume", "s")):
         for key, style, name in (("", "-", "library (call)"), ("_floor_s", "--", "driver floor"),
+                                 ("_floor_paired_s", "-.", "driver floor, paired in the same process"),
                                  ("_floor_shuffled_s", ":", "driver floor, scattered order")):
             xy = [(x, median(p[op]) if not key else p.get(op + key)) for x, p in zip(xs, pts)]
             xy = [(x, t / max(1, x) * 1e6) for x, t in xy if t]  # a shape the floor could not run: left out
@@ -155,22 +190,27 @@ def main():
     # The driver's unmap in a fresh PyTorch process takes a few cycles to settle
     # (one 2 MiB allocation: 305, 77, 59, 49, 50, 49 us on the lent H100).
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--idle-us", type=float, default=0.0,
+                    help="after the synchronize that ends each cycle's writes, spin this long with the device idle "
+                         "before the timed calls (library and paired floor alike)")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--floor-lib", help=argparse.SUPPRESS)
     args = ap.parse_args()
     counts = [int(c) for c in args.counts.split(",") if c]
     if args.worker:
         if args.dry_run:
             os.environ.setdefault("TMS_BACKEND", "host")
         with open(args.worker, "w") as f:
-            json.dump(worker(counts, args.cycles, args.warmup, args.dry_run), f)
+            json.dump(worker(counts, args.cycles, args.warmup, args.dry_run, args.floor_lib, args.idle_us * 1e-6), f)
         return
     r = {"command": "python -m benchmarks.alloc_count " + " ".join(sys.argv[1:]), "cycles": args.cycles,
-         "warmup": args.warmup, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+         "warmup": args.warmup, "idle_us": args.idle_us, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
     # A process per count, as the floor frees each shape's reservations before
     # the next: the driver's cost depends on what else the process holds.
-    runs = [_run_worker([n], args.cycles, args.warmup, args.dry_run) for n in counts]
+    floor_lib = None if args.dry_run else floor.build(library=True)[0]
+    runs = [_run_worker([n], args.cycles, args.warmup, args.dry_run, floor_lib, args.idle_us) for n in counts]
     r["device"] = runs[0]["env"]["device_name"]
     r["points"] = [run["points"][0] for run in runs]
     if not args.dry_run:
@@ -181,8 +221,11 @@ def main():
                 for key, shapes in (("_floor_s", by_count), ("_floor_shuffled_s", shuffled)):
                     shape = shapes.get(p["allocations"])
                     p[op + key] = _floor_median(shape, op) if shape else None
+                p[op + "_floor_paired_s"] = median(p[op + "_paired"]) if p.get(op + "_paired") else None
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{datetime.datetime.now():%Y%m%d-%H%M%S}_{r['device'].replace(' ', '-')}-alloc_count")
+    idle = f"-idle{args.idle_us:g}us" if args.idle_us else ""
+    stem = os.path.join(args.out,
+                        f"{datetime.datetime.now():%Y%m%d-%H%M%S}_{r['device'].replace(' ', '-')}{idle}-alloc_count")
     with open(stem + ".json", "w") as f:
         json.dump(r, f, indent=1)
     text = _markdown(r)

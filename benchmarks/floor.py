@@ -26,20 +26,23 @@ def _include_dirs():
     return out
 
 
-def build(workdir=None, timeout=60):
+def build(workdir=None, timeout=60, library=False):
     """Returns (path of the binary, build record). The driver is opened at run
-    time, so only cuda.h is needed: a C compiler with its include dir, or nvcc."""
+    time, so only cuda.h is needed: a C compiler with its include dir, or nvcc.
+    library=True builds the shared library run_in_process loads."""
     workdir = workdir or tempfile.mkdtemp(prefix="tms-vmm-floor-")
-    exe = os.path.join(workdir, "vmm_floor")
+    exe = os.path.join(workdir, "libvmm_floor.so" if library else "vmm_floor")
+    shared = ["-DVMM_FLOOR_LIBRARY", "-shared", "-fPIC"] if library else []
     attempts = []
     commands = []
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc:
         for inc in _include_dirs():
-            commands.append([cc, "-O2", "-std=c11", f"-I{inc}", "-o", exe, SOURCE, "-ldl"])
+            commands.append([cc, "-O2", "-std=c11", *shared, f"-I{inc}", "-o", exe, SOURCE, "-ldl"])
     nvcc = shutil.which("nvcc")
     if nvcc:
-        commands.append([nvcc, "-O2", "-o", exe, SOURCE, "-ldl"])
+        nv_shared = ["-DVMM_FLOOR_LIBRARY", "-shared", "-Xcompiler", "-fPIC"] if library else []
+        commands.append([nvcc, "-O2", *nv_shared, "-o", exe, SOURCE, "-ldl"])
     for cmd in commands:
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -66,3 +69,33 @@ def run(exe, shapes, cycles, warmup, timeout, options=()):
     doc["command"] = " ".join(cmd)
     doc["stderr_tail"] = p.stderr[-1500:]
     return doc
+
+
+class Paired:
+    """One shape of the floor held in this process (the library build()
+    makes with library=True), cycled one cycle at a time beside the library's
+    own cycles: both then see the same driver state and the same idle time."""
+
+    def __init__(self, library, count, size):
+        import ctypes
+
+        self._lib = lib = ctypes.CDLL(library)
+        lib.vmm_floor_error.restype = ctypes.c_char_p
+        lib.vmm_floor_hold.argtypes = [ctypes.c_long, ctypes.c_ulonglong]
+        lib.vmm_floor_cycle.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.POINTER(ctypes.c_double),
+                                        ctypes.POINTER(ctypes.c_double)]
+        self._times = (ctypes.c_double(), ctypes.c_double())
+        self._ref = ctypes.byref
+        if lib.vmm_floor_hold(count, size):
+            raise RuntimeError(f"vmm_floor_hold({count}, {size}): {lib.vmm_floor_error().decode()}")
+
+    def cycle(self, value, idle_s=0.0):
+        """Writes the memory, synchronizes, spins idle_s (the device idle), then
+        times one pause and one resume loop: (pause seconds, resume seconds)."""
+        p, r = self._times
+        if self._lib.vmm_floor_cycle(value & 0xFF, idle_s, self._ref(p), self._ref(r)):
+            raise RuntimeError(f"vmm_floor_cycle: {self._lib.vmm_floor_error().decode()}")
+        return p.value, r.value
+
+    def close(self):
+        self._lib.vmm_floor_drop()

@@ -1,5 +1,6 @@
 """Every GPU of the host pausing at once (issue 16): `python -m benchmarks.multi_gpu
-[--gib G] [--cycles C] [--gpus N] [--share-gpu] [--limits-last] [--out DIR]`.
+[--gib G] [--cycles C] [--gpus N] [--share-gpu] [--limits-last] [--configs LIST]
+[--upstream DIR] [--out DIR]`.
 
 One process per GPU (CUDA_VISIBLE_DEVICES=i, torch hook mode; with --share-gpu N
 processes all on GPU 0, a stand-in for the host side of N GPUs), each holding G GiB
@@ -8,7 +9,9 @@ pause and every resume in all processes together. Per backup configuration (mmap
 pinned, mmap retained) and cycle it reports each GPU's GB/s and the aggregate
 (all bytes over the span from the first start to the last end), contents checked
 after every resume (a GPU-side checksum of every tensor and one tensor compared
-byte for byte), and every process's exit status.
+byte for byte), and every process's exit status. --upstream DIR runs every
+configuration again with the torch_memory_saver found in DIR (the upstream wheel
+unpacked), the same worker code calling only the API both libraries share.
 
 The host limits are measured in the same run with the same number of processes:
 fresh-page fill (each process writes G GiB of new anonymous huge-page memory
@@ -35,7 +38,9 @@ GiB = 1 << 30
 TENSOR = 512 * MiB
 LINK_REPS = 5
 FILL_REPS = 3
-CONFIGS = {"mmap": ("mmap", False), "pinned": ("pinned", False), "mmap_retained": ("mmap", True)}
+CONFIGS = {"mmap": ("mmap", False), "pinned": ("pinned", False), "mmap_retained": ("mmap", True),
+           "pinned_retained": ("pinned", True)}
+DEFAULT_CONFIGS = "mmap,pinned,mmap_retained"
 
 
 def _host_gpus():
@@ -125,11 +130,25 @@ def _faults_and_huge():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt, huge
 
 
-def backup_worker(rank, gpu, config, gib, cycles, barrier, results):
+def _library_of(module):
+    """Which torch_memory_saver a worker loaded: its directory and version."""
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(module.__file__)))
+    infos = glob.glob(os.path.join(root, "torch_memory_saver-*.dist-info"))
+    version = os.path.basename(infos[0])[len("torch_memory_saver-"):-len(".dist-info")] if infos else None
+    return {"path": root, "version": version}
+
+
+def backup_worker(rank, gpu, config, gib, cycles, library, barrier, results):
+    """library: None (ours, from this checkout) or the directory of another
+    torch_memory_saver (the upstream wheel, unpacked): only the API both share
+    is called."""
     os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    sys.path.insert(0, REPO)
+    sys.path.insert(0, library or REPO)
     import torch
 
+    import torch_memory_saver
     from torch_memory_saver import torch_memory_saver as tms
 
     tms.hook_mode = "torch"
@@ -140,7 +159,7 @@ def backup_worker(rank, gpu, config, gib, cycles, barrier, results):
     with tms.region(tag="mg", enable_cpu_backup=True, cpu_backup_backend=backend):
         tensors = [torch.randint(-2**62, 2**62, (TENSOR // 8,), dtype=torch.int64, device="cuda")
                    for _ in range(count)]
-    out = {"rank": rank, "bytes": count * TENSOR, "cycles": []}
+    out = {"rank": rank, "bytes": count * TENSOR, "cycles": [], "library": _library_of(torch_memory_saver)}
     for c in range(cycles):
         for t in tensors:
             t.random_(-2**62, 2**62)
@@ -203,7 +222,10 @@ def main():
     ap.add_argument("--share-gpu", action="store_true",
                     help="every process on GPU 0: the host side (cores, fresh pages) shared as by N GPUs, "
                          "the link shared too")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {','.join(CONFIGS)}")
+    ap.add_argument("--upstream", metavar="DIR",
+                    help="also run every configuration with the torch_memory_saver found in DIR (the upstream "
+                         "wheel unpacked there), in the same run, after ours")
     ap.add_argument("--limits-last", action="store_true",
                     help="measure the host limits after the backups, so the first pause is the first touch")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
@@ -224,9 +246,14 @@ def main():
     if not args.limits_last:
         _limits(report, args.gib, n, args.share_gpu)
     rows = []
-    for config in args.configs.split(","):
-        res, codes = _run(backup_worker, (config, args.gib, args.cycles), n, args.share_gpu)
-        row = {"config": config, "exit_codes": codes, "cycles": []}
+    libraries = [None] + ([os.path.abspath(args.upstream)] if args.upstream else [])
+    for config, library in [(c, lib) for c in args.configs.split(",") for lib in libraries]:
+        if config not in CONFIGS:
+            sys.exit(f"unknown configuration {config!r}: one of {', '.join(CONFIGS)}")
+        res, codes = _run(backup_worker, (config, args.gib, args.cycles, library), n, args.share_gpu)
+        row = {"config": config, "library": "upstream" if library else "ours", "exit_codes": codes, "cycles": []}
+        if res:
+            row["loaded"] = res[0]["library"]
         if len(res) == n:
             for c in range(args.cycles):
                 cyc = {"verified": all(r["cycles"][c]["verified"] for r in res),
@@ -265,7 +292,7 @@ def _plot(r, stem):
     labels, pause, resume = [], [], []
     for row in r["rows"]:
         for i, cyc in enumerate(row["cycles"]):
-            labels.append(f"{row['config'].replace('_', chr(10))}\n{'first' if i == 0 else f'cycle {i + 1}'}")
+            labels.append(f"{_name(row).replace('_', chr(10))}\n{'first' if i == 0 else f'cycle {i + 1}'}")
             pause.append(cyc["pause"]["aggregate"])
             resume.append(cyc["resume"]["aggregate"])
     if not labels:
@@ -300,6 +327,11 @@ def _limits(report, gib, n, share_gpu):
             report[f"limit_{key}"] = {"per_gpu": per, "aggregate": agg}
 
 
+def _name(row):
+    """A row's label: the configuration, prefixed by `upstream ` for the other library."""
+    return ("upstream " if row.get("library") == "upstream" else "") + row["config"]
+
+
 def _markdown(r):
     def fmt(x):
         return f"{x:.1f}"
@@ -309,6 +341,11 @@ def _markdown(r):
              f"{r['date']}, {r['gib_per_gpu']} GiB per GPU in 512 MiB tensors, {r['cycles']} cycles, "
              f"{r['copy_threads_per_process']} copy threads per process, {r['cpus']} CPUs. Command: `{r['command']}`",
              ""]
+    others = {row["loaded"]["path"]: row["loaded"]["version"] for row in r["rows"]
+              if row.get("library") == "upstream" and row.get("loaded")}
+    for path, version in others.items():
+        lines += [f"`upstream` rows: the upstream torch_memory_saver {version or '(version unknown)'}, loaded from "
+                  f"`{path}`, same worker code, same run.", ""]
     if r.get("limits_last"):
         lines += ["Host limits measured after the backups: the first pause is this VM's first touch of that memory.",
                   ""]
@@ -336,10 +373,10 @@ def _markdown(r):
                 cells += [" / ".join(map(fmt, cyc[op]["per_gpu"])), fmt(agg) + ratio]
             cells += [" / ".join(str(x) for x in cyc.get("pause_faults", [])),
                       " / ".join(f"{x / GiB:.1f}" for x in cyc.get("huge_bytes_paused", []))]
-            lines.append(f"| {row['config']} | {'first' if i == 0 else i + 1} | {' | '.join(cells)} | "
+            lines.append(f"| {_name(row)} | {'first' if i == 0 else i + 1} | {' | '.join(cells)} | "
                          f"{'exact' if cyc['verified'] else 'MISMATCH'} | {row['exit_codes']} |")
         if not row["cycles"]:
-            lines.append(f"| {row['config']} | failed | | | | | | | | {row['exit_codes']} |")
+            lines.append(f"| {_name(row)} | failed | | | | | | | | {row['exit_codes']} |")
     lines.append("")
     lines.append("Pause of a non-retained backup is bound by the fresh-page fill; a retained one (and every resume) "
                  "by the link.")

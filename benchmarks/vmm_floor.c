@@ -19,6 +19,9 @@
  *   1x8G 64x128M 2048x4M (the default set).
  * Prints one JSON document on stdout; progress goes to stderr. Exit status 0 if
  * the driver loaded (individual shapes may carry an "error"), 2 if it did not.
+ * -DVMM_FLOOR_LIBRARY -shared -fPIC builds a library instead (main is
+ * vmm_floor_main there), for a floor measured inside the library's own process
+ * (see the end of this file).
  *
  * The driver is opened at run time (dlopen("libcuda.so.1") + cuGetProcAddress),
  * so building needs only cuda.h:  cc -O2 -I$CUDA/include -o vmm_floor vmm_floor.c -ldl
@@ -230,142 +233,196 @@ static long *visit_order(long count)
     return order;
 }
 
+/* One shape's allocations: reserved once, mapped, then cycled. */
+struct held {
+    long count;
+    size_t rsize;
+    CUmemAllocationProp prop;
+    CUmemAccessDesc access;
+    CUdeviceptr *va;
+    CUmemGenericAllocationHandle *h;
+    char *mapped;
+    long *order;
+    long reserved;
+    int ascending; /* does the driver hand out addresses upwards? */
+    double first_map_s;
+};
+
+/* Reserves and maps sh; 0, or -1 with the reason in error. The caller
+ * closes h whatever the result. */
+static int hold_open(struct held *h, const struct shape *sh, CUdevice dev, size_t gran, unsigned long long margin,
+                     char *error, size_t cap)
+{
+    CUresult rc;
+    memset(h, 0, sizeof *h);
+    h->count = sh->count;
+    h->rsize = (size_t)((sh->size + gran - 1) / gran * gran);
+    h->ascending = -1;
+    h->first_map_s = -1.0;
+    h->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    h->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    h->prop.location.id = (int)dev;
+    h->access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    h->access.location.id = (int)dev;
+    h->access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    h->va = calloc((size_t)sh->count, sizeof *h->va);
+    h->h = calloc((size_t)sh->count, sizeof *h->h);
+    h->mapped = calloc((size_t)sh->count, 1);
+    h->order = visit_order(sh->count);
+    size_t total = h->rsize * (size_t)sh->count, free_bytes = 0, total_bytes = 0;
+    if (!h->va || !h->h || !h->mapped || !h->order) {
+        snprintf(error, cap, "out of host memory for %ld handles", sh->count);
+        return -1;
+    }
+    if ((rc = cu.mem_info(&free_bytes, &total_bytes))) {
+        snprintf(error, cap, "cuMemGetInfo failed: %s (%d)", err_name(rc), rc);
+        return -1;
+    }
+    if ((unsigned long long)total + margin > (unsigned long long)free_bytes) {
+        snprintf(error, cap, "skipped: needs %zu bytes + %llu margin, %zu free", total, margin, free_bytes);
+        return -1;
+    }
+    for (; h->reserved < sh->count; h->reserved++) {
+        if ((rc = cu.reserve(&h->va[h->reserved], h->rsize, gran, 0, 0))) {
+            snprintf(error, cap, "cuMemAddressReserve(%zu) #%ld failed: %s (%d)", h->rsize, h->reserved,
+                     err_name(rc), rc);
+            return -1;
+        }
+    }
+    if (h->reserved >= 2) h->ascending = h->va[1] > h->va[0];
+    /* Initial mapping (not a cycle). */
+    double t0 = now_s();
+    for (long i = 0; i < sh->count; i++) {
+        if ((rc = cu.create(&h->h[i], h->rsize, &h->prop, 0))) {
+            snprintf(error, cap, "cuMemCreate(%zu) #%ld failed: %s (%d)", h->rsize, i, err_name(rc), rc);
+            return -1;
+        }
+        if ((rc = cu.map(h->va[i], h->rsize, 0, h->h[i], 0))) {
+            cu.release(h->h[i]);
+            h->h[i] = 0;
+            snprintf(error, cap, "cuMemMap #%ld failed: %s (%d)", i, err_name(rc), rc);
+            return -1;
+        }
+        h->mapped[i] = 1;
+        if ((rc = cu.set_access(h->va[i], h->rsize, &h->access, 1))) {
+            snprintf(error, cap, "cuMemSetAccess #%ld failed: %s (%d)", i, err_name(rc), rc);
+            return -1;
+        }
+    }
+    h->first_map_s = now_s() - t0;
+    return 0;
+}
+
+/* Between cycles, untimed: with write, the first 4 KiB of the first and the
+ * last 4 KiB of the last allocation get value; then the device is idle. */
+static int hold_touch(struct held *h, int write, int value, char *error, size_t cap)
+{
+    size_t edge = h->rsize < 4096 ? h->rsize : 4096;
+    CUresult rc;
+    if (write && ((rc = cu.memset8(h->va[0], (unsigned char)value, edge)) ||
+                  (rc = cu.memset8(h->va[h->count - 1] + h->rsize - edge, (unsigned char)value, edge)))) {
+        snprintf(error, cap, "cuMemsetD8 failed: %s (%d)", err_name(rc), rc);
+        return -1;
+    }
+    if ((rc = cu.ctx_sync())) {
+        snprintf(error, cap, "cuCtxSynchronize failed: %s (%d)", err_name(rc), rc);
+        return -1;
+    }
+    return 0;
+}
+
+/* The pause floor: cuMemUnmap + cuMemRelease of every allocation. */
+static int hold_pause(struct held *h, double *seconds, char *error, size_t cap)
+{
+    CUresult rc;
+    double a = now_s();
+    for (long k = 0; k < h->count; k++) {
+        long i = h->order[k];
+        if ((rc = cu.unmap(h->va[i], h->rsize))) {
+            snprintf(error, cap, "cuMemUnmap #%ld failed: %s (%d)", i, err_name(rc), rc);
+            return -1;
+        }
+        h->mapped[i] = 0;
+        if ((rc = cu.release(h->h[i]))) {
+            snprintf(error, cap, "cuMemRelease #%ld failed: %s (%d)", i, err_name(rc), rc);
+            return -1;
+        }
+        h->h[i] = 0;
+    }
+    *seconds = now_s() - a;
+    return 0;
+}
+
+/* The resume floor: cuMemCreate + cuMemMap + cuMemSetAccess of every allocation. */
+static int hold_resume(struct held *h, double *seconds, char *error, size_t cap)
+{
+    CUresult rc;
+    double a = now_s();
+    for (long k = 0; k < h->count; k++) {
+        long i = h->order[k];
+        if ((rc = cu.create(&h->h[i], h->rsize, &h->prop, 0))) {
+            h->h[i] = 0;
+            snprintf(error, cap, "cuMemCreate(%zu) #%ld failed: %s (%d)", h->rsize, i, err_name(rc), rc);
+            return -1;
+        }
+        if ((rc = cu.map(h->va[i], h->rsize, 0, h->h[i], 0))) {
+            snprintf(error, cap, "cuMemMap #%ld failed: %s (%d)", i, err_name(rc), rc);
+            return -1;
+        }
+        h->mapped[i] = 1;
+        if ((rc = cu.set_access(h->va[i], h->rsize, &h->access, 1))) {
+            snprintf(error, cap, "cuMemSetAccess #%ld failed: %s (%d)", i, err_name(rc), rc);
+            return -1;
+        }
+    }
+    *seconds = now_s() - a;
+    return 0;
+}
+
+static void hold_close(struct held *h)
+{
+    if (h->va && h->h && h->mapped) {
+        (void)cu.ctx_sync();
+        for (long i = 0; i < h->count; i++) {
+            if (h->mapped[i]) cu.unmap(h->va[i], h->rsize);
+            if (h->h[i]) cu.release(h->h[i]);
+        }
+        for (long i = 0; i < h->reserved; i++) cu.address_free(h->va[i], h->rsize);
+    }
+    free(h->va);
+    free(h->h);
+    free(h->mapped);
+    free(h->order);
+    memset(h, 0, sizeof *h);
+}
+
 /* Cycles one shape; writes its JSON object (without a trailing comma). */
 static void run_shape(FILE *out, const struct shape *sh, CUdevice dev, size_t gran, int cycles, int warmup,
                       unsigned long long margin)
 {
-    size_t rsize = (size_t)((sh->size + gran - 1) / gran * gran);
-    size_t total = rsize * (size_t)sh->count;
-    double pause_s[MAX_CYCLES], resume_s[MAX_CYCLES], first_map_s = -1.0;
+    double pause_s[MAX_CYCLES], resume_s[MAX_CYCLES];
     int done = 0;
     char error[512] = "";
-    CUresult rc = CUDA_SUCCESS;
-
-    CUmemAllocationProp prop;
-    memset(&prop, 0, sizeof prop);
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = (int)dev;
-    CUmemAccessDesc access;
-    memset(&access, 0, sizeof access);
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = (int)dev;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-
-    CUdeviceptr *va = calloc((size_t)sh->count, sizeof *va);
-    CUmemGenericAllocationHandle *h = calloc((size_t)sh->count, sizeof *h);
-    char *mapped = calloc((size_t)sh->count, 1);
-    long *order = visit_order(sh->count);
-    long reserved = 0;
-    int ascending = -1;  /* does the driver hand out addresses upwards? */
-    size_t free_bytes = 0, total_bytes = 0;
+    struct held h;
 
     fprintf(stderr, "vmm_floor: %ld x %llu bytes ...\n", sh->count, sh->size);
-    if (!va || !h || !mapped || !order) {
-        snprintf(error, sizeof error, "out of host memory for %ld handles", sh->count);
-        goto cleanup;
-    }
-    if ((rc = cu.mem_info(&free_bytes, &total_bytes))) {
-        snprintf(error, sizeof error, "cuMemGetInfo failed: %s (%d)", err_name(rc), rc);
-        goto cleanup;
-    }
-    if ((unsigned long long)total + margin > (unsigned long long)free_bytes) {
-        snprintf(error, sizeof error, "skipped: needs %zu bytes + %llu margin, %zu free", total, margin, free_bytes);
-        goto cleanup;
-    }
-    for (; reserved < sh->count; reserved++) {
-        if ((rc = cu.reserve(&va[reserved], rsize, gran, 0, 0))) {
-            snprintf(error, sizeof error, "cuMemAddressReserve(%zu) #%ld failed: %s (%d)", rsize, reserved,
-                     err_name(rc), rc);
-            goto cleanup;
-        }
-    }
-    if (reserved >= 2) ascending = va[1] > va[0];
-    /* Initial mapping (not a cycle). */
-    double t0 = now_s();
-    for (long i = 0; i < sh->count; i++) {
-        if ((rc = cu.create(&h[i], rsize, &prop, 0))) {
-            snprintf(error, sizeof error, "cuMemCreate(%zu) #%ld failed: %s (%d)", rsize, i, err_name(rc), rc);
-            goto cleanup;
-        }
-        if ((rc = cu.map(va[i], rsize, 0, h[i], 0))) {
-            cu.release(h[i]);
-            h[i] = 0;
-            snprintf(error, sizeof error, "cuMemMap #%ld failed: %s (%d)", i, err_name(rc), rc);
-            goto cleanup;
-        }
-        mapped[i] = 1;
-        if ((rc = cu.set_access(va[i], rsize, &access, 1))) {
-            snprintf(error, sizeof error, "cuMemSetAccess #%ld failed: %s (%d)", i, err_name(rc), rc);
-            goto cleanup;
-        }
-    }
-    first_map_s = now_s() - t0;
-
-    for (int c = 0; c < warmup + cycles; c++) {
-        size_t edge = rsize < 4096 ? rsize : 4096;
-        if (touch_memory && ((rc = cu.memset8(va[0], (unsigned char)c, edge)) ||
-                             (rc = cu.memset8(va[sh->count - 1] + rsize - edge, (unsigned char)c, edge)))) {
-            snprintf(error, sizeof error, "cuMemsetD8 failed: %s (%d)", err_name(rc), rc);
-            goto cleanup;
-        }
-        if ((rc = cu.ctx_sync())) {
-            snprintf(error, sizeof error, "cuCtxSynchronize failed: %s (%d)", err_name(rc), rc);
-            goto cleanup;
-        }
-        double a = now_s();
-        for (long k = 0; k < sh->count; k++) {
-            long i = order[k];
-            if ((rc = cu.unmap(va[i], rsize))) {
-                snprintf(error, sizeof error, "cuMemUnmap #%ld failed: %s (%d)", i, err_name(rc), rc);
-                goto cleanup;
-            }
-            mapped[i] = 0;
-            if ((rc = cu.release(h[i]))) {
-                snprintf(error, sizeof error, "cuMemRelease #%ld failed: %s (%d)", i, err_name(rc), rc);
-                goto cleanup;
-            }
-            h[i] = 0;
-        }
-        double b = now_s();
-        for (long k = 0; k < sh->count; k++) {
-            long i = order[k];
-            if ((rc = cu.create(&h[i], rsize, &prop, 0))) {
-                h[i] = 0;
-                snprintf(error, sizeof error, "cuMemCreate(%zu) #%ld failed: %s (%d)", rsize, i, err_name(rc), rc);
-                goto cleanup;
-            }
-            if ((rc = cu.map(va[i], rsize, 0, h[i], 0))) {
-                snprintf(error, sizeof error, "cuMemMap #%ld failed: %s (%d)", i, err_name(rc), rc);
-                goto cleanup;
-            }
-            mapped[i] = 1;
-            if ((rc = cu.set_access(va[i], rsize, &access, 1))) {
-                snprintf(error, sizeof error, "cuMemSetAccess #%ld failed: %s (%d)", i, err_name(rc), rc);
-                goto cleanup;
+    if (hold_open(&h, sh, dev, gran, margin, error, sizeof error) == 0) {
+        for (int c = 0; c < warmup + cycles; c++) {
+            double p, r;
+            if (hold_touch(&h, touch_memory, c, error, sizeof error) || hold_pause(&h, &p, error, sizeof error) ||
+                hold_resume(&h, &r, error, sizeof error))
+                break;
+            if (c >= warmup && done < MAX_CYCLES) {
+                pause_s[done] = p;
+                resume_s[done] = r;
+                done++;
             }
         }
-        double e = now_s();
-        if (c >= warmup && done < MAX_CYCLES) {
-            pause_s[done] = b - a;
-            resume_s[done] = e - b;
-            done++;
-        }
     }
-
-cleanup:
-    if (va && h && mapped) {
-        (void)cu.ctx_sync();
-        for (long i = 0; i < sh->count; i++) {
-            if (mapped[i]) cu.unmap(va[i], rsize);
-            if (h[i]) cu.release(h[i]);
-        }
-        for (long i = 0; i < reserved; i++) cu.address_free(va[i], rsize);
-    }
-    free(va);
-    free(h);
-    free(mapped);
-    free(order);
+    size_t rsize = h.rsize, total = rsize * (size_t)sh->count;
+    int ascending = h.ascending;
+    double first_map_s = h.first_map_s;
+    hold_close(&h);
 
     fprintf(out, "    {\"shape\": ");
     json_string(out, sh->text);
@@ -393,6 +450,28 @@ cleanup:
     fprintf(stderr, "vmm_floor: %ld x %llu bytes: %s\n", sh->count, sh->size, error[0] ? error : "ok");
 }
 
+/* Device 0's primary context, current on this thread, and its granularity;
+ * on failure *step names the call that failed. */
+static CUresult open_device(CUdevice *dev, CUcontext *ctx, size_t *gran, const char **step)
+{
+    CUresult rc;
+    *step = "cuInit";
+    if ((rc = cu.init(0))) return rc;
+    *step = "cuDeviceGet";
+    if ((rc = cu.device_get(dev, 0))) return rc;
+    *step = "cuDevicePrimaryCtxRetain";
+    if ((rc = cu.primary_retain(ctx, *dev))) return rc;
+    *step = "cuCtxSetCurrent";
+    if ((rc = cu.ctx_set(*ctx))) return rc;
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = (int)*dev;
+    *step = "cuMemGetAllocationGranularity";
+    return cu.granularity(gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+}
+
 static void usage_error(const char *msg, const char *arg)
 {
     printf("{\"ok\": false, \"error\": ");
@@ -403,7 +482,7 @@ static void usage_error(const char *msg, const char *arg)
     exit(2);
 }
 
-int main(int argc, char **argv)
+int vmm_floor_main(int argc, char **argv)
 {
     static const char *defaults[] = {"1x8G", "64x128M", "2048x4M"};
     struct shape shapes[MAX_SHAPES];
@@ -444,23 +523,10 @@ int main(int argc, char **argv)
         printf("}\n");
         return 2;
     }
-    const char *step = "cuInit";
-    if ((rc = cu.init(0))) goto fail;
+    const char *step;
+    if ((rc = open_device(&dev, &ctx, &gran, &step))) goto fail;
     cu.driver_version(&version);
-    step = "cuDeviceGet";
-    if ((rc = cu.device_get(&dev, 0))) goto fail;
     cu.device_name(name, (int)sizeof name, dev);
-    step = "cuDevicePrimaryCtxRetain";
-    if ((rc = cu.primary_retain(&ctx, dev))) goto fail;
-    step = "cuCtxSetCurrent";
-    if ((rc = cu.ctx_set(ctx))) goto fail;
-    CUmemAllocationProp prop;
-    memset(&prop, 0, sizeof prop);
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = (int)dev;
-    step = "cuMemGetAllocationGranularity";
-    if ((rc = cu.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM))) goto fail;
     step = "cuMemGetInfo";
     if ((rc = cu.mem_info(&free_bytes, &total_bytes))) goto fail;
 
@@ -494,3 +560,67 @@ fail:
     printf("}\n");
     return 2;
 }
+
+#ifndef VMM_FLOOR_LIBRARY
+int main(int argc, char **argv) { return vmm_floor_main(argc, argv); }
+#else
+/* Built with -DVMM_FLOOR_LIBRARY -shared, the floor runs inside another
+ * process, on its primary context (benchmarks/floor.py Paired): one shape held
+ * across calls and cycled one cycle at a time, each right beside a cycle of
+ * the library, so that both see the same driver state and the same idle time
+ * before the call (the driver's unmap of one allocation takes twice as long
+ * after 1 ms of idle). One caller at a time. */
+static struct held paired;
+static char paired_error[512];
+
+const char *vmm_floor_error(void) { return paired_error; }
+
+/* Holds count allocations of size bytes (rounded up to the granularity). */
+int vmm_floor_hold(long count, unsigned long long size)
+{
+    CUdevice dev;
+    CUcontext ctx;
+    size_t gran = 0;
+    const char *step;
+    CUresult rc;
+    paired_error[0] = '\0';
+    hold_close(&paired);
+    if (load_driver()) {
+        snprintf(paired_error, sizeof paired_error, "%s", load_error);
+        return -1;
+    }
+    if ((rc = open_device(&dev, &ctx, &gran, &step))) {
+        snprintf(paired_error, sizeof paired_error, "%s failed: %s (%d)", step, err_name(rc), (int)rc);
+        return -1;
+    }
+    struct shape sh = {.text = "paired", .count = count, .size = size};
+    if (count <= 0 || size == 0) {
+        snprintf(paired_error, sizeof paired_error, "bad shape %ld x %llu", count, size);
+        return -1;
+    }
+    if (hold_open(&paired, &sh, dev, gran, 0, paired_error, sizeof paired_error)) {
+        hold_close(&paired);
+        return -1;
+    }
+    return 0;
+}
+
+/* One cycle: write value at both ends, synchronize and spin idle_s with the
+ * device idle (untimed), then the timed pause and resume loops. */
+int vmm_floor_cycle(int value, double idle_s, double *pause_s, double *resume_s)
+{
+    if (!paired.va) {
+        snprintf(paired_error, sizeof paired_error, "vmm_floor_cycle before vmm_floor_hold");
+        return -1;
+    }
+    if (hold_touch(&paired, 1, value, paired_error, sizeof paired_error)) return -1;
+    for (double until = now_s() + idle_s; now_s() < until;) {
+    }
+    if (hold_pause(&paired, pause_s, paired_error, sizeof paired_error) ||
+        hold_resume(&paired, resume_s, paired_error, sizeof paired_error))
+        return -1;
+    return 0;
+}
+
+void vmm_floor_drop(void) { hold_close(&paired); }
+#endif
