@@ -242,18 +242,33 @@ void tms_backup_ref(struct tms_backup *b)
     __atomic_add_fetch(&b->refs, 1, __ATOMIC_RELAXED);
 }
 
-void tms_backup_unref(struct tms_backup *b)
+/* Driver calls here fail only at driver teardown, when the process ends. */
+static void release_host_memory(struct tms_backup *b)
 {
-    if (!b || __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
-    /* Driver calls here fail only at driver teardown, when the process ends. */
-    if (b->kind == TMS_BACKUP_DISK) {
-        tms_disk_remove(&b->file);
-    } else if (b->kind == TMS_BACKUP_PINNED && !b->registered) {
+    if (!b->host) return;
+    if (b->kind == TMS_BACKUP_PINNED && !b->registered) {
         (void)b->drv->host_free_pinned(b->host, b->size);
     } else {
         if (b->registered) (void)b->drv->host_unregister(b->host);
         unregister_pieces(b);  /* those of a locking cut short by the exit too */
         munmap(b->host, b->size);
     }
+    b->host = NULL;
+}
+
+void tms_backup_unref(struct tms_backup *b)
+{
+    if (!b || __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
+    if (b->kind == TMS_BACKUP_DISK) tms_disk_remove(&b->file);
+    else release_host_memory(b);
     free(b);
+}
+
+void tms_backup_release_restored(void *backup)
+{
+    struct tms_backup *b = backup;
+    /* Another reference is a zero-copy view (or the page-locking thread):
+     * the bytes stay until the last one goes. None can be taken meanwhile:
+     * tms_core_backup_of waits while the allocation moves. */
+    if (b->kind != TMS_BACKUP_DISK && __atomic_load_n(&b->refs, __ATOMIC_ACQUIRE) == 1) release_host_memory(b);
 }

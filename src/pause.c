@@ -189,6 +189,7 @@ int tms_core_resume(const char *tag, struct tms_err *err)
     if ((rc = tms_table_claim(tag, TMS_PAUSED, &m, &n, err)) || n == 0) return rc;
     struct batcher b = {.drv = drv, .to_host = 0, .items = calloc(n, sizeof *b.items)};
     struct tms_transfer *copies = b.items;
+    int retain = tms_core_retain();
     if (!copies) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu restores", n);
     /* Map what fits; on the first failure (typically OOM, or a backup file
      * that cannot be opened) stop, so the rest stay paused with their
@@ -202,7 +203,10 @@ int tms_core_resume(const char *tag, struct tms_err *err)
             if (file) tms_disk_close(&copy->file);
             break;
         }
-        if (copy) batch_add(&b, transfer_of(a, copy));
+        if (!copy) continue;
+        struct tms_transfer t = transfer_of(a, copy);
+        if (!kept_while_active(copy, retain)) t.restored = tms_backup_release_restored, t.restored_arg = copy;
+        batch_add(&b, t);
     }
     if (copies) batch_run(&b);
     if (b.rc && !rc) {
@@ -210,7 +214,6 @@ int tms_core_resume(const char *tag, struct tms_err *err)
         if (err) *err = b.err;
     }
     /* An allocation is active only once all its bytes are back. */
-    int retain = tms_core_retain();
     for (size_t i = 0, c = 0; i < mapped; i++) {
         int restored = !m[i].copy || copies[c].done == copies[c].n;
         if (m[i].copy) c++;

@@ -179,8 +179,10 @@ static void finish(struct worker *w, struct job *j, ssize_t b, int slot)
     } else if (j->to_host && !it->host_pinned) {
         copy_out_of_staging((char *)it->host + blk->offset, w->slot[slot], blk->len);
     }
-    __atomic_add_fetch(&it->done, blk->len, __ATOMIC_RELAXED);
+    /* acq_rel: the worker completing the item comes after every other block's DMA. */
+    size_t done = __atomic_add_fetch(&it->done, blk->len, __ATOMIC_ACQ_REL);
     __atomic_add_fetch(&progress_done, blk->len, __ATOMIC_RELAXED);
+    if (!j->to_host && done == it->n && it->restored) it->restored(it->restored_arg);
 }
 
 /* Faults in a block of fresh host memory; the kernel zeroes the pages, so

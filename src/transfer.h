@@ -25,6 +25,10 @@ struct tms_transfer {
     size_t n;
     int host_pinned;   /* host is page-locked: the DMA goes straight to it */
     size_t done;       /* out (atomic): bytes known complete, == n on success */
+    /* Host->device only, optional: called once, on the worker that completes
+     * the item (done == n), while the other items' copies may still run. */
+    void (*restored)(void *arg);
+    void *restored_arg;
 };
 
 /* Copies every item (device->host if to_host, else host->device) and returns
