@@ -29,7 +29,7 @@ def _include_dirs():
 def build(workdir=None, timeout=60, library=False):
     """Returns (path of the binary, build record). The driver is opened at run
     time, so only cuda.h is needed: a C compiler with its include dir, or nvcc.
-    library=True builds the shared library run_in_process loads."""
+    library=True builds the shared library Paired loads."""
     workdir = workdir or tempfile.mkdtemp(prefix="tms-vmm-floor-")
     exe = os.path.join(workdir, "libvmm_floor.so" if library else "vmm_floor")
     shared = ["-DVMM_FLOOR_LIBRARY", "-shared", "-fPIC"] if library else []
@@ -74,7 +74,9 @@ def run(exe, shapes, cycles, warmup, timeout, options=()):
 class Paired:
     """One shape of the floor held in this process (the library build()
     makes with library=True), cycled one cycle at a time beside the library's
-    own cycles: both then see the same driver state and the same idle time."""
+    own cycles: both then see the same driver state and the same idle time.
+    The library holds one shape at a time: a second Paired on the same file
+    replaces the first one's."""
 
     def __init__(self, library, count, size):
         import ctypes

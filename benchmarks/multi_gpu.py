@@ -11,7 +11,8 @@ pinned, mmap retained) and cycle it reports each GPU's GB/s and the aggregate
 after every resume (a GPU-side checksum of every tensor and one tensor compared
 byte for byte), and every process's exit status. --upstream DIR runs every
 configuration again with the torch_memory_saver found in DIR (the upstream wheel
-unpacked), the same worker code calling only the API both libraries share.
+unpacked), the same worker code calling only the API both libraries share,
+ours first for every other configuration and second for the rest.
 
 The host limits are measured in the same run with the same number of processes:
 fresh-page fill (each process writes G GiB of new anonymous huge-page memory
@@ -131,12 +132,19 @@ def _faults_and_huge():
 
 
 def _library_of(module):
-    """Which torch_memory_saver a worker loaded: its directory and version."""
+    """Which torch_memory_saver a worker loaded: its directory and, from the
+    dist-info there that lists the package, its version."""
     import glob
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(module.__file__)))
-    infos = glob.glob(os.path.join(root, "torch_memory_saver-*.dist-info"))
-    version = os.path.basename(infos[0])[len("torch_memory_saver-"):-len(".dist-info")] if infos else None
+    version = None
+    for info in sorted(glob.glob(os.path.join(root, "torch_memory_saver-*.dist-info"))):
+        try:
+            with open(os.path.join(info, "RECORD")) as f:
+                if any(line.startswith("torch_memory_saver/__init__.py,") for line in f):
+                    version = os.path.basename(info)[len("torch_memory_saver-"):-len(".dist-info")]
+        except OSError:
+            continue
     return {"path": root, "version": version}
 
 
@@ -151,15 +159,20 @@ def backup_worker(rank, gpu, config, gib, cycles, library, barrier, results):
     import torch_memory_saver
     from torch_memory_saver import torch_memory_saver as tms
 
+    loaded = _library_of(torch_memory_saver)
+    if loaded["path"] != os.path.abspath(library or REPO):
+        raise RuntimeError(f"asked for the torch_memory_saver in {library or REPO}, loaded {loaded['path']}")
     tms.hook_mode = "torch"
     backend, retain = CONFIGS[config]
     tms.retain_cpu_backup = retain
+    if bool(tms.retain_cpu_backup) != retain:  # a library without the property would ignore it
+        raise RuntimeError(f"retain_cpu_backup = {retain} did not take: reads {tms.retain_cpu_backup!r}")
     torch.manual_seed(rank)
     count = max(1, int(gib * GiB) // TENSOR)
     with tms.region(tag="mg", enable_cpu_backup=True, cpu_backup_backend=backend):
         tensors = [torch.randint(-2**62, 2**62, (TENSOR // 8,), dtype=torch.int64, device="cuda")
                    for _ in range(count)]
-    out = {"rank": rank, "bytes": count * TENSOR, "cycles": [], "library": _library_of(torch_memory_saver)}
+    out = {"rank": rank, "bytes": count * TENSOR, "cycles": [], "library": loaded}
     for c in range(cycles):
         for t in tensors:
             t.random_(-2**62, 2**62)
@@ -247,7 +260,11 @@ def main():
         _limits(report, args.gib, n, args.share_gpu)
     rows = []
     libraries = [None] + ([os.path.abspath(args.upstream)] if args.upstream else [])
-    for config, library in [(c, lib) for c in args.configs.split(",") for lib in libraries]:
+    # Ours first for every other configuration, the other library first in the
+    # rest: neither always runs on the machine the other warmed.
+    runs = [(c, lib) for i, c in enumerate(args.configs.split(","))
+            for lib in (libraries if i % 2 == 0 else libraries[::-1])]
+    for config, library in runs:
         if config not in CONFIGS:
             sys.exit(f"unknown configuration {config!r}: one of {', '.join(CONFIGS)}")
         res, codes = _run(backup_worker, (config, args.gib, args.cycles, library), n, args.share_gpu)

@@ -9,19 +9,21 @@
  * Each allocation has its own virtual range (cuMemAddressReserve), kept across
  * cycles, as in the library.
  *
- * Usage: vmm_floor [--cycles N] [--warmup W] [--margin BYTES] [--shuffle] [SHAPE ...]
+ * Usage: vmm_floor [--cycles N] [--warmup W] [--margin BYTES] [--shuffle] [--touch]
+ *                  [--idle-us U] [SHAPE ...]
  *   --shuffle: each cycle visits the allocations in one fixed random order
  *   instead of the order they were reserved in (the cost of the order itself).
  *   --touch: between cycles (untimed) write the first 4 KiB of the first and the
  *   last 4 KiB of the last allocation, as the library benchmarks do to check
  *   the memory works: an unmap of memory the GPU has used costs more.
+ *   --idle-us: after each cycle's synchronize, spin U microseconds with the
+ *   device idle before the timed loops (the driver's cost grows with idle).
  *   SHAPE = COUNTxSIZE, SIZE in bytes or with a K/M/G/T suffix (binary):
  *   1x8G 64x128M 2048x4M (the default set).
  * Prints one JSON document on stdout; progress goes to stderr. Exit status 0 if
  * the driver loaded (individual shapes may carry an "error"), 2 if it did not.
- * -DVMM_FLOOR_LIBRARY -shared -fPIC builds a library instead (main is
- * vmm_floor_main there), for a floor measured inside the library's own process
- * (see the end of this file).
+ * -DVMM_FLOOR_LIBRARY -shared -fPIC builds a library instead (no main), for
+ * a floor measured inside the library's own process (see the end of this file).
  *
  * The driver is opened at run time (dlopen("libcuda.so.1") + cuGetProcAddress),
  * so building needs only cuda.h:  cc -O2 -I$CUDA/include -o vmm_floor vmm_floor.c -ldl
@@ -67,18 +69,6 @@ static struct {
 } cu;
 
 static char load_error[512];
-
-static void json_string(FILE *f, const char *s)
-{
-    fputc('"', f);
-    for (; s && *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-        else if (c < 0x20) fprintf(f, "\\u%04x", c);
-        else fputc(c, f);
-    }
-    fputc('"', f);
-}
 
 static const char *err_name(CUresult rc)
 {
@@ -152,70 +142,13 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(const double *v, int n)
-{
-    if (n <= 0) return -1.0;
-    double tmp[MAX_CYCLES];
-    memcpy(tmp, v, (size_t)n * sizeof *v);
-    qsort(tmp, (size_t)n, sizeof *tmp, cmp_double);
-    return n % 2 ? tmp[n / 2] : 0.5 * (tmp[n / 2 - 1] + tmp[n / 2]);
-}
-
-static int parse_size(const char *s, unsigned long long *out)
-{
-    char *end = NULL;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s) return -1;
-    unsigned long long mul = 1;
-    switch (*end) {
-    case '\0': break;
-    case 'k': case 'K': mul = 1ull << 10; end++; break;
-    case 'm': case 'M': mul = 1ull << 20; end++; break;
-    case 'g': case 'G': mul = 1ull << 30; end++; break;
-    case 't': case 'T': mul = 1ull << 40; end++; break;
-    default: return -1;
-    }
-    if (*end == 'i' || *end == 'I') end++;        /* accept MiB, GiB */
-    if (*end == 'b' || *end == 'B') end++;
-    if (*end != '\0') return -1;
-    *out = v * mul;
-    return 0;
-}
-
 struct shape {
     const char *text;
     long count;
     unsigned long long size;
 };
 
-static int parse_shape(const char *s, struct shape *out)
-{
-    const char *x = strpbrk(s, "xX*:");
-    if (!x) return -1;
-    char count_text[32];
-    size_t n = (size_t)(x - s);
-    if (n == 0 || n >= sizeof count_text) return -1;
-    memcpy(count_text, s, n);
-    count_text[n] = '\0';
-    char *end = NULL;
-    long count = strtol(count_text, &end, 10);
-    if (*end != '\0' || count <= 0 || count > (1L << 22)) return -1;
-    unsigned long long size = 0;
-    if (parse_size(x + 1, &size) || size == 0) return -1;
-    out->text = s;
-    out->count = count;
-    out->size = size;
-    return 0;
-}
-
-static int shuffle_order, touch_memory;
+static int shuffle_order; /* --shuffle */
 
 /* The order a cycle visits the allocations in: reserved order, or a fixed
  * permutation (xorshift, Fisher-Yates) with --shuffle. */
@@ -396,60 +329,6 @@ static void hold_close(struct held *h)
     memset(h, 0, sizeof *h);
 }
 
-/* Cycles one shape; writes its JSON object (without a trailing comma). */
-static void run_shape(FILE *out, const struct shape *sh, CUdevice dev, size_t gran, int cycles, int warmup,
-                      unsigned long long margin)
-{
-    double pause_s[MAX_CYCLES], resume_s[MAX_CYCLES];
-    int done = 0;
-    char error[512] = "";
-    struct held h;
-
-    fprintf(stderr, "vmm_floor: %ld x %llu bytes ...\n", sh->count, sh->size);
-    if (hold_open(&h, sh, dev, gran, margin, error, sizeof error) == 0) {
-        for (int c = 0; c < warmup + cycles; c++) {
-            double p, r;
-            if (hold_touch(&h, touch_memory, c, error, sizeof error) || hold_pause(&h, &p, error, sizeof error) ||
-                hold_resume(&h, &r, error, sizeof error))
-                break;
-            if (c >= warmup && done < MAX_CYCLES) {
-                pause_s[done] = p;
-                resume_s[done] = r;
-                done++;
-            }
-        }
-    }
-    size_t rsize = h.rsize, total = rsize * (size_t)sh->count;
-    int ascending = h.ascending;
-    double first_map_s = h.first_map_s;
-    hold_close(&h);
-
-    fprintf(out, "    {\"shape\": ");
-    json_string(out, sh->text);
-    fprintf(out, ", \"count\": %ld, \"size\": %llu, \"reserved_size\": %zu, \"total_bytes\": %zu,\n", sh->count,
-            sh->size, rsize, total);
-    fprintf(out, "     \"shuffled\": %d, \"touched\": %d, \"reserved_ascending\": %d,\n", shuffle_order,
-            touch_memory, ascending);
-    fprintf(out, "     \"cycles\": %d, \"warmup\": %d, \"first_map_s\": ", done, warmup);
-    if (first_map_s >= 0) fprintf(out, "%.9f,\n", first_map_s);
-    else fprintf(out, "null,\n");
-    fprintf(out, "     \"pause_s\": [");
-    for (int i = 0; i < done; i++) fprintf(out, "%s%.9f", i ? ", " : "", pause_s[i]);
-    fprintf(out, "],\n     \"resume_s\": [");
-    for (int i = 0; i < done; i++) fprintf(out, "%s%.9f", i ? ", " : "", resume_s[i]);
-    fprintf(out, "],\n");
-    if (done > 0)
-        fprintf(out, "     \"pause_median_s\": %.9f, \"resume_median_s\": %.9f,\n", median(pause_s, done),
-                median(resume_s, done));
-    else
-        fprintf(out, "     \"pause_median_s\": null, \"resume_median_s\": null,\n");
-    fprintf(out, "     \"error\": ");
-    if (error[0]) json_string(out, error);
-    else fprintf(out, "null");
-    fprintf(out, "}");
-    fprintf(stderr, "vmm_floor: %ld x %llu bytes: %s\n", sh->count, sh->size, error[0] ? error : "ok");
-}
-
 /* Device 0's primary context, current on this thread, and its granularity;
  * on failure *step names the call that failed. */
 static CUresult open_device(CUdevice *dev, CUcontext *ctx, size_t *gran, const char **step)
@@ -472,6 +351,136 @@ static CUresult open_device(CUdevice *dev, CUcontext *ctx, size_t *gran, const c
     return cu.granularity(gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
 }
 
+#ifndef VMM_FLOOR_LIBRARY
+/* ---- the program ---- */
+
+static void json_string(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; s && *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+        else if (c < 0x20) fprintf(f, "\\u%04x", c);
+        else fputc(c, f);
+    }
+    fputc('"', f);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(const double *v, int n)
+{
+    if (n <= 0) return -1.0;
+    double tmp[MAX_CYCLES];
+    memcpy(tmp, v, (size_t)n * sizeof *v);
+    qsort(tmp, (size_t)n, sizeof *tmp, cmp_double);
+    return n % 2 ? tmp[n / 2] : 0.5 * (tmp[n / 2 - 1] + tmp[n / 2]);
+}
+
+static int parse_size(const char *s, unsigned long long *out)
+{
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s) return -1;
+    unsigned long long mul = 1;
+    switch (*end) {
+    case '\0': break;
+    case 'k': case 'K': mul = 1ull << 10; end++; break;
+    case 'm': case 'M': mul = 1ull << 20; end++; break;
+    case 'g': case 'G': mul = 1ull << 30; end++; break;
+    case 't': case 'T': mul = 1ull << 40; end++; break;
+    default: return -1;
+    }
+    if (*end == 'i' || *end == 'I') end++;        /* accept MiB, GiB */
+    if (*end == 'b' || *end == 'B') end++;
+    if (*end != '\0') return -1;
+    *out = v * mul;
+    return 0;
+}
+
+static int parse_shape(const char *s, struct shape *out)
+{
+    const char *x = strpbrk(s, "xX*:");
+    if (!x) return -1;
+    char count_text[32];
+    size_t n = (size_t)(x - s);
+    if (n == 0 || n >= sizeof count_text) return -1;
+    memcpy(count_text, s, n);
+    count_text[n] = '\0';
+    char *end = NULL;
+    long count = strtol(count_text, &end, 10);
+    if (*end != '\0' || count <= 0 || count > (1L << 22)) return -1;
+    unsigned long long size = 0;
+    if (parse_size(x + 1, &size) || size == 0) return -1;
+    out->text = s;
+    out->count = count;
+    out->size = size;
+    return 0;
+}
+
+static int touch_memory;    /* --touch */
+static double idle_seconds; /* --idle-us */
+
+/* Cycles one shape; writes its JSON object (without a trailing comma). */
+static void run_shape(FILE *out, const struct shape *sh, CUdevice dev, size_t gran, int cycles, int warmup,
+                      unsigned long long margin)
+{
+    double pause_s[MAX_CYCLES], resume_s[MAX_CYCLES];
+    int done = 0;
+    char error[512] = "";
+    struct held h;
+
+    fprintf(stderr, "vmm_floor: %ld x %llu bytes ...\n", sh->count, sh->size);
+    if (hold_open(&h, sh, dev, gran, margin, error, sizeof error) == 0) {
+        for (int c = 0; c < warmup + cycles; c++) {
+            double p, r;
+            if (hold_touch(&h, touch_memory, c, error, sizeof error)) break;
+            for (double until = now_s() + idle_seconds; now_s() < until;) {
+            }
+            if (hold_pause(&h, &p, error, sizeof error) || hold_resume(&h, &r, error, sizeof error)) break;
+            if (c >= warmup && done < MAX_CYCLES) {
+                pause_s[done] = p;
+                resume_s[done] = r;
+                done++;
+            }
+        }
+    }
+    size_t rsize = h.rsize, total = rsize * (size_t)sh->count;
+    int ascending = h.ascending;
+    double first_map_s = h.first_map_s;
+    hold_close(&h);
+
+    fprintf(out, "    {\"shape\": ");
+    json_string(out, sh->text);
+    fprintf(out, ", \"count\": %ld, \"size\": %llu, \"reserved_size\": %zu, \"total_bytes\": %zu,\n", sh->count,
+            sh->size, rsize, total);
+    fprintf(out, "     \"shuffled\": %d, \"touched\": %d, \"idle_us\": %g, \"reserved_ascending\": %d,\n",
+            shuffle_order, touch_memory, idle_seconds * 1e6, ascending);
+    fprintf(out, "     \"cycles\": %d, \"warmup\": %d, \"first_map_s\": ", done, warmup);
+    if (first_map_s >= 0) fprintf(out, "%.9f,\n", first_map_s);
+    else fprintf(out, "null,\n");
+    fprintf(out, "     \"pause_s\": [");
+    for (int i = 0; i < done; i++) fprintf(out, "%s%.9f", i ? ", " : "", pause_s[i]);
+    fprintf(out, "],\n     \"resume_s\": [");
+    for (int i = 0; i < done; i++) fprintf(out, "%s%.9f", i ? ", " : "", resume_s[i]);
+    fprintf(out, "],\n");
+    if (done > 0)
+        fprintf(out, "     \"pause_median_s\": %.9f, \"resume_median_s\": %.9f,\n", median(pause_s, done),
+                median(resume_s, done));
+    else
+        fprintf(out, "     \"pause_median_s\": null, \"resume_median_s\": null,\n");
+    fprintf(out, "     \"error\": ");
+    if (error[0]) json_string(out, error);
+    else fprintf(out, "null");
+    fprintf(out, "}");
+    fprintf(stderr, "vmm_floor: %ld x %llu bytes: %s\n", sh->count, sh->size, error[0] ? error : "ok");
+}
+
 static void usage_error(const char *msg, const char *arg)
 {
     printf("{\"ok\": false, \"error\": ");
@@ -482,7 +491,7 @@ static void usage_error(const char *msg, const char *arg)
     exit(2);
 }
 
-int vmm_floor_main(int argc, char **argv)
+int main(int argc, char **argv)
 {
     static const char *defaults[] = {"1x8G", "64x128M", "2048x4M"};
     struct shape shapes[MAX_SHAPES];
@@ -499,6 +508,10 @@ int vmm_floor_main(int argc, char **argv)
             shuffle_order = 1;
         } else if (!strcmp(argv[i], "--touch")) {
             touch_memory = 1;
+        } else if (!strcmp(argv[i], "--idle-us") && i + 1 < argc) {
+            char *end = NULL;
+            idle_seconds = strtod(argv[++i], &end) * 1e-6;
+            if (!end || *end || idle_seconds < 0 || idle_seconds > 1.0) usage_error("bad --idle-us", argv[i]);
         } else if (!strcmp(argv[i], "--margin") && i + 1 < argc) {
             if (parse_size(argv[++i], &margin)) usage_error("bad --margin", argv[i]);
         } else if (n_shapes < MAX_SHAPES) {
@@ -561,8 +574,6 @@ fail:
     return 2;
 }
 
-#ifndef VMM_FLOOR_LIBRARY
-int main(int argc, char **argv) { return vmm_floor_main(argc, argv); }
 #else
 /* Built with -DVMM_FLOOR_LIBRARY -shared, the floor runs inside another
  * process, on its primary context (benchmarks/floor.py Paired): one shape held
@@ -570,12 +581,15 @@ int main(int argc, char **argv) { return vmm_floor_main(argc, argv); }
  * the library, so that both see the same driver state and the same idle time
  * before the call (the driver's unmap of one allocation takes twice as long
  * after 1 ms of idle). One caller at a time. */
-static struct held paired;
+static struct held paired; /* one shape per loaded library */
 static char paired_error[512];
 
 const char *vmm_floor_error(void) { return paired_error; }
 
-/* Holds count allocations of size bytes (rounded up to the granularity). */
+/* Holds count allocations of size bytes (rounded up to the granularity) on
+ * device 0's primary context, which it makes current on the calling thread and
+ * keeps retained: the context PyTorch uses for cuda:0, where the library's
+ * allocations being compared live. */
 int vmm_floor_hold(long count, unsigned long long size)
 {
     CUdevice dev;
@@ -585,6 +599,10 @@ int vmm_floor_hold(long count, unsigned long long size)
     CUresult rc;
     paired_error[0] = '\0';
     hold_close(&paired);
+    if (count <= 0 || size == 0) {
+        snprintf(paired_error, sizeof paired_error, "bad shape %ld x %llu", count, size);
+        return -1;
+    }
     if (load_driver()) {
         snprintf(paired_error, sizeof paired_error, "%s", load_error);
         return -1;
@@ -594,10 +612,6 @@ int vmm_floor_hold(long count, unsigned long long size)
         return -1;
     }
     struct shape sh = {.text = "paired", .count = count, .size = size};
-    if (count <= 0 || size == 0) {
-        snprintf(paired_error, sizeof paired_error, "bad shape %ld x %llu", count, size);
-        return -1;
-    }
     if (hold_open(&paired, &sh, dev, gran, 0, paired_error, sizeof paired_error)) {
         hold_close(&paired);
         return -1;

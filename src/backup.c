@@ -270,5 +270,7 @@ void tms_backup_release_restored(void *backup)
     /* Another reference is a zero-copy view (or the page-locking thread):
      * the bytes stay until the last one goes. None can be taken meanwhile:
      * tms_core_backup_of waits while the allocation moves. */
-    if (b->kind != TMS_BACKUP_DISK && __atomic_load_n(&b->refs, __ATOMIC_ACQUIRE) == 1) release_host_memory(b);
+    if (b->kind == TMS_BACKUP_DISK || __atomic_load_n(&b->refs, __ATOMIC_ACQUIRE) != 1) return;
+    release_host_memory(b);
+    TMS_DEBUG("backup of %zu bytes restored and released by its copy worker", b->size);
 }

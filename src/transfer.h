@@ -26,7 +26,8 @@ struct tms_transfer {
     int host_pinned;   /* host is page-locked: the DMA goes straight to it */
     size_t done;       /* out (atomic): bytes known complete, == n on success */
     /* Host->device only, optional: called once, on the worker that completes
-     * the item (done == n), while the other items' copies may still run. */
+     * the item (done == n), while the other items' copies may still run;
+     * never for an item of 0 bytes. */
     void (*restored)(void *arg);
     void *restored_arg;
 };

@@ -270,6 +270,37 @@ def test_backup_placed_on_the_devices_numa_node(run_py, kind, node):
 
 
 @pytest.mark.parametrize("kind", ["mmap", "pinned"])
+def test_resume_releases_each_backup_on_its_copy_worker(run_py, kind):
+    # Each restored backup's memory goes on the worker that restored it, while
+    # the resume still runs (logged before the resume's own line); one a
+    # zero-copy view holds stays, with its bytes, until the view goes.
+    proc = run_py(f"""
+        import torch
+        sizes = [3 * MiB + 5, 5 * MiB, 7 * MiB + 1]
+        with tms.region("w", enable_cpu_backup=True, cpu_backup_backend="{kind}"):
+            ptrs = [core.malloc(n) for n in sizes]
+        data = [fill(p, n) for p, n in zip(ptrs, sizes)]
+        tms.pause("w")
+        tms.resume("w")
+        assert [read(p, n) for p, n in zip(ptrs, sizes)] == data
+        print("--- second cycle", file=sys.stderr, flush=True)
+        tms.pause("w")
+        t = torch.frombuffer((ctypes.c_uint8 * sizes[1]).from_address(ptrs[1]), dtype=torch.uint8)
+        view = tms.get_cpu_backup(t, zero_copy=True)
+        tms.resume("w")
+        assert bytes(view.numpy()) == data[1] and [read(p, n) for p, n in zip(ptrs, sizes)] == data
+        del view
+        print("done")
+    """, env={"TMS_LOG": "debug"})
+    assert check_ok(proc, stderr_empty=False) == "done\n"
+    first, second = proc.stderr.split("--- second cycle")
+    for log, released in ((first, 3), (second, 2)):
+        lines = [line for line in log.splitlines() if "restored and released by its copy worker" in line
+                 or "resume w:" in line]
+        assert len(lines) == released + 1 and "resume w:" in lines[-1], log
+
+
+@pytest.mark.parametrize("kind", ["mmap", "pinned"])
 def test_backup_memory_returned_after_resume_unless_retained(run_py, kind):
     out = check_ok(run_py(f"""
         N = 128 * MiB

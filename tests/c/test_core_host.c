@@ -1106,7 +1106,7 @@ static void count_restored(void *arg)
 
 static int copy_failing_one(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
 {
-    if (host == failing_host) return EIO;
+    if (failing_host && (char *)host <= failing_host && failing_host < (char *)host + n) return EIO;
     return drv->copy_async(device, to_host, host, dev, n, stream);
 }
 
@@ -1115,8 +1115,8 @@ static void test_restored_callback(void)
     enum { N = 3 };
     const size_t sizes[N] = {4093, 2 * TMS_DIRECT_BLOCK_BYTES + 5, gran};
     struct tms_region r = region("restored", 0, TMS_BACKUP_MMAP);
-    void *dev[N];
-    char *host[N];
+    void *dev[N] = {0};
+    char *host[N] = {0};
     static struct tms_transfer items[N];  /* restored_items points here */
     struct tms_driver failing = *drv;
     failing.copy_async = copy_failing_one;
@@ -1127,7 +1127,7 @@ static void test_restored_callback(void)
                 dev[i] = alloc_ok(sizes[i], 0, &r);
                 host[i] = malloc(sizes[i]);
                 CHECK(dev[i] && host[i]);
-                if (!dev[i] || !host[i]) return;
+                if (!dev[i] || !host[i]) goto out;
                 fill(dev[i], sizes[i], 40 + i);
             }
             items[i] = (struct tms_transfer){.device = 0, .dev = (tms_va)(uintptr_t)dev[i], .host = host[i],
@@ -1135,7 +1135,7 @@ static void test_restored_callback(void)
                                              .restored_arg = (void *)(intptr_t)i};
             restored_calls[i] = 0;
         }
-        failing_host = round == 2 ? host[1] + TMS_DIRECT_BLOCK_BYTES : NULL;  /* its second block */
+        failing_host = round == 2 ? host[1] + TMS_DIRECT_BLOCK_BYTES : NULL;  /* in its second block */
         struct tms_err err = {0};
         CHECK_RC(tms_transfer_run(&failing, round == 0, items, N, &err), round == 2 ? TMS_E_DRIVER : TMS_OK);
         for (int i = 0; i < N; i++) {
@@ -1145,9 +1145,30 @@ static void test_restored_callback(void)
             CHECK(restored_calls[i] == (round > 0 && whole));
         }
     }
+out:
     for (int i = 0; i < N; i++) {
-        free_ok(dev[i]);
+        if (dev[i]) free_ok(dev[i]);
         free(host[i]);
+    }
+}
+
+/* Released once restored: only while the owner's reference is the last,
+ * never a file; the record stays for the owner to drop. */
+static void test_release_restored(void)
+{
+    struct tms_err err = {0};
+    for (int kind = TMS_BACKUP_PINNED; kind <= TMS_BACKUP_MMAP; kind++) {
+        struct tms_backup *b = NULL;
+        CHECK_RC(tms_backup_new(drv, kind, 0, gran, 0, &b, &err), TMS_OK);
+        if (!b) continue;
+        fill(b->host, gran, 50 + kind);
+        tms_backup_ref(b);  /* a view */
+        tms_backup_release_restored(b);
+        CHECK(b->host && matches(b->host, gran, 50 + kind));
+        tms_backup_unref(b);
+        tms_backup_release_restored(b);
+        CHECK(b->host == NULL);
+        tms_backup_unref(b);  /* frees the record, nothing else */
     }
 }
 
@@ -1250,6 +1271,7 @@ static const struct test tests[] = {
     {"pin_pieces", test_pin_pieces},
     {"direct_blocks", test_direct_blocks},
     {"restored_callback", test_restored_callback},
+    {"release_restored", test_release_restored},
     {"topology", test_topology},
 };
 
