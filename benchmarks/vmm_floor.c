@@ -181,6 +181,8 @@ struct held {
     double first_map_s;
 };
 
+static int hold_resume(struct held *h, double *seconds, char *error, size_t cap);
+
 /* Reserves and maps sh; 0, or -1 with the reason in error. The caller
  * closes h whatever the result. */
 static int hold_open(struct held *h, const struct shape *sh, CUdevice dev, size_t gran, unsigned long long margin,
@@ -224,26 +226,7 @@ static int hold_open(struct held *h, const struct shape *sh, CUdevice dev, size_
     }
     if (h->reserved >= 2) h->ascending = h->va[1] > h->va[0];
     /* Initial mapping (not a cycle). */
-    double t0 = now_s();
-    for (long i = 0; i < sh->count; i++) {
-        if ((rc = cu.create(&h->h[i], h->rsize, &h->prop, 0))) {
-            snprintf(error, cap, "cuMemCreate(%zu) #%ld failed: %s (%d)", h->rsize, i, err_name(rc), rc);
-            return -1;
-        }
-        if ((rc = cu.map(h->va[i], h->rsize, 0, h->h[i], 0))) {
-            cu.release(h->h[i]);
-            h->h[i] = 0;
-            snprintf(error, cap, "cuMemMap #%ld failed: %s (%d)", i, err_name(rc), rc);
-            return -1;
-        }
-        h->mapped[i] = 1;
-        if ((rc = cu.set_access(h->va[i], h->rsize, &h->access, 1))) {
-            snprintf(error, cap, "cuMemSetAccess #%ld failed: %s (%d)", i, err_name(rc), rc);
-            return -1;
-        }
-    }
-    h->first_map_s = now_s() - t0;
-    return 0;
+    return hold_resume(h, &h->first_map_s, error, cap);
 }
 
 /* Between cycles, untimed: with write, the first 4 KiB of the first and the
