@@ -7,7 +7,6 @@
 
 #include "disk.h"
 #include "driver.h"
-#include "transfer.h"
 
 /* Reference-counted so a zero-copy view handed to Python keeps the bytes
  * alive after the core has dropped them (resume without retain, free). */
