@@ -7,7 +7,8 @@ processes all on GPU 0, a stand-in for the host side of N GPUs), each holding G 
 of random data in one backed-up region, 512 MiB tensors. A barrier starts every
 pause and every resume in all processes together. Per backup configuration (mmap,
 pinned, mmap retained) and cycle it reports each GPU's GB/s and the aggregate
-(all bytes over the span from the first start to the last end), contents checked
+(all bytes over the span from the first start to the last end; the start skew,
+last start less first, says how much of that span the barrier's release cost), contents checked
 after every resume (a GPU-side checksum of every tensor and one tensor compared
 byte for byte), and every process's exit status. --upstream DIR runs every
 configuration again with the torch_memory_saver found in DIR (the upstream wheel
@@ -119,16 +120,22 @@ def limits_worker(rank, gpu, gib, barrier, results):
     results.put(out)
 
 
-def _faults_and_huge():
-    """(minor page faults of the process so far, bytes of its anonymous huge pages now)."""
+def _faults():
+    """Minor page faults of the process so far."""
     import resource
 
-    huge = 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _huge_bytes():
+    """Bytes of the process's anonymous huge pages now. Reading smaps_rollup
+    walks every page table of the process (tens of ms beside a retained
+    backup), so never between a barrier and a clock's start."""
     with open("/proc/self/smaps_rollup") as f:
         for line in f:
             if line.startswith("AnonHugePages:"):
-                huge = int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt, huge
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _library_of(module):
@@ -179,12 +186,12 @@ def backup_worker(rank, gpu, config, gib, cycles, library, barrier, results):
         sums = [t.sum().item() for t in tensors]
         probe = tensors[c % count].cpu()
         torch.cuda.synchronize()
+        faults0 = _faults()  # before the barrier: nothing may stand between it and the clock's start
         barrier.wait()
-        faults0, _ = _faults_and_huge()
         t0 = time.monotonic()
         tms.pause("mg")
         t1 = time.monotonic()
-        faults1, huge = _faults_and_huge()
+        faults1, huge = _faults(), _huge_bytes()
         barrier.wait()
         t2 = time.monotonic()
         tms.resume("mg")
@@ -225,6 +232,19 @@ def _rates(spans):
     per = [b / (t1 - t0) / 1e9 for t0, t1, b in spans]
     agg = sum(b for _, _, b in spans) / (max(t1 for _, t1, _ in spans) - min(t0 for t0, _, _ in spans)) / 1e9
     return per, agg
+
+
+def _cycle(res, c):
+    """Cycle c of every process's results, summed up: rates, spans, start skew, checks."""
+    cyc = {"verified": all(r["cycles"][c]["verified"] for r in res),
+           "pause_faults": [r["cycles"][c]["pause_faults"] for r in res],
+           "huge_bytes_paused": [r["cycles"][c]["huge_bytes_paused"] for r in res]}
+    for op in ("pause", "resume"):
+        spans = [r["cycles"][c][op] for r in res]
+        per, agg = _rates([(*span, r["bytes"]) for span, r in zip(spans, res)])
+        cyc[op] = {"per_gpu": per, "aggregate": agg, "spans": spans,
+                   "start_skew_s": max(t0 for t0, _ in spans) - min(t0 for t0, _ in spans)}
+    return cyc
 
 
 def main():
@@ -272,14 +292,7 @@ def main():
         if res:
             row["loaded"] = res[0]["library"]
         if len(res) == n:
-            for c in range(args.cycles):
-                cyc = {"verified": all(r["cycles"][c]["verified"] for r in res),
-                       "pause_faults": [r["cycles"][c]["pause_faults"] for r in res],
-                       "huge_bytes_paused": [r["cycles"][c]["huge_bytes_paused"] for r in res]}
-                for op in ("pause", "resume"):
-                    per, agg = _rates([(*r["cycles"][c][op], r["bytes"]) for r in res])
-                    cyc[op] = {"per_gpu": per, "aggregate": agg}
-                row["cycles"].append(cyc)
+            row["cycles"] = [_cycle(res, c) for c in range(args.cycles)]
         rows.append(row)
         print(json.dumps(row), flush=True)
     report["rows"] = rows
@@ -377,8 +390,9 @@ def _markdown(r):
             lines.append(f"| {name} | {' / '.join(map(fmt, lim['per_gpu']))} | {fmt(lim['aggregate'])} |")
         lines.append("")
     lines += ["| backup | cycle | pause per GPU GB/s | pause aggregate (× limit) | resume per GPU GB/s "
-              "| resume aggregate (× limit) | page faults in pause, per GPU | anon huge pages after pause GiB "
-              "| contents | exit codes |", "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+              "| resume aggregate (× limit) | start skew pause / resume ms | page faults in pause, per GPU "
+              "| anon huge pages after pause GiB | contents | exit codes |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for row in r["rows"]:
         retained = row["config"].endswith("retained")
         for i, cyc in enumerate(row["cycles"]):
@@ -388,12 +402,14 @@ def _markdown(r):
                 agg = cyc[op]["aggregate"]
                 ratio = f" ({agg / lim:.2f}× {lim_key})" if lim else ""
                 cells += [" / ".join(map(fmt, cyc[op]["per_gpu"])), fmt(agg) + ratio]
+            skews = [cyc[op].get("start_skew_s") for op in ("pause", "resume")]
+            cells.append(" / ".join("–" if x is None else f"{x * 1e3:.1f}" for x in skews))
             cells += [" / ".join(str(x) for x in cyc.get("pause_faults", [])),
                       " / ".join(f"{x / GiB:.1f}" for x in cyc.get("huge_bytes_paused", []))]
             lines.append(f"| {_name(row)} | {'first' if i == 0 else i + 1} | {' | '.join(cells)} | "
                          f"{'exact' if cyc['verified'] else 'MISMATCH'} | {row['exit_codes']} |")
         if not row["cycles"]:
-            lines.append(f"| {_name(row)} | failed | | | | | | | | {row['exit_codes']} |")
+            lines.append(f"| {_name(row)} | failed | | | | | | | | | {row['exit_codes']} |")
     lines.append("")
     lines.append("Pause of a non-retained backup is bound by the fresh-page fill; a retained one (and every resume) "
                  "by the link.")

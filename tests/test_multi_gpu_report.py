@@ -1,0 +1,49 @@
+"""benchmarks.multi_gpu's arithmetic and report, from made-up process results
+(no GPU): the aggregate spans from the first start to the last end, and the
+start skew says how much of that span the processes did not start together."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import multi_gpu  # noqa: E402
+
+GB = 10**9
+
+
+def _process(rank, pause, resume, nbytes=50 * GB):
+    cycle = {"pause": pause, "resume": resume, "verified": True, "pause_faults": 7, "huge_bytes_paused": 0}
+    return {"rank": rank, "bytes": nbytes, "cycles": [cycle]}
+
+
+def test_start_skew_explains_an_aggregate_below_the_sum():
+    # Both pause at 50 GB/s, the second starting 30 ms late: the aggregate's
+    # window is 1.03 s, so 100 GB over it reads 97.1 GB/s, and the skew says why.
+    res = [_process(0, (10.0, 11.0), (20.0, 21.0)), _process(1, (10.03, 11.03), (20.0, 21.0))]
+    cyc = multi_gpu._cycle(res, 0)
+    assert cyc["pause"]["per_gpu"] == pytest.approx([50.0, 50.0])
+    assert cyc["pause"]["aggregate"] == pytest.approx(100 / 1.03)
+    assert cyc["pause"]["start_skew_s"] == pytest.approx(0.03)
+    assert cyc["resume"]["aggregate"] == pytest.approx(100.0)
+    assert cyc["resume"]["start_skew_s"] == 0
+    assert cyc["pause"]["spans"] == [(10.0, 11.0), (10.03, 11.03)]
+
+
+def test_report_shows_the_skew_of_each_operation():
+    res = [_process(0, (10.0, 11.0), (20.0, 21.0)), _process(1, (10.03, 11.03), (20.002, 21.0))]
+    report = {"device": "Made-up GPU", "gpus": 2, "share_gpu": False, "gib_per_gpu": 1.0, "cycles": 1,
+              "copy_threads_per_process": 2, "cpus": 4, "command": "python -m benchmarks.multi_gpu",
+              "date": "2026-11-25T00:00:00Z", "limits_last": False, "limit_d2h": {"per_gpu": [55, 55], "aggregate": 110},
+              "rows": [{"config": "mmap_retained", "library": "ours", "exit_codes": [0, 0],
+                        "cycles": [multi_gpu._cycle(res, 0)]}]}
+    text = multi_gpu._markdown(report)
+    row = next(line for line in text.splitlines() if line.startswith("| mmap_retained |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    header = next(line for line in text.splitlines() if line.startswith("| backup |"))
+    names = [c.strip() for c in header.strip("|").split("|")]
+    assert len(cells) == len(names)
+    assert cells[names.index("start skew pause / resume ms")] == "30.0 / 2.0"
+    assert cells[names.index("pause aggregate (× limit)")] == "97.1 (0.88× d2h)"
+    assert cells[names.index("exit codes")] == "[0, 0]"
