@@ -191,7 +191,9 @@ def backup_worker(rank, gpu, config, gib, cycles, library, barrier, results):
         t0 = time.monotonic()
         tms.pause("mg")
         t1 = time.monotonic()
-        faults1, huge = _faults(), _huge_bytes()
+        faults1, t_walk = _faults(), time.monotonic()
+        huge = _huge_bytes()
+        walk = time.monotonic() - t_walk
         barrier.wait()
         t2 = time.monotonic()
         tms.resume("mg")
@@ -200,7 +202,7 @@ def backup_worker(rank, gpu, config, gib, cycles, library, barrier, results):
         barrier.wait()
         ok = [t.sum().item() for t in tensors] == sums and torch.equal(tensors[c % count].cpu(), probe)
         out["cycles"].append({"pause": (t0, t1), "resume": (t2, t3), "verified": ok,
-                              "pause_faults": faults1 - faults0, "huge_bytes_paused": huge})
+                              "pause_faults": faults1 - faults0, "huge_bytes_paused": huge, "smaps_walk_s": walk})
     results.put(out)
 
 
@@ -238,7 +240,8 @@ def _cycle(res, c):
     """Cycle c of every process's results, summed up: rates, spans, start skew, checks."""
     cyc = {"verified": all(r["cycles"][c]["verified"] for r in res),
            "pause_faults": [r["cycles"][c]["pause_faults"] for r in res],
-           "huge_bytes_paused": [r["cycles"][c]["huge_bytes_paused"] for r in res]}
+           "huge_bytes_paused": [r["cycles"][c]["huge_bytes_paused"] for r in res],
+           "smaps_walk_s": [r["cycles"][c].get("smaps_walk_s") for r in res]}
     for op in ("pause", "resume"):
         spans = [r["cycles"][c][op] for r in res]
         per, agg = _rates([(*span, r["bytes"]) for span, r in zip(spans, res)])
@@ -413,6 +416,10 @@ def _markdown(r):
     lines.append("")
     lines.append("Pause of a non-retained backup is bound by the fresh-page fill; a retained one (and every resume) "
                  "by the link.")
+    walks = [w for row in r["rows"] for cyc in row["cycles"] for w in cyc.get("smaps_walk_s", []) if w is not None]
+    if walks:
+        lines += ["", f"Counting the huge pages (a read of /proc/self/smaps_rollup) took {min(walks) * 1e3:.1f}–"
+                      f"{max(walks) * 1e3:.1f} ms per process after a pause, outside every clock."]
     return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,7 @@ GB = 10**9
 
 
 def _process(rank, pause, resume, nbytes=50 * GB):
-    cycle = {"pause": pause, "resume": resume, "verified": True, "pause_faults": 7, "huge_bytes_paused": 0}
+    cycle = {"pause": pause, "resume": resume, "verified": True, "pause_faults": 7, "huge_bytes_paused": 0, "smaps_walk_s": 0.1 + rank / 100}
     return {"rank": rank, "bytes": nbytes, "cycles": [cycle]}
 
 
@@ -47,3 +47,4 @@ def test_report_shows_the_skew_of_each_operation():
     assert cells[names.index("start skew pause / resume ms")] == "30.0 / 2.0"
     assert cells[names.index("pause aggregate (× limit)")] == "97.1 (0.88× d2h)"
     assert cells[names.index("exit codes")] == "[0, 0]"
+    assert "took 100.0–110.0 ms per process after a pause, outside every clock" in text
