@@ -1,6 +1,6 @@
 """Pause/resume cost per allocation against the raw driver loop (issue 16):
 `python -m benchmarks.alloc_count [--counts 1,10,100,1000,10000] [--cycles C]
-[--out DIR] [--dry-run]`.
+[--beside N] [--out DIR] [--dry-run]`.
 
 A worker process per n (torch hook mode) holds n allocations of 2 MiB in one tag
 (2n tensors of 1 MiB: PyTorch packs two in each 2 MiB segment) and times
@@ -13,7 +13,9 @@ memory works). vmm_floor.c runs the same driver calls, and the same writes
 Inside each worker the floor also holds n allocations of its own and runs one
 cycle beside each of the library's, first and second in turn (floor.Paired):
 the same process, context and idle time before the call, which moves the
-driver's cost of one allocation by up to 2x.
+driver's cost of one allocation by up to 2x. --beside N keeps N more
+allocations of another tag live in each worker: a pause of one tag should not
+cost more for what other tags hold.
 
 --dry-run: host backend and no floor, for the plumbing only.
 Output: DIR/<date>_<device>-alloc_count.{md,json,png}.
@@ -41,13 +43,14 @@ def _spin(seconds):
         pass
 
 
-def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0):
+def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0):
     """Runs in the worker process: {count: point}. With floor_lib, the floor
     holds as many allocations of its own in this process and runs a cycle
     beside each of the library's (floor.Paired), first and second in turn."""
     from .envs import GpuEnv, HostEnv
 
     env = HostEnv("torch") if dry_run else GpuEnv("torch")
+    others = env.alloc_granules("beside", beside) if beside else None
     points = []
     for n in counts:
         tag = f"count-{n}"
@@ -101,14 +104,17 @@ def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0):
         points.append(point)
         print(f"alloc_count: {point['allocations']} allocations: pause {median(point['pause']) * 1e3:.3f} ms, "
               f"resume {median(point['resume']) * 1e3:.3f} ms", file=sys.stderr, flush=True)
-    return {"points": points, "env": env.info()}
+    beside_allocations = len(env.tag_allocs("beside")) if others else 0
+    if others:
+        env.dispose(others, "beside")
+    return {"points": points, "env": env.info(), "beside": beside_allocations}
 
 
-def _run_worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_us=0.0):
+def _run_worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_us=0.0, beside=0):
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [sys.executable, "-m", "benchmarks.alloc_count", "--worker", out.name,
                "--counts", ",".join(map(str, counts)), "--cycles", str(cycles), "--warmup", str(warmup),
-               "--idle-us", str(idle_us)]
+               "--idle-us", str(idle_us), "--beside", str(beside)]
         if dry_run:
             cmd.append("--dry-run")
         if floor_lib:
@@ -144,7 +150,9 @@ def _markdown(r):
     lines = [f"# Pause/resume per allocation vs the driver floor — {r['device']}", "",
              f"{r['date']}, `{r['command']}`, torch hook mode, allocations of 2 MiB, "
              f"median of {r['cycles']} cycles after {r['warmup']} warm-up, "
-             f"{r.get('idle_us', 0):g} µs of device idle (a spin) before each timed call. "
+             f"{r.get('idle_us', 0):g} µs of device idle (a spin) before each timed call"
+             + (f", {r['beside']} allocations of another tag live beside the measured one" if r.get("beside") else "")
+             + ". "
              "`core` is the time the core counts "
              "(stats pause_ns/resume_ns); `call` is the Python call's wall time; the floor is vmm_floor.c "
              "(cuMemUnmap+cuMemRelease / cuMemCreate+cuMemMap+cuMemSetAccess per allocation, the same memory "
@@ -209,6 +217,8 @@ def main():
     ap.add_argument("--idle-us", type=float, default=0.0,
                     help="after the synchronize that ends each cycle's writes, spin this long with the device idle "
                          "before the timed calls (library and paired floor alike)")
+    ap.add_argument("--beside", type=int, default=0,
+                    help="allocations of 2 MiB in another tag, live while each count is measured")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -219,15 +229,18 @@ def main():
         if args.dry_run:
             os.environ.setdefault("TMS_BACKEND", "host")
         with open(args.worker, "w") as f:
-            json.dump(worker(counts, args.cycles, args.warmup, args.dry_run, args.floor_lib, args.idle_us * 1e-6), f)
+            json.dump(worker(counts, args.cycles, args.warmup, args.dry_run, args.floor_lib, args.idle_us * 1e-6,
+                             args.beside), f)
         return
     r = {"command": "python -m benchmarks.alloc_count " + " ".join(sys.argv[1:]), "cycles": args.cycles,
          "warmup": args.warmup, "idle_us": args.idle_us, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
     # A process per count, as the floor frees each shape's reservations before
     # the next: the driver's cost depends on what else the process holds.
     floor_lib = None if args.dry_run else floor.build(library=True)[0]
-    runs = [_run_worker([n], args.cycles, args.warmup, args.dry_run, floor_lib, args.idle_us) for n in counts]
+    runs = [_run_worker([n], args.cycles, args.warmup, args.dry_run, floor_lib, args.idle_us, args.beside)
+            for n in counts]
     r["device"] = runs[0]["env"]["device_name"]
+    r["beside"] = min(run.get("beside", 0) for run in runs)
     r["points"] = [run["points"][0] for run in runs]
     if not args.dry_run:
         idle = ("--idle-us", str(args.idle_us))
@@ -240,7 +253,7 @@ def main():
                     p[op + key] = _floor_median(shape, op) if shape else None
                 p[op + "_floor_paired_s"] = median(p[op + "_paired"]) if p.get(op + "_paired") else None
     os.makedirs(args.out, exist_ok=True)
-    idle = f"-idle{args.idle_us:g}us" if args.idle_us else ""
+    idle = (f"-idle{args.idle_us:g}us" if args.idle_us else "") + (f"-beside{args.beside}" if args.beside else "")
     stem = os.path.join(args.out,
                         f"{datetime.datetime.now():%Y%m%d-%H%M%S}_{r['device'].replace(' ', '-')}{idle}-alloc_count")
     with open(stem + ".json", "w") as f:

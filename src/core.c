@@ -63,6 +63,7 @@ uint64_t tms_now_ns(void)
 #define TAG_PAGES 4096
 struct tag_entry {
     char *name;                                       /* immutable once published */
+    struct tms_alloc *allocs;                         /* guarded by table_lock: the tag's allocations */
     struct tms_stats per_device[TMS_STATS_DEVICES];   /* guarded by table_lock */
     uint64_t counted_call[TMS_STATS_DEVICES];         /* last call_seq counted in per_device */
 };
@@ -211,8 +212,17 @@ static size_t bucket_of(tms_va va, size_t count)
     return (size_t)(h >> 32) & (count - 1);
 }
 
+/* The list of tag_id's allocations; NULL for an id never published. */
+static struct tms_alloc **tag_list_locked(int tag_id)
+{
+    default_tag_locked();  /* id 0 is every thread's tag before any region names one */
+    return tag_id >= 0 && tag_id < tags_published() ? &tag_at(tag_id)->allocs : NULL;
+}
+
 static int table_insert_locked(struct tms_alloc *a)
 {
+    struct tms_alloc **tag_head = tag_list_locked(a->tag_id);
+    if (!tag_head) return TMS_E_HOST_OOM;  /* only "default" could be missing: interning it ran out of memory */
     if (alloc_count + 1 > bucket_count) {
         size_t count = bucket_count ? bucket_count * 2 : 256;
         struct tms_alloc **grown = calloc(count, sizeof *grown);
@@ -232,6 +242,10 @@ static int table_insert_locked(struct tms_alloc *a)
     size_t b = bucket_of(a->va, bucket_count);
     a->next = buckets[b];
     buckets[b] = a;
+    a->tag_prev = NULL;
+    a->tag_next = *tag_head;
+    if (*tag_head) (*tag_head)->tag_prev = a;
+    *tag_head = a;
     __atomic_store_n(&alloc_count, alloc_count + 1, __ATOMIC_RELAXED);
     account_locked(a, +1);
     return TMS_OK;
@@ -241,6 +255,9 @@ static void table_unlink_locked(struct tms_alloc **link)
 {
     struct tms_alloc *a = *link;
     *link = a->next;
+    if (a->tag_prev) a->tag_prev->tag_next = a->tag_next;
+    else tag_at(a->tag_id)->allocs = a->tag_next;
+    if (a->tag_next) a->tag_next->tag_prev = a->tag_prev;
     __atomic_store_n(&alloc_count, alloc_count - 1, __ATOMIC_RELAXED);
     account_locked(a, -1);
 }
@@ -315,7 +332,14 @@ static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fo
 
 /* ---- claim and settle (the moves of pause.c) -------------------------------- */
 
-static int selected(const struct tms_alloc *a, int tag_id) { return tag_id < 0 || a->tag_id == tag_id; }
+/* The allocations of tag_id (a plain variable; -1: every tag): its own list,
+ * so a pause of a small tag beside many allocations of others does not walk
+ * them all (pause + resume of 1 allocation beside 6,000 of another tag: 54
+ * against 12 us on the host backend when it did). */
+#define FOR_EACH_OF_TAG(a, tag_id)                                                   \
+    for (size_t bucket_ = 0; bucket_ < ((tag_id) < 0 ? bucket_count : 1); bucket_++) \
+        for (struct tms_alloc *a = (tag_id) < 0 ? buckets[bucket_] : tag_at(tag_id)->allocs; a; \
+             a = (tag_id) < 0 ? a->next : a->tag_next)
 
 /* Moves run in address order: the driver's unmap and map cost grows with a
  * scattered order (hash order: 61 vs 45 us per allocation at 10,000,
@@ -337,8 +361,7 @@ int tms_table_claim(const char *tag, int from, struct tms_move **moves, size_t *
     for (;;) {
         if (tag && (tag_id = tag_find_locked(tag)) < 0) goto out;  /* never used: nothing to do, as upstream */
         count[TMS_ACTIVE] = count[TMS_PAUSED] = moving = 0;
-        FOR_EACH_ALLOC(a) {
-            if (!selected(a, tag_id)) continue;
+        FOR_EACH_OF_TAG(a, tag_id) {
             if (a->moving) moving++;
             else count[a->state]++;
         }
@@ -361,8 +384,8 @@ int tms_table_claim(const char *tag, int from, struct tms_move **moves, size_t *
         goto out;
     }
     size_t i = 0;
-    FOR_EACH_ALLOC(a) {
-        if (!selected(a, tag_id) || a->state != from) continue;
+    FOR_EACH_OF_TAG(a, tag_id) {
+        if (a->state != from) continue;
         a->moving = 1;
         m[i++] = (struct tms_move){.a = a, .state = from, .copy = a->host_copy};
     }
@@ -699,12 +722,9 @@ int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *
     int rc = TMS_OK;
     *out = NULL;
     lock_table();
-    struct tms_alloc *owner;
+    const struct tms_alloc *owner;
     for (;;) {
-        owner = NULL;
-        FOR_EACH_ALLOC(a) {  /* ranges never overlap: at most one matches */
-            if (ptr >= a->va && ptr < a->va + a->reserved) owner = a;
-        }
+        owner = owner_of_locked(ptr);
         if (!owner || !owner->moving) break;
         pthread_cond_wait(&table_settled, &table_lock);  /* its backup is being written or dropped */
     }

@@ -31,6 +31,7 @@ struct tms_alloc {
     tms_phys one_handle;
     struct tms_backup *host_copy;  /* paused with backup, or retained after resume */
     struct tms_alloc *next;        /* hash chain */
+    struct tms_alloc *tag_prev, *tag_next;  /* its tag's list (core.c) */
 };
 
 /* One allocation in a pause or resume. The mover fills it outside the table

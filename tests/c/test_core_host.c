@@ -537,6 +537,49 @@ static void test_tags(void)
     }
 }
 
+/* A pause of a tag walks that tag's own list of allocations: frees at its
+ * head, middle and end, a free while paused and a late allocation keep the
+ * list exactly the tag's live allocations. */
+static void test_tag_lists(void)
+{
+    struct tms_err err;
+    struct tms_region x = region("list-x", 1, TMS_BACKUP_MMAP);
+    struct tms_region y = region("list-y", 1, TMS_BACKUP_MMAP);
+    enum { N = 5 };
+    void *px[N + 1], *py[N];
+    for (int i = 0; i < N; i++) {
+        px[i] = alloc_ok(4096, 0, &x);
+        py[i] = alloc_ok(4096, 0, &y);
+        fill(px[i], 4096, 40 + i);
+        fill(py[i], 4096, 50 + i);
+    }
+    free_ok(px[0]);  /* the first allocated, last in the list */
+    free_ok(px[4]);  /* the last allocated, first in the list */
+    free_ok(px[2]);
+    CHECK_RC(tms_core_pause("list-x", &err), TMS_OK);
+    CHECK(count_rows(x.tag_id, TMS_PAUSED) == 2 && count_rows(x.tag_id, TMS_ACTIVE) == 0);
+    CHECK(info_of(px[1]).state == TMS_PAUSED && info_of(px[3]).state == TMS_PAUSED);
+    CHECK(count_rows(y.tag_id, TMS_ACTIVE) == N);
+    free_ok(px[1]);  /* while paused */
+    CHECK_RC(tms_core_resume("list-x", &err), TMS_OK);
+    CHECK(count_rows(x.tag_id, -1) == 1 && info_of(px[3]).state == TMS_ACTIVE && matches(px[3], 4096, 43));
+    px[N] = alloc_ok(4096, 0, &x);
+    fill(px[N], 4096, 45);
+    CHECK_RC(tms_core_pause("list-x", &err), TMS_OK);
+    CHECK(count_rows(x.tag_id, TMS_PAUSED) == 2 && info_of(px[N]).state == TMS_PAUSED);
+    CHECK_RC(tms_core_resume("list-x", &err), TMS_OK);
+    CHECK(matches(px[3], 4096, 43) && matches(px[N], 4096, 45));
+    for (int i = 0; i < N; i++) CHECK(matches(py[i], 4096, 50 + i));
+    CHECK_RC(tms_core_pause("list-y", &err), TMS_OK);
+    CHECK(count_rows(y.tag_id, TMS_PAUSED) == N && count_rows(x.tag_id, TMS_ACTIVE) == 2);
+    CHECK_RC(tms_core_resume("list-y", &err), TMS_OK);
+    free_ok(px[3]);
+    free_ok(px[N]);
+    for (int i = 0; i < N; i++) free_ok(py[i]);
+    CHECK_RC(tms_core_pause("list-x", &err), TMS_OK);  /* an emptied tag: nothing to do */
+    CHECK(count_rows(-1, -1) == 0);
+}
+
 static void test_devices(void)
 {
     struct tms_err err;
@@ -1264,6 +1307,7 @@ static const struct test tests[] = {
     {"margin_and_oom", test_margin_and_oom},
     {"sizes", test_sizes},
     {"tags", test_tags},
+    {"tag_lists", test_tag_lists},
     {"devices", test_devices},
     {"threads", test_threads},  /* with nowait, what ThreadSanitizer runs: `test_core_host threads nowait` */
     {"nowait", test_nowait},
