@@ -335,7 +335,8 @@ static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fo
 /* The allocations of tag_id (a plain variable; -1: every tag): its own list,
  * so a pause of a small tag beside many allocations of others does not walk
  * them all (pause + resume of 1 allocation beside 6,000 of another tag: 54
- * against 12 us on the host backend when it did). */
+ * against 12 us on the host backend when it did). As in FOR_EACH_ALLOC,
+ * `break` leaves only the inner loop: with tag_id -1, one bucket. */
 #define FOR_EACH_OF_TAG(a, tag_id)                                                   \
     for (size_t bucket_ = 0; bucket_ < ((tag_id) < 0 ? bucket_count : 1); bucket_++) \
         for (struct tms_alloc *a = (tag_id) < 0 ? buckets[bucket_] : tag_at(tag_id)->allocs; a; \
