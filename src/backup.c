@@ -199,8 +199,10 @@ static void *pin_thread_main(void *arg)
         if (!pin_head) pin_tail = NULL;
         pthread_mutex_unlock(&pin_lock);
         int rc = register_in_pieces(b);
-        if (rc > 0) unregister_pieces(b);  /* copies stage through; locked pieces would only hold memory */
-        if (rc > 0) TMS_DEBUG("retained backup of %zu bytes stays pageable: %s (%d)", b->size, b->drv->code_name(rc), rc);
+        if (rc > 0) {
+            unregister_pieces(b);  /* copies stage through; locked pieces would only hold memory */
+            TMS_DEBUG("retained backup of %zu bytes stays pageable: %s (%d)", b->size, b->drv->code_name(rc), rc);
+        }
         __atomic_store_n(&b->pinning, rc ? TMS_PIN_FAILED : TMS_PIN_DONE, __ATOMIC_RELEASE);
         tms_backup_unref(b);  /* the last reference unregisters it */
         pthread_mutex_lock(&pin_lock);

@@ -1,0 +1,23 @@
+"""benchmarks.alloc_count end to end on the host backend (--dry-run, no GPU,
+no floor): --beside keeps that many allocations of another tag live while the
+measured tag is timed, and the report says so."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_beside_allocations_live_in_another_tag(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.alloc_count", "--dry-run", "--counts", "1,3",
+                           "--beside", "5", "--cycles", "2", "--warmup", "1", "--out", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (report,) = tmp_path.glob("*-beside5-alloc_count.json")
+    r = json.loads(report.read_text())
+    assert r["beside"] == 5
+    assert [p["allocations"] for p in r["points"]] == [1, 3]  # the other tag's are not counted
+    assert all(len(p["pause"]) == 2 and len(p["resume"]) == 2 for p in r["points"])
+    text = report.with_suffix(".md").read_text()
+    assert "5 allocations of another tag live beside the measured one" in text
