@@ -10,6 +10,7 @@
 #include "core_internal.h"
 #include "driver.h"
 #include "log.h"
+#include "span_index.h"
 #include "stats.h"
 
 /*
@@ -37,6 +38,17 @@ static size_t alloc_count;           /* atomic reads allowed (tms_core_owns fast
 static uint64_t call_seq;            /* guarded by table_lock: numbers pause/resume calls */
 static size_t margin_bytes;          /* atomic */
 static int retain_override = -1;     /* atomic; -1: TMS_RETAIN_CPU_BACKUP decides */
+/* Interior pointers (a tensor inside a cached segment) are found in an
+ * address-sorted copy of the table, guarded by table_lock. Every insert and
+ * unlink makes the copy stale; it is rebuilt only after WALKS_BEFORE_SORT
+ * walks of an unchanged table. A rebuild (a walk plus a sort) costs about as
+ * much as that many walks, so a table that changes between lookups pays at
+ * most twice what walking alone would, and a run of lookups (get_cpu_backup
+ * of every weight) pays a binary search each. */
+#define WALKS_BEFORE_SORT 32
+static struct tms_span_index by_address;
+static int by_address_stale = 1;
+static unsigned walks_since_change;
 
 static void register_fork_handlers(void);
 
@@ -247,6 +259,7 @@ static int table_insert_locked(struct tms_alloc *a)
     if (*tag_head) (*tag_head)->tag_prev = a;
     *tag_head = a;
     __atomic_store_n(&alloc_count, alloc_count + 1, __ATOMIC_RELAXED);
+    by_address_stale = 1, walks_since_change = 0;
     account_locked(a, +1);
     return TMS_OK;
 }
@@ -259,6 +272,7 @@ static void table_unlink_locked(struct tms_alloc **link)
     else tag_at(a->tag_id)->allocs = a->tag_next;
     if (a->tag_next) a->tag_next->tag_prev = a->tag_prev;
     __atomic_store_n(&alloc_count, alloc_count - 1, __ATOMIC_RELAXED);
+    by_address_stale = 1, walks_since_change = 0;
     account_locked(a, -1);
 }
 
@@ -281,16 +295,28 @@ static struct tms_alloc *table_find_locked(tms_va va)
     for (size_t bucket_ = 0; bucket_ < bucket_count; bucket_++) \
         for (struct tms_alloc *a = buckets[bucket_]; a; a = a->next)
 
-/* The allocation holding ptr: by hash when ptr is its start, else by a walk. */
+/* Sorts the table by address into by_address; out of host memory it stays stale. */
+static void index_by_address_locked(void)
+{
+    if (tms_span_index_clear(&by_address, alloc_count)) return;
+    FOR_EACH_ALLOC(a) {
+        tms_span_index_add(&by_address, a->va, a->va + a->reserved, a);
+    }
+    tms_span_index_sort(&by_address);
+    by_address_stale = 0;
+}
+
+/* The allocation holding ptr: by hash when ptr is its start, else by address. */
 static const struct tms_alloc *owner_of_locked(uint64_t ptr)
 {
     const struct tms_alloc *owner = table_find_locked(ptr);
-    if (!owner) {
-        FOR_EACH_ALLOC(a) {
-            if (ptr >= a->va && ptr < a->va + a->reserved) owner = a;
-        }
+    if (owner) return owner;
+    if (by_address_stale && ++walks_since_change > WALKS_BEFORE_SORT) index_by_address_locked();
+    if (!by_address_stale) return tms_span_index_find(&by_address, ptr);
+    FOR_EACH_ALLOC(a) {
+        if (ptr >= a->va && ptr < a->va + a->reserved) return a;
     }
-    return owner;
+    return NULL;
 }
 
 static void alloc_destroy(struct tms_alloc *a)

@@ -17,6 +17,7 @@
 #include "core.h"
 #include "driver.h"
 #include "seeded_bytes.h"
+#include "span_index.h"
 #include "topology.h"
 #include "transfer.h"
 
@@ -578,6 +579,58 @@ static void test_tag_lists(void)
     for (int i = 0; i < N; i++) free_ok(py[i]);
     CHECK_RC(tms_core_pause("list-x", &err), TMS_OK);  /* an emptied tag: nothing to do */
     CHECK(count_rows(-1, -1) == 0);
+}
+
+/* Interior pointers are found by a walk while the table changes, by binary
+ * search once it holds still (core.c, WALKS_BEFORE_SORT): both must agree
+ * with the table after every insert and free. */
+static uint64_t owner_start(uint64_t ptr)
+{
+    struct tms_alloc_info row;
+    return tms_core_find(ptr, &row) == TMS_OK ? row.ptr : 0;
+}
+
+static void test_span_index(void)
+{
+    static const int owners[3];
+    struct tms_span_index ix = {0};
+    CHECK(tms_span_index_find(&ix, 5) == NULL);
+    CHECK(tms_span_index_clear(&ix, 3) == 0);
+    tms_span_index_add(&ix, 40, 50, &owners[2]);  /* out of order: the sort puts it last */
+    tms_span_index_add(&ix, 10, 20, &owners[0]);
+    tms_span_index_add(&ix, 20, 30, &owners[1]);
+    tms_span_index_sort(&ix);
+    static const struct { uint64_t addr; const void *owner; } probes[] = {
+        {9, NULL}, {10, &owners[0]}, {19, &owners[0]}, {20, &owners[1]}, {29, &owners[1]},
+        {30, NULL}, {39, NULL}, {40, &owners[2]}, {49, &owners[2]}, {50, NULL}, {UINT64_MAX, NULL},
+    };
+    for (size_t i = 0; i < sizeof probes / sizeof probes[0]; i++)
+        CHECK(tms_span_index_find(&ix, probes[i].addr) == probes[i].owner);
+    CHECK(tms_span_index_clear(&ix, 1) == 0 && tms_span_index_find(&ix, 15) == NULL);
+    tms_span_index_free(&ix);
+}
+
+static void test_interior_lookup(void)
+{
+    struct tms_region r = region("interior", 0, TMS_BACKUP_MMAP);
+    enum { N = 48, ROUNDS = 3 };
+    uint64_t va[N];
+    for (int i = 0; i < N; i++) va[i] = (uint64_t)(uintptr_t)alloc_ok(2 * gran + 1, 0, &r);
+    for (int round = 0; round < ROUNDS; round++)  /* walks, then a sort, then searches */
+        for (int i = 0; i < N; i++) {
+            CHECK(owner_start(va[i] + gran + 4096 * (uint64_t)round) == va[i]);
+            CHECK(owner_start(va[i] + 3 * gran - 1) == va[i]);  /* the last reserved byte */
+            CHECK(owner_start(va[i] + 3 * gran) != va[i]);
+        }
+    CHECK(owner_start(1) == 0);
+    for (int i = 0; i < N; i += 2) free_ok((void *)(uintptr_t)va[i]);
+    for (int round = 0; round < ROUNDS; round++)  /* a free makes the sorted copy stale */
+        for (int i = 0; i < N; i++) CHECK(owner_start(va[i] + gran) == (i % 2 ? va[i] : 0));
+    for (int i = 0; i < N; i += 2) va[i] = (uint64_t)(uintptr_t)alloc_ok(gran + 1, 0, &r);
+    for (int i = 0; i < N; i++)  /* so does an insert, found before the next sort */
+        CHECK(owner_start(va[i] + gran) == va[i]);
+    for (int i = 0; i < N; i++) free_ok((void *)(uintptr_t)va[i]);
+    for (int i = 0; i < N; i++) CHECK(owner_start(va[i] + gran) == 0);
 }
 
 static void test_devices(void)
@@ -1308,6 +1361,8 @@ static const struct test tests[] = {
     {"sizes", test_sizes},
     {"tags", test_tags},
     {"tag_lists", test_tag_lists},
+    {"span_index", test_span_index},
+    {"interior_lookup", test_interior_lookup},
     {"devices", test_devices},
     {"threads", test_threads},  /* with nowait, what ThreadSanitizer runs: `test_core_host threads nowait` */
     {"nowait", test_nowait},
