@@ -15,7 +15,9 @@ cycle beside each of the library's, first and second in turn (floor.Paired):
 the same process, context and idle time before the call, which moves the
 driver's cost of one allocation by up to 2x. --beside N keeps N more
 allocations of another tag live in each worker: a pause of one tag should not
-cost more for what other tags hold.
+cost more for what other tags hold. After the cycles each worker also times
+allocation_at() of an address 4 KiB inside each tensor (the lookup that
+get_cpu_backup of a tensor inside a segment makes), three passes.
 
 --dry-run: host backend and no floor, for the plumbing only.
 Output: DIR/<date>_<device>-alloc_count.{md,json,png}.
@@ -100,6 +102,8 @@ def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0
                     point["resume_paired"].append(fr)
         if paired:
             paired.close()
+        point["lookup_s"] = _interior_lookups(env, block)
+        point["tensors"] = len(env.addresses(block))
         env.dispose(block, tag)
         points.append(point)
         print(f"alloc_count: {point['allocations']} allocations: pause {median(point['pause']) * 1e3:.3f} ms, "
@@ -108,6 +112,20 @@ def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0
     if others:
         env.dispose(others, "beside")
     return {"points": points, "env": env.info(), "beside": beside_allocations}
+
+
+def _interior_lookups(env, block, passes=3):
+    """Seconds per allocation_at() of an address inside each tensor, per pass."""
+    inside = [p + 4096 for p in env.addresses(block)]
+    at = env.tms._core.allocation_at
+    per_pass = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        found = sum(at(p) is not None for p in inside)
+        per_pass.append((time.perf_counter() - t0) / max(1, len(inside)))
+        if found != len(inside):
+            raise RuntimeError(f"allocation_at found {found} of {len(inside)} addresses inside live tensors")
+    return per_pass
 
 
 def _run_worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_us=0.0, beside=0):
@@ -177,6 +195,14 @@ def _markdown(r):
                       f"{call / fl:.2f}×" if fl else "-", f"{call / paired:.2f}×" if paired else "-",
                       f"{call / max(1, p['allocations']) * 1e6:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "`allocation_at()` of an address 4 KiB inside each tensor (what `get_cpu_backup` of a tensor "
+              "inside a segment looks up), per lookup, after the cycles:", "",
+              "| allocations | tensors looked up | first pass µs | later passes µs |", "|---:|---:|---:|---:|"]
+    for p in r["points"]:
+        passes = p.get("lookup_s") or []
+        if passes:
+            later = ", ".join(f"{t * 1e6:.2f}" for t in passes[1:])
+            lines.append(f"| {p['allocations']} | {p.get('tensors', '-')} | {passes[0] * 1e6:.2f} | {later} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,7 @@
 """benchmarks.alloc_count end to end on the host backend (--dry-run, no GPU,
 no floor): --beside keeps that many allocations of another tag live while the
-measured tag is timed, and the report says so."""
+measured tag is timed, and the report says so; each count's tensors are
+looked up by an address inside them (allocation_at), and the report shows it."""
 import json
 import subprocess
 import sys
@@ -19,5 +20,8 @@ def test_beside_allocations_live_in_another_tag(tmp_path):
     assert r["beside"] == 5
     assert [p["allocations"] for p in r["points"]] == [1, 3]  # the other tag's are not counted
     assert all(len(p["pause"]) == 2 and len(p["resume"]) == 2 for p in r["points"])
+    assert [p["tensors"] for p in r["points"]] == [1, 3]
+    assert all(len(p["lookup_s"]) == 3 and all(0 < t < 0.01 for t in p["lookup_s"]) for p in r["points"])
     text = report.with_suffix(".md").read_text()
     assert "5 allocations of another tag live beside the measured one" in text
+    assert "| 3 | 3 | " in text  # the lookup table's row for 3 allocations
