@@ -19,9 +19,12 @@ The host limits are measured in the same run with the same number of processes:
 fresh-page fill (each process writes G GiB of new anonymous huge-page memory
 with as many threads as it would run copy workers, all processes at once, three
 times: the bound of a backup that keeps no memory between cycles; the first
-time apart, as it touches memory the virtual machine had not backed yet) and pinned
-device->host / host->device copies of 4 GiB on every GPU at once, the median of
-5 (the link). Output:
+time apart, as it touches memory the virtual machine had not backed yet), host
+copy (the same threads copy the filled memory out in 8 MiB blocks, each into two
+buffers of its own in turn, all processes at once, median of 3: the host side of
+a resume of a non-retained mmap backup, which copies each block into a pinned
+staging slot before its DMA) and pinned device->host / host->device copies of 4
+GiB on every GPU at once, the median of 5 (the link). Output:
 DIR/<date>_<device>-multi_gpu.{md,json}.
 """
 import argparse
@@ -40,6 +43,8 @@ GiB = 1 << 30
 TENSOR = 512 * MiB
 LINK_REPS = 5
 FILL_REPS = 3
+COPY_REPS = 3
+COPY_BLOCK = 8 * MiB  # src/transfer.c TO_DEVICE_BLOCK_BYTES
 CONFIGS = {"mmap": ("mmap", False), "pinned": ("pinned", False), "mmap_retained": ("mmap", True),
            "pinned_retained": ("pinned", True)}
 DEFAULT_CONFIGS = "mmap,pinned,mmap_retained"
@@ -84,26 +89,58 @@ def _fill_fresh(nbytes, threads):
     part = nbytes // threads
     work = [threading.Thread(target=libc.memset, args=(ctypes.c_void_p(addr + i * part), 1, ctypes.c_size_t(part)))
             for i in range(threads)]
-    return work, lambda: libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes))
+    return addr, work, lambda: libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes))
+
+
+def _copy_out(addr, nbytes, slots):
+    """Threads, one per pair of slots, each copying its share of [addr, addr +
+    nbytes) out in COPY_BLOCK pieces, into its two slots in turn."""
+    import ctypes
+    import threading
+
+    libc = ctypes.CDLL(None)
+    libc.memcpy.restype = ctypes.c_void_p
+    libc.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    part = nbytes // len(slots)
+
+    def run(start, pair):
+        for i, off in enumerate(range(start, start + part, COPY_BLOCK)):
+            libc.memcpy(pair[i & 1], addr + off, min(COPY_BLOCK, start + part - off))
+
+    pairs = [(ctypes.addressof(b), ctypes.addressof(b) + COPY_BLOCK) for b in slots]
+    return [threading.Thread(target=run, args=(i * part, pair)) for i, pair in enumerate(pairs)]
+
+
+def _timed(work, barrier, nbytes):
+    """Starts the threads together with the other processes: (start, end, bytes)."""
+    barrier.wait()
+    t0 = time.monotonic()
+    for w in work:
+        w.start()
+    for w in work:
+        w.join()
+    return (t0, time.monotonic(), nbytes)
 
 
 def limits_worker(rank, gpu, gib, barrier, results):
     os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    import ctypes
+
     import torch
 
     out = {"rank": rank}
     threads = _threads()
-    out["fill"] = []
-    for _ in range(FILL_REPS):  # the first touches memory the virtual machine never backed yet
-        work, unmap = _fill_fresh(int(gib * GiB), threads)
-        barrier.wait()
-        t0 = time.monotonic()
-        for w in work:
-            w.start()
-        for w in work:
-            w.join()
-        out["fill"].append((t0, time.monotonic(), int(gib * GiB)))
-        unmap()
+    nbytes = int(gib * GiB)
+    out["fill"], out["copy"] = [], []
+    for rep in range(FILL_REPS):  # the first touches memory the virtual machine never backed yet
+        addr, work, unmap = _fill_fresh(nbytes, threads)
+        out["fill"].append(_timed(work, barrier, nbytes))
+        if rep < FILL_REPS - 1:
+            unmap()
+    slots = [ctypes.create_string_buffer(2 * COPY_BLOCK) for _ in range(threads)]  # zeroed: resident
+    for _ in range(COPY_REPS):
+        out["copy"].append(_timed(_copy_out(addr, nbytes, slots), barrier, nbytes))
+    unmap()
     n = 4 * GiB
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
@@ -334,7 +371,8 @@ def _plot(r, stem):
     xs = range(len(labels))
     ax.bar([x - 0.2 for x in xs], pause, 0.4, label="pause (aggregate)")
     ax.bar([x + 0.2 for x in xs], resume, 0.4, label="resume (aggregate)")
-    for key, style, name in (("fill", ":", "fresh-page fill"), ("d2h", "-", "pinned D→H"), ("h2d", "--", "pinned H→D")):
+    for key, style, name in (("fill", ":", "fresh-page fill"), ("copy", "-.", "host copy"), ("d2h", "-", "pinned D→H"),
+                             ("h2d", "--", "pinned H→D")):
         lim = r.get(f"limit_{key}", {}).get("aggregate")
         if lim:
             ax.axhline(lim, color="k", ls=style, lw=1, label=f"{name} limit {lim:.1f}")
@@ -351,7 +389,7 @@ def _limits(report, gib, n, share_gpu):
     lim, codes = _run(limits_worker, (gib,), n, share_gpu)
     report["limits_exit_codes"] = codes
     if len(lim) == n:
-        for key in ("fill", "d2h", "h2d"):
+        for key in ("fill", "copy", "d2h", "h2d"):
             reps = [_rates([r[key][i] for r in lim]) for i in range(len(lim[0][key]))]
             if key == "fill":  # the first touch apart: later pauses reuse memory the VM backs already
                 report["limit_fill_first"] = {"per_gpu": reps[0][0], "aggregate": reps[0][1]}
@@ -385,7 +423,9 @@ def _markdown(r):
     if "limit_fill" in r:
         lines += ["| host limit, all processes at once | per GPU GB/s | aggregate GB/s |", "|---|---:|---:|"]
         for key, name in (("fill_first", "fresh-page fill, first touch of the process"),
-                          ("fill", "fresh-page fill, again (median of the next 2)"), ("d2h", "pinned device→host"),
+                          ("fill", "fresh-page fill, again (median of the next 2)"),
+                          ("copy", "host copy out of filled memory, 8 MiB blocks (median of 3)"),
+                          ("d2h", "pinned device→host"),
                           ("h2d", "pinned host→device")):
             if f"limit_{key}" not in r:
                 continue
@@ -400,10 +440,13 @@ def _markdown(r):
         retained = row["config"].endswith("retained")
         for i, cyc in enumerate(row["cycles"]):
             cells = []
-            for op, lim_key in (("pause", "d2h" if retained else "fill"), ("resume", "h2d")):
-                lim = r.get(f"limit_{lim_key}", {}).get("aggregate")
+            # A resume of a non-retained mmap backup copies it into the staging first.
+            resume_keys = ("h2d", "copy") if row["config"] == "mmap" else ("h2d",)
+            for op, lim_keys in (("pause", ("d2h" if retained else "fill",)), ("resume", resume_keys)):
                 agg = cyc[op]["aggregate"]
-                ratio = f" ({agg / lim:.2f}× {lim_key})" if lim else ""
+                ratios = [f"{agg / lim:.2f}× {key}" for key in lim_keys
+                          for lim in [r.get(f"limit_{key}", {}).get("aggregate")] if lim]
+                ratio = f" ({', '.join(ratios)})" if ratios else ""
                 cells += [" / ".join(map(fmt, cyc[op]["per_gpu"])), fmt(agg) + ratio]
             skews = [cyc[op].get("start_skew_s") for op in ("pause", "resume")]
             cells.append(" / ".join("–" if x is None else f"{x * 1e3:.1f}" for x in skews))
@@ -414,8 +457,9 @@ def _markdown(r):
         if not row["cycles"]:
             lines.append(f"| {_name(row)} | failed | | | | | | | | | {row['exit_codes']} |")
     lines.append("")
-    lines.append("Pause of a non-retained backup is bound by the fresh-page fill; a retained one (and every resume) "
-                 "by the link.")
+    lines.append("Pause of a non-retained backup is bound by the fresh-page fill; a retained one by the link. A resume "
+                 "from page-locked memory (pinned, or retained) is bound by the link; one of a non-retained mmap "
+                 "backup also by the host copy into the staging, the lower of the two.")
     walks = [w for row in r["rows"] for cyc in row["cycles"] for w in cyc.get("smaps_walk_s", []) if w is not None]
     if walks:
         lines += ["", f"Counting the huge pages (a read of /proc/self/smaps_rollup) took {min(walks) * 1e3:.1f}–"

@@ -48,3 +48,48 @@ def test_report_shows_the_skew_of_each_operation():
     assert cells[names.index("pause aggregate (× limit)")] == "97.1 (0.88× d2h)"
     assert cells[names.index("exit codes")] == "[0, 0]"
     assert "took 100.0–110.0 ms per process after a pause, outside every clock" in text
+
+
+def test_host_copy_limit_reads_every_block_of_each_share():
+    # Two threads, three blocks each: every thread's last two blocks end up
+    # in its two slots, so each read its own share, block by block.
+    import ctypes
+    import threading
+
+    nbytes = 6 * multi_gpu.COPY_BLOCK
+    addr, fill, unmap = multi_gpu._fill_fresh(nbytes, 2)
+    try:
+        for block in range(6):
+            ctypes.memset(addr + block * multi_gpu.COPY_BLOCK, 10 + block, multi_gpu.COPY_BLOCK)
+        slots = [ctypes.create_string_buffer(2 * multi_gpu.COPY_BLOCK) for _ in range(2)]
+        start, end, n = multi_gpu._timed(multi_gpu._copy_out(addr, nbytes, slots), threading.Barrier(1), nbytes)
+        assert n == nbytes and end >= start
+        first_byte = [[s.raw[0], s.raw[multi_gpu.COPY_BLOCK]] for s in slots]
+        # thread 0: blocks 0, 1, 2 -> slot a gets 0 then 2, slot b gets 1; thread 1: blocks 3, 4, 5
+        assert first_byte == [[12, 11], [15, 14]]
+        assert all(len(set(s.raw[:multi_gpu.COPY_BLOCK])) == 1 for s in slots)  # whole blocks
+    finally:
+        unmap()
+
+
+def test_resume_of_a_non_retained_mmap_backup_is_measured_against_the_host_copy_too():
+    res = [_process(0, (10.0, 11.0), (20.0, 21.0), nbytes=40 * GB)]
+    report = {"device": "Made-up GPU", "gpus": 1, "share_gpu": False, "gib_per_gpu": 1.0, "cycles": 1,
+              "copy_threads_per_process": 2, "cpus": 4, "command": "python -m benchmarks.multi_gpu",
+              "date": "2026-11-25T00:00:00Z", "limits_last": False,
+              "limit_fill": {"per_gpu": [50], "aggregate": 50}, "limit_copy": {"per_gpu": [44], "aggregate": 44},
+              "limit_d2h": {"per_gpu": [55], "aggregate": 55}, "limit_h2d": {"per_gpu": [50], "aggregate": 50},
+              "rows": [{"config": config, "library": "ours", "exit_codes": [0], "cycles": [multi_gpu._cycle(res, 0)]}
+                       for config in ("mmap", "mmap_retained")]}
+    text = multi_gpu._markdown(report)
+    header = next(line for line in text.splitlines() if line.startswith("| backup |"))
+    names = [c.strip() for c in header.strip("|").split("|")]
+
+    def cell(config, name):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {config} |"))
+        return [c.strip() for c in row.strip("|").split("|")][names.index(name)]
+
+    assert cell("mmap", "resume aggregate (× limit)") == "40.0 (0.80× h2d, 0.91× copy)"
+    assert cell("mmap_retained", "resume aggregate (× limit)") == "40.0 (0.80× h2d)"
+    assert cell("mmap", "pause aggregate (× limit)") == "40.0 (0.80× fill)"
+    assert "| host copy out of filled memory, 8 MiB blocks (median of 3) | 44.0 | 44.0 |" in text
