@@ -28,11 +28,16 @@
  *  - block size was measured on the lent H100 (8 GiB, 16 workers): device->
  *    host ran 36-38 GB/s with 2 MiB blocks against 28-32 with 4-16 MiB
  *    (small blocks are still in the CPU cache when copied out of staging);
- *    host->device ran 41-42 GB/s with 4-8 MiB against 39 with 2 MiB.
+ *    host->device, 16 GiB: 47-49 GB/s with 4 MiB, 43-47 with 8, 44 with 2
+ *    (a resume's workers spend 81-93% of their time copying into the
+ *    staging; benchmarks/results/20261125-023015_*-resume-block.md).
  *    TMS_BACKUP_BLOCK_BYTES sets one size for both.
+ *  - a slot stays 8 MiB: a disk backup's file I/O goes through it.
  */
 #define TO_HOST_BLOCK_BYTES ((size_t)2 << 20)
-#define TO_DEVICE_BLOCK_BYTES ((size_t)8 << 20)
+#define TO_DEVICE_BLOCK_BYTES ((size_t)4 << 20)
+#define SLOT_BYTES ((size_t)8 << 20)
+_Static_assert(SLOT_BYTES >= TO_HOST_BLOCK_BYTES && SLOT_BYTES >= TO_DEVICE_BLOCK_BYTES, "a block fits a slot");
 #define DEFAULT_MAX_WORKERS 16
 #define MAX_DEVICES 64
 
@@ -331,7 +336,7 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
     }
     int n = wanted_workers(drv), rc = TMS_OK;
     size_t fixed = tms_defaults()->backup_block_bytes;
-    slot_bytes = fixed ? fixed : TO_DEVICE_BLOCK_BYTES > TO_HOST_BLOCK_BYTES ? TO_DEVICE_BLOCK_BYTES : TO_HOST_BLOCK_BYTES;
+    slot_bytes = fixed ? fixed : SLOT_BYTES;
     workers = calloc((size_t)n, sizeof *workers);
     if (!workers) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for %d copy workers", n);
     for (int i = 0; !rc && i < n; i++) {
