@@ -20,7 +20,7 @@ fresh-page fill (each process writes G GiB of new anonymous huge-page memory
 with as many threads as it would run copy workers, all processes at once, three
 times: the bound of a backup that keeps no memory between cycles; the first
 time apart, as it touches memory the virtual machine had not backed yet), host
-copy (the same threads copy the filled memory out in 8 MiB blocks, each into two
+copy (the same threads copy the filled memory out in 4 MiB blocks, each into two
 buffers of its own in turn, all processes at once, median of 3: the host side of
 a resume of a non-retained mmap backup, which copies each block into a pinned
 staging slot before its DMA) and pinned device->host / host->device copies of 4
@@ -44,7 +44,7 @@ TENSOR = 512 * MiB
 LINK_REPS = 5
 FILL_REPS = 3
 COPY_REPS = 3
-COPY_BLOCK = 8 * MiB  # src/transfer.c TO_DEVICE_BLOCK_BYTES
+COPY_BLOCK = 4 * MiB  # src/transfer.c TO_DEVICE_BLOCK_BYTES
 CONFIGS = {"mmap": ("mmap", False), "pinned": ("pinned", False), "mmap_retained": ("mmap", True),
            "pinned_retained": ("pinned", True)}
 DEFAULT_CONFIGS = "mmap,pinned,mmap_retained"
@@ -424,7 +424,7 @@ def _markdown(r):
         lines += ["| host limit, all processes at once | per GPU GB/s | aggregate GB/s |", "|---|---:|---:|"]
         for key, name in (("fill_first", "fresh-page fill, first touch of the process"),
                           ("fill", "fresh-page fill, again (median of the next 2)"),
-                          ("copy", "host copy out of filled memory, 8 MiB blocks (median of 3)"),
+                          ("copy", f"host copy out of filled memory, {COPY_BLOCK // MiB} MiB blocks (median of 3)"),
                           ("d2h", "pinned device→host"),
                           ("h2d", "pinned host→device")):
             if f"limit_{key}" not in r:

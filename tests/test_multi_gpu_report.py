@@ -92,4 +92,4 @@ def test_resume_of_a_non_retained_mmap_backup_is_measured_against_the_host_copy_
     assert cell("mmap", "resume aggregate (× limit)") == "40.0 (0.80× h2d, 0.91× copy)"
     assert cell("mmap_retained", "resume aggregate (× limit)") == "40.0 (0.80× h2d)"
     assert cell("mmap", "pause aggregate (× limit)") == "40.0 (0.80× fill)"
-    assert "| host copy out of filled memory, 8 MiB blocks (median of 3) | 44.0 | 44.0 |" in text
+    assert "| host copy out of filled memory, 4 MiB blocks (median of 3) | 44.0 | 44.0 |" in text
