@@ -92,22 +92,23 @@ def _fill_fresh(nbytes, threads):
     return addr, work, lambda: libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes))
 
 
-def _copy_out(addr, nbytes, slots):
-    """Threads, one per pair of slots, each copying its share of [addr, addr +
-    nbytes) out in COPY_BLOCK pieces, into its two slots in turn."""
+def _copy_out(addr, nbytes, buffers):
+    """Threads, one per buffer of 2 * COPY_BLOCK bytes (two slots), each copying
+    its share of [addr, addr + nbytes) out in COPY_BLOCK pieces, into its two
+    slots in turn."""
     import ctypes
     import threading
 
     libc = ctypes.CDLL(None)
     libc.memcpy.restype = ctypes.c_void_p
     libc.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    part = nbytes // len(slots)
+    part = nbytes // len(buffers)
 
     def run(start, pair):
         for i, off in enumerate(range(start, start + part, COPY_BLOCK)):
             libc.memcpy(pair[i & 1], addr + off, min(COPY_BLOCK, start + part - off))
 
-    pairs = [(ctypes.addressof(b), ctypes.addressof(b) + COPY_BLOCK) for b in slots]
+    pairs = [(ctypes.addressof(b), ctypes.addressof(b) + COPY_BLOCK) for b in buffers]
     return [threading.Thread(target=run, args=(i * part, pair)) for i, pair in enumerate(pairs)]
 
 
@@ -137,9 +138,9 @@ def limits_worker(rank, gpu, gib, barrier, results):
         out["fill"].append(_timed(work, barrier, nbytes))
         if rep < FILL_REPS - 1:
             unmap()
-    slots = [ctypes.create_string_buffer(2 * COPY_BLOCK) for _ in range(threads)]  # zeroed: resident
+    buffers = [ctypes.create_string_buffer(2 * COPY_BLOCK) for _ in range(threads)]  # zeroed: resident
     for _ in range(COPY_REPS):
-        out["copy"].append(_timed(_copy_out(addr, nbytes, slots), barrier, nbytes))
+        out["copy"].append(_timed(_copy_out(addr, nbytes, buffers), barrier, nbytes))
     unmap()
     n = 4 * GiB
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")

@@ -41,14 +41,16 @@ static int retain_override = -1;     /* atomic; -1: TMS_RETAIN_CPU_BACKUP decide
 /* Interior pointers (a tensor inside a cached segment) are found in an
  * address-sorted copy of the table, guarded by table_lock. Every insert and
  * unlink makes the copy stale; it is rebuilt only after WALKS_BEFORE_SORT
- * walks of an unchanged table. A rebuild (a walk plus a sort) costs about as
- * much as that many walks, so a table that changes between lookups pays at
- * most twice what walking alone would, and a run of lookups (get_cpu_backup
- * of every weight) pays a binary search each. */
-#define WALKS_BEFORE_SORT 32
+ * walks of an unchanged table. A rebuild (a walk plus a sort) took as long as
+ * 16-74 walks from 100 to 40,000 allocations (development host), so a table
+ * that changes between runs of lookups pays at most about twice what walking
+ * alone would, and a long run of lookups (get_cpu_backup of every weight)
+ * pays a binary search each. */
+#define WALKS_BEFORE_SORT 64
 static struct tms_span_index by_address;
 static int by_address_stale = 1;
 static unsigned walks_since_change;
+static uint64_t sorted_lookups;  /* tms_core_sorted_lookups */
 
 static void register_fork_handlers(void);
 
@@ -259,7 +261,8 @@ static int table_insert_locked(struct tms_alloc *a)
     if (*tag_head) (*tag_head)->tag_prev = a;
     *tag_head = a;
     __atomic_store_n(&alloc_count, alloc_count + 1, __ATOMIC_RELAXED);
-    by_address_stale = 1, walks_since_change = 0;
+    by_address_stale = 1;
+    walks_since_change = 0;
     account_locked(a, +1);
     return TMS_OK;
 }
@@ -272,7 +275,8 @@ static void table_unlink_locked(struct tms_alloc **link)
     else tag_at(a->tag_id)->allocs = a->tag_next;
     if (a->tag_next) a->tag_next->tag_prev = a->tag_prev;
     __atomic_store_n(&alloc_count, alloc_count - 1, __ATOMIC_RELAXED);
-    by_address_stale = 1, walks_since_change = 0;
+    by_address_stale = 1;
+    walks_since_change = 0;
     account_locked(a, -1);
 }
 
@@ -300,19 +304,25 @@ static void index_by_address_locked(void)
 {
     if (tms_span_index_clear(&by_address, alloc_count)) return;
     FOR_EACH_ALLOC(a) {
-        tms_span_index_add(&by_address, a->va, a->va + a->reserved, a);
+        if (tms_span_index_add(&by_address, a->va, a->va + a->reserved, a)) return;  /* alloc_count is wrong: walk */
     }
     tms_span_index_sort(&by_address);
     by_address_stale = 0;
 }
 
-/* The allocation holding ptr: by hash when ptr is its start, else by address. */
+/* The allocation holding ptr: by hash when ptr is its start, else by address.
+ * Allocations never overlap (each has a range of its own: reserved here, or
+ * mapped by its owner, and the driver maps nothing over a mapping), so at
+ * most one holds ptr. */
 static const struct tms_alloc *owner_of_locked(uint64_t ptr)
 {
     const struct tms_alloc *owner = table_find_locked(ptr);
     if (owner) return owner;
     if (by_address_stale && ++walks_since_change > WALKS_BEFORE_SORT) index_by_address_locked();
-    if (!by_address_stale) return tms_span_index_find(&by_address, ptr);
+    if (!by_address_stale) {
+        sorted_lookups++;
+        return tms_span_index_find(&by_address, ptr);
+    }
     FOR_EACH_ALLOC(a) {
         if (ptr >= a->va && ptr < a->va + a->reserved) return a;
     }
@@ -801,6 +811,14 @@ int tms_core_list(struct tms_alloc_info **rows, size_t *count, struct tms_err *e
     *rows = out;
     *count = i;
     return TMS_OK;
+}
+
+uint64_t tms_core_sorted_lookups(void)
+{
+    lock_table();
+    uint64_t n = sorted_lookups;
+    unlock_table();
+    return n;
 }
 
 int tms_core_find(uint64_t ptr, struct tms_alloc_info *row)

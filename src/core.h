@@ -78,6 +78,9 @@ int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *e
 int tms_core_list(struct tms_alloc_info **rows, size_t *count, struct tms_err *err);
 /* The row of the allocation holding ptr; TMS_E_NOT_FOUND if none. */
 int tms_core_find(uint64_t ptr, struct tms_alloc_info *row);
+/* How many lookups of an address inside an allocation so far used the
+ * address-sorted copy of the table rather than a walk (tests). */
+uint64_t tms_core_sorted_lookups(void);
 
 /* ---- adopted memory (cumem.c: PyTorch's expandable segments) ----------------
  * Memory its owner reserved, created and mapped itself, taken into the table

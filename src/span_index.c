@@ -7,16 +7,19 @@ int tms_span_index_clear(struct tms_span_index *ix, size_t count)
 {
     ix->count = 0;
     if (count <= ix->cap) return 0;
-    struct tms_span *grown = realloc(ix->spans, count * sizeof *grown);
+    size_t cap = count > 2 * ix->cap ? count : 2 * ix->cap;  /* a table growing one by one: few reallocs */
+    struct tms_span *grown = realloc(ix->spans, cap * sizeof *grown);
     if (!grown) return -1;
     ix->spans = grown;
-    ix->cap = count;
+    ix->cap = cap;
     return 0;
 }
 
-void tms_span_index_add(struct tms_span_index *ix, uint64_t start, uint64_t end, const void *owner)
+int tms_span_index_add(struct tms_span_index *ix, uint64_t start, uint64_t end, const void *owner)
 {
+    if (ix->count == ix->cap) return -1;
     ix->spans[ix->count++] = (struct tms_span){.start = start, .end = end, .owner = owner};
+    return 0;
 }
 
 static int by_start(const void *x, const void *y)

@@ -20,8 +20,9 @@ struct tms_span_index {
 /* Empties ix and makes room for count spans: 0, or -1 out of host memory
  * (ix then stays empty and usable). */
 int tms_span_index_clear(struct tms_span_index *ix, size_t count);
-/* pre: room for one more (tms_span_index_clear); start <= end. */
-void tms_span_index_add(struct tms_span_index *ix, uint64_t start, uint64_t end, const void *owner);
+/* Adds [start, end) (start <= end) in the room tms_span_index_clear made:
+ * 0, or -1 if that is full (nothing added). */
+int tms_span_index_add(struct tms_span_index *ix, uint64_t start, uint64_t end, const void *owner);
 /* Call once after the adds, before any find. */
 void tms_span_index_sort(struct tms_span_index *ix);
 /* The owner of the span holding addr, or NULL. */

@@ -32,10 +32,13 @@
  *    (a resume's workers spend 81-93% of their time copying into the
  *    staging; benchmarks/results/20261125-023015_*-resume-block.md).
  *    TMS_BACKUP_BLOCK_BYTES sets one size for both.
- *  - a slot stays 8 MiB: a disk backup's file I/O goes through it.
+ *  - a slot stays 8 MiB (unless TMS_BACKUP_BLOCK_BYTES sets one size for
+ *    all): a disk backup's file I/O goes through it, in blocks up to its size.
+ *  - populating fresh memory (pinned backups) needs no slot; 8 MiB as before.
  */
 #define TO_HOST_BLOCK_BYTES ((size_t)2 << 20)
 #define TO_DEVICE_BLOCK_BYTES ((size_t)4 << 20)
+#define POPULATE_BLOCK_BYTES ((size_t)8 << 20)
 #define SLOT_BYTES ((size_t)8 << 20)
 _Static_assert(SLOT_BYTES >= TO_HOST_BLOCK_BYTES && SLOT_BYTES >= TO_DEVICE_BLOCK_BYTES, "a block fits a slot");
 #define DEFAULT_MAX_WORKERS 16
@@ -394,8 +397,10 @@ static int run_job(const struct tms_driver *drv, int kind, struct tms_transfer *
     int rc = pool_start(drv, err);  /* sets slot_bytes */
     if (rc) return rc;
     size_t fixed = tms_defaults()->backup_block_bytes;
-    size_t block_bytes = fixed ? fixed : kind == JOB_TO_HOST ? TO_HOST_BLOCK_BYTES : TO_DEVICE_BLOCK_BYTES;
-    if (block_bytes > slot_bytes) block_bytes = slot_bytes;
+    size_t block_bytes = fixed                   ? fixed
+                         : kind == JOB_TO_HOST   ? TO_HOST_BLOCK_BYTES
+                         : kind == JOB_TO_DEVICE ? TO_DEVICE_BLOCK_BYTES
+                                                 : POPULATE_BLOCK_BYTES;  /* a set size is the slots' size too */
     size_t file_block = tms_defaults()->disk_block_bytes < slot_bytes ? tms_defaults()->disk_block_bytes : slot_bytes;
     size_t direct_block = fixed || kind == JOB_POPULATE ? block_bytes : TMS_DIRECT_BLOCK_BYTES;
     for (size_t i = 0; i < count; i++) {

@@ -595,10 +595,11 @@ static void test_span_index(void)
     static const int owners[3];
     struct tms_span_index ix = {0};
     CHECK(tms_span_index_find(&ix, 5) == NULL);
+    CHECK(tms_span_index_add(&ix, 1, 2, &owners[0]) == -1);  /* no room made */
     CHECK(tms_span_index_clear(&ix, 3) == 0);
-    tms_span_index_add(&ix, 40, 50, &owners[2]);  /* out of order: the sort puts it last */
-    tms_span_index_add(&ix, 10, 20, &owners[0]);
-    tms_span_index_add(&ix, 20, 30, &owners[1]);
+    CHECK(tms_span_index_add(&ix, 40, 50, &owners[2]) == 0);  /* out of order: the sort puts it last */
+    CHECK(tms_span_index_add(&ix, 10, 20, &owners[0]) == 0);
+    CHECK(tms_span_index_add(&ix, 20, 30, &owners[1]) == 0);
     tms_span_index_sort(&ix);
     static const struct { uint64_t addr; const void *owner; } probes[] = {
         {9, NULL}, {10, &owners[0]}, {19, &owners[0]}, {20, &owners[1]}, {29, &owners[1]},
@@ -607,6 +608,14 @@ static void test_span_index(void)
     for (size_t i = 0; i < sizeof probes / sizeof probes[0]; i++)
         CHECK(tms_span_index_find(&ix, probes[i].addr) == probes[i].owner);
     CHECK(tms_span_index_clear(&ix, 1) == 0 && tms_span_index_find(&ix, 15) == NULL);
+    enum { MANY = 100 };  /* growing an index that held spans */
+    CHECK(tms_span_index_clear(&ix, MANY) == 0 && ix.cap >= MANY);
+    for (uint64_t k = MANY; k-- > 0;) CHECK(tms_span_index_add(&ix, 100 * k, 100 * k + 50, &owners[k % 3]) == 0);
+    tms_span_index_sort(&ix);
+    for (uint64_t k = 0; k < MANY; k++) {
+        CHECK(tms_span_index_find(&ix, 100 * k + 49) == &owners[k % 3]);
+        CHECK(tms_span_index_find(&ix, 100 * k + 50) == NULL);
+    }
     tms_span_index_free(&ix);
 }
 
@@ -616,6 +625,9 @@ static void test_interior_lookup(void)
     enum { N = 48, ROUNDS = 3 };
     uint64_t va[N];
     for (int i = 0; i < N; i++) va[i] = (uint64_t)(uintptr_t)alloc_ok(2 * gran + 1, 0, &r);
+    uint64_t sorted = tms_core_sorted_lookups();
+    CHECK(owner_start(va[0] + gran) == va[0]);
+    CHECK(tms_core_sorted_lookups() == sorted);  /* the table just changed: a walk */
     for (int round = 0; round < ROUNDS; round++)  /* walks, then a sort, then searches */
         for (int i = 0; i < N; i++) {
             CHECK(owner_start(va[i] + gran + 4096 * (uint64_t)round) == va[i]);
@@ -623,14 +635,22 @@ static void test_interior_lookup(void)
             CHECK(owner_start(va[i] + 3 * gran) != va[i]);
         }
     CHECK(owner_start(1) == 0);
+    CHECK(tms_core_sorted_lookups() > sorted + N);  /* the runs of lookups searched */
     for (int i = 0; i < N; i += 2) free_ok((void *)(uintptr_t)va[i]);
-    for (int round = 0; round < ROUNDS; round++)  /* a free makes the sorted copy stale */
+    sorted = tms_core_sorted_lookups();
+    CHECK(owner_start(va[1] + gran) == va[1]);
+    CHECK(tms_core_sorted_lookups() == sorted);  /* a free makes the sorted copy stale */
+    for (int round = 0; round < ROUNDS; round++)
         for (int i = 0; i < N; i++) CHECK(owner_start(va[i] + gran) == (i % 2 ? va[i] : 0));
+    CHECK(tms_core_sorted_lookups() > sorted);
     for (int i = 0; i < N; i += 2) va[i] = (uint64_t)(uintptr_t)alloc_ok(gran + 1, 0, &r);
     for (int i = 0; i < N; i++)  /* so does an insert, found before the next sort */
         CHECK(owner_start(va[i] + gran) == va[i]);
-    for (int i = 0; i < N; i++) free_ok((void *)(uintptr_t)va[i]);
-    for (int i = 0; i < N; i++) CHECK(owner_start(va[i] + gran) == 0);
+    for (int i = 1; i < N; i++) free_ok((void *)(uintptr_t)va[i]);
+    for (int round = 0; round < ROUNDS; round++)  /* one left: lookups still reach the table */
+        for (int i = 1; i < N; i++) CHECK(owner_start(va[i] + gran) == 0);
+    CHECK(owner_start(va[0] + gran) == va[0]);
+    free_ok((void *)(uintptr_t)va[0]);
 }
 
 static void test_devices(void)
