@@ -425,7 +425,7 @@ def _markdown(r):
         lines += ["| host limit, all processes at once | per GPU GB/s | aggregate GB/s |", "|---|---:|---:|"]
         for key, name in (("fill_first", "fresh-page fill, first touch of the process"),
                           ("fill", "fresh-page fill, again (median of the next 2)"),
-                          ("copy", f"host copy out of filled memory, {COPY_BLOCK // MiB} MiB blocks (median of 3)"),
+                          ("copy", f"host copy out of filled memory, {COPY_BLOCK // MiB} MiB blocks (median of {COPY_REPS})"),
                           ("d2h", "pinned device→host"),
                           ("h2d", "pinned host→device")):
             if f"limit_{key}" not in r:
