@@ -14,9 +14,9 @@ struct tms_backup {
     void *host;                      /* NULL for a disk backup, and once released */
     size_t size;
     int kind;                        /* enum tms_backup_kind */
-    int registered;                  /* pinned by host_register (else host_alloc_pinned) */
-    int pinning;                     /* atomic, enum tms_pinning: an mmap backup page-locked later */
-    size_t pinned_bytes;             /* of those, [0, pinned_bytes) is registered, in TMS_PIN_PIECE_BYTES pieces */
+    int pinning;                     /* atomic, enum tms_pinning: TMS_PIN_DONE once page-locked */
+    size_t pinned_bytes;             /* [0, pinned_bytes) is registered, in TMS_PIN_PIECE_BYTES pieces */
+    unsigned char *lock_pieces;      /* a new pinned backup's, until tms_backup_copied: pieces its copy locked */
     struct tms_backup *pin_next;     /* in the queue of backups to page-lock (backup.c) */
     int refs;                        /* atomic */
     const struct tms_driver *drv;
@@ -34,8 +34,13 @@ int tms_backup_new(const struct tms_driver *drv, int kind, int device, size_t si
 /* A pause of an allocation backed up as kind may write into b again: same
  * kind, and a file only where tms_disk_rewritable says so. */
 int tms_backup_reusable(const struct tms_backup *b, int kind);
-/* Is b page-locked now (a DMA can go straight to it)? */
+/* Is b page-locked now (a DMA can go straight to it)? A pinned backup is
+ * from its first copy on (tms_backup_copied), where the driver can lock it. */
 int tms_backup_pinned(const struct tms_backup *b);
+/* The first copy into b succeeded: a new pinned backup whose pieces that copy
+ * all locked is page-locked from now on; one it could not lock whole stays
+ * pageable (its locked pieces unlocked). Nothing for other backups. */
+void tms_backup_copied(struct tms_backup *b);
 /* Queues an mmap backup to be page-locked, once, by a background thread
  * while no copy runs: a retained backup is copied again every cycle, and a
  * page-locked one takes the DMA directly at link speed instead of through

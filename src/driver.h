@@ -76,8 +76,8 @@ struct tms_driver {
     /* Page-locked host memory (plain memory on the host backend). */
     int (*host_alloc_pinned)(size_t size, void **ptr);
     int (*host_free_pinned)(void *ptr, size_t size);
-    /* Page-locks memory the caller mapped and populated (faster than
-     * host_alloc_pinned for large sizes: populate in parallel, then lock). */
+    /* Page-locks memory the caller mapped and faulted in (faster than
+     * host_alloc_pinned for large sizes: fault in on many threads, then lock). */
     int (*host_register)(void *ptr, size_t size);
     int (*host_unregister)(void *ptr);
     /* NUMA node of the host memory nearest the device (its backups go

@@ -13,6 +13,7 @@ static struct tms_transfer transfer_of(const struct tms_alloc *a, struct tms_bac
         .device = a->device, .dev = a->va, .host = copy->host, .n = a->size,
         .file = copy->kind == TMS_BACKUP_DISK ? &copy->file : NULL,
         .host_pinned = tms_backup_pinned(copy),
+        .lock_pieces = copy->lock_pieces,
     };
 }
 
@@ -101,6 +102,8 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
         rc = b.rc;
         if (err) *err = b.err;
     }
+    for (size_t i = 0; i < n && !rc; i++)
+        if (m[i].copy) tms_backup_copied(m[i].copy);
     free(b.items);
     if (rc)
         for (size_t i = 0; i < n; i++) discard_copy(&m[i]);

@@ -792,8 +792,9 @@ def test_chunked_allocations_are_byte_exact_across_chunk_boundaries(run_py, kind
 # pinned staging takes host_alloc calls of its own.
 
 # One chunked allocation of 70 MiB - 1 in 32 MiB chunks (3 chunks: create/map
-# calls 1-3 happen at allocation time). Its backup is pinned, so the copies go
-# straight to it in 32 MiB blocks: three of them.
+# calls 1-3 happen at allocation time). Its backup is pinned: the pause locks
+# it and copies straight into it a 64 MiB piece at a time (two pieces), the
+# resume copies from it in 32 MiB blocks (three).
 _ONE_ALLOCATION_FAULTS = [
     # (TMS_FAULT, failing op, exception name, message fragment, state after the failed call)
     ("create:5", "resume", "OutOfMemoryError", "create of", "paused"),      # chunk 2 of 3
@@ -801,10 +802,11 @@ _ONE_ALLOCATION_FAULTS = [
     ("copy_to_device:2", "resume", "Error", "restore copy", "paused"),      # second copy block
     ("unmap:2", "pause", "Error", "unmap of allocation", "active"),         # chunk 2 of 3
     ("copy_to_host:2", "pause", "Error", "backup copy", "active"),
-    # A pinned backup is populated by the copy workers (their staging is host
-    # allocations 1-4 with TMS_BACKUP_THREADS=2), then page-locked (call 5).
+    # The copy workers' staging is host allocations 1-4 (TMS_BACKUP_THREADS=2);
+    # locking the pinned backup's first piece is call 5.
     ("host_alloc:1", "pause", "OutOfMemoryError", "staging", "active"),    # the copy workers' staging
-    ("host_alloc:5", "pause", "OutOfMemoryError", "pinned backup", "active"),   # locking the backup
+    ("host_alloc:5", "pause", "OutOfMemoryError", "pinned backup", "active"),   # locking a piece of the backup
+    ("host_alloc:6", "pause", "OutOfMemoryError", "pinned backup", "active"),   # and the other piece
 ]
 
 
@@ -893,9 +895,9 @@ _SEVERAL = textwrap.dedent("""
 @pytest.mark.parametrize("fault,exc,fragment", [
     ("copy_to_host:1", "Error", "backup copy"),
     ("copy_to_host:3", "Error", "backup copy"),
-    ("host_alloc:1", "OutOfMemoryError", "staging"),                   # workers start to populate the first buffer
-    ("host_alloc:5", "OutOfMemoryError", "pinned backup"),             # locking the first pinned backup
-    ("host_alloc:6", "OutOfMemoryError", "pinned backup"),             # locking the second
+    ("host_alloc:1", "OutOfMemoryError", "staging"),                   # workers start for the first copy
+    ("host_alloc:5", "OutOfMemoryError", "pinned backup"),             # locking one pinned backup (a piece each)
+    ("host_alloc:6", "OutOfMemoryError", "pinned backup"),             # locking the other
 ])
 def test_fault_during_backed_up_pause_leaves_every_allocation_active(run_py, fault, exc, fragment):
     out = check_ok(run_py(_SEVERAL + textwrap.dedent(f"""

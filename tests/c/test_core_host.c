@@ -898,8 +898,8 @@ static void test_faults(void)
     x[2] = alloc_ok(xs[2], 0, &rx);  /* [create 4, map 4] */
     for (int i = 0; i < N; i++) fill(x[i], xs[i], 600 + i);
 
-    /* host_alloc 1: the process's first pause fails making its first pinned
-     * backup (the copy workers that populate it cannot pin their staging);
+    /* host_alloc 1: the process's first pause fails copying to its first
+     * pinned backup (the copy workers cannot pin their staging);
      * every allocation stays active with its bytes, none keeps a backup, and
      * a retry works. */
     struct tms_region ry = region("f-pause", 1, TMS_BACKUP_PINNED);
@@ -1070,9 +1070,14 @@ static char *piece_at[PIECES_MAX], *unregistered_at[PIECES_MAX];
 static size_t piece_len[PIECES_MAX];
 static int pieces, unregistered, register_failed, fail_piece;  /* fail_piece: 1-based, 0 never */
 
+static char *fail_register_at;  /* a piece whose registration fails with fail_register_code */
+static int fail_register_code;
+
 static int record_register(void *p, size_t n)
 {
-    int rc = fail_piece && pieces + 1 == fail_piece ? 12 /* ENOMEM */ : drv->host_register(p, n);
+    int rc = fail_piece && pieces + 1 == fail_piece ? 12 /* ENOMEM */
+             : fail_register_at == p               ? fail_register_code
+                                                   : drv->host_register(p, n);
     pthread_mutex_lock(&pieces_lock);
     if (pieces < PIECES_MAX) piece_at[pieces] = p, piece_len[pieces] = n;
     if (rc == 0) pieces++;
@@ -1103,7 +1108,7 @@ static void wait_pinning_settled(struct tms_backup *b)
     CHECK(!"the page-locking thread let go of the backup within 10 s");
 }
 
-static struct tms_backup *new_recorded_backup(size_t size)
+static struct tms_backup *new_recorded_backup(size_t size, int kind)
 {
     recording_drv = *drv;
     recording_drv.host_register = record_register;
@@ -1111,14 +1116,14 @@ static struct tms_backup *new_recorded_backup(size_t size)
     pieces = unregistered = register_failed = 0;
     struct tms_err err = {0};
     struct tms_backup *b = NULL;
-    CHECK_RC(tms_backup_new(&recording_drv, TMS_BACKUP_MMAP, 0, size, 0, &b, &err), TMS_OK);
+    CHECK_RC(tms_backup_new(&recording_drv, kind, 0, size, 0, &b, &err), TMS_OK);
     return b;
 }
 
 static void test_pin_pieces(void)
 {
     const size_t size = 2 * TMS_PIN_PIECE_BYTES + ((size_t)3 << 20) + 5;
-    struct tms_backup *b = new_recorded_backup(size);
+    struct tms_backup *b = new_recorded_backup(size, TMS_BACKUP_MMAP);
     if (!b) return;
     CHECK(!tms_backup_pinned(b));
     tms_backup_pin_later(b);
@@ -1146,7 +1151,7 @@ static void test_pin_pieces(void)
     /* The second piece fails: the first is unlocked at once (it would hold
      * memory no copy uses) and the backup stays pageable. */
     fail_piece = 2;
-    b = new_recorded_backup(size);
+    b = new_recorded_backup(size, TMS_BACKUP_MMAP);
     if (b) {
         host = b->host;
         tms_backup_pin_later(b);
@@ -1159,14 +1164,102 @@ static void test_pin_pieces(void)
     fail_piece = 0;
 }
 
-/* Copies to page-locked host memory never cross the end of a registered
- * piece, whatever TMS_BACKUP_BLOCK_BYTES says (ctest core_host_block_3mib
- * runs this with 3 MiB blocks), and together cover every byte once. */
+static int record_copy(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream);
 #define DMA_MAX 256
 static size_t dma_off[DMA_MAX], dma_len[DMA_MAX];
 static int dmas;
 static char *dma_base;
 
+/* Was [p, p + n) registered (or unregistered) as one of the first count pieces? */
+static int recorded_piece(char *const *at, const size_t *len, int count, const char *p, size_t n)
+{
+    for (int i = 0; i < count && i < PIECES_MAX; i++)
+        if (at[i] == p && (!len || len[i] == n)) return 1;
+    return 0;
+}
+
+/* The driver's code for out of memory (ENOMEM on the host backend, hipErrorOutOfMemory on HIP). */
+static int oom_code(void)
+{
+    for (int code = 1; code < 1024; code++)
+        if (drv->is_oom(code) && code != EOPNOTSUPP) return code;
+    CHECK(!"the driver has an out-of-memory code below 1024");
+    return ENOMEM;
+}
+
+/* A new pinned backup is page-locked by its first copy, a whole piece per
+ * DMA, each piece registered just before the DMA into it; the copy's
+ * pieces are unlocked with the backup. A piece the driver cannot lock
+ * leaves the backup pageable (its other pieces unlocked at once, the bytes
+ * all there); one it lacks the memory to lock fails the copy with a message
+ * naming the pinned backup, and the backup's release unlocks exactly the
+ * pieces that were locked. */
+static void test_lock_on_copy(void)
+{
+    const size_t size = 2 * TMS_PIN_PIECE_BYTES + ((size_t)3 << 20) + 5;
+    struct tms_region r = region("lock_on_copy", 0, TMS_BACKUP_MMAP);
+    char *dev = alloc_ok(size, 0, &r);
+    if (!dev) return;
+    fill(dev, size, 61);
+    for (int round = 0; round < 3; round++) {  /* all locked; piece 2 unsupported; piece 2 out of memory */
+        struct tms_backup *b = new_recorded_backup(size, TMS_BACKUP_PINNED);
+        if (!b) break;
+        char *host = b->host;
+        CHECK(b->lock_pieces != NULL && !tms_backup_pinned(b) && pieces == 0);  /* nothing locked before the copy */
+        recording_drv.copy_async = record_copy;
+        dma_base = host;
+        dmas = 0;
+        fail_register_at = round ? host + TMS_PIN_PIECE_BYTES : NULL;
+        fail_register_code = round == 1 ? EOPNOTSUPP : oom_code();
+        struct tms_transfer item = {.device = 0, .dev = (tms_va)(uintptr_t)dev, .host = host, .n = size,
+                                    .lock_pieces = b->lock_pieces};
+        struct tms_err err = {0};
+        CHECK_RC(tms_transfer_run(&recording_drv, 1, &item, 1, &err), round == 2 ? TMS_E_HOST_OOM : TMS_OK);
+        fail_register_at = NULL;
+        if (round == 2) {
+            CHECK_MSG("cannot pin 67108864 bytes of host memory for a pinned backup");
+            int locked = pieces;
+            tms_backup_unref(b);
+            CHECK(unregistered == locked);  /* each locked piece once, no other */
+            for (int i = 0; i < unregistered && i < PIECES_MAX; i++)
+                CHECK(recorded_piece(piece_at, NULL, pieces, unregistered_at[i], 0));
+            continue;
+        }
+        CHECK(item.done == size && matches(host, size, 61));
+        CHECK(dmas == 3);
+        for (int i = 0; i < dmas && i < DMA_MAX; i++) {
+            size_t k = dma_off[i] / TMS_PIN_PIECE_BYTES;
+            CHECK(dma_off[i] == k * TMS_PIN_PIECE_BYTES && dma_len[i] == (k < 2 ? TMS_PIN_PIECE_BYTES : size - dma_off[i]));
+        }
+        tms_backup_copied(b);
+        CHECK(b->lock_pieces == NULL);
+        if (register_failed && round == 0) {  /* a backend that cannot page-lock: stays pageable */
+            CHECK(!tms_backup_pinned(b) && pieces == 0 && unregistered == 0);
+            tms_backup_unref(b);
+            break;
+        }
+        if (round == 0) {
+            CHECK(tms_backup_pinned(b) && b->pinned_bytes == size && pieces == 3 && unregistered == 0);
+            for (int k = 0; k < 3; k++)
+                CHECK(recorded_piece(piece_at, piece_len, pieces, host + (size_t)k * TMS_PIN_PIECE_BYTES,
+                                     k < 2 ? TMS_PIN_PIECE_BYTES : size - 2 * TMS_PIN_PIECE_BYTES));
+            tms_backup_unref(b);
+            CHECK(unregistered == 3);
+            for (int k = 0; k < 3; k++)
+                CHECK(recorded_piece(unregistered_at, NULL, unregistered, host + (size_t)k * TMS_PIN_PIECE_BYTES, 0));
+        } else {
+            CHECK(!tms_backup_pinned(b) && b->pinned_bytes == 0 && pieces == 2 && register_failed == 1);
+            CHECK(unregistered == 2 && !recorded_piece(unregistered_at, NULL, 2, host + TMS_PIN_PIECE_BYTES, 0));
+            tms_backup_unref(b);
+            CHECK(unregistered == 2);
+        }
+    }
+    free_ok(dev);
+}
+
+/* Copies to page-locked host memory never cross the end of a registered
+ * piece, whatever TMS_BACKUP_BLOCK_BYTES says (ctest core_host_block_3mib
+ * runs this with 3 MiB blocks), and together cover every byte once. */
 static int record_copy(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
 {
     pthread_mutex_lock(&pieces_lock);
@@ -1389,6 +1482,7 @@ static const struct test tests[] = {
     {"affinity", test_affinity},
     {"pin_pieces", test_pin_pieces},
     {"direct_blocks", test_direct_blocks},
+    {"lock_on_copy", test_lock_on_copy},
     {"restored_callback", test_restored_callback},
     {"release_restored", test_release_restored},
     {"topology", test_topology},

@@ -6,8 +6,8 @@ import sys
 
 import torch
 
-from _common import (MiB, begin, check, check_equal, check_owned, check_released, check_states, check_taken,
-                     free_bytes, random_tensor, say, tag_bytes)
+from _common import (MiB, allocations, begin, check, check_equal, check_owned, check_released, check_states,
+                     check_taken, free_bytes, random_tensor, say, tag_bytes)
 
 
 def make_tensors():
@@ -55,6 +55,10 @@ def round_trip(tms, tag, backend):
     paused = free_bytes()
     check_states(tag, "paused")
     check_released(before, paused, held, f"pause '{tag}'")
+    # A pinned backup is page-locked by the pause that fills it; an mmap one stays pageable.
+    locked = [r["cpu_backup_page_locked"] for r in allocations(tag)]
+    check(locked == [backend == "pinned"] * len(locked),
+          f"tag {tag!r} ({backend}): cpu_backup_page_locked after pause is {locked}")
     tms.resume(tag)
     check_taken(paused, free_bytes(), held, f"resume '{tag}'")
     check_states(tag, "active")
