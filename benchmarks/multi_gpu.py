@@ -1,10 +1,12 @@
 """Every GPU of the host pausing at once (issue 16): `python -m benchmarks.multi_gpu
 [--gib G] [--cycles C] [--gpus N] [--share-gpu] [--limits-last] [--configs LIST]
-[--upstream DIR] [--out DIR]`.
+[--tensor-mib M] [--upstream DIR] [--out DIR]`.
 
 One process per GPU (CUDA_VISIBLE_DEVICES=i, torch hook mode; with --share-gpu N
 processes all on GPU 0, a stand-in for the host side of N GPUs), each holding G GiB
-of random data in one backed-up region, 512 MiB tensors. A barrier starts every
+of random data in one backed-up region, in tensors of M MiB (512 by default;
+PyTorch packs tensors under 10 MiB into shared 20 MiB segments, each one
+allocation and one backup of the library's). A barrier starts every
 pause and every resume in all processes together. Per backup configuration (mmap,
 pinned, mmap retained) and cycle it reports each GPU's GB/s and the aggregate
 (all bytes over the span from the first start to the last end; the start skew,
@@ -40,7 +42,7 @@ from .common import pyplot, save_png
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 GiB = 1 << 30
-TENSOR = 512 * MiB
+TENSOR_MIB = 512
 LINK_REPS = 5
 FILL_REPS = 3
 COPY_REPS = 3
@@ -193,7 +195,7 @@ def _library_of(module):
     return {"path": root, "version": version}
 
 
-def backup_worker(rank, gpu, config, gib, cycles, library, barrier, results):
+def backup_worker(rank, gpu, config, gib, cycles, tensor_mib, library, barrier, results):
     """library: None (ours, from this checkout) or the directory of another
     torch_memory_saver (the upstream wheel, unpacked): only the API both share
     is called."""
@@ -213,11 +215,12 @@ def backup_worker(rank, gpu, config, gib, cycles, library, barrier, results):
     if bool(tms.retain_cpu_backup) != retain:  # a library without the property would ignore it
         raise RuntimeError(f"retain_cpu_backup = {retain} did not take: reads {tms.retain_cpu_backup!r}")
     torch.manual_seed(rank)
-    count = max(1, int(gib * GiB) // TENSOR)
+    tensor = int(tensor_mib * MiB) // 8 * 8
+    count = max(1, int(gib * GiB) // tensor)
     with tms.region(tag="mg", enable_cpu_backup=True, cpu_backup_backend=backend):
-        tensors = [torch.randint(-2**62, 2**62, (TENSOR // 8,), dtype=torch.int64, device="cuda")
+        tensors = [torch.randint(-2**62, 2**62, (tensor // 8,), dtype=torch.int64, device="cuda")
                    for _ in range(count)]
-    out = {"rank": rank, "bytes": count * TENSOR, "cycles": [], "library": loaded}
+    out = {"rank": rank, "bytes": count * tensor, "cycles": [], "library": loaded}
     for c in range(cycles):
         for t in tensors:
             t.random_(-2**62, 2**62)
@@ -297,6 +300,8 @@ def main():
                     help="every process on GPU 0: the host side (cores, fresh pages) shared as by N GPUs, "
                          "the link shared too")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {','.join(CONFIGS)}")
+    ap.add_argument("--tensor-mib", type=float, default=TENSOR_MIB,
+                    help="size of each tensor (default 512): small ones make many backups")
     ap.add_argument("--upstream", metavar="DIR",
                     help="also run every configuration with the torch_memory_saver found in DIR (the upstream "
                          "wheel unpacked there), in the same run, after ours")
@@ -313,6 +318,7 @@ def main():
         sys.exit(f"{n} processes, {torch.cuda.device_count()} GPUs: pass --share-gpu to put them all on GPU 0")
     device = torch.cuda.get_device_name(0)
     report = {"device": device, "gpus": n, "share_gpu": args.share_gpu, "gib_per_gpu": args.gib, "cycles": args.cycles,
+              "tensor_mib": args.tensor_mib,
               "copy_threads_per_process": _threads(), "cpus": os.cpu_count(),
               "command": "python -m benchmarks.multi_gpu " + " ".join(sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
@@ -328,7 +334,8 @@ def main():
     for config, library in runs:
         if config not in CONFIGS:
             sys.exit(f"unknown configuration {config!r}: one of {', '.join(CONFIGS)}")
-        res, codes = _run(backup_worker, (config, args.gib, args.cycles, library), n, args.share_gpu)
+        res, codes = _run(backup_worker, (config, args.gib, args.cycles, args.tensor_mib, library), n,
+                          args.share_gpu)
         row = {"config": config, "library": "upstream" if library else "ours", "exit_codes": codes, "cycles": []}
         if res:
             row["loaded"] = res[0]["library"]
@@ -410,7 +417,8 @@ def _markdown(r):
 
     who = f"{r['gpus']} processes on one GPU" if r.get("share_gpu") else f"{r['gpus']} GPUs"
     lines = [f"# {who} pausing together: {r['device']}", "",
-             f"{r['date']}, {r['gib_per_gpu']} GiB per GPU in 512 MiB tensors, {r['cycles']} cycles, "
+             f"{r['date']}, {r['gib_per_gpu']} GiB per GPU in {r.get('tensor_mib', TENSOR_MIB):g} MiB tensors, "
+             f"{r['cycles']} cycles, "
              f"{r['copy_threads_per_process']} copy threads per process, {r['cpus']} CPUs. Command: `{r['command']}`",
              ""]
     others = {row["loaded"]["path"]: row["loaded"]["version"] for row in r["rows"]

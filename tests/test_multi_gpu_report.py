@@ -92,3 +92,25 @@ def test_resume_of_a_non_retained_mmap_backup_is_measured_against_the_host_copy_
     assert cell("mmap_retained", "resume aggregate (× limit)") == "40.0 (0.80× h2d)"
     assert cell("mmap", "pause aggregate (× limit)") == "40.0 (0.80× fill)"
     assert "| host copy out of filled memory, 4 MiB blocks (median of 3) | 44.0 | 44.0 |" in text
+
+
+def test_report_names_the_tensor_size():
+    res = [_process(0, (10.0, 11.0), (20.0, 21.0))]
+    report = {"device": "Made-up GPU", "gpus": 1, "share_gpu": False, "gib_per_gpu": 4.0, "cycles": 1,
+              "copy_threads_per_process": 2, "cpus": 4, "command": "python -m benchmarks.multi_gpu --tensor-mib 2",
+              "date": "2026-11-25T00:00:00Z", "limits_last": False,
+              "rows": [{"config": "pinned", "library": "ours", "exit_codes": [0], "cycles": [multi_gpu._cycle(res, 0)]}]}
+    assert "4.0 GiB per GPU in 2 MiB tensors" in multi_gpu._markdown(dict(report, tensor_mib=2.0))
+    assert "4.0 GiB per GPU in 512 MiB tensors" in multi_gpu._markdown(report)  # reports from before the option
+
+
+def test_tensor_size_option_reaches_the_workers(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(multi_gpu, "_run", lambda fn, args, n, share: (seen.append(args), ([], [0]))[1])
+    monkeypatch.setattr(multi_gpu, "_limits", lambda *a: None)
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Made-up GPU")
+    monkeypatch.setattr(sys, "argv", ["multi_gpu", "--gpus", "1", "--share-gpu", "--configs", "pinned",
+                                      "--tensor-mib", "2", "--out", str(tmp_path)])
+    multi_gpu.main()
+    assert seen and seen[0][:4] == ("pinned", 24, 3, 2.0)
