@@ -224,7 +224,7 @@ static int hip_host_free_pinned(void *ptr, size_t size)
     return hip.hipHostFree(ptr);
 }
 
-#define HIP_ERROR_NOT_SUPPORTED 801  /* backup.c then falls back to host_alloc_pinned */
+#define HIP_ERROR_NOT_SUPPORTED 801  /* a pinned backup then stays pageable (transfer.c lock_piece) */
 
 static int hip_host_register(void *ptr, size_t size)
 {
