@@ -36,7 +36,7 @@ static size_t piece_count(size_t size) { return (size + TMS_PIN_PIECE_BYTES - 1)
 /* Fresh pages that the first copy into them page-locks piece by piece
  * (tms_transfer lock_pieces): cuMemHostAlloc of 8 GiB takes ~3 s, and
  * faulting in and registering the whole backup before copying into it ran
- * the pause at 13.2-17.9 GB/s, 16 GiB on the lent H100. */
+ * the pause at 14.9-17.9 GB/s, 16 GiB on the lent H100. */
 static int map_to_lock(const struct tms_driver *drv, int device, struct tms_backup *b, size_t size,
                        struct tms_err *err)
 {

@@ -13,8 +13,8 @@
     X(bytes_reserved, gauge, "virtual bytes reserved (rounded to the granularity)") \
     X(bytes_mapped, gauge, "bytes backed by device memory now")                     \
     X(bytes_paused, gauge, "reserved bytes whose device memory is released")        \
-    X(bytes_backup_pinned, gauge, "host bytes held in page-locked backups")         \
-    X(bytes_backup_mmap, gauge, "host bytes held in pageable backups")              \
+    X(bytes_backup_pinned, gauge, "host bytes held in pinned-backend backups")      \
+    X(bytes_backup_mmap, gauge, "host bytes held in mmap-backend backups")          \
     X(bytes_backup_disk, gauge, "bytes held in backup files on disk")               \
     X(pauses, counter, "pause calls that released memory of this tag")              \
     X(resumes, counter, "resume calls that mapped memory of this tag back")         \

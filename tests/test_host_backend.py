@@ -803,7 +803,8 @@ _ONE_ALLOCATION_FAULTS = [
     ("unmap:2", "pause", "Error", "unmap of allocation", "active"),         # chunk 2 of 3
     ("copy_to_host:2", "pause", "Error", "backup copy", "active"),
     # The copy workers' staging is host allocations 1-4 (TMS_BACKUP_THREADS=2);
-    # locking the pinned backup's first piece is call 5.
+    # locking the pinned backup's pieces is calls 5 and 6 (in the order the two
+    # workers get there).
     ("host_alloc:1", "pause", "OutOfMemoryError", "staging", "active"),    # the copy workers' staging
     ("host_alloc:5", "pause", "OutOfMemoryError", "pinned backup", "active"),   # locking a piece of the backup
     ("host_alloc:6", "pause", "OutOfMemoryError", "pinned backup", "active"),   # and the other piece
