@@ -33,6 +33,8 @@ static void *map_fresh(const struct tms_driver *drv, int device, size_t size)
 
 static size_t piece_count(size_t size) { return (size + TMS_PIN_PIECE_BYTES - 1) / TMS_PIN_PIECE_BYTES; }
 
+static unsigned char *new_piece_map(size_t size) { return calloc(piece_count(size) ? piece_count(size) : 1, 1); }
+
 /* Fresh pages that the first copy into them page-locks piece by piece
  * (tms_transfer lock_pieces): cuMemHostAlloc of 8 GiB takes ~3 s, and
  * faulting in and registering the whole backup before copying into it ran
@@ -40,13 +42,13 @@ static size_t piece_count(size_t size) { return (size + TMS_PIN_PIECE_BYTES - 1)
 static int map_to_lock(const struct tms_driver *drv, int device, struct tms_backup *b, size_t size,
                        struct tms_err *err)
 {
-    b->lock_pieces = calloc(piece_count(size) ? piece_count(size) : 1, 1);
-    if (!b->lock_pieces) return tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a pinned backup record");
+    if (!(b->locked = new_piece_map(size)))
+        return tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a pinned backup record");
     b->host = map_fresh(drv, device, size);
     if (b->host) return TMS_OK;
     int map_errno = errno;
-    free(b->lock_pieces);
-    b->lock_pieces = NULL;
+    free(b->locked);
+    b->locked = NULL;
     return tms_fail(err, TMS_E_HOST_OOM, map_errno, "cannot map %zu bytes of host memory for a pinned backup: errno %d",
                     size, map_errno);
 }
@@ -87,29 +89,34 @@ int tms_backup_pinned(const struct tms_backup *b)
     return __atomic_load_n(&b->pinning, __ATOMIC_ACQUIRE) == TMS_PIN_DONE;
 }
 
-/* Unlocks the pieces a copy locked, in any order. */
-static void unlock_copied_pieces(struct tms_backup *b)
+unsigned char *tms_backup_pieces_to_lock(const struct tms_backup *b)
 {
+    return b->kind == TMS_BACKUP_PINNED && __atomic_load_n(&b->pinning, __ATOMIC_ACQUIRE) == TMS_PIN_NONE ? b->locked
+                                                                                                       : NULL;
+}
+
+/* Unlocks every piece that is locked, whoever locked it and in whatever order. */
+static void unlock_pieces(struct tms_backup *b)
+{
+    if (!b->locked) return;
     for (size_t k = 0; k < piece_count(b->size); k++)
-        if (b->lock_pieces[k]) (void)b->drv->host_unregister((char *)b->host + k * TMS_PIN_PIECE_BYTES);
-    free(b->lock_pieces);
-    b->lock_pieces = NULL;
+        if (b->locked[k]) {
+            (void)b->drv->host_unregister((char *)b->host + k * TMS_PIN_PIECE_BYTES);
+            b->locked[k] = 0;
+        }
 }
 
 void tms_backup_copied(struct tms_backup *b)
 {
-    if (!b->lock_pieces) return;
+    if (!tms_backup_pieces_to_lock(b)) return;
     size_t locked = 0;
-    for (size_t k = 0; k < piece_count(b->size); k++) locked += b->lock_pieces[k];
+    for (size_t k = 0; k < piece_count(b->size); k++) locked += b->locked[k];
     if (locked == piece_count(b->size)) {
-        free(b->lock_pieces);
-        b->lock_pieces = NULL;
-        b->pinned_bytes = b->size;
         __atomic_store_n(&b->pinning, TMS_PIN_DONE, __ATOMIC_RELEASE);
         return;
     }
     /* Locked pieces in a pageable backup would only hold memory: copies of it stage. */
-    unlock_copied_pieces(b);
+    unlock_pieces(b);
     __atomic_store_n(&b->pinning, TMS_PIN_FAILED, __ATOMIC_RELEASE);
     TMS_DEBUG("pinned backup of %zu bytes stays pageable: the driver locked %zu of its %zu pieces", b->size, locked,
               piece_count(b->size));
@@ -176,27 +183,20 @@ static void pin_setup(void)
 
 static int stopping_now(void) { return __atomic_load_n(&pin_stopping, __ATOMIC_ACQUIRE); }
 
-/* Registers what is left of b, a piece at a time, each after the copies
- * running now; -1 if the process is exiting. */
+/* Registers b a piece at a time, each after the copies running now; -1 if
+ * the process is exiting (the pieces locked so far go with the backup). */
 static int register_in_pieces(struct tms_backup *b)
 {
-    while (b->pinned_bytes < b->size) {
+    for (size_t k = 0; k < piece_count(b->size); k++) {
         while (!tms_transfer_idle() && !stopping_now()) usleep(1000);
         if (stopping_now()) return -1;
-        size_t left = b->size - b->pinned_bytes;
-        size_t piece = left < TMS_PIN_PIECE_BYTES ? left : TMS_PIN_PIECE_BYTES;
-        int rc = b->drv->host_register((char *)b->host + b->pinned_bytes, piece);
+        size_t off = k * TMS_PIN_PIECE_BYTES;
+        size_t piece = b->size - off < TMS_PIN_PIECE_BYTES ? b->size - off : TMS_PIN_PIECE_BYTES;
+        int rc = b->drv->host_register((char *)b->host + off, piece);
         if (rc) return rc;
-        b->pinned_bytes += piece;
+        b->locked[k] = 1;
     }
     return 0;
-}
-
-static void unregister_pieces(struct tms_backup *b)
-{
-    for (size_t off = 0; off < b->pinned_bytes; off += TMS_PIN_PIECE_BYTES)
-        (void)b->drv->host_unregister((char *)b->host + off);
-    b->pinned_bytes = 0;
 }
 
 static void *pin_thread_main(void *arg)
@@ -215,7 +215,7 @@ static void *pin_thread_main(void *arg)
         pthread_mutex_unlock(&pin_lock);
         int rc = register_in_pieces(b);
         if (rc > 0) {
-            unregister_pieces(b);  /* copies stage through; locked pieces would only hold memory */
+            unlock_pieces(b);  /* copies stage through; locked pieces would only hold memory */
             TMS_DEBUG("retained backup of %zu bytes stays pageable: %s (%d)", b->size, b->drv->code_name(rc), rc);
         }
         __atomic_store_n(&b->pinning, rc ? TMS_PIN_FAILED : TMS_PIN_DONE, __ATOMIC_RELEASE);
@@ -232,6 +232,10 @@ void tms_backup_pin_later(struct tms_backup *b)
     if (!b || b->kind != TMS_BACKUP_MMAP ||
         !__atomic_compare_exchange_n(&b->pinning, &none, TMS_PIN_RUNNING, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         return;
+    if (!(b->locked = new_piece_map(b->size))) {
+        __atomic_store_n(&b->pinning, TMS_PIN_FAILED, __ATOMIC_RELEASE);
+        return;
+    }
     pthread_once(&pin_once, pin_setup);
     tms_backup_ref(b);
     pthread_mutex_lock(&pin_lock);
@@ -263,8 +267,9 @@ void tms_backup_ref(struct tms_backup *b)
 static void release_host_memory(struct tms_backup *b)
 {
     if (!b->host) return;
-    if (b->lock_pieces) unlock_copied_pieces(b);  /* a failed pause's */
-    unregister_pieces(b);                         /* those of a locking cut short by the exit too */
+    unlock_pieces(b);  /* those of a failed pause or of a locking cut short by the exit too */
+    free(b->locked);
+    b->locked = NULL;
     munmap(b->host, b->size);
     b->host = NULL;
 }

@@ -15,8 +15,10 @@ struct tms_backup {
     size_t size;
     int kind;                        /* enum tms_backup_kind */
     int pinning;                     /* atomic, enum tms_pinning: TMS_PIN_DONE once page-locked */
-    size_t pinned_bytes;             /* [0, pinned_bytes) is registered, in TMS_PIN_PIECE_BYTES pieces */
-    unsigned char *lock_pieces;      /* a new pinned backup's, until tms_backup_copied: pieces its copy locked */
+    /* Per TMS_PIN_PIECE_BYTES piece of host, 1 while it is registered: by a
+     * pinned backup's first copy (any order) or by the page-locking thread
+     * (in order). NULL until either may lock it. */
+    unsigned char *locked;
     struct tms_backup *pin_next;     /* in the queue of backups to page-lock (backup.c) */
     int refs;                        /* atomic */
     const struct tms_driver *drv;
@@ -37,6 +39,9 @@ int tms_backup_reusable(const struct tms_backup *b, int kind);
 /* Is b page-locked now (a DMA can go straight to it)? A pinned backup is
  * from its first copy on (tms_backup_copied), where the driver can lock it. */
 int tms_backup_pinned(const struct tms_backup *b);
+/* The piece map a copy into b locks as it goes (tms_transfer lock_pieces):
+ * a new pinned backup's before its first copy; else NULL. */
+unsigned char *tms_backup_pieces_to_lock(const struct tms_backup *b);
 /* The first copy into b succeeded: a new pinned backup whose pieces that copy
  * all locked is page-locked from now on; one it could not lock whole stays
  * pageable (its locked pieces unlocked). Nothing for other backups. */

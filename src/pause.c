@@ -13,7 +13,7 @@ static struct tms_transfer transfer_of(const struct tms_alloc *a, struct tms_bac
         .device = a->device, .dev = a->va, .host = copy->host, .n = a->size,
         .file = copy->kind == TMS_BACKUP_DISK ? &copy->file : NULL,
         .host_pinned = tms_backup_pinned(copy),
-        .lock_pieces = copy->lock_pieces,
+        .lock_pieces = tms_backup_pieces_to_lock(copy),
     };
 }
 
