@@ -39,8 +39,57 @@ def _fits(env, nbytes):
     return free is None or nbytes + FREE_MARGIN <= free, free
 
 
-def _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, free0, rss0):
-    """Times pause(tag)/resume(tag) cycles; returns per-cycle lists."""
+class _PairedFloor:
+    """The driver's own loop on as many allocations of the tag's size, held in
+    this process and cycled beside the library's cycles (floor.Paired): both
+    see the same driver state and idle time (the own-process floor of one
+    8 GiB allocation moved 3-6 ms from one process to the next). Inactive,
+    with a note, where the runner built no floor library, the tag's sizes
+    differ, the device has no room or a floor call fails."""
+
+    def __init__(self, params, shape):
+        self.paired, self.note, self.times = None, None, []
+        lib = params.get("floor_lib")
+        if not lib:
+            return
+        if len(shape["reserved_size_histogram"]) != 1:
+            self.note = f"no paired floor: allocation sizes differ ({shape['reserved_size_histogram']})"
+            return
+        from . import floor
+
+        try:
+            self.paired = floor.Paired(lib, shape["allocations"], shape["reserved_size"])
+        except RuntimeError as e:
+            self.note = f"no paired floor: {e}"
+
+    def cycle(self, c):
+        """One floor cycle; (pause, resume) seconds, or None once inactive."""
+        if not self.paired:
+            return None
+        try:
+            return self.paired.cycle(c)
+        except RuntimeError as e:  # the library's figures still count
+            self.close()
+            self.note, self.times = f"no paired floor: {e}", []
+            return None
+
+    def close(self):
+        if self.paired:
+            self.paired.close()
+            self.paired = None
+
+    def summary(self):
+        if not self.times:
+            return {"paired_note": self.note} if self.note else {}
+        return {"paired_pause_s": [p for p, _ in self.times], "paired_resume_s": [r for _, r in self.times],
+                "paired_pause_median_s": median([p for p, _ in self.times]),
+                "paired_resume_median_s": median([r for _, r in self.times])}
+
+
+def _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, free0, rss0, paired=None):
+    """Times pause(tag)/resume(tag) cycles; returns per-cycle lists. With
+    paired (a _PairedFloor), one floor cycle runs beside each, before or
+    after it in turn, its times into paired.times."""
     pause_s, resume_s, freed = [], [], []
     truncated = False
     last = 0.0
@@ -48,6 +97,8 @@ def _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, free0, rss0):
         if c >= warmup + 3 and not deadline.allows(2 * last + 1.0):
             truncated = True
             break
+        if paired and c % 2 == 0:
+            fp = paired.cycle(c)
         env.sync()
         t0 = time.perf_counter()
         tms.pause(tag)
@@ -58,12 +109,30 @@ def _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, free0, rss0):
         tms.resume(tag)
         t3 = time.perf_counter()
         env.touch(block, c)
+        if paired and c % 2 == 1:
+            fp = paired.cycle(c)
         last = t3 - t0
         if c >= warmup:
             pause_s.append(t1 - t0)
             resume_s.append(t3 - t2)
             freed.append(free_p - free0 if free0 is not None else rss0 - rss_p)
+            if paired and fp is not None:
+                paired.times.append(fp)
     return pause_s, resume_s, freed, truncated
+
+
+def _timed_cycles(env, tms, tag, block, entry, params, cycles, warmup, deadline, free0, rss0):
+    """Discard cycles of tag beside the paired floor where there can be one,
+    their summary into entry; returns the bytes freed per cycle."""
+    paired = _PairedFloor(params, entry)
+    try:
+        p, r, freed, truncated = _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, free0, rss0, paired)
+    finally:
+        paired.close()
+    entry.update(_summary(p, r))
+    entry.update(paired.summary())
+    entry["truncated"] = truncated
+    return freed
 
 
 def _summary(pause_s, resume_s):
@@ -97,14 +166,14 @@ def latency(env, params, deadline):
             continue
         tag = f"lat-{name}"
         try:
-            _latency_shape(env, tms, tag, name, entry, count, size, cycles, warmup, deadline)
+            _latency_shape(env, tms, tag, name, entry, count, size, params, cycles, warmup, deadline)
         except Exception as e:  # one shape failing must not lose the others
             entry.update(error_record(e))
             log(f"latency {name}: FAILED: {entry['error']}")
     return out
 
 
-def _latency_shape(env, tms, tag, name, entry, count, size, cycles, warmup, deadline):
+def _latency_shape(env, tms, tag, name, entry, count, size, params, cycles, warmup, deadline):
     t0 = time.perf_counter()
     block = env.alloc(tag, [size] * count)
     entry["alloc_s"] = time.perf_counter() - t0
@@ -113,9 +182,7 @@ def _latency_shape(env, tms, tag, name, entry, count, size, cycles, warmup, dead
         addrs = env.addresses(block)
         free0 = env.free_bytes()
         rss0 = rss_bytes()
-        p, r, freed, truncated = _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, free0, rss0)
-        entry.update(_summary(p, r))
-        entry["truncated"] = truncated
+        freed = _timed_cycles(env, tms, tag, block, entry, params, cycles, warmup, deadline, free0, rss0)
         entry["freed_bytes"] = freed
         entry["freed_source"] = "torch.cuda.mem_get_info" if free0 is not None else "VmRSS (host backend)"
         expected = entry["reserved_bytes"]
@@ -243,13 +310,6 @@ def backup(env, config, params, deadline):
     return out
 
 
-def _scaling_point(env, tag, block, cycles, warmup, deadline):
-    p, r, _, truncated = _cycle_discard(env, env.tms, tag, block, cycles, warmup, deadline, None, 0)
-    d = _summary(p, r)
-    d["truncated"] = truncated
-    return d
-
-
 def scaling_count(env, params, deadline):
     """Pause/resume time vs number of allocations of one granule (2 MiB)."""
     cycles, warmup = int(params["cycles"]), int(params.get("warmup", 1))
@@ -268,7 +328,8 @@ def scaling_count(env, params, deadline):
             point["skipped"] = "time budget"
             continue
         try:
-            _measure_point(env, f"sc-{n}", point, lambda tag: env.alloc_granules(tag, n), cycles, warmup, deadline)
+            _measure_point(env, f"sc-{n}", point, lambda tag: env.alloc_granules(tag, n), params, cycles, warmup,
+                           deadline)
             log(f"scaling count {point['allocations']}: pause {_ms(point['pause_median_s'])}, "
                 f"resume {_ms(point['resume_median_s'])}")
         except Exception as e:
@@ -277,13 +338,13 @@ def scaling_count(env, params, deadline):
     return out
 
 
-def _measure_point(env, tag, point, make, cycles, warmup, deadline):
+def _measure_point(env, tag, point, make, params, cycles, warmup, deadline):
     t0 = time.perf_counter()
     block = make(tag)
     point["alloc_s"] = time.perf_counter() - t0
     try:
         point.update(_alloc_shape(env, tag))
-        point.update(_scaling_point(env, tag, block, cycles, warmup, deadline))
+        _timed_cycles(env, env.tms, tag, block, point, params, cycles, warmup, deadline, None, 0)
     finally:
         env.dispose(block, tag)
 
@@ -304,7 +365,8 @@ def scaling_bytes(env, params, deadline):
             point["skipped"] = "time budget"
             continue
         try:
-            _measure_point(env, f"sb-{size}", point, lambda tag: env.alloc(tag, [size]), cycles, warmup, deadline)
+            _measure_point(env, f"sb-{size}", point, lambda tag: env.alloc(tag, [size]), params, cycles, warmup,
+                           deadline)
             log(f"scaling bytes {fmt_bytes(size)}: pause {_ms(point['pause_median_s'])}, "
                 f"resume {_ms(point['resume_median_s'])}")
         except Exception as e:

@@ -83,6 +83,23 @@ def _fit_line(xs, ys):
     return {"intercept": my - b * mx, "slope": b, "points": n}
 
 
+def _paired(e):
+    """The paired floor's figures and the ratios to it, for a measured shape or point."""
+    fp, fr = e.get("paired_pause_median_s"), e.get("paired_resume_median_s")
+    return {"paired_pause_ms": fp * 1e3 if fp else None, "paired_resume_ms": fr * 1e3 if fr else None,
+            "pause_vs_paired": _ratio(e["pause_median_s"], fp) if fp else None,
+            "resume_vs_paired": _ratio(e["resume_median_s"], fr) if fr else None,
+            "paired_note": e.get("paired_note")}
+
+
+def vs_floor(row, what):
+    """(ratio, which floor) of row's pause or resume: the paired floor where
+    it ran, else the own-process one."""
+    if row.get(f"{what}_vs_paired") is not None:
+        return row[f"{what}_vs_paired"], "paired"
+    return row.get(f"{what}_vs_floor"), "own-process"
+
+
 def derive(results):
     d = {}
     lim = results.get("limits") or {}
@@ -125,6 +142,7 @@ def derive(results):
                     "floor_resume_ms": f["resume_median_s"] * 1e3 if f else None,
                     "pause_vs_floor": _ratio(e["pause_median_s"], f["pause_median_s"]) if f else None,
                     "resume_vs_floor": _ratio(e["resume_median_s"], f["resume_median_s"]) if f else None,
+                    **_paired(e),
                     "freed_gib": (median(e.get("freed_bytes") or []) or 0) / GiB,
                     "reserved_gib": (e.get("reserved_bytes") or 0) / GiB,
                     "freed_ok": e.get("freed_ok"),
@@ -269,11 +287,12 @@ def derive(results):
                     "floor_resume_ms": f["resume_median_s"] * 1e3 if f else None,
                     "pause_vs_floor": _ratio(p["pause_median_s"], f["pause_median_s"]) if f else None,
                     "resume_vs_floor": _ratio(p["resume_median_s"], f["resume_median_s"]) if f else None,
+                    **_paired(p),
                 })
         good = [p for p in pts if p.get("pause_ms") is not None]
         scale = 1.0 if key == "count" else 1.0 / GiB
         fits = {}
-        for what in ("pause_ms", "resume_ms", "floor_pause_ms", "floor_resume_ms"):
+        for what in ("pause_ms", "resume_ms", "floor_pause_ms", "floor_resume_ms", "paired_pause_ms", "paired_resume_ms"):
             fits[what] = _fit_line([p["x"] * scale for p in good], [p.get(what) for p in good])
         d[f"scaling_{key}"] = {"points": pts, "fit": fits,
                                "fit_x_unit": "allocations" if key == "count" else "GiB",
@@ -296,6 +315,16 @@ def _f(x, fmt="{:.2f}", none="-"):
 
 def _ratio_cell(x):
     return "-" if x is None else f"{x:.2f}×"
+
+
+def _both_ratios(p, what):
+    return f"{_ratio_cell(p.get(f'{what}_vs_paired'))} / {_ratio_cell(p.get(f'{what}_vs_floor'))}"
+
+
+PAIRED_TEXT = ("The paired floor is the raw driver loop on as many allocations of the same size, held in the same "
+               "process and cycled once beside each of the library's cycles (before it and after it in turn), so "
+               "both see the same driver state and idle time; the own-process floor is `vmm_floor` in a process of "
+               "its own (section 1).")
 
 
 def _table(head, rows):
@@ -373,23 +402,25 @@ def markdown(results, images):
 
     out.append("## 2. Pause/resume latency without backup\n")
     out.append(f"Tensors of the given shape; `allocations` is what the library holds (PyTorch's caching "
-               f"allocator carves 1–10 MiB tensors out of 20 MiB segments). The floor is the raw driver loop for "
-               f"the same allocation count and size. Target: within {FLOOR_RATIO_TARGET}× of the floor.\n")
+               f"allocator carves 1–10 MiB tensors out of 20 MiB segments). {PAIRED_TEXT} Target: within "
+               f"{FLOOR_RATIO_TARGET}× of the floor.\n")
     rows = []
     for r in d.get("latency", []):
         if r.get("pause_ms") is None:
-            rows.append([r["shape"], r["mode"], _f(r.get("allocations"), "{}"), "-", "-", "-", "-", "-", "-", "-",
+            rows.append([r["shape"], r["mode"], _f(r.get("allocations"), "{}"), "-", "-", "-", "-", "-", "-", "-", "-",
                          r.get("skipped") or "not measured"])
             continue
         rows.append([r["shape"], r["mode"], f"{r['allocations']} × {fmt_bytes(r['reserved_size'])}",
-                     _f(r["pause_ms"], "{:.3f}"), _f(r.get("floor_pause_ms"), "{:.3f}"),
-                     _ratio_cell(r.get("pause_vs_floor")),
-                     _f(r["resume_ms"], "{:.3f}"), _f(r.get("floor_resume_ms"), "{:.3f}"),
-                     _ratio_cell(r.get("resume_vs_floor")),
+                     _f(r["pause_ms"], "{:.3f}"), _f(r.get("paired_pause_ms"), "{:.3f}"),
+                     _ratio_cell(r.get("pause_vs_paired")),
+                     _f(r["resume_ms"], "{:.3f}"), _f(r.get("paired_resume_ms"), "{:.3f}"),
+                     _ratio_cell(r.get("resume_vs_paired")),
+                     f"{_ratio_cell(r.get('pause_vs_floor'))} / {_ratio_cell(r.get('resume_vs_floor'))}",
                      f"{_f(r.get('freed_gib'))} of {_f(r.get('reserved_gib'))} GiB {_f(r.get('freed_ok'))}",
-                     f"addresses kept: {_f(r.get('same_addresses'))}"])
-    out.append(_table(["tensors", "mode", "allocations", "pause ms", "floor ms", "ratio", "resume ms", "floor ms",
-                       "ratio", "freed (mem_get_info)", "note"], rows) if rows else "_not measured_")
+                     "; ".join(x for x in (f"addresses kept: {_f(r.get('same_addresses'))}", r.get("paired_note")) if x)])
+    out.append(_table(["tensors", "mode", "allocations", "pause ms", "paired floor ms", "ratio", "resume ms",
+                       "paired floor ms", "ratio", "× own-process floor pause / resume", "freed (mem_get_info)", "note"],
+                      rows) if rows else "_not measured_")
     out.append("")
     if images.get("latency"):
         out.append(f"![latency vs floor]({images['latency']})\n")
@@ -517,6 +548,7 @@ def markdown(results, images):
                    + ("met" if ct["target_met"] else "**missed**") + "\n")
 
     out.append("## 5. Scaling (torch hook mode)\n")
+    out.append("Ratios: against the paired floor / the own-process floor (section 2 says how each runs).\n")
     sc = d.get("scaling_count", {})
     rows = []
     for p in sc.get("points", []):
@@ -525,8 +557,8 @@ def markdown(results, images):
             continue
         n = max(1, p["allocations"])
         rows.append([p["allocations"], _f(p["pause_ms"], "{:.3f}"), _f(p["pause_ms"] / n * 1e3, "{:.1f}"),
-                     _ratio_cell(p.get("pause_vs_floor")), _f(p["resume_ms"], "{:.3f}"),
-                     _f(p["resume_ms"] / n * 1e3, "{:.1f}"), _ratio_cell(p.get("resume_vs_floor")), ""])
+                     _both_ratios(p, "pause"), _f(p["resume_ms"], "{:.3f}"),
+                     _f(p["resume_ms"] / n * 1e3, "{:.1f}"), _both_ratios(p, "resume"), p.get("paired_note") or ""])
     out.append("Pause/resume vs number of 2 MiB allocations:\n")
     out.append(_table(["allocations", "pause ms", "µs/alloc", "vs floor", "resume ms", "µs/alloc", "vs floor",
                        "note"], rows) if rows else "_not measured_")
@@ -537,8 +569,8 @@ def markdown(results, images):
         if p.get("pause_ms") is None:
             rows.append([fmt_bytes(p.get("x")), "-", "-", "-", "-", p.get("skipped") or ""])
             continue
-        rows.append([fmt_bytes(p["x"]), _f(p["pause_ms"], "{:.3f}"), _ratio_cell(p.get("pause_vs_floor")),
-                     _f(p["resume_ms"], "{:.3f}"), _ratio_cell(p.get("resume_vs_floor")), ""])
+        rows.append([fmt_bytes(p["x"]), _f(p["pause_ms"], "{:.3f}"), _both_ratios(p, "pause"),
+                     _f(p["resume_ms"], "{:.3f}"), _both_ratios(p, "resume"), p.get("paired_note") or ""])
     out.append("\nPause/resume vs total bytes in one allocation:\n")
     out.append(_table(["bytes", "pause ms", "vs floor", "resume ms", "vs floor", "note"], rows)
                if rows else "_not measured_")
@@ -579,13 +611,12 @@ def _summary_lines(d):
                      f"{_f(r.get('resume_gbps'))} GB/s ({_ratio_cell(r.get('resume_vs_limit_read'))} of its read), "
                      f"RSS +{fmt_bytes(r.get('rss_peak_growth_max'))} at most, contents exact: "
                      f"{_f(r.get('all_verified'))}; issue 11 target {'met' if r.get('target_met') else '**missed**'}")
-    lat = [r for r in d.get("latency", []) if r.get("pause_vs_floor") is not None]
+    lat = [r for r in d.get("latency", []) if vs_floor(r, "pause")[0] is not None]
     if lat:
-        worst_p = max(lat, key=lambda r: r["pause_vs_floor"])
-        worst_r = max(lat, key=lambda r: r["resume_vs_floor"] or 0)
-        lines.append(f"discard pause/resume vs raw driver floor: worst pause {_ratio_cell(worst_p['pause_vs_floor'])} "
-                     f"({worst_p['shape']}, {worst_p['mode']}), worst resume {_ratio_cell(worst_r['resume_vs_floor'])} "
-                     f"({worst_r['shape']}, {worst_r['mode']}); target ≤ {FLOOR_RATIO_TARGET}×")
+        worst = {what: max(lat, key=lambda r: vs_floor(r, what)[0] or 0) for what in ("pause", "resume")}
+        lines.append("discard pause/resume vs raw driver floor: " + ", ".join(
+            f"worst {what} {_ratio_cell(vs_floor(r, what)[0])} of the {vs_floor(r, what)[1]} floor "
+            f"({r['shape']}, {r['mode']})" for what, r in worst.items()) + f"; target ≤ {FLOOR_RATIO_TARGET}×")
     pt = d.get("passthrough", {}).get("2MiB", {})
     if pt.get("overhead_ns_per_call_same_process") is not None or pt.get("overhead_ns_per_call_vs_plain_process") is not None:
         lines.append(f"preload pass-through (cudaMalloc/cudaFree outside regions) adds "
@@ -609,7 +640,10 @@ def _summary_lines(d):
         lines.append(f"cost law (torch mode, 2 MiB allocations): pause ≈ {fit['pause_ms']['slope'] * 1e3:.1f} µs and "
                      f"resume ≈ {fit['resume_ms']['slope'] * 1e3:.1f} µs per allocation"
                      + (f" (driver: {fit['floor_pause_ms']['slope'] * 1e3:.1f} / "
-                        f"{fit['floor_resume_ms']['slope'] * 1e3:.1f} µs)"
+                        f"{fit['floor_resume_ms']['slope'] * 1e3:.1f} µs"
+                        + (f"; paired: {fit['paired_pause_ms']['slope'] * 1e3:.1f} / "
+                           f"{fit['paired_resume_ms']['slope'] * 1e3:.1f} µs"
+                           if fit.get("paired_pause_ms") and fit.get("paired_resume_ms") else "") + ")"
                         if fit.get("floor_pause_ms") and fit.get("floor_resume_ms") else ""))
     return lines
 
@@ -617,7 +651,8 @@ def _summary_lines(d):
 def _fit_text(fit, per, mul, unit):
     parts = []
     for what, label in (("pause_ms", "library pause"), ("resume_ms", "library resume"),
-                        ("floor_pause_ms", "driver pause"), ("floor_resume_ms", "driver resume")):
+                        ("floor_pause_ms", "driver pause"), ("floor_resume_ms", "driver resume"),
+                        ("paired_pause_ms", "paired driver pause"), ("paired_resume_ms", "paired driver resume")):
         f = fit.get(what)
         if f:
             parts.append(f"{label} ≈ {f['intercept']:.3f} ms + {f['slope'] * mul:.2f} {unit} {per}")

@@ -85,7 +85,7 @@ Step = collections.namedtuple("Step", "name kind mode sections cap_s expect_s")
 STEPS = [
     Step("limits", "worker", "none", ["limits"], 100, 30),
     Step("torch", "worker", "torch", ["latency", "alloc_overhead", "passthrough", "scaling_count", "scaling_bytes"],
-         150, 55),
+         180, 70),
     Step("preload", "worker", "preload", ["latency", "alloc_overhead", "passthrough", "contention"], 130, 45),
     Step("floor", "floor", None, [], 90, 20),
     Step("backup:pinned", "worker", "torch", ["backup:pinned"], 80, 35),
@@ -96,6 +96,7 @@ STEPS = [
     Step("disk:tmpfs", "worker", "torch", ["disk:tmpfs"], 60, 15),
 ]
 GRACE_S = 30  # past a worker's soft deadline before it is killed
+PAIRED_SECTIONS = ("latency", "scaling_count", "scaling_bytes")  # discard cycles, each beside one of the floor's
 
 
 class Interrupted(Exception):
@@ -206,6 +207,7 @@ class Runner:
         self.tmp = tempfile.mkdtemp(prefix="tms-bench-")
         self.current = None
         self.partial = None  # (step, sections done, record) of the worker step under way
+        self.floor_lib = None  # the floor as a library, for the cycles paired with the library's
 
     def echo(self, line):
         sys.stdout.write(line if line.endswith("\n") else line + "\n")
@@ -275,7 +277,11 @@ class Runner:
         sections not yet done. Returns ({section: result}, worker record)."""
         pending = list(step.sections)
         done, record = {}, {"attempts": []}
-        params = json.dumps({k: self.preset[k] for k in self.preset if k != "budget_s"})
+        params = {k: self.preset[k] for k in self.preset if k != "budget_s"}
+        if self.floor_lib:
+            for k in PAIRED_SECTIONS:
+                params[k] = dict(params[k], floor_lib=self.floor_lib)
+        params = json.dumps(params)
         for attempt in range(3):
             if not pending:
                 break
@@ -395,6 +401,18 @@ def fill_meta_from_env(results, env):
         meta["device_name"] = env["device_name"]
 
 
+def build_paired_floor(runner, results):
+    """The floor as a library the workers load (floor.Paired); without it
+    the cycles are compared with the own-process floor alone."""
+    try:
+        runner.floor_lib, build = floor.build(runner.tmp, library=True)
+        results["paired_floor"] = {"ok": True, "build": build["command"]}
+        runner.say(f"paired floor: built with {build['command']}")
+    except (RuntimeError, OSError) as e:
+        results["paired_floor"] = {"ok": False, "error": str(e)[:2000]}
+        results["errors"].append({"where": "paired floor", "error": str(e)[:2000]})
+
+
 def run_floor(runner, results, deadline_at):
     p = runner.preset["floor"]
     shapes = [f"{c}x{s}" for c, s in CANONICAL_SHAPES]
@@ -494,6 +512,8 @@ def main(argv=None):
     runner.say(f"benchmark run {stem}: preset {preset_name}, budget {budget:.0f} s, output {out_dir}")
     runner.say(f"meta: {json.dumps(meta)}")
 
+    if not args.dry_run:
+        build_paired_floor(runner, results)
     old_term = signal.signal(signal.SIGTERM, _on_signal)
     steps = [s for s in STEPS if not args.only or s.name in args.only.split(",")]
     try:

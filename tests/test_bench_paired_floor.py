@@ -1,0 +1,124 @@
+"""`make bench` compares discard-mode pause/resume with the driver's own loop
+cycled beside it in the same process (the paired floor), not only with a
+floor measured in a process of its own: on the lent H100 the own-process
+floor of one 8 GiB allocation moved 3-6 ms between processes. No GPU here:
+the cycles run on the host backend beside a stand-in for floor.Paired, and
+the report is fed made-up figures."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import report  # noqa: E402
+
+CYCLES = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from benchmarks import cycles, floor
+    from benchmarks.common import Deadline
+    from benchmarks.envs import HostEnv
+
+    log = []
+
+    class StandIn:
+        def __init__(self, lib, count, size):
+            if lib == "no room":
+                raise RuntimeError("vmm_floor_hold(%d, %d): out of memory" % (count, size))
+            self.shape, self.fail_at = (count, size), (3 if lib == "fails" else None)
+            log.append(("hold", count, size))
+
+        def cycle(self, value, idle_s=0.0):
+            if value == self.fail_at:
+                raise RuntimeError("vmm_floor_cycle: device lost")
+            log.append(("floor", value))
+            return 0.001 * (value + 1), 0.002 * (value + 1)
+
+        def close(self):
+            log.append(("close",))
+
+    floor.Paired = StandIn
+    env = HostEnv("torch")
+    real_pause = env.tms.pause
+    env.tms.pause = lambda tag: (log.append(("pause",)), real_pause(tag))[1]
+    out = {}
+    for lib in ("lib.so", "no room", "fails"):
+        del log[:]
+        params = {"shapes": [[3, 2 << 20]], "cycles": 4, "warmup": 1, "floor_lib": lib}
+        (entry,) = cycles.latency(env, params, Deadline(1e18))["shapes"]
+        out[lib] = {"entry": entry, "log": log[:]}
+    print(json.dumps(out))
+""")
+
+
+def _run_cycles():
+    child = subprocess.run([sys.executable, "-c", CYCLES, str(REPO_ROOT)], capture_output=True, text=True,
+                           timeout=120, env={"TMS_BACKEND": "host", "PATH": "/usr/bin:/bin"})
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.splitlines()[-1])
+
+
+def test_each_library_cycle_runs_beside_one_floor_cycle_before_and_after_in_turn():
+    out = _run_cycles()["lib.so"]
+    entry, log = out["entry"], [tuple(x) for x in out["log"]]
+    size = entry["reserved_size"]
+    assert log[0] == ("hold", entry["allocations"], size) and log[-1] == ("close",)
+    # Cycle 0 (warm-up): floor first; cycle 1: library first; and so on.
+    assert log[1:-1] == [("floor", 0), ("pause",), ("pause",), ("floor", 1), ("floor", 2), ("pause",), ("pause",),
+                         ("floor", 3), ("floor", 4), ("pause",)]
+    # The warm-up cycle's floor figures are dropped with the library's.
+    assert entry["paired_pause_s"] == [0.002, 0.003, 0.004, 0.005]
+    assert entry["paired_resume_s"] == [0.004, 0.006, 0.008, 0.010]
+    assert entry["paired_pause_median_s"] == 0.0035 and entry["paired_resume_median_s"] == 0.007
+    assert len(entry["pause_s"]) == 4 and entry["pause_median_s"] > 0
+
+
+def test_without_a_paired_floor_the_library_figures_stay_and_a_note_says_why():
+    out = _run_cycles()
+    for lib, why in (("no room", "no paired floor: vmm_floor_hold("), ("fails", "no paired floor: vmm_floor_cycle: "
+                                                                              "device lost")):
+        entry = out[lib]["entry"]
+        assert entry["paired_note"].startswith(why), entry
+        assert "paired_pause_median_s" not in entry
+        assert len(entry["pause_s"]) == 4 and entry["freed_ok"] is not None
+
+
+def _results(paired):
+    shape = {"shape": "1x8GiB", "tensors": 1, "allocations": 1, "reserved_size": 8 << 30, "reserved_bytes": 8 << 30,
+             "pause_median_s": 0.0045, "resume_median_s": 0.00052, "freed_bytes": [8 << 30], "freed_ok": True,
+             "same_addresses": True, "cycles": 7}
+    if paired:
+        shape.update(paired_pause_median_s=0.004, paired_resume_median_s=0.0005)
+    else:
+        shape.update(paired_note="no paired floor: vmm_floor_hold(1, 8589934592): out of memory")
+    own = {"shape": "1x8589934592", "count": 1, "reserved_size": 8 << 30, "pause_median_s": 0.003,
+           "resume_median_s": 0.00032, "cycles": 7}
+    return {"meta": {}, "errors": [], "latency": {"preload": {"shapes": [shape]}},
+            "vmm_floor": {"ok": True, "shapes": [own]}}
+
+
+def _row(text, first):
+    header = next(line for line in text.splitlines() if line.startswith("| tensors |"))
+    names = [c.strip() for c in header.strip("|").split("|")]
+    row = next(line for line in text.splitlines() if line.startswith(f"| {first} |"))
+    return dict(zip(names, [c.strip() for c in row.strip("|").split("|")]))
+
+
+def test_report_holds_the_library_to_the_paired_floor_and_shows_the_own_process_one():
+    text = report.markdown(_results(paired=True), {})
+    row = _row(text, "1x8GiB")
+    assert row["paired floor ms"] == "0.500" and row["ratio"] == "1.04×"  # the last two columns of each name win
+    assert row["× own-process floor pause / resume"] == "1.50× / 1.62×"
+    assert ("worst pause 1.12× of the paired floor (1x8GiB, preload), worst resume 1.04× of the paired floor "
+            "(1x8GiB, preload); target ≤ 1.2×") in text
+
+
+def test_report_falls_back_to_the_own_process_floor_and_says_why():
+    text = report.markdown(_results(paired=False), {})
+    row = _row(text, "1x8GiB")
+    assert row["paired floor ms"] == "-"
+    assert row["note"] == "addresses kept: yes; no paired floor: vmm_floor_hold(1, 8589934592): out of memory"
+    assert "worst pause 1.50× of the own-process floor (1x8GiB, preload)" in text
