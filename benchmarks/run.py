@@ -158,7 +158,13 @@ def _mem_gib():
 
 
 def _git():
-    commit = os.environ.get("TMS_BENCH_COMMIT") or _run_text(["git", "-C", REPO, "rev-parse", "HEAD"])
+    """(commit, dirty). TMS_BENCH_COMMIT names the commit of a copied tree
+    whose git metadata is not its own (the lent GPU machines keep the .git of
+    an earlier copy); whether such a tree is dirty is then unknown (None)."""
+    named = os.environ.get("TMS_BENCH_COMMIT")
+    if named:
+        return named, None
+    commit = _run_text(["git", "-C", REPO, "rev-parse", "HEAD"])
     dirty = None
     status = _run_text(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"])
     if status is not None:
