@@ -48,7 +48,7 @@ def _spin(seconds):
 def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0):
     """Runs in the worker process: {count: point}. With floor_lib, the floor
     holds as many allocations of its own in this process and runs a cycle
-    beside each of the library's (floor.Paired), first and second in turn."""
+    beside each of the library's (floor.Beside), first and second in turn."""
     from .envs import GpuEnv, HostEnv
 
     env = HostEnv("torch") if dry_run else GpuEnv("torch")
@@ -59,28 +59,12 @@ def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0
         t0 = time.perf_counter()
         block = env.alloc_granules(tag, n)
         point = {"requested": n, "alloc_s": time.perf_counter() - t0, "allocations": len(env.tag_allocs(tag))}
-        for key in ("pause", "resume", "pause_core", "resume_core", "pause_paired", "resume_paired"):
+        for key in ("pause", "resume", "pause_core", "resume_core"):
             point[key] = []
-        paired = None
-        if floor_lib:
-            try:
-                paired = floor.Paired(floor_lib, point["allocations"], ALLOC_BYTES)
-            except RuntimeError as e:  # e.g. no room for a second set: the library's figures still count
-                point["paired_error"] = str(e)
-        def floor_cycle(c):
-            nonlocal paired
-            try:
-                return paired.cycle(c, idle_s)
-            except RuntimeError as e:  # the pairing stops; the library's figures still count
-                point["paired_error"] = str(e)
-                paired.close()
-                paired = None
-                point["pause_paired"], point["resume_paired"] = [], []
-                return None, None
-
+        paired = floor.Beside(floor_lib, point["allocations"], ALLOC_BYTES)
         for c in range(warmup + cycles):
-            if paired and c % 2 == 0:
-                fp, fr = floor_cycle(c)
+            if c % 2 == 0:
+                fp = paired.cycle(c, idle_s)
             before = env.tag_stats(tag)
             env.touch(block, c)  # ends in a synchronize, as the floor's cycle starts
             _spin(idle_s)
@@ -90,18 +74,20 @@ def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0
             env.tms.resume(tag)
             t2 = time.perf_counter()
             after = env.tag_stats(tag)
-            if paired and c % 2 == 1:
-                fp, fr = floor_cycle(c)
+            if c % 2 == 1:
+                fp = paired.cycle(c, idle_s)
             if c >= warmup:
                 point["pause"].append(t1 - t0)
                 point["resume"].append(t2 - t1)
                 point["pause_core"].append((after["pause_ns"] - before["pause_ns"]) * 1e-9)
                 point["resume_core"].append((after["resume_ns"] - before["resume_ns"]) * 1e-9)
-                if paired:
-                    point["pause_paired"].append(fp)
-                    point["resume_paired"].append(fr)
-        if paired:
-            paired.close()
+                if fp is not None:
+                    paired.times.append(fp)
+        paired.close()
+        point["pause_paired"] = [p for p, _ in paired.times]
+        point["resume_paired"] = [r for _, r in paired.times]
+        if paired.error:  # e.g. no room for a second set: the library's figures still count
+            point["paired_error"] = paired.error
         point["lookup_s"] = _interior_lookups(env, block)
         point["tensors"] = len(env.addresses(block))
         env.dispose(block, tag)

@@ -11,6 +11,7 @@ tms.stats() and tms._core.allocations().
 import collections
 import time
 
+from . import floor
 from .common import GiB, MiB, error_record, fmt_bytes, log, median, rss_bytes, shape_name
 
 FREE_MARGIN = 2 * GiB  # what must stay free on the device beside a measurement
@@ -39,60 +40,31 @@ def _fits(env, nbytes):
     return free is None or nbytes + FREE_MARGIN <= free, free
 
 
-class _PairedFloor:
+def _paired_floor(params, shape):
     """The driver's own loop on as many allocations of the tag's size, held in
-    this process and cycled beside the library's cycles (floor.Paired): both
+    this process and cycled beside the library's cycles (floor.Beside): both
     see the same driver state and idle time (on the lent H100 the driver's
     release or create of one 8 GiB allocation took 0.4 ms in one cycle and
-    30-40 ms in the next, floor and library alike). Inactive,
-    with a note, where the runner built no floor library, the tag's sizes
-    differ, the device has no room or a floor call fails."""
+    30-40 ms in the next, floor and library alike). Inactive where the runner
+    built no floor library; with a reason where the tag's sizes differ, the
+    device has no room or a floor call fails."""
+    lib, sizes = params.get("floor_lib"), shape["reserved_size_histogram"]
+    why_not = f"allocation sizes differ ({sizes})" if lib and len(sizes) != 1 else None
+    return floor.Beside(lib, shape["allocations"], shape["reserved_size"], why_not)
 
-    def __init__(self, params, shape):
-        self.paired, self.note, self.times = None, None, []
-        self.let_go = False  # set when a failed cycle gave the floor's memory back
-        lib = params.get("floor_lib")
-        if not lib:
-            return
-        if len(shape["reserved_size_histogram"]) != 1:
-            self.note = f"no paired floor: allocation sizes differ ({shape['reserved_size_histogram']})"
-            return
-        from . import floor
 
-        try:
-            self.paired = floor.Paired(lib, shape["allocations"], shape["reserved_size"])
-        except RuntimeError as e:
-            self.note = f"no paired floor: {e}"
-
-    def cycle(self, c):
-        """One floor cycle; (pause, resume) seconds, or None once inactive."""
-        if not self.paired:
-            return None
-        try:
-            return self.paired.cycle(c)
-        except RuntimeError as e:  # the library's figures still count
-            self.close()
-            self.note, self.times, self.let_go = f"no paired floor: {e}", [], True
-            return None
-
-    def close(self):
-        if self.paired:
-            self.paired.close()
-            self.paired = None
-
-    def summary(self):
-        if not self.times:
-            return {"paired_note": self.note} if self.note else {}
-        return {"paired_pause_s": [p for p, _ in self.times], "paired_resume_s": [r for _, r in self.times],
-                "paired_pause_median_s": median([p for p, _ in self.times]),
-                "paired_resume_median_s": median([r for _, r in self.times]),
-                "paired_pause_min_s": min(p for p, _ in self.times),
-                "paired_resume_min_s": min(r for _, r in self.times)}
+def _paired_summary(paired):
+    if not paired.times:
+        return {"paired_note": f"no paired floor: {paired.error}"} if paired.error else {}
+    pauses, resumes = [p for p, _ in paired.times], [r for _, r in paired.times]
+    return {"paired_pause_s": pauses, "paired_resume_s": resumes,
+            "paired_pause_median_s": median(pauses), "paired_resume_median_s": median(resumes),
+            "paired_pause_min_s": min(pauses), "paired_resume_min_s": min(resumes)}
 
 
 def _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, paired):
     """Times pause(tag)/resume(tag) cycles; returns per-cycle lists. One
-    floor cycle (paired, a _PairedFloor) runs beside each, before or after it
+    floor cycle (paired, a floor.Beside) runs beside each, before or after it
     in turn, its times into paired.times."""
     pause_s, resume_s, freed = [], [], []
     truncated = False
@@ -140,13 +112,13 @@ def _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, paired):
 def _timed_cycles(env, tms, tag, block, entry, params, cycles, warmup, deadline):
     """Discard cycles of tag beside the paired floor where there can be one,
     their summary into entry; returns the bytes freed per cycle."""
-    paired = _PairedFloor(params, entry)
+    paired = _paired_floor(params, entry)
     try:
         p, r, freed, truncated = _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, paired)
     finally:
         paired.close()
     entry.update(_summary(p, r))
-    entry.update(paired.summary())
+    entry.update(_paired_summary(paired))
     entry["truncated"] = truncated
     return freed
 

@@ -101,3 +101,36 @@ class Paired:
 
     def close(self):
         self._lib.vmm_floor_drop()
+
+
+class Beside:
+    """A Paired floor that gives way to the library's cycles it runs beside:
+    where it cannot hold its allocations (no room for a second set) or one of
+    its cycles fails, it stops with the reason in .error and drops the times
+    it had (a part of the cycles paired is no pairing); the library's figures
+    still count. The caller keeps the times of the cycles it counts in .times."""
+
+    def __init__(self, library, count, size, why_not=None):
+        self.paired, self.error, self.times = None, why_not, []
+        self.let_go = False  # set when a failed cycle gave the floor's memory back
+        if library and not why_not:
+            try:
+                self.paired = Paired(library, count, size)
+            except RuntimeError as e:
+                self.error = str(e)
+
+    def cycle(self, value, idle_s=0.0):
+        """(pause, resume) seconds of one floor cycle, or None once stopped."""
+        if not self.paired:
+            return None
+        try:
+            return self.paired.cycle(value, idle_s)
+        except RuntimeError as e:
+            self.close()
+            self.error, self.times, self.let_go = str(e), [], True
+            return None
+
+    def close(self):
+        if self.paired:
+            self.paired.close()
+            self.paired = None

@@ -15,10 +15,10 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import report  # noqa: E402
 
-CYCLES = textwrap.dedent("""
+STAND_IN = textwrap.dedent("""
     import ctypes, json, sys
     sys.path.insert(0, sys.argv[1])
-    from benchmarks import cycles, floor
+    from benchmarks import alloc_count, cycles, floor
     from benchmarks.common import Deadline
     from benchmarks.envs import HostEnv
 
@@ -46,6 +46,9 @@ CYCLES = textwrap.dedent("""
             log.append(("close",))
 
     floor.Paired = StandIn
+""")
+
+CYCLES = STAND_IN + textwrap.dedent("""
     env = HostEnv("torch")
     real_pause = env.tms.pause
     env.tms.pause = lambda tag: (log.append(("pause",)), real_pause(tag))[1]
@@ -59,11 +62,29 @@ CYCLES = textwrap.dedent("""
 """)
 
 
-def _run_cycles():
-    child = subprocess.run([sys.executable, "-c", CYCLES, str(REPO_ROOT)], capture_output=True, text=True,
+# benchmarks.alloc_count's worker pairs its cycles through the same floor.Beside.
+ALLOC_COUNT = STAND_IN + textwrap.dedent("""
+    from torch_memory_saver import torch_memory_saver as tms
+    real_pause = tms.pause
+    tms.pause = lambda tag: (log.append(("pause",)), real_pause(tag))[1]
+    out = {}
+    for lib in ("lib.so", "no room", "fails"):
+        del log[:]
+        (point,) = alloc_count.worker([2], 4, 1, True, floor_lib=lib)["points"]
+        out[lib] = {"point": point, "log": log[:]}
+    print(json.dumps(out))
+""")
+
+
+def _run(script):
+    child = subprocess.run([sys.executable, "-c", script, str(REPO_ROOT)], capture_output=True, text=True,
                            timeout=120, env={"TMS_BACKEND": "host", "PATH": "/usr/bin:/bin"})
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.splitlines()[-1])
+
+
+def _run_cycles():
+    return _run(CYCLES)
 
 
 def test_each_library_cycle_runs_beside_one_floor_cycle_before_and_after_in_turn():
@@ -91,6 +112,23 @@ def test_without_a_paired_floor_the_library_figures_stay_and_a_note_says_why():
         assert entry["paired_note"].startswith(why), entry
         assert "paired_pause_median_s" not in entry
         assert len(entry["pause_s"]) == 4 and entry["freed_ok"] is True
+
+
+def test_alloc_count_pairs_its_cycles_in_turn_and_drops_a_failed_pairing():
+    out = _run(ALLOC_COUNT)
+    point, log = out["lib.so"]["point"], [tuple(x) for x in out["lib.so"]["log"]]
+    assert log[0] == ("hold", point["allocations"], 2 << 20) and log[-1] == ("close",)
+    assert log[1:-1] == [("floor", 0), ("pause",), ("pause",), ("floor", 1), ("floor", 2), ("pause",), ("pause",),
+                         ("floor", 3), ("floor", 4), ("pause",)]
+    assert point["pause_paired"] == [0.002, 0.003, 0.004, 0.005]  # the warm-up cycle's dropped
+    assert point["resume_paired"] == [0.004, 0.006, 0.008, 0.010]
+    assert "paired_error" not in point
+    for lib, why in (("no room", f"vmm_floor_hold({point['allocations']}, 2097152): out of memory"),
+                     ("fails", "vmm_floor_cycle: device lost")):
+        point = out[lib]["point"]
+        assert point["paired_error"] == why
+        assert point["pause_paired"] == [] and point["resume_paired"] == []
+        assert len(point["pause"]) == 4 and len(point["resume"]) == 4  # the library's figures stay
 
 
 def _results(paired):
