@@ -2,7 +2,7 @@
 PYTHON ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: build deps reinstall test demo bench bench-multi-gpu bench-alloc-count bench-fragmentation sanitize sanitize-thread sanitize-python fuzz clean
+.PHONY: build deps reinstall test soak demo bench bench-multi-gpu bench-alloc-count bench-fragmentation sanitize sanitize-thread sanitize-python fuzz clean
 
 # The extensions compiled in place (torch_memory_saver/_tms_*.abi3.so, the upstream-named
 # shims at the root) for tests; warnings are errors here and in CI, never in a user's install.
@@ -19,12 +19,28 @@ reinstall:
 # wheel from disk on CI machines; GPU machines already have their torch.
 # auditwheel checks the wheel's manylinux tag; where it cannot be had (no
 # network, as on the lent GPU machines) that one test skips.
+# pytest-xdist runs the suite on two workers; without it (no network) the
+# suite runs on one.
 deps:
 	@$(PYTHON) -c "import torch, pytest" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0 pytest
+	@$(PYTHON) -c "import xdist" 2>/dev/null || $(PYTHON) -m pip install -q pytest-xdist 2>/dev/null || true
 	@$(PYTHON) -c "import auditwheel" 2>/dev/null || $(PYTHON) -m pip install -q auditwheel 2>/dev/null || true
 
+PYTEST_WORKERS ?= 2
 test: deps build
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q $$($(PYTHON) -c "import xdist; print('-n $(PYTEST_WORKERS) --dist loadgroup')" 2>/dev/null) tests
+
+# What make test's walks and fuzzing do, for minutes rather than seconds, under
+# AddressSanitizer + UndefinedBehaviorSanitizer: the expandable-segments walk
+# (SOAK_STEPS steps over 20 seeds, then 2,000 race rounds) and the core fuzzer.
+SOAK_STEPS ?= 200000
+SOAK_SECONDS ?= 300
+soak:
+	cmake -S . -B $(BUILD_DIR)-soak -DTMS_SANITIZE=address,undefined -DTMS_PYTHON_MODULES=OFF >/dev/null
+	cmake --build $(BUILD_DIR)-soak -j2 --target test_cumem_host fuzz_core
+	$(BUILD_DIR)-soak/test_cumem_host --steps $(SOAK_STEPS) --walks 20 --seed 100 --race-rounds 2000
+	TMS_CHUNK_BYTES=4MiB $(BUILD_DIR)-soak/fuzz_core --seconds $(SOAK_SECONDS) --seed 100
+	$(BUILD_DIR)-soak/fuzz_core --seconds $(SOAK_SECONDS) --seed 101
 
 # Installs the package, then runs the demo from outside the source tree so the
 # installed copy is the one imported.

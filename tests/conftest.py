@@ -116,6 +116,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes a few seconds (builds a wheel)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs two pytest-xdist workers (--dist loadgroup): the GPU
+    scenarios share one group, so they run one after the other on one worker
+    and never compete for the GPU's memory."""
+    for item in items:
+        if item.nodeid.startswith("tests/test_gpu.py") or "/test_gpu.py::" in item.nodeid:
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+
+
 def _ensure_built():
     missing = [m for m in HOOK_MODES if not library_file(m).exists()]
     if missing:

@@ -60,7 +60,7 @@ def cmake_build(tmp_path_factory):
 
 def test_ctest(cmake_build):
     out = _ctest(cmake_build)
-    for name in ("core_host", "core_host_chunk_4MiB", "core_host_chunk_5MiB", "core_host_faults",
+    for name in ("core_host", "cumem_host", "cumem_walk_1", "cumem_walk_3", "core_host_chunk_4MiB", "core_host_chunk_5MiB", "core_host_faults",
                  "core_host_faults_chunked",
                  # the hip backend against tests/c/hip_stub.c
                  "core_hip_stub", "core_hip_stub_rocm7", "core_hip_stub_no_register", "core_hip_stub_chunk_4MiB",
@@ -102,7 +102,7 @@ def test_ctest_address_undefined_sanitizers(tmp_path_factory):
     _require_tools()
     tmp = tmp_path_factory.mktemp("cmake-asan")
     leaks = _lsan_works(tmp)
-    build_dir = _build(tmp / "build", "-DTMS_SANITIZE=address,undefined")
+    build_dir = _build(tmp / "build", "-DTMS_SANITIZE=address,undefined", "-DTMS_PYTHON_MODULES=OFF")
     env = {
         **_env(),
         "ASAN_OPTIONS": f"detect_leaks={int(leaks)}:abort_on_error=0:strict_string_checks=1",
