@@ -28,7 +28,7 @@ deps:
 
 PYTEST_WORKERS ?= 2
 test: deps build
-	$(PYTHON) -m pytest -q $$($(PYTHON) -c "import xdist; print('-n $(PYTEST_WORKERS) --dist loadgroup')" 2>/dev/null) tests
+	$(PYTHON) -m pytest -q $$($(PYTHON) -c "import xdist; print('-n $(PYTEST_WORKERS) --dist loadgroup')" 2>/dev/null) $(PYTEST_ARGS) tests
 
 # What make test's walks and fuzzing do, for minutes rather than seconds, under
 # AddressSanitizer + UndefinedBehaviorSanitizer: the expandable-segments walk
