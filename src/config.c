@@ -231,7 +231,13 @@ static void load_host_env(void)
     if (parse_size_env("TMS_HOST_DEVICE_BYTES", (size_t)16 << 30, &host_env.device_bytes, err)) return;
     if (parse_device_count(&host_env.devices, err)) return;
     if (parse_numa_node(&host_env.numa_node, err)) return;
-    (void)parse_faults(host_env.fault_at, err);
+    if (parse_faults(host_env.fault_at, err)) return;
+    const char *gate = getenv("TMS_HOST_COPY_GATE");
+    if (gate && strlen(gate) >= sizeof host_env.copy_gate) {
+        tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_COPY_GATE is longer than %zu bytes", sizeof host_env.copy_gate - 1);
+        return;
+    }
+    if (gate) strcpy(host_env.copy_gate, gate);
 }
 
 static void load_all(void)

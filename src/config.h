@@ -49,8 +49,9 @@ const struct tms_defaults *tms_defaults(void);
 
 /* The host backend's emulated devices and injected faults (driver_host.c):
  * TMS_HOST_DEVICE_BYTES, TMS_HOST_DEVICES, TMS_HOST_NUMA_NODE (the NUMA node
- * the devices sit on) and TMS_FAULT="op:n[,op:n...]", the n-th call of op
- * failing once. Parsed with the defaults. */
+ * the devices sit on), TMS_FAULT="op:n[,op:n...]", the n-th call of op
+ * failing once, and TMS_HOST_COPY_GATE (driver_host.c). Parsed with the
+ * defaults. */
 #define TMS_HOST_MAX_DEVICES 8
 enum tms_fault_op {
     TMS_FAULT_CREATE, TMS_FAULT_MAP, TMS_FAULT_UNMAP, TMS_FAULT_TO_HOST, TMS_FAULT_TO_DEVICE, TMS_FAULT_HOST_ALLOC,
@@ -63,6 +64,7 @@ struct tms_host_env {
     int devices;
     int numa_node;                 /* -1: unknown */
     long fault_at[TMS_FAULT_OPS];  /* 0 = never */
+    char copy_gate[256];           /* TMS_HOST_COPY_GATE: a FIFO the first device->host copy waits on; "" = none */
     struct tms_err error;          /* status != 0: one was malformed, the host backend does not load */
 };
 const struct tms_host_env *tms_host_env(void);

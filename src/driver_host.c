@@ -1,5 +1,7 @@
 /* Host backend: VMM emulated on memfd + mmap, so every core path runs without a GPU. */
 #include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +30,23 @@ static int fault_hit(int op)
 {
     long n = __atomic_add_fetch(&fault_calls[op], 1, __ATOMIC_RELAXED);
     return fault_at[op] != 0 && n == fault_at[op];
+}
+
+/* TMS_HOST_COPY_GATE names a FIFO: the first device->host copy waits until a
+ * byte can be read from it, so a test holds a pause in the middle of its
+ * copies for as long as it needs, whatever the machine's speed. */
+static pthread_once_t gate_once = PTHREAD_ONCE_INIT;
+
+static void pass_gate(void)
+{
+    const char *path = tms_host_env()->copy_gate;
+    if (!path[0]) return;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    char byte;
+    if (fd >= 0) {
+        while (read(fd, &byte, 1) < 0 && errno == EINTR) {}
+        close(fd);
+    }
 }
 
 /* The variables were parsed (and checked at import) with the defaults. */
@@ -163,6 +182,7 @@ static int host_copy_async(int device, int to_host, void *host, tms_va dev, size
 {
     (void)device, (void)stream;
     if (fault_hit(to_host ? TMS_FAULT_TO_HOST : TMS_FAULT_TO_DEVICE)) return EIO;
+    if (to_host) pthread_once(&gate_once, pass_gate);
     if (to_host) memcpy(host, (const void *)(uintptr_t)dev, n);
     else memcpy((void *)(uintptr_t)dev, host, n);
     return 0;
