@@ -79,7 +79,7 @@ def _variant(variant):
 # _tms_env checks the TMS_* variables at package import without loading a core.
 # Not sanitized: it loads before torch, and a sanitizer runtime loaded that early
 # breaks torch's static initialisers; its sources are sanitized in the variants.
-ENV_MODULE = Extension(f"{NAME}._tms_env", sources=["src/module_env.c", "src/config.c", "src/error.c"], depends=HEADERS,
+ENV_MODULE = Extension(f"{NAME}._tms_env", sources=["src/module_env.c", "src/config.c", "src/parse.c", "src/error.c"], depends=HEADERS,
                        define_macros=[LIMITED_API], extra_compile_args=_compile_flags(sanitized=False),
                        extra_link_args=_LINK, py_limited_api=True)
 

@@ -35,10 +35,7 @@ TMS_EXPORT_ABI bool tms_get_interesting_region(void) { return tms_region_current
 TMS_EXPORT_ABI int tms_set_current_tag(const char *tag)
 {
     struct tms_err err = {0};
-    int id;
-    int rc = tms_core_tag_id(tag, &id, &err);  /* rejects NULL and "" */
-    if (rc == TMS_OK) tms_region_current()->tag_id = id;
-    return answer(rc, &err);
+    return answer(tms_core_set_region_tag(tag, &err), &err);  /* rejects NULL, "" and what is not UTF-8 */
 }
 
 TMS_EXPORT_ABI const char *tms_get_current_tag(void) { return tms_core_tag_name(tms_region_current()->tag_id); }

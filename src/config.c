@@ -1,7 +1,8 @@
 /* Process defaults from TMS_* environment and each thread's region settings. */
 #include "config.h"
 
-#include <ctype.h>
+#include "parse.h"
+
 #include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -28,42 +29,10 @@ const char *tms_backup_kind_name(int kind)
     return kind == TMS_BACKUP_PINNED ? "pinned" : kind == TMS_BACKUP_DISK ? "disk" : "mmap";
 }
 
-int tms_parse_bytes(const char *s, size_t *out)
-{
-    if (!s || !isdigit((unsigned char)s[0])) return TMS_E_ARG;
-    char *end = NULL;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno) return TMS_E_ARG;
-    unsigned shift = 0;
-    if (*end) {
-        if (!strcasecmp(end, "k") || !strcasecmp(end, "kib") || !strcasecmp(end, "kb")) shift = 10;
-        else if (!strcasecmp(end, "m") || !strcasecmp(end, "mib") || !strcasecmp(end, "mb")) shift = 20;
-        else if (!strcasecmp(end, "g") || !strcasecmp(end, "gib") || !strcasecmp(end, "gb")) shift = 30;
-        else return TMS_E_ARG;
-    }
-    if (shift && v > (~0ULL >> shift)) return TMS_E_ARG;
-    *out = (size_t)(v << shift);
-    return TMS_OK;
-}
-
-/* Exactly the upstream library's spellings, so a value it accepts means the
- * same here and one it rejects ("on", "True") is an error here too. */
-static int parse_bool(const char *s, int *out)
-{
-    static const char *const yes[] = {"1", "true", "TRUE", "yes", "YES"};
-    static const char *const no[] = {"0", "false", "FALSE", "no", "NO"};
-    for (size_t i = 0; i < sizeof yes / sizeof *yes; i++)
-        if (!strcmp(s, yes[i])) return *out = 1, TMS_OK;
-    for (size_t i = 0; i < sizeof no / sizeof *no; i++)
-        if (!strcmp(s, no[i])) return *out = 0, TMS_OK;
-    return TMS_E_ARG;
-}
-
 static void env_bool(const char *var, int *out)
 {
     const char *s = getenv(var);
-    if (s && parse_bool(s, out) != TMS_OK && !defaults.parse_error.status)
+    if (s && tms_parse_bool(s, out) != TMS_OK && !defaults.parse_error.status)
         tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
                  "%s='%s' is not a boolean (use 1, true, TRUE, yes, YES or 0, false, FALSE, no, NO)", var, s);
 }
@@ -72,9 +41,8 @@ static void env_threads(void)
 {
     const char *s = getenv("TMS_BACKUP_THREADS");
     if (!s || !*s) return;
-    char *end = NULL;
-    long n = strtol(s, &end, 10);
-    if (*end || n < 1 || n > 32) {
+    unsigned long long n;
+    if (tms_parse_uint(s, 32, &n) || n < 1) {
         if (!defaults.parse_error.status)
             tms_fail(&defaults.parse_error, TMS_E_ARG, 0, "TMS_BACKUP_THREADS='%s' is not a number from 1 to 32", s);
         return;
@@ -88,9 +56,8 @@ static void env_disk_block(void)
     defaults.disk_block_bytes = (size_t)256 << 20;
     const char *s = getenv("TMS_DISK_BACKUP_CHUNK_MB");
     if (!s || !*s) return;
-    char *end = NULL;
-    long n = isdigit((unsigned char)s[0]) ? strtol(s, &end, 10) : -1;
-    if (n < 1 || n > 4096 || *end) {
+    unsigned long long n;
+    if (tms_parse_uint(s, 4096, &n) || n < 1) {
         if (!defaults.parse_error.status)
             tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
                      "TMS_DISK_BACKUP_CHUNK_MB='%s' is not a whole number of MiB from 1 to 4096", s);
@@ -171,9 +138,8 @@ static int parse_device_count(int *out, struct tms_err *err)
     const char *s = getenv("TMS_HOST_DEVICES");
     *out = 2;
     if (!s || !*s) return TMS_OK;
-    char *end = NULL;
-    long n = isdigit((unsigned char)s[0]) ? strtol(s, &end, 10) : -1;
-    if (n < 1 || n > TMS_HOST_MAX_DEVICES || *end)
+    unsigned long long n;
+    if (tms_parse_uint(s, TMS_HOST_MAX_DEVICES, &n) || n < 1)
         return tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_DEVICES='%s' is not a device count from 1 to %d", s,
                         TMS_HOST_MAX_DEVICES);
     *out = (int)n;
@@ -185,9 +151,8 @@ static int parse_numa_node(int *out, struct tms_err *err)
     const char *s = getenv("TMS_HOST_NUMA_NODE");
     *out = -1;
     if (!s || !*s) return TMS_OK;
-    char *end = NULL;
-    long n = isdigit((unsigned char)s[0]) ? strtol(s, &end, 10) : -1;
-    if (n < 0 || n > 1023 || *end)
+    unsigned long long n;
+    if (tms_parse_uint(s, 1023, &n))
         return tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_NUMA_NODE='%s' is not a NUMA node from 0 to 1023", s);
     *out = (int)n;
     return TMS_OK;
@@ -197,7 +162,7 @@ static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
 {
     static const char *const names[TMS_FAULT_OPS] = {
         "create", "map", "unmap", "copy_to_host", "copy_to_device", "host_alloc",
-        "disk_write", "disk_read", "disk_short_write",
+        "disk_write", "disk_read", "disk_short_write", "disk_no_direct", "disk_sync",
     };
     const char *s = getenv("TMS_FAULT");
     if (!s || !*s) return TMS_OK;
@@ -207,20 +172,19 @@ static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
     char *save = NULL;
     for (char *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
         char *colon = strchr(item, ':');
-        char *end = NULL;
-        long n = colon ? strtol(colon + 1, &end, 10) : 0;
+        unsigned long long n = 0;
         int op = -1;
         if (colon) {
             *colon = '\0';
             for (int i = 0; i < TMS_FAULT_OPS; i++)
                 if (strcmp(item, names[i]) == 0) op = i;
         }
-        if (op < 0 || n <= 0 || !end || *end)
+        if (op < 0 || tms_parse_uint(colon + 1, 1000000000, &n) || n == 0)
             return tms_fail(err, TMS_E_ARG, 0,
                             "TMS_FAULT='%s' is malformed (expected op:n with op one of create, map, "
                             "unmap, copy_to_host, copy_to_device, host_alloc, disk_write, disk_read, "
-                            "disk_short_write)", s);
-        at[op] = n;
+                            "disk_short_write, disk_no_direct, disk_sync)", s);
+        at[op] = (long)n;
     }
     return TMS_OK;
 }

@@ -55,8 +55,10 @@ const struct tms_defaults *tms_defaults(void);
 #define TMS_HOST_MAX_DEVICES 8
 enum tms_fault_op {
     TMS_FAULT_CREATE, TMS_FAULT_MAP, TMS_FAULT_UNMAP, TMS_FAULT_TO_HOST, TMS_FAULT_TO_DEVICE, TMS_FAULT_HOST_ALLOC,
-    /* disk.c's, under every backend: a write or read failing with EIO, a write moving half its bytes */
-    TMS_FAULT_DISK_WRITE, TMS_FAULT_DISK_READ, TMS_FAULT_DISK_SHORT_WRITE,
+    /* disk.c's, under every backend: a write or read failing with EIO, a write moving half its bytes,
+     * a file created without O_DIRECT (as on a filesystem that has none), a write-back failing with EIO */
+    TMS_FAULT_DISK_WRITE, TMS_FAULT_DISK_READ, TMS_FAULT_DISK_SHORT_WRITE, TMS_FAULT_DISK_NO_DIRECT,
+    TMS_FAULT_DISK_SYNC,
     TMS_FAULT_OPS
 };
 struct tms_host_env {
@@ -78,8 +80,5 @@ struct tms_region *tms_region_current(void);
 
 int tms_backup_kind_parse(const char *name, int *kind);
 const char *tms_backup_kind_name(int kind);
-
-/* "64MiB", "2GiB", "1048576": bytes, with optional KiB/MiB/GiB (or K/M/G). */
-int tms_parse_bytes(const char *s, size_t *out);
 
 #endif

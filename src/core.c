@@ -10,6 +10,7 @@
 #include "core_internal.h"
 #include "driver.h"
 #include "log.h"
+#include "parse.h"
 #include "span_index.h"
 #include "stats.h"
 
@@ -71,21 +72,106 @@ uint64_t tms_now_ns(void)
 
 /* ---- tags ---------------------------------------------------------------- */
 
-/* Pages of tag entries that never move or go away, so a tag's name is read
- * without the lock (from Python holding the GIL, from log lines). */
-#define TAG_PAGE_SIZE 16
-#define TAG_PAGES 4096
+/*
+ * A tag lives in a slot of pages that never move, found by name through a
+ * hash index. Its references are its allocations and the regions (of
+ * threads, and of expandable-segment handles not yet adopted) that name it.
+ * Once more than TAGS_BEFORE_RECLAIM slots are in use, interning a new tag
+ * first reclaims the slots nobody references (their statistics go with
+ * them), so a process that makes tags without end keeps a bounded table.
+ * Names are never freed: a reader may hold one without the lock (Python
+ * building a row, a log line), and a reused slot's old id then names the new
+ * tag rather than freed memory.
+ */
+#define TAG_PAGE_SIZE 64
+#define TAG_PAGES 1024
+#define TAGS_BEFORE_RECLAIM 1024
+struct tag_name {
+    struct tag_name *next;  /* every name ever made: reachable for the process's life */
+    char text[];
+};
 struct tag_entry {
-    char *name;                                       /* immutable once published */
+    const char *name;                                 /* atomic; set when the slot is (re)used */
+    int in_use;
+    uint32_t refs;                                    /* guarded by table_lock */
+    uint32_t next_free;                               /* free list: slot + 1, 0 ends it */
     struct tms_alloc *allocs;                         /* guarded by table_lock: the tag's allocations */
     struct tms_stats per_device[TMS_STATS_DEVICES];   /* guarded by table_lock */
     uint64_t counted_call[TMS_STATS_DEVICES];         /* last call_seq counted in per_device */
 };
 static struct tag_entry *tag_pages[TAG_PAGES];  /* filled under table_lock */
-static int tag_count;  /* stored with release once an entry is complete; changed under table_lock */
+static int tag_slots;     /* slots made so far; stored with release once a slot is complete */
+static int tags_in_use;   /* guarded by table_lock */
+static uint32_t tag_free_head;
+static struct tag_name *tag_names;
+/* name -> slot, open addressing: -1 empty, -2 removed. Guarded by table_lock. */
+static int32_t *tag_index;
+static size_t tag_index_cap, tag_index_used;
+static pthread_key_t region_tag_key;  /* a thread's reference to its region's tag, dropped at its exit */
+static pthread_once_t region_tag_once = PTHREAD_ONCE_INIT;
 
 static struct tag_entry *tag_at(int id) { return &tag_pages[id / TAG_PAGE_SIZE][id % TAG_PAGE_SIZE]; }
-static int tags_published(void) { return __atomic_load_n(&tag_count, __ATOMIC_ACQUIRE); }
+static int tags_published(void) { return __atomic_load_n(&tag_slots, __ATOMIC_ACQUIRE); }
+
+static uint64_t name_hash(const char *s)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (; *s; s++) h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+    return h;
+}
+
+static int32_t *index_slot_locked(const char *tag, int for_insert)
+{
+    size_t mask = tag_index_cap - 1, i = (size_t)name_hash(tag) & mask;
+    int32_t *removed = NULL;
+    for (;; i = (i + 1) & mask) {
+        int32_t v = tag_index[i];
+        if (v == -1) return for_insert && removed ? removed : &tag_index[i];
+        if (v == -2) {
+            if (!removed) removed = &tag_index[i];
+        } else if (strcmp(tag_at(v)->name, tag) == 0) {
+            return &tag_index[i];
+        }
+    }
+}
+
+static int index_grow_locked(void)
+{
+    size_t cap = tag_index_cap ? tag_index_cap * 2 : 64;
+    int32_t *grown = malloc(cap * sizeof *grown), *old = tag_index;
+    if (!grown) return -1;
+    for (size_t i = 0; i < cap; i++) grown[i] = -1;
+    size_t old_cap = tag_index_cap;
+    tag_index = grown, tag_index_cap = cap, tag_index_used = 0;
+    for (size_t i = 0; i < old_cap; i++)
+        if (old[i] >= 0) *index_slot_locked(tag_at(old[i])->name, 1) = old[i], tag_index_used++;
+    free(old);
+    return 0;
+}
+
+static int tag_find_locked(const char *tag)
+{
+    if (!tag_index_cap) return -1;
+    int32_t v = *index_slot_locked(tag, 0);
+    return v >= 0 ? v : -1;
+}
+
+/* Frees the slots nobody references (never "default"). */
+static void reclaim_tags_locked(void)
+{
+    for (int id = 1; id < tags_published(); id++) {
+        struct tag_entry *t = tag_at(id);
+        if (!t->in_use || t->refs || t->allocs) continue;
+        int32_t *at = index_slot_locked(t->name, 0);
+        if (*at == id) *at = -2;
+        t->in_use = 0;
+        memset(t->per_device, 0, sizeof t->per_device);
+        memset(t->counted_call, 0, sizeof t->counted_call);
+        t->next_free = tag_free_head;
+        tag_free_head = (uint32_t)id + 1;
+        tags_in_use--;
+    }
+}
 
 static int tag_intern_locked(const char *tag, int *id, struct tms_err *err)
 {
@@ -94,52 +180,111 @@ static int tag_intern_locked(const char *tag, int *id, struct tms_err *err)
         int rc = tag_intern_locked("default", &ignored, err);  /* keeps TMS_TAG_DEFAULT_ID == 0 */
         if (rc) return rc;
     }
-    int n = tags_published();
-    for (int i = 0; i < n; i++)
-        if (strcmp(tag_at(i)->name, tag) == 0) return *id = i, TMS_OK;
-    if (n == TAG_PAGE_SIZE * TAG_PAGES)
-        return tms_fail(err, TMS_E_ARG, 0, "too many tags (%d): cannot add '%s'", n, tag);
-    struct tag_entry **page = &tag_pages[n / TAG_PAGE_SIZE];
-    if (!*page && !(*page = calloc(TAG_PAGE_SIZE, sizeof **page)))
+    int found = tag_find_locked(tag);
+    if (found >= 0) return *id = found, TMS_OK;
+    if (tags_in_use >= TAGS_BEFORE_RECLAIM) reclaim_tags_locked();
+    if ((tag_index_used + 1) * 2 > tag_index_cap && index_grow_locked())
         return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
-    char *copy = strdup(tag);
-    if (!copy) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
-    tag_at(n)->name = copy;
-    __atomic_store_n(&tag_count, n + 1, __ATOMIC_RELEASE);
+    size_t len = strlen(tag);
+    struct tag_name *name = malloc(sizeof *name + len + 1);
+    if (!name) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
+    int n = tag_free_head ? (int)tag_free_head - 1 : tags_published();
+    if (n == TAG_PAGE_SIZE * TAG_PAGES) {
+        free(name);
+        return tms_fail(err, TMS_E_ARG, 0, "too many tags in use (%d, each with allocations or a region): cannot "
+                        "add '%s'", n, tag);
+    }
+    struct tag_entry **page = &tag_pages[n / TAG_PAGE_SIZE];
+    if (!*page && !(*page = calloc(TAG_PAGE_SIZE, sizeof **page))) {
+        free(name);
+        return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
+    }
+    memcpy(name->text, tag, len + 1);
+    name->next = tag_names;
+    tag_names = name;
+    struct tag_entry *t = tag_at(n);
+    if (tag_free_head) tag_free_head = t->next_free;
+    t->in_use = 1;
+    t->refs = 0;
+    t->allocs = NULL;
+    __atomic_store_n(&t->name, name->text, __ATOMIC_RELEASE);
+    int32_t *at = index_slot_locked(tag, 1);
+    if (*at == -1) tag_index_used++;
+    *at = n;
+    tags_in_use++;
+    if (n == tags_published()) __atomic_store_n(&tag_slots, n + 1, __ATOMIC_RELEASE);
     *id = n;
     return TMS_OK;
 }
 
 /* "default" is tag 0 from the start: threads begin with it (TMS_INIT_ENABLE)
- * before any region names a tag. */
+ * before any region names one. */
 static void default_tag_locked(void)
 {
     int id;
     if (tags_published() == 0) (void)tag_intern_locked("default", &id, NULL);
 }
 
-static int tag_find_locked(const char *tag)
+static int check_tag(const char *tag, struct tms_err *err)
 {
-    default_tag_locked();
-    int n = tags_published();
-    for (int i = 0; i < n; i++)
-        if (strcmp(tag_at(i)->name, tag) == 0) return i;
-    return -1;
+    size_t bad;
+    if (!tag || !*tag) return tms_fail(err, TMS_E_ARG, 0, "tag must be a non-empty string");
+    if (!tms_utf8_valid(tag, &bad))
+        return tms_fail(err, TMS_E_ARG, 0, "tag is not valid UTF-8 (byte 0x%02x at offset %zu)",
+                        (unsigned)(unsigned char)tag[bad], bad);
+    return TMS_OK;
 }
 
 int tms_core_tag_id(const char *tag, int *id, struct tms_err *err)
 {
-    if (!tag || !*tag) return tms_fail(err, TMS_E_ARG, 0, "tag must be a non-empty string");
+    int rc = check_tag(tag, err);
+    if (rc) return rc;
     lock_table();
-    int rc = tag_intern_locked(tag, id, err);
+    rc = tag_intern_locked(tag, id, err);
     unlock_table();
     return rc;
 }
 
 const char *tms_core_tag_name(int id)
 {
-    if (id >= 0 && id < tags_published()) return tag_at(id)->name;
+    if (id >= 0 && id < tags_published()) return __atomic_load_n(&tag_at(id)->name, __ATOMIC_ACQUIRE);
     return id == TMS_TAG_DEFAULT_ID ? "default" : "?";
+}
+
+void tms_core_tag_ref(int id)
+{
+    lock_table();
+    if (id > 0 && id < tags_published()) tag_at(id)->refs++;
+    unlock_table();
+}
+
+void tms_core_tag_unref(int id)
+{
+    lock_table();
+    if (id > 0 && id < tags_published() && tag_at(id)->refs) tag_at(id)->refs--;
+    unlock_table();
+}
+
+/* The key holds the thread's region tag id + 1, so its reference goes when the thread ends. */
+static void drop_thread_tag(void *value) { tms_core_tag_unref((int)(intptr_t)value - 1); }
+static void make_region_tag_key(void) { (void)pthread_key_create(&region_tag_key, drop_thread_tag); }
+
+int tms_core_set_region_tag(const char *tag, struct tms_err *err)
+{
+    int rc = check_tag(tag, err), id = 0;
+    if (rc) return rc;
+    pthread_once(&region_tag_once, make_region_tag_key);
+    struct tms_region *r = tms_region_current();
+    lock_table();
+    rc = tag_intern_locked(tag, &id, err);
+    if (!rc && id != r->tag_id) {
+        if (id > 0) tag_at(id)->refs++;
+        if (r->tag_id > 0 && r->tag_id < tags_published() && tag_at(r->tag_id)->refs) tag_at(r->tag_id)->refs--;
+        r->tag_id = id;
+    }
+    unlock_table();
+    if (!rc) (void)pthread_setspecific(region_tag_key, (void *)(intptr_t)(id + 1));
+    return rc;
 }
 
 /* ---- statistics ---------------------------------------------------------- */

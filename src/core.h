@@ -35,10 +35,18 @@ struct tms_alloc_info {
     int adopted;         /* mapped by its owner (tms_core_adopt), not allocated by the core */
 };
 
-/* Interns tag (any non-empty string) and returns its id; ids are never reused. */
+/* Interns tag (a non-empty UTF-8 string, else TMS_E_ARG) and returns its
+ * id. A tag nothing references (no allocation, no region naming it) may be
+ * reclaimed once many tags exist, and its id reused. */
 int tms_core_tag_id(const char *tag, int *id, struct tms_err *err);
-/* Name of an interned tag; the string lives for the process. */
+/* Name of a tag; the string lives for the process. */
 const char *tms_core_tag_name(int id);
+/* Makes tag (checked as above) the calling thread's region tag, holding a
+ * reference on it until the thread names another or ends. */
+int tms_core_set_region_tag(const char *tag, struct tms_err *err);
+/* A reference on a tag held by a copy of a region (expandable segments). */
+void tms_core_tag_ref(int id);
+void tms_core_tag_unref(int id);
 
 /* Allocates size bytes on device (-1: the calling thread's current device)
  * with the settings of region r. size 0 gives NULL, like cudaMalloc.

@@ -99,6 +99,7 @@ static struct token *token_new_locked(void)
 
 static void token_free_locked(struct token *t)
 {
+    tms_core_tag_unref(t->region.tag_id);
     if (t->mapped) mapped_tokens--;
     t->live = 0;
     t->next_free = free_head;
@@ -151,6 +152,7 @@ static tms_CUresult wrap_create(tms_CUmemHandle *h, size_t size, const tms_CUmem
         t->device = prop->location.id;
         t->handle_types = prop->requestedHandleTypes;
         t->region = *r;
+        tms_core_tag_ref(r->tag_id);  /* the tag stays while the token may still be adopted into it */
         *h = token_value(t);
     }
     unlock_tokens();

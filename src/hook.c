@@ -26,6 +26,10 @@ static int answer(const struct tms_err *err, int rc)
 int tms_hook_alloc(void **ptr, size_t size, int device)
 {
     struct tms_err err = {0};
+    if (!ptr) {  /* the runtime's answer: nothing allocated, nothing in the table */
+        tms_hook_keep_error(&(struct tms_err){.status = TMS_E_ARG, .msg = "cudaMalloc: the result pointer is NULL"});
+        return TMS_CUDA_ERROR_INVALID_VALUE_RT;
+    }
     return answer(&err, tms_core_alloc(size, device, tms_region_current(), ptr, &err));
 }
 

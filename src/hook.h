@@ -9,6 +9,7 @@
 /* cudaError_t values the hooks answer with. */
 enum {
     TMS_CUDA_SUCCESS_RT = 0,
+    TMS_CUDA_ERROR_INVALID_VALUE_RT = 1,    /* cudaErrorInvalidValue, hipErrorInvalidValue */
     TMS_CUDA_ERROR_MEMORY_ALLOCATION = 2,   /* PyTorch frees its cache and retries */
     TMS_CUDA_ERROR_INITIALIZATION = 3,
     TMS_CUDA_ERROR_UNKNOWN = 999,

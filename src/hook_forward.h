@@ -14,37 +14,43 @@
  * but the library it needs comes after the executable's own dependencies,
  * libcudart among them for a C program linked with it (issue 10).
  */
-typedef void *(*tms_next_fn)(void);
+typedef void *(*tms_next_fn)(const void *caller);
 
 /* When the hooks were installed by relocation (reloc.c) rather than
  * LD_PRELOAD, the library was loaded RTLD_LOCAL and RTLD_NEXT does not see
- * the runtime: the GOT entries it replaced name the definition. Weak and
- * hidden: the shims have no reloc.c and see NULL. */
-extern void *tms_reloc_original(const char *name) __attribute__((weak, visibility("hidden")));
+ * the runtime: the GOT entries it replaced name the definition, one for each
+ * patched object (the caller's address says which). Weak and hidden: the
+ * shims have no reloc.c and see NULL. */
+extern void *tms_reloc_original(const char *name, const void *caller) __attribute__((weak, visibility("hidden")));
 
-#define TMS_NEXT_RESOLVER(fn_name)                                     \
-    static void *next_##fn_name(void)                                  \
-    {                                                                  \
-        static void *slot; /* atomic */                                \
-        void *fn = __atomic_load_n(&slot, __ATOMIC_ACQUIRE);            \
-        if (!fn) {                                                     \
-            if (tms_reloc_original) fn = tms_reloc_original(#fn_name); \
-            if (!fn) fn = dlsym(RTLD_NEXT, #fn_name);                  \
-            __atomic_store_n(&slot, fn, __ATOMIC_RELEASE);             \
-        }                                                              \
-        return fn;                                                     \
+#define TMS_NEXT_RESOLVER(fn_name)                                      \
+    static void *next_##fn_name(const void *caller)                     \
+    {                                                                   \
+        static void *slot; /* atomic: what RTLD_NEXT finds never changes */ \
+        void *fn = tms_reloc_original ? tms_reloc_original(#fn_name, caller) : NULL; \
+        if (fn) return fn;                                              \
+        fn = __atomic_load_n(&slot, __ATOMIC_ACQUIRE);                   \
+        if (!fn) {                                                      \
+            fn = dlsym(RTLD_NEXT, #fn_name);                            \
+            __atomic_store_n(&slot, fn, __ATOMIC_RELEASE);               \
+        }                                                               \
+        return fn;                                                      \
     }
 
 /* Defines malloc_name(void **, size_t) and free_name(void *), exported,
- * routed through route_malloc(ptr, size, next) and route_free(ptr, next). */
+ * routed through route_malloc(ptr, size, next, caller) and
+ * route_free(ptr, next, caller); caller is the address the call came from. */
 #define TMS_DEFINE_ALLOCATOR_HOOKS(malloc_name, free_name, route_malloc, route_free)          \
     TMS_NEXT_RESOLVER(malloc_name)                                                            \
     TMS_NEXT_RESOLVER(free_name)                                                              \
     __attribute__((visibility("default"))) int malloc_name(void **ptr, size_t size)          \
     {                                                                                         \
-        return route_malloc(ptr, size, next_##malloc_name);                                   \
+        return route_malloc(ptr, size, next_##malloc_name, __builtin_return_address(0));      \
     }                                                                                         \
-    __attribute__((visibility("default"))) int free_name(void *ptr) { return route_free(ptr, next_##free_name); }
+    __attribute__((visibility("default"))) int free_name(void *ptr)                          \
+    {                                                                                         \
+        return route_free(ptr, next_##free_name, __builtin_return_address(0));                \
+    }
 
 /* The runtime's definition of `name` as seen from the object holding
  * `caller`: for a runtime RTLD_NEXT cannot see (loaded RTLD_LOCAL, as
@@ -73,7 +79,7 @@ static inline void *tms_next_for_caller(const char *name, const void *caller, co
     {                                                                                                     \
         typedef int (*lookup_fn)(const char *, void **, unsigned long long, int *);                      \
         const void *caller = __builtin_return_address(0);                                                \
-        lookup_fn next = (lookup_fn)next_cudaGetDriverEntryPoint();                                      \
+        lookup_fn next = (lookup_fn)next_cudaGetDriverEntryPoint(caller);                                \
         if (!next)                                                                                        \
             next = (lookup_fn)tms_next_for_caller("cudaGetDriverEntryPoint", caller,                     \
                                                   (const void *)cudaGetDriverEntryPoint);                \
@@ -85,7 +91,7 @@ static inline void *tms_next_for_caller(const char *name, const void *caller, co
     {                                                                                                     \
         typedef int (*lookup_fn)(const char *, void **, unsigned int, unsigned long long, int *);        \
         const void *caller = __builtin_return_address(0);                                                \
-        lookup_fn next = (lookup_fn)next_cudaGetDriverEntryPointByVersion();                             \
+        lookup_fn next = (lookup_fn)next_cudaGetDriverEntryPointByVersion(caller);                       \
         if (!next)                                                                                        \
             next = (lookup_fn)tms_next_for_caller("cudaGetDriverEntryPointByVersion", caller,            \
                                                   (const void *)cudaGetDriverEntryPointByVersion);       \
@@ -94,8 +100,8 @@ static inline void *tms_next_for_caller(const char *name, const void *caller, co
     }
 
 /* The routers the preload library exports for its shims. */
-int tms_preload_malloc(void **ptr, size_t size, tms_next_fn next);
-int tms_preload_free(void *ptr, tms_next_fn next);
+int tms_preload_malloc(void **ptr, size_t size, tms_next_fn next, const void *caller);
+int tms_preload_free(void *ptr, tms_next_fn next, const void *caller);
 int tms_preload_entry_point(const char *symbol, void **fn, int status, const void *caller);
 
 #endif

@@ -15,17 +15,17 @@ typedef int (*free_fn)(void *);
 
 /* The next definition is resolved on first forward: libcudart may be
  * loaded after this library. */
-static int route_malloc(void **ptr, size_t size, tms_next_fn next)
+static int route_malloc(void **ptr, size_t size, tms_next_fn next, const void *caller)
 {
     if (tms_region_current()->active) return tms_hook_alloc(ptr, size, -1);
-    malloc_fn real = (malloc_fn)next();
+    malloc_fn real = (malloc_fn)next(caller);
     return real ? real(ptr, size) : TMS_CUDA_ERROR_INITIALIZATION;
 }
 
-static int route_free(void *ptr, tms_next_fn next)
+static int route_free(void *ptr, tms_next_fn next, const void *caller)
 {
     if (tms_core_owns(ptr)) return tms_hook_free(ptr);
-    free_fn real = (free_fn)next();
+    free_fn real = (free_fn)next(caller);
     return real ? real(ptr) : TMS_CUDA_ERROR_INITIALIZATION;
 }
 
@@ -45,12 +45,18 @@ static int route_entry_point(const char *symbol, void **fn, int status, const vo
     return status;
 }
 
-TMS_EXPORT int tms_preload_malloc(void **ptr, size_t size, tms_next_fn next) { return route_malloc(ptr, size, next); }
+TMS_EXPORT int tms_preload_malloc(void **ptr, size_t size, tms_next_fn next, const void *caller)
+{
+    return route_malloc(ptr, size, next, caller);
+}
 TMS_EXPORT int tms_preload_entry_point(const char *symbol, void **fn, int status, const void *caller)
 {
     return route_entry_point(symbol, fn, status, caller);
 }
-TMS_EXPORT int tms_preload_free(void *ptr, tms_next_fn next) { return route_free(ptr, next); }
+TMS_EXPORT int tms_preload_free(void *ptr, tms_next_fn next, const void *caller)
+{
+    return route_free(ptr, next, caller);
+}
 
 TMS_DEFINE_ALLOCATOR_HOOKS(cudaMalloc, cudaFree, route_malloc, route_free)
 /* ROCm builds of PyTorch call the HIP names; the routing is the same and the
@@ -70,7 +76,7 @@ extern int tms_own_entry_point(const char *symbol, void **fn, unsigned long long
 extern int tms_own_entry_point_by_version(const char *symbol, void **fn, unsigned int version, unsigned long long flags,
                                           int *status)
     __attribute__((alias("cudaGetDriverEntryPointByVersion"), visibility("hidden")));
-extern int tms_own_preload_malloc(void **ptr, size_t size, tms_next_fn next)
+extern int tms_own_preload_malloc(void **ptr, size_t size, tms_next_fn next, const void *caller)
     __attribute__((alias("tms_preload_malloc"), visibility("hidden")));
 
 /* For the Python layer: 1 if the cudaMalloc the process resolves is this

@@ -103,14 +103,13 @@ static PyObject *py_set_region(PyObject *module, PyObject *args)
         return PyErr_Format(PyExc_ValueError,
                             "cpu_backup_backend must be 'pinned' or 'mmap', got '%s'", kind_name);
     struct tms_err err = {0};
-    int tag_id, rc;
+    int rc;
     Py_BEGIN_ALLOW_THREADS  /* the table lock: no C lock is awaited holding the GIL */
-    rc = tms_core_tag_id(tag, &tag_id, &err);
+    rc = tms_core_set_region_tag(tag, &err);
     Py_END_ALLOW_THREADS
     if (rc) return raise_err(module, &err);
     struct tms_region *r = tms_region_current();
     r->active = active;
-    r->tag_id = tag_id;
     r->backup = backup;
     r->backup_kind = kind;
     r->disk_backup = disk;

@@ -47,6 +47,8 @@ static void batch_run(struct batcher *b)
 {
     struct tms_err e = {0};
     int rc = tms_transfer_run(b->drv, b->to_host, b->items + b->start, b->count - b->start, &e);
+    for (size_t i = b->start; !rc && b->to_host && i < b->count; i++)
+        if (b->items[i].file) rc = tms_disk_flush(b->items[i].file, &e);
     if (rc && !b->rc) b->rc = rc, b->err = e;
     batch_close(b);
 }

@@ -39,36 +39,47 @@
 struct target {
     const char *name;
     void *hook;
-    void *original;  /* atomic: read by the hooks without the lock */
 };
 
-/* An object seen by a pass, by the address of its dynamic section; a
- * patched one keeps a patched slot, which shows whether it was unloaded and
- * loaded again (fresh GOT) at the same place. */
-struct seen {
-    uintptr_t dynamic;
-    void **slot;
-    void *hook;
-};
+/*
+ * A pass runs in two phases. The first, holding no lock of ours, lists the
+ * loaded objects, takes a reference on each (so none is unloaded under the
+ * second), and plans every store: it asks the loader (dlopen RTLD_NOLOAD,
+ * dlsym), which may wait for a thread inside dlopen. The second, under
+ * reloc_lock, makes the stores and records them; it never calls into the
+ * loader, so a thread that waits for reloc_lock inside a library constructor
+ * (holding the loader's lock) cannot deadlock with it. A patched dlopen runs
+ * a whole pass before it returns.
+ */
 
-struct object {
-    char *name;
-    uintptr_t base;
-    const ElfW(Phdr) *phdr;
-    int phnum;
+/* What a patched object's entries held: where its calls go on. Records are
+ * appended to pages that never move and are read by the hooks without a
+ * lock; a record of an object that was unloaded and loaded again is marked
+ * dead, and the newest live record holding an address wins. */
+struct patched {
+    uintptr_t lo, hi;                 /* its PT_LOAD span */
+    uintptr_t dynamic;                /* its identity while loaded */
+    void **slot;                      /* one patched entry: still the hook while the object is the same */
+    void *slot_hook;
+    void *original[MAX_TARGETS];      /* per target; NULL if it has no entry for it */
+    int live;                         /* atomic */
 };
+#define PATCHED_PAGE 64
+#define PATCHED_PAGES 256
+static struct patched *patched_pages[PATCHED_PAGES];  /* filled under reloc_lock */
+static size_t patched_count;                           /* atomic: published after the record is complete */
 
-static pthread_mutex_t reloc_lock = PTHREAD_MUTEX_INITIALIZER;  /* guards all below */
+static pthread_mutex_t reloc_lock = PTHREAD_MUTEX_INITIALIZER;  /* guards the records and names below */
 static struct target targets[MAX_TARGETS];
 static size_t target_count;  /* atomic: published before the first entry is patched */
 static int installed;  /* atomic */
-static uintptr_t self_base;
-static struct seen *seen;
-static size_t seen_count;
+static uintptr_t self_base;  /* set once, before target_count is published */
 static char patched_names[8192];
 static char static_names[4096];
 
 static void *reloc_dlopen(const char *file, int mode);
+
+static struct patched *patched_at(size_t i) { return &patched_pages[i / PATCHED_PAGE][i % PATCHED_PAGE]; }
 
 static void append_name(char *list, size_t cap, const char *name)
 {
@@ -79,6 +90,13 @@ static void append_name(char *list, size_t cap, const char *name)
 /* glibc stores the dynamic section's addresses relocated, the vDSO's not. */
 static uintptr_t dyn_addr(uintptr_t base, ElfW(Addr) value) { return base && value < base ? base + value : value; }
 
+struct object {
+    char *name;
+    uintptr_t base;
+    const ElfW(Phdr) *phdr;
+    int phnum;
+};
+
 static int inside(const struct object *o, uintptr_t p)
 {
     for (int i = 0; i < o->phnum; i++) {
@@ -86,6 +104,17 @@ static int inside(const struct object *o, uintptr_t p)
         if (ph->p_type == PT_LOAD && p >= o->base + ph->p_vaddr && p < o->base + ph->p_vaddr + ph->p_memsz) return 1;
     }
     return 0;
+}
+
+static void span_of(const struct object *o, uintptr_t *lo, uintptr_t *hi)
+{
+    *lo = UINTPTR_MAX, *hi = 0;
+    for (int i = 0; i < o->phnum; i++) {
+        const ElfW(Phdr) *ph = &o->phdr[i];
+        if (ph->p_type != PT_LOAD) continue;
+        if (o->base + ph->p_vaddr < *lo) *lo = o->base + ph->p_vaddr;
+        if (o->base + ph->p_vaddr + ph->p_memsz > *hi) *hi = o->base + ph->p_vaddr + ph->p_memsz;
+    }
 }
 
 /* The protection of the page at addr now (RELRO made it read-only after
@@ -127,103 +156,142 @@ static int store(void **slot, void *value)
     return 0;
 }
 
-static struct target *target_named(const char *name)
+static int target_index(const char *name)
 {
     size_t count = __atomic_load_n(&target_count, __ATOMIC_ACQUIRE);
     for (size_t i = 0; i < count; i++)
-        if (strcmp(targets[i].name, name) == 0) return &targets[i];
-    return NULL;
+        if (strcmp(targets[i].name, name) == 0) return (int)i;
+    return -1;
 }
 
 static int is_hook(void *p)
 {
-    for (size_t i = 0; i < target_count; i++)
+    size_t count = __atomic_load_n(&target_count, __ATOMIC_ACQUIRE);
+    for (size_t i = 0; i < count; i++)
         if (targets[i].hook == p) return 1;
     return 0;
 }
 
+/* ---- phase one: plan, without our lock ---------------------------------------- */
+
+/* Objects planned before, by dynamic section and name: a pass skips them
+ * unless their patched entries no longer lead to the hooks (unloaded and
+ * loaded again), so a process that dlopens many small libraries does not
+ * read every object's relocations each time. seen_lock is held for lookups
+ * and inserts only, never across a call into the loader. */
+struct seen {
+    uintptr_t dynamic;
+    char *name;
+};
+static pthread_mutex_t seen_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct seen *seen;
+static size_t seen_count;
+
+static int seen_before(uintptr_t dynamic, const char *name)
+{
+    int found = 0;
+    pthread_mutex_lock(&seen_lock);
+    for (size_t i = 0; i < seen_count && !found; i++) found = seen[i].dynamic == dynamic && !strcmp(seen[i].name, name);
+    pthread_mutex_unlock(&seen_lock);
+    if (!found) return 0;
+    for (size_t i = __atomic_load_n(&patched_count, __ATOMIC_ACQUIRE); i-- > 0;) {
+        const struct patched *r = patched_at(i);
+        if (r->dynamic == dynamic && __atomic_load_n(&r->live, __ATOMIC_ACQUIRE))
+            return __atomic_load_n(r->slot, __ATOMIC_ACQUIRE) == r->slot_hook;
+    }
+    return 1;
+}
+
+static void remember(uintptr_t dynamic, const char *name)
+{
+    char *copy = strdup(name);
+    pthread_mutex_lock(&seen_lock);
+    struct seen *grown = copy ? realloc(seen, (seen_count + 1) * sizeof *seen) : NULL;
+    if (grown) {
+        seen = grown;
+        seen[seen_count++] = (struct seen){dynamic, copy};
+    } else {
+        free(copy);
+    }
+    pthread_mutex_unlock(&seen_lock);
+}
+
+struct store_plan {
+    void **slot;
+    int target;
+};
+
+struct plan {
+    struct object o;
+    void *handle;                      /* our reference: the object stays loaded until the pass ends */
+    uintptr_t dynamic;
+    const char *defines;               /* a target it defines itself (a runtime), else NULL */
+    struct store_plan *stores;
+    size_t n_stores;
+    void *original[MAX_TARGETS];
+};
+
+/* What o's own lookup scope resolves name to (its dependencies first): the
+ * definition its calls reached before the patch. */
+static void *resolve_for(const struct plan *p, const char *name)
+{
+    void *s = dlsym(p->handle, name);
+    return s && !inside(&p->o, (uintptr_t)s) && !is_hook(s) ? s : NULL;
+}
+
 /* An object that defines an allocator target itself is the runtime (or a
  * copy of it linked in): its own references are left alone. */
-static const char *defined_target(const struct object *o)
+static const char *defined_target(const struct plan *p)
 {
-    void *h = dlopen(o->name[0] ? o->name : NULL, RTLD_LAZY | RTLD_NOLOAD);
-    if (!h) return NULL;
-    const char *which = NULL;
-    for (size_t i = 0; i < target_count && !which; i++) {
+    size_t count = __atomic_load_n(&target_count, __ATOMIC_ACQUIRE);
+    for (size_t i = 0; i < count; i++) {
         if (targets[i].hook == (void *)reloc_dlopen) continue;
-        void *s = dlsym(h, targets[i].name);
-        if (s && inside(o, (uintptr_t)s)) which = targets[i].name;
+        void *s = dlsym(p->handle, targets[i].name);
+        if (s && inside(&p->o, (uintptr_t)s)) return targets[i].name;
     }
-    dlclose(h);
-    return which;
+    return NULL;
 }
 
-/* Where o's entry for t leads if it is not resolved yet (lazy binding):
- * what o's own lookup scope resolves the name to. */
-static void *resolve_for(const struct object *o, const char *name)
-{
-    void *h = dlopen(o->name[0] ? o->name : NULL, RTLD_LAZY | RTLD_NOLOAD);
-    void *s = h ? dlsym(h, name) : NULL;
-    if (h) dlclose(h);
-    return s && !inside(o, (uintptr_t)s) && !is_hook(s) ? s : NULL;
-}
-
-static void patch_relocs(const struct object *o, const ElfW(Rela) *rel, size_t n, const ElfW(Sym) *symtab,
-                         const char *strtab, struct seen *record, int *patched)
+static void plan_relocs(struct plan *p, const ElfW(Rela) *rel, size_t n, const ElfW(Sym) *symtab, const char *strtab)
 {
     for (size_t i = 0; i < n; i++) {
         unsigned long type = ELF64_R_TYPE(rel[i].r_info);
         if (type != RELOC_JUMP_SLOT && type != RELOC_GLOB_DAT) continue;
-        struct target *t = target_named(strtab + symtab[ELF64_R_SYM(rel[i].r_info)].st_name);
-        if (!t) continue;
-        void **slot = (void **)(o->base + rel[i].r_offset);
+        int t = target_index(strtab + symtab[ELF64_R_SYM(rel[i].r_info)].st_name);
+        if (t < 0) continue;
+        void **slot = (void **)(p->o.base + rel[i].r_offset);
         void *cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-        if (cur == t->hook) continue;
-        if (!__atomic_load_n(&t->original, __ATOMIC_ACQUIRE)) {
-            void *orig = inside(o, (uintptr_t)cur) || is_hook(cur) ? resolve_for(o, t->name) : cur;
-            __atomic_store_n(&t->original, orig, __ATOMIC_RELEASE);  /* before any call can reach the hook */
-        }
-        if (!__atomic_load_n(&t->original, __ATOMIC_ACQUIRE)) {
+        if (!p->original[t]) p->original[t] = inside(&p->o, (uintptr_t)cur) || is_hook(cur) ? resolve_for(p, targets[t].name) : cur;
+        if (!p->original[t]) {
             /* The hook could not forward what it does not serve: leave the entry. */
-            TMS_DEBUG("relocation hooks: %s in %s left alone: no definition to forward to", t->name, o->name);
+            TMS_DEBUG("relocation hooks: %s in %s left alone: no definition to forward to", targets[t].name, p->o.name);
             continue;
         }
-        int rc = store(slot, t->hook);
-        if (rc) {
-            tms_log_warn("relocation hooks: cannot patch %s in %s: %s", t->name, o->name[0] ? o->name : "<main>",
-                         strerror(rc));
-            continue;
-        }
-        if (!record->slot) record->slot = slot, record->hook = t->hook;
-        if (t->hook != (void *)reloc_dlopen) *patched = 1;
+        struct store_plan *grown = realloc(p->stores, (p->n_stores + 1) * sizeof *grown);
+        if (!grown) return;
+        p->stores = grown;
+        p->stores[p->n_stores++] = (struct store_plan){slot, t};
     }
 }
 
-static void patch_object(const struct object *o)
+static void plan_object(struct plan *p)
 {
+    const struct object *o = &p->o;
     const ElfW(Phdr) *dyn_ph = NULL;
     for (int i = 0; i < o->phnum; i++)
         if (o->phdr[i].p_type == PT_DYNAMIC) dyn_ph = &o->phdr[i];
     if (!dyn_ph || o->base == self_base || strstr(o->name, "linux-vdso")) return;
     uintptr_t dynamic = o->base + dyn_ph->p_vaddr;
-    for (size_t i = 0; i < seen_count; i++) {
-        if (seen[i].dynamic != dynamic) continue;
-        if (!seen[i].slot || __atomic_load_n(seen[i].slot, __ATOMIC_ACQUIRE) == seen[i].hook) return;
-        seen[i] = seen[--seen_count];  /* unloaded and loaded again: its GOT is new */
-        break;
-    }
-    struct seen *grown = realloc(seen, (seen_count + 1) * sizeof *seen);
-    if (!grown) return;
-    seen = grown;
-    struct seen *record = &seen[seen_count++];
-    *record = (struct seen){.dynamic = dynamic};
-
+    if (seen_before(dynamic, o->name)) return;
+    p->handle = dlopen(o->name[0] ? o->name : NULL, RTLD_LAZY | RTLD_NOLOAD);
+    if (!p->handle) return;  /* unloaded since it was listed */
+    p->dynamic = dynamic;
     const ElfW(Sym) *symtab = NULL;
     const char *strtab = NULL;
     const ElfW(Rela) *jmprel = NULL, *rela = NULL;
     size_t jmprel_bytes = 0, rela_bytes = 0;
     int pltrel_is_rela = 1;
-    for (const ElfW(Dyn) *d = (const ElfW(Dyn) *)dynamic; d->d_tag != DT_NULL; d++) {
+    for (const ElfW(Dyn) *d = (const ElfW(Dyn) *)p->dynamic; d->d_tag != DT_NULL; d++) {
         switch (d->d_tag) {
         case DT_SYMTAB: symtab = (const ElfW(Sym) *)dyn_addr(o->base, d->d_un.d_ptr); break;
         case DT_STRTAB: strtab = (const char *)dyn_addr(o->base, d->d_un.d_ptr); break;
@@ -235,20 +303,9 @@ static void patch_object(const struct object *o)
         }
     }
     if (!symtab || !strtab) return;
-    const char *defines = defined_target(o);
-    if (defines) {
-        if (!strstr(o->name, "libcudart") && !strstr(o->name, "libamdhip64") && !strstr(o->name, "torch_memory_saver")) {
-            append_name(static_names, sizeof static_names, o->name);
-            tms_log_warn("relocation hooks: %s defines %s itself (the CUDA runtime linked statically): its "
-                         "allocations cannot be hooked without LD_PRELOAD", o->name[0] ? o->name : "<main program>",
-                         defines);
-        }
-        return;
-    }
-    int patched = 0;
-    if (jmprel && pltrel_is_rela) patch_relocs(o, jmprel, jmprel_bytes / sizeof *jmprel, symtab, strtab, record, &patched);
-    if (rela) patch_relocs(o, rela, rela_bytes / sizeof *rela, symtab, strtab, record, &patched);
-    if (patched) append_name(patched_names, sizeof patched_names, o->name);
+    if ((p->defines = defined_target(p))) return;
+    if (jmprel && pltrel_is_rela) plan_relocs(p, jmprel, jmprel_bytes / sizeof *jmprel, symtab, strtab);
+    if (rela) plan_relocs(p, rela, rela_bytes / sizeof *rela, symtab, strtab);
 }
 
 struct object_list {
@@ -273,14 +330,90 @@ static int collect(struct dl_phdr_info *info, size_t size, void *data)
     return 0;
 }
 
-/* Objects are listed first and patched after: the patching itself calls
- * dlopen (RTLD_NOLOAD), which must not run inside dl_iterate_phdr. */
-static void patch_all_locked(void)
+/* ---- phase two: store, under reloc_lock ----------------------------------------- */
+
+/* The live record of the object whose dynamic section is at dynamic, if its
+ * entries still lead to the hooks (else it was unloaded and loaded again:
+ * its GOT is new, and the old record dies). */
+static struct patched *record_of_locked(uintptr_t dynamic)
+{
+    for (size_t i = patched_count; i-- > 0;) {
+        struct patched *r = patched_at(i);
+        if (!r->live || r->dynamic != dynamic) continue;
+        if (__atomic_load_n(r->slot, __ATOMIC_ACQUIRE) == r->slot_hook) return r;
+        __atomic_store_n(&r->live, 0, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+static void apply_locked(const struct plan *p)
+{
+    const struct object *o = &p->o;
+    if (p->defines) {
+        if (!strstr(o->name, "libcudart") && !strstr(o->name, "libamdhip64") && !strstr(o->name, "torch_memory_saver") &&
+            !strstr(static_names, o->name[0] ? o->name : "<main program>")) {
+            append_name(static_names, sizeof static_names, o->name);
+            tms_log_warn("relocation hooks: %s defines %s itself (the CUDA runtime linked statically): its "
+                         "allocations cannot be hooked without LD_PRELOAD", o->name[0] ? o->name : "<main program>",
+                         p->defines);
+        }
+        return;
+    }
+    if (!p->n_stores || record_of_locked(p->dynamic)) return;
+    size_t i = patched_count;
+    if (i == PATCHED_PAGE * PATCHED_PAGES) {
+        tms_log_warn("relocation hooks: %s not patched: %zu objects patched already", o->name, i);
+        return;
+    }
+    struct patched **page = &patched_pages[i / PATCHED_PAGE];
+    if (!*page && !(*page = calloc(PATCHED_PAGE, sizeof **page))) return;
+    struct patched *r = patched_at(i);
+    *r = (struct patched){.dynamic = p->dynamic, .live = 1};
+    span_of(o, &r->lo, &r->hi);
+    memcpy(r->original, p->original, sizeof r->original);
+    /* Published before any entry leads to a hook, so the hook finds where to forward. */
+    __atomic_store_n(&patched_count, i + 1, __ATOMIC_RELEASE);
+    int patched = 0;
+    for (size_t k = 0; k < p->n_stores; k++) {
+        void *hook = targets[p->stores[k].target].hook;
+        int rc = store(p->stores[k].slot, hook);
+        if (rc) {
+            tms_log_warn("relocation hooks: cannot patch %s in %s: %s", targets[p->stores[k].target].name,
+                         o->name[0] ? o->name : "<main>", strerror(rc));
+            continue;
+        }
+        if (!r->slot) r->slot = p->stores[k].slot, r->slot_hook = hook;
+        if (hook != (void *)reloc_dlopen) patched = 1;
+    }
+    if (!r->slot) {
+        __atomic_store_n(&r->live, 0, __ATOMIC_RELEASE);
+        return;
+    }
+    if (patched) append_name(patched_names, sizeof patched_names, o->name);
+}
+
+/* One whole pass; returns once every object loaded when it began is patched. */
+static void patch_all(void)
 {
     struct object_list l = {0};
     dl_iterate_phdr(collect, &l);
-    for (size_t i = 0; i < l.count; i++) patch_object(&l.items[i]);
+    struct plan *plans = calloc(l.count ? l.count : 1, sizeof *plans);
+    for (size_t i = 0; plans && i < l.count; i++) {
+        plans[i].o = l.items[i];
+        plan_object(&plans[i]);
+    }
+    pthread_mutex_lock(&reloc_lock);
+    for (size_t i = 0; plans && i < l.count; i++)
+        if (plans[i].handle) apply_locked(&plans[i]);
+    pthread_mutex_unlock(&reloc_lock);
+    for (size_t i = 0; plans && i < l.count; i++)
+        if (plans[i].handle) remember(plans[i].dynamic, plans[i].o.name);
+    for (size_t i = 0; plans && i < l.count; i++) {
+        if (plans[i].handle) dlclose(plans[i].handle);
+        free(plans[i].stores);
+    }
     for (size_t i = 0; i < l.count; i++) free(l.items[i].name);
+    free(plans);
     free(l.items);
 }
 
@@ -343,28 +476,12 @@ static void *dlopen_for(const void *caller, const char *file, int mode)
     return dlopen(file, mode);
 }
 
-/* A pass asked for while another thread holds reloc_lock. */
-static int pass_pending;  /* atomic */
-
-/* Never waits for reloc_lock: this runs inside dlopen, possibly in a
- * library constructor under the loader's lock, while the thread holding
- * reloc_lock may be waiting for that loader lock (its pass calls dlopen).
- * A busy lock leaves the pass pending; its holder runs it before leaving. */
-static void patch_all_soon(void)
-{
-    __atomic_store_n(&pass_pending, 1, __ATOMIC_RELEASE);
-    while (__atomic_load_n(&pass_pending, __ATOMIC_ACQUIRE) && pthread_mutex_trylock(&reloc_lock) == 0) {
-        while (__atomic_exchange_n(&pass_pending, 0, __ATOMIC_ACQ_REL)) patch_all_locked();
-        pthread_mutex_unlock(&reloc_lock);
-    }
-}
-
 static void *reloc_dlopen(const char *file, int mode)
 {
     void *h = dlopen_for(__builtin_return_address(0), file, mode);
     if (h) {
         int saved = errno;
-        patch_all_soon();
+        patch_all();  /* the objects it loaded are patched before their caller can use them */
         errno = saved;
     }
     return h;
@@ -377,31 +494,42 @@ int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms
     if (!tms_defaults()->reloc_hooks)
         return tms_fail(err, TMS_E_UNSUPPORTED, 0, "relocation hooks are off (TMS_RELOC_HOOKS=0)");
     if (count + 1 > MAX_TARGETS) return tms_fail(err, TMS_E_ARG, 0, "too many relocation targets (%zu)", count);
+    Dl_info self;
+    uintptr_t base = dladdr((void *)reloc_dlopen, &self) ? (uintptr_t)self.dli_fbase : 0;  /* loader call: no lock held */
     pthread_mutex_lock(&reloc_lock);
-    if (!target_count) {
-        Dl_info self;
-        if (dladdr((void *)reloc_dlopen, &self)) self_base = (uintptr_t)self.dli_fbase;
-        for (size_t i = 0; i < count; i++) targets[i] = (struct target){t[i].name, t[i].hook, NULL};
-        targets[count] = (struct target){"dlopen", (void *)reloc_dlopen, NULL};
+    if (!__atomic_load_n(&target_count, __ATOMIC_ACQUIRE)) {
+        self_base = base;
+        for (size_t i = 0; i < count; i++) targets[i] = (struct target){t[i].name, t[i].hook};
+        targets[count] = (struct target){"dlopen", (void *)reloc_dlopen};
         __atomic_store_n(&target_count, count + 1, __ATOMIC_RELEASE);
     }
-    patch_all_locked();
-    __atomic_store_n(&installed, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&reloc_lock);
-    if (__atomic_load_n(&pass_pending, __ATOMIC_ACQUIRE)) patch_all_soon();  /* what a dlopen meanwhile left */
+    patch_all();
+    __atomic_store_n(&installed, 1, __ATOMIC_RELEASE);
     TMS_DEBUG("relocation hooks installed; patched:\n%s", patched_names);
     return TMS_OK;
 }
 
 int tms_reloc_installed(void) { return __atomic_load_n(&installed, __ATOMIC_ACQUIRE); }
 
-/* No lock: the hooks call this, also while a pass is patching, and the
- * targets do not change once published (only their atomic originals do,
- * each set before the first entry that leads to the hook). */
-void *tms_reloc_original(const char *name)
+/* No lock: the hooks call this, also while a pass is patching. Records are
+ * complete before they are counted and never move. The caller's object's
+ * record decides; a call from elsewhere (a tail call through a patched
+ * entry returns past its object) takes the newest live record's. */
+void *tms_reloc_original(const char *name, const void *caller)
 {
-    struct target *t = target_named(name);
-    return t ? __atomic_load_n(&t->original, __ATOMIC_ACQUIRE) : NULL;
+    size_t n = __atomic_load_n(&patched_count, __ATOMIC_ACQUIRE);
+    if (!n) return NULL;
+    int t = target_index(name);
+    if (t < 0) return NULL;
+    void *fallback = NULL;
+    for (size_t i = n; i-- > 0;) {
+        const struct patched *r = patched_at(i);
+        if (!__atomic_load_n(&r->live, __ATOMIC_ACQUIRE) || !r->original[t]) continue;
+        if ((uintptr_t)caller >= r->lo && (uintptr_t)caller < r->hi) return r->original[t];
+        if (!fallback) fallback = r->original[t];
+    }
+    return fallback;
 }
 
 void tms_reloc_report(char *patched, size_t patched_n, char *static_runtime, size_t static_n)

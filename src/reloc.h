@@ -19,15 +19,17 @@ struct tms_reloc_target {
  * patched dlopen, every object loaded later. Read-only relocations (RELRO)
  * are made writable for the store and read-only again; each store is one
  * aligned pointer, safe while other threads call through the entry.
- * Idempotent. TMS_E_UNSUPPORTED when TMS_RELOC_HOOKS=0. */
+ * Idempotent; returns once every loaded object is patched, as a patched
+ * dlopen does for what it loads. TMS_E_UNSUPPORTED when TMS_RELOC_HOOKS=0. */
 int tms_reloc_install(const struct tms_reloc_target *targets, size_t count, struct tms_err *err);
 
 /* 1 once tms_reloc_install succeeded in this process. */
 int tms_reloc_installed(void);
 
-/* Where each patched object's entry pointed before (the runtime's function),
- * NULL if unknown. */
-void *tms_reloc_original(const char *name);
+/* Where the entry for `name` of the patched object holding caller pointed
+ * before (its runtime's function), else the newest patched object's; NULL
+ * if none. */
+void *tms_reloc_original(const char *name, const void *caller);
 
 /* Names (one per line) of the objects patched so far and of those that
  * define a target themselves (a statically linked runtime: not hookable),

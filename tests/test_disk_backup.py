@@ -78,13 +78,15 @@ def test_file_per_allocation_rewritten_in_place_and_bit_exact(run_disk, tmp_path
             tms.resume("w")
             assert [read(p, n) for p, n in zip(ptrs, sizes)] == data        # bit-exact
             assert inodes() == first                                        # kept across resume
-        # between pauses and resumes only the lock file is open, close-on-exec
+        # between pauses and resumes only the directory and the lock file are open, close-on-exec
         fds = [int(f) for f in os.listdir("/proc/self/fd")]
-        ours = [f for f in fds if os.path.realpath(f"/proc/self/fd/{f}").startswith(D)]
-        assert [os.path.realpath(f"/proc/self/fd/{f}").endswith(".lock") for f in ours] == [True], ours
-        with open(f"/proc/self/fdinfo/{ours[0]}") as info:
-            flags = int(info.read().split("flags:")[1].split()[0], 8)
-        assert flags & 0o2000000, oct(flags)                                 # O_CLOEXEC
+        ours = sorted((os.path.realpath(f"/proc/self/fd/{f}"), f) for f in fds
+                      if os.path.realpath(f"/proc/self/fd/{f}").startswith(D))
+        assert [p == D or p.endswith(".lock") for p, _ in ours] == [True, True], ours
+        for _, fd in ours:
+            with open(f"/proc/self/fdinfo/{fd}") as info:
+                flags = int(info.read().split("flags:")[1].split()[0], 8)
+            assert flags & 0o2000000, oct(flags)                             # O_CLOEXEC
         print("done")
     """, mode=mode, env={"TMS_DISK_BACKUP_CHUNK_MB": "1"}))
     assert out == "done\n"
@@ -184,8 +186,8 @@ def test_files_of_a_killed_process_are_removed_by_the_next(run_disk, tmp_path):
     killed.wait()
     names = sorted(os.listdir(d))
     assert len(_bins(d)) == 2 and sum(n.endswith(".lock") for n in names) == 2, names
-    (d / "tms-999999-00000000deadbeef-7f0000000000-1.bin").write_bytes(b"x")  # an owner without a lock
-    (d / "unrelated.bin").write_bytes(b"y")                                   # not ours: never touched
+    (d / "tms-999999-00000000deadbeef-00000000000000aa.bin").write_bytes(b"x")  # no lock: not proof of death
+    (d / "unrelated.bin").write_bytes(b"y")                                     # not ours: never touched
     out = check_ok(run_disk("""
         print(sorted(os.listdir(D)))
     """, directory=d))
@@ -194,12 +196,12 @@ def test_files_of_a_killed_process_are_removed_by_the_next(run_disk, tmp_path):
     alive_prefix = f"tms-{alive.pid}-"
     assert not any(n.startswith(killed_prefix) for n in left), left           # the dead owner's files went
     assert sum(n.startswith(alive_prefix) for n in left) == 2, left           # the live owner's stay
-    assert "unrelated.bin" in left and not any("deadbeef" in n for n in left), left
+    assert "unrelated.bin" in left and "tms-999999-00000000deadbeef-00000000000000aa.bin" in left, left
     alive.stdin.write("\n")
     alive.stdin.flush()
     assert alive.stdout.readline() == "resumed\n"
     assert alive.wait(timeout=30) == 0
-    assert sorted(os.listdir(d)) == ["unrelated.bin"]
+    assert sorted(os.listdir(d)) == ["tms-999999-00000000deadbeef-00000000000000aa.bin", "unrelated.bin"]
 
 
 def test_write_error_keeps_every_allocation_active_and_removes_partial_files(run_disk):

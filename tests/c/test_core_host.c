@@ -16,6 +16,7 @@
 #include "config.h"
 #include "core.h"
 #include "driver.h"
+#include "parse.h"
 #include "seeded_bytes.h"
 #include "span_index.h"
 #include "topology.h"
