@@ -75,6 +75,7 @@ static void load_defaults(void)
     env_bool("TMS_INIT_ENABLE_DISK_BACKUP", &defaults.init_disk_backup);
     defaults.reloc_hooks = 1;
     env_bool("TMS_RELOC_HOOKS", &defaults.reloc_hooks);
+    env_bool("TMS_DISK_BACKUP_TRUST_DIR", &defaults.disk_trust_dir);
     env_disk_block();
     const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
     if (kind && *kind && tms_backup_kind_parse(kind, &defaults.init_backup_kind) != TMS_OK &&

@@ -656,6 +656,7 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     const struct tms_driver *drv;
     int rc = tms_driver_get(&drv, err);
     if (rc) return rc;
+    if (device < -1) return tms_fail(err, TMS_E_ARG, 0, "device %d does not exist (-1: the current one)", device);
     if (size == 0) return *ptr = NULL, TMS_OK;
     const char *tag = tms_core_tag_name(r->tag_id);
     int count = 0;

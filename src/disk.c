@@ -156,13 +156,6 @@ static int parse_name(const char *name, int *pid, unsigned long long *tok)
 
 /* ---- the directory ---------------------------------------------------------- */
 
-static int trust_switch(void)
-{
-    const char *v = getenv("TMS_DISK_BACKUP_TRUST_DIR");
-    return v && (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "TRUE") || !strcmp(v, "yes") ||
-                 !strcmp(v, "YES"));
-}
-
 /* Another user can neither write st's directory nor rename what is in it
  * (final: the backup directory itself; else a directory above it). */
 static int safe_dir(const struct statx *st, int final)
@@ -188,7 +181,7 @@ static int unsafe(struct tms_err *err, const char *dir, const char *at, const st
  * a link, checking each directory on the way unless vouched for. */
 static int open_checked(const char *path, int *out, struct tms_err *err)
 {
-    int trust = trust_switch();
+    int trust = tms_defaults()->disk_trust_dir;
     int fd = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return fail_errno(err, errno, "opening", "/", NULL);
     char buf[PATH_MAX];
@@ -676,6 +669,9 @@ int tms_disk_open(struct tms_disk_file *f, struct tms_err *err)
     if (f->fd >= 0) return TMS_OK;
     char path[PATH_MAX];
     tms_disk_path(f, path, sizeof path);
+    struct tms_err lock_err = {0};
+    if (f->owner == getpid() && ensure_lock(f->dir, &lock_err))  /* a removed lock would leave its files unowned */
+        tms_log_warn("%s", lock_err.msg);
     int fd = openat(f->dir->dfd, f->name, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | (f->direct ? O_DIRECT : 0));
     if (fd < 0) return fail_errno(err, errno, "opening", f->dir->path, f->name);
     struct statx st;

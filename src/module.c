@@ -7,6 +7,7 @@
 #include <Python.h>
 
 #include <dlfcn.h>
+#include <limits.h>
 #include <string.h>
 
 #include "config.h"
@@ -172,17 +173,28 @@ PyDoc_STRVAR(malloc_doc,
 
 static PyObject *py_malloc(PyObject *module, PyObject *args)
 {
-    Py_ssize_t size;
-    int device = -1;
-    if (!PyArg_ParseTuple(args, "n|i:malloc", &size, &device)) return NULL;
-    if (size < 0) return PyErr_Format(PyExc_ValueError, "malloc: size must be >= 0, got %zd", size);
+    PyObject *size_obj, *device_obj = NULL;
+    if (!PyArg_ParseTuple(args, "O!|O!:malloc", &PyLong_Type, &size_obj, &PyLong_Type, &device_obj)) return NULL;
+    Py_ssize_t size = PyLong_AsSsize_t(size_obj);
+    if (size == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: malloc: nbytes %R is larger than any device", size_obj);
+    }
+    if (size < 0) return PyErr_Format(PyExc_ValueError, "torch_memory_saver: malloc: nbytes must be >= 0, got %zd", size);
+    long device = device_obj ? PyLong_AsLong(device_obj) : -1;
+    if (device_obj && ((device == -1 && PyErr_Occurred()) || device < -1 || device > INT_MAX)) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: malloc: device must be >= 0 (or -1: the current one), "
+                            "got %R", device_obj);
+    }
     if (!tms_region_current()->active)
-        return PyErr_Format(PyExc_ValueError, "malloc of %zd bytes outside a region: enter region() first", size);
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: malloc of %zd bytes outside a region: enter region() first",
+                            size);
     struct tms_err err = {0};
     void *ptr = NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = tms_core_alloc((size_t)size, device, tms_region_current(), &ptr, &err);
+    rc = tms_core_alloc((size_t)size, (int)device, tms_region_current(), &ptr, &err);
     Py_END_ALLOW_THREADS
     if (rc) return raise_err(module, &err);
     return PyLong_FromVoidPtr(ptr);

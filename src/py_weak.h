@@ -1,7 +1,7 @@
 /* Every CPython symbol module.c uses, declared weak: the preload library is
  * loaded into any child process (shells, compilers, nvidia-smi), where there
  * is no libpython; a weak reference resolves to NULL there instead of failing
- * the load, also under LD_BIND_NOW=1 (DESIGN req. 1). Inside Python they
+ * the load, also under LD_BIND_NOW=1. Inside Python they
  * resolve to the interpreter's. tests/test_build.py fails if one is missing.
  * Superset across CPython 3.10-3.13 (macros expand to different names). */
 #ifndef TMS_PY_WEAK_H
@@ -41,6 +41,8 @@
 #pragma weak PyType_GetSlot
 #pragma weak _PyObject_CallFunction_SizeT
 #pragma weak PyLong_AsSize_t
+#pragma weak PyLong_AsSsize_t
+#pragma weak PyLong_AsLong
 #pragma weak PyLong_AsVoidPtr
 #pragma weak PyLong_FromSize_t
 #pragma weak PyLong_FromVoidPtr

@@ -489,8 +489,19 @@ static void *reloc_dlopen(const char *file, int mode)
 
 /* ---- API ------------------------------------------------------------------ */
 
+/* A fork while another thread held a lock of ours: the child starts them
+ * free (the records are append-only and published last, so consistent). */
+static void locks_free_in_child(void)
+{
+    pthread_mutex_init(&reloc_lock, NULL);
+    pthread_mutex_init(&seen_lock, NULL);
+}
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static void register_atfork(void) { (void)pthread_atfork(NULL, NULL, locks_free_in_child); }
+
 int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms_err *err)
 {
+    pthread_once(&atfork_once, register_atfork);
     if (!tms_defaults()->reloc_hooks)
         return tms_fail(err, TMS_E_UNSUPPORTED, 0, "relocation hooks are off (TMS_RELOC_HOOKS=0)");
     if (count + 1 > MAX_TARGETS) return tms_fail(err, TMS_E_ARG, 0, "too many relocation targets (%zu)", count);

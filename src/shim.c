@@ -13,7 +13,7 @@
  * the preload library before asking for disk backup); a shim is that file. */
 static const char reads_environment[] __attribute__((used)) =
     "TMS_INIT_ENABLE TMS_INIT_ENABLE_CPU_BACKUP TMS_INIT_CPU_BACKUP_BACKEND TMS_RETAIN_CPU_BACKUP "
-    "TMS_INIT_ENABLE_DISK_BACKUP TMS_DISK_BACKUP_DIR TMS_DISK_BACKUP_CHUNK_MB";
+    "TMS_INIT_ENABLE_DISK_BACKUP TMS_DISK_BACKUP_DIR TMS_DISK_BACKUP_CHUNK_MB TMS_DISK_BACKUP_TRUST_DIR";
 
 #ifdef TMS_SHIM_PRELOAD
 #include "hook_forward.h"

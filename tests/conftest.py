@@ -170,6 +170,22 @@ def run_py(built_libs, tmp_path):
     return run
 
 
+HOST_SCENARIOS = REPO / "tests" / "host_scenarios"
+
+
+@pytest.fixture
+def run_scenario(built_libs):
+    """run_scenario(name, *args, env=None, timeout=60, backend="host") runs
+    tests/host_scenarios/<name>.py in a fresh Python process (cwd = repo root,
+    PYTHONPATH = repo root, TMS_BACKEND=backend) and returns the CompletedProcess."""
+
+    def run(name, *args, env=None, timeout=60, backend="host"):
+        return subprocess.run([sys.executable, str(HOST_SCENARIOS / f"{name}.py"), *map(str, args)], cwd=REPO,
+                              env=child_env(env, backend), capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
 def cc(*args):
     """Compiles with the system C compiler; fails the test with its messages."""
     proc = subprocess.run(["cc", *map(str, args)], capture_output=True, text=True, timeout=120)

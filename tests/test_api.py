@@ -189,7 +189,7 @@ def test_native_argument_errors(run_py):
         expect(TypeError, core.set_memory_margin_bytes, 1.5, match="must be an int, not float")
         expect(ValueError, core.set_memory_margin_bytes, -3, match="memory_margin_bytes must be >= 0, got -3")
         with tms.region("t"):
-            expect(ValueError, core.malloc, -1, match="size must be >= 0")
+            expect(ValueError, core.malloc, -1, match="nbytes must be >= 0")
         expect(ValueError, core.free, 4096, match="not an allocation of torch_memory_saver")
         assert core.get_region() == (False, "default", False, "mmap", False)   # failed set_region changed nothing
         print("done")

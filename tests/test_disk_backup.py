@@ -365,7 +365,9 @@ def test_api_shapes_and_errors(run_disk, tmp_path):
         assert stat.S_IMODE(os.stat({str(d)!r}).st_mode) == 0o700
         blocker = os.path.join(D, "file")
         open(blocker, "w").close()
-        expect(NotADirectoryError, tms.set_disk_backup_dir, os.path.join(blocker, "sub"))
+        e = expect(torch_memory_saver.DiskBackupDirError, tms.set_disk_backup_dir, os.path.join(blocker, "sub"),
+                   match="Not a directory")
+        assert isinstance(e, OSError) and isinstance(e, ValueError) and blocker in str(e)   # upstream raised OSError
         assert tms.disk_backup_dir == {str(d)!r}                    # unchanged by the failure
         # the C ABI, as upstream's callers use it
         cdll = tms._impl._binary_wrapper.cdll

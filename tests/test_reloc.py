@@ -31,6 +31,17 @@ def libs(tmp_path_factory):
         C / "reloc_user.c", f"-L{d}", "-lcudart_stub", f"-Wl,-rpath,{d}", "-ldl")
     # A library with the runtime linked in: it defines cudaMalloc itself.
     cc("-shared", "-fPIC", "-O2", "-o", d / "libstatic_runtime.so", C / "reloc_runtime_stub.c")
+    # Runtimes of their own (a second CUDA runtime in the process), each with a user
+    # library that calls it without tail calls (the hook knows its caller by the
+    # return address).
+    for k in ("b", "c", "d"):
+        cc("-shared", "-fPIC", "-O2", f"-Wl,-soname,libcudart_{k}.so", "-o", d / f"libcudart_{k}.so",
+           C / "reloc_runtime_stub.c")
+        cc("-shared", "-fPIC", "-O2", "-fno-optimize-sibling-calls", "-o", d / f"libuser_on_{k}.so", C / "reloc_user.c",
+           f"-L{d}", f"-lcudart_{k}", f"-Wl,-rpath,{d}", "-ldl")
+    # Many copies, dlopen'ed one after the other while passes run.
+    for i in range(24):
+        (d / f"libuser_copy{i}.so").write_bytes((d / "libuser_now.so").read_bytes())
     return d
 
 
@@ -175,3 +186,71 @@ def test_reloc_hooks_off_leaves_objects_alone(run_py, libs):
 def test_malformed_reloc_hooks_is_a_value_error(run_py):
     proc = run_py("import torch_memory_saver", prelude=False, env={"TMS_RELOC_HOOKS": "maybe"})
     assert proc.returncode != 0 and "TMS_RELOC_HOOKS='maybe'" in proc.stderr, proc.stderr
+
+
+def test_a_dlopen_returns_with_the_new_object_patched(run_py, libs):
+    # Another thread keeps running passes meanwhile: a library's allocations in a
+    # region, made in C right after its dlopen returned, are the library's.
+    out = check_ok(_run(run_py, """
+        outer = load("libuser_now.so")
+        outer.user_open_and_alloc.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int,
+                                              ctypes.POINTER(ctypes.c_void_p)]
+        core.install_relocation_hooks()
+        done = threading.Event()
+        def passes():
+            while not done.is_set():
+                core.install_relocation_hooks()
+        t = threading.Thread(target=passes)
+        t.start()
+        missed, made = 0, 0
+        try:
+            for i in range(24):
+                got = (ctypes.c_void_p * 8)()
+                core.set_region(True, "r", False, "mmap")
+                try:
+                    assert outer.user_open_and_alloc(os.path.join(D, f"libuser_copy{i}.so").encode(), 2 * MiB, 8, got) == 0
+                finally:
+                    core.set_region(False, "default", False, "mmap")
+                missed += sum(not ours(p) for p in got)
+                made += len(got)
+                for p in got:
+                    outer.user_free(p)
+        finally:
+            done.set()
+            t.join()
+        assert missed == 0, f"{missed} of {made} allocations went to the runtime"
+        print("done")
+    """, load_core=False, args=(libs,)))
+    assert out == "done\n"
+
+
+def test_each_patched_object_forwards_to_its_own_runtime(run_py, libs):
+    # Two runtimes: a library linked to the second reaches the second, not the
+    # first one the hooks saw; after the first is unloaded, nothing calls into it.
+    out = check_ok(_run(run_py, """
+        import _ctypes
+        stubs = {k: ctypes.CDLL(os.path.join(D, f"libcudart_{k}.so")) for k in "bc"}
+        def counts_of(k):
+            return stubs[k].stub_mallocs(), stubs[k].stub_frees()
+
+        c = load("libuser_on_c.so")                              # the first runtime the hooks see
+        core.install_relocation_hooks()
+        p = c.user_alloc(64)
+        assert counts_of("c") == (1, 0) and c.user_free(p) == 0 and counts_of("c") == (1, 1)
+        b = load("libuser_on_b.so")
+        p = b.user_alloc(64)
+        assert counts_of("b") == (1, 0) and counts_of("c") == (1, 1), (counts_of("b"), counts_of("c"))
+        assert b.user_free(p) == 0 and counts_of("b") == (1, 1)
+
+        # Unload c and its runtime; a library on a third runtime still reaches its own.
+        _ctypes.dlclose(c._handle)
+        _ctypes.dlclose(stubs.pop("c")._handle)
+        maps = open("/proc/self/maps").read()
+        assert "libcudart_c.so" not in maps and "libuser_on_c.so" not in maps
+        d = load("libuser_on_d.so")
+        stubs["d"] = ctypes.CDLL(os.path.join(D, "libcudart_d.so"))
+        p = d.user_alloc(64)
+        assert counts_of("d") == (1, 0) and d.user_free(p) == 0 and counts_of("d") == (1, 1)
+        print("done")
+    """, load_core=False, args=(libs,)))
+    assert out == "done\n"

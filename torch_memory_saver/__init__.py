@@ -1,7 +1,7 @@
 """Release the GPU memory behind chosen tensors and give it back later at the
 same virtual addresses, optionally keeping the contents on the host."""
 from . import _library
-from ._errors import Error, OutOfMemoryError
+from ._errors import DiskBackupDirError, Error, OutOfMemoryError
 from ._preload import configure_subprocess
 from .entrypoint import TorchMemorySaver
 
@@ -14,4 +14,4 @@ stats = torch_memory_saver.stats
 memory_summary = torch_memory_saver.memory_summary
 
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "stats", "memory_summary", "Error",
-           "OutOfMemoryError", "__version__"]
+           "OutOfMemoryError", "DiskBackupDirError", "__version__"]

@@ -12,5 +12,11 @@ class OutOfMemoryError(Error, MemoryError):
     """Device or host memory ran out, or an allocation would cross memory_margin_bytes."""
 
 
+class DiskBackupDirError(ValueError, OSError):
+    """The disk backup directory cannot be used: it cannot be made or opened, or
+    another user could replace its files. A ValueError (a bad argument) and an
+    OSError (what os.makedirs raised for it before)."""
+
+
 # Shown and pickled under the public package name.
-Error.__module__ = OutOfMemoryError.__module__ = "torch_memory_saver"
+Error.__module__ = OutOfMemoryError.__module__ = DiskBackupDirError.__module__ = "torch_memory_saver"

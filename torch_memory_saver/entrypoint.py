@@ -6,6 +6,7 @@ import threading
 from typing import Optional
 
 from . import _abi, _library, _observe, _preload, _scratch
+from ._errors import DiskBackupDirError
 
 logger = logging.getLogger("torch_memory_saver")
 
@@ -259,6 +260,15 @@ class TorchMemorySaver:
         bytes copied. Reads counters only (no driver call): cheap every step."""
         return _observe.stats(self._ensure_initialized().core)
 
+    def allocations(self):
+        """One dict per allocation the library holds: ptr, size, reserved, device,
+        tag, state ("active", "paused", or "pausing"/"resuming" while a call moves
+        it), cpu_backup / disk_backup (backed up on pause), cpu_backup_backend,
+        has_cpu_backup / has_disk_backup (a backup exists now),
+        cpu_backup_page_locked, chunks, adopted (an expandable-segment page). A
+        copy: it does not change under you."""
+        return self._ensure_initialized().core.allocations()
+
     def memory_summary(self) -> str:
         """A readable table of stats(), like torch.cuda.memory_summary()."""
         return _observe.memory_summary(self._ensure_initialized().core)
@@ -271,6 +281,10 @@ class TorchMemorySaver:
         tensors instead. device: None for the current one."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
             raise TypeError(f"torch_memory_saver: nbytes must be an int, not {type(nbytes).__name__}")
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
+            raise TypeError(f"torch_memory_saver: device must be an int or None, not {type(device).__name__}")
+        if device is not None and device < 0:
+            raise ValueError(f"torch_memory_saver: device must be >= 0 (or None: the current one), got {device}")
         core = self._ensure_initialized().core
         return core.malloc(nbytes) if device is None else core.malloc(nbytes, device)
 
@@ -280,16 +294,23 @@ class TorchMemorySaver:
 
     def set_disk_backup_dir(self, path) -> None:
         """Directory for the backup files of regions with enable_disk_backup=True
-        (created, mode 0700, if missing), process-wide, for the files made from now
-        on. Files left there by processes that died are removed. Default:
-        TMS_DISK_BACKUP_DIR, else $TMPDIR, else /tmp."""
+        (created, mode 0700, if missing; a relative path is resolved now),
+        process-wide, for the files made from now on. It must be safe: owned by
+        you and writable by no one else, or sticky like /tmp, with the
+        directories above it likewise (TMS_DISK_BACKUP_TRUST_DIR=1 vouches for
+        one that is not). Files left there by processes that died are removed.
+        Default: TMS_DISK_BACKUP_DIR, else $TMPDIR, else /tmp. Raises
+        DiskBackupDirError (a ValueError and an OSError) naming the path."""
         if not isinstance(path, (str, bytes, os.PathLike)):
             raise TypeError(f"torch_memory_saver: set_disk_backup_dir expects a path, not {type(path).__name__}")
         path = os.fsdecode(os.fspath(path))
         if not path:
             raise ValueError("torch_memory_saver: set_disk_backup_dir needs a non-empty path")
-        os.makedirs(path, mode=0o700, exist_ok=True)  # OSError (PermissionError, ...) as upstream
-        self._ensure_initialized().core.set_disk_backup_dir(path)
+        core = self._ensure_initialized().core
+        try:
+            core.set_disk_backup_dir(path)
+        except (ValueError, core.Error) as e:
+            raise DiskBackupDirError(str(e)) from None
 
     @property
     def disk_backup_dir(self) -> str:

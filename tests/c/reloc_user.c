@@ -43,3 +43,15 @@ void *user_open(const char *name)
     __asm__ volatile("" : : "r"(h) : "memory");
     return h;
 }
+
+/* dlopens the library at path and allocates n times through its user_alloc at
+ * once, in C: no time for another thread's patch pass to finish in between. */
+int user_open_and_alloc(const char *path, size_t size, int n, void **out)
+{
+    void *h = dlopen(path, RTLD_NOW);
+    if (!h) return -1;
+    void *(*alloc)(size_t) = (void *(*)(size_t))dlsym(h, "user_alloc");
+    if (!alloc) return -2;
+    for (int i = 0; i < n; i++) out[i] = alloc(size);
+    return 0;
+}

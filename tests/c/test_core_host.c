@@ -164,6 +164,25 @@ static void test_config(void)
     CHECK(tms_parse_bytes("12 MiB", &v) == TMS_E_ARG);
     CHECK(tms_parse_bytes("99999999999999999999", &v) == TMS_E_ARG);
     CHECK(tms_parse_bytes("17179869184G", &v) == TMS_E_ARG);
+    CHECK(tms_parse_bytes("+1", &v) == TMS_E_ARG && tms_parse_bytes(" 1", &v) == TMS_E_ARG);
+    unsigned long long u = 0;
+    CHECK(tms_parse_uint("32", 32, &u) == TMS_OK && u == 32);
+    CHECK(tms_parse_uint("33", 32, &u) == TMS_E_ARG && tms_parse_uint("9", 8, &u) == TMS_E_ARG);
+    CHECK(tms_parse_uint(" 1", 32, &u) == TMS_E_ARG && tms_parse_uint("+1", 32, &u) == TMS_E_ARG);
+    CHECK(tms_parse_uint("\n1", 32, &u) == TMS_E_ARG && tms_parse_uint("1 ", 32, &u) == TMS_E_ARG);
+    CHECK(tms_parse_uint("", 32, &u) == TMS_E_ARG && tms_parse_uint("0x1", 32, &u) == TMS_E_ARG);
+    CHECK(tms_parse_uint("18446744073709551615", ~0ull, &u) == TMS_OK && u == ~0ull);
+    CHECK(tms_parse_uint("18446744073709551616", ~0ull, &u) == TMS_E_ARG);
+    CHECK(tms_parse_uint("99999999999999999999", ~0ull, &u) == TMS_E_ARG);
+    int b = -1;
+    CHECK(tms_parse_bool("YES", &b) == TMS_OK && b == 1 && tms_parse_bool(" 1", &b) == TMS_E_ARG);
+    size_t bad = 0;
+    CHECK(tms_utf8_valid("kv_cache", &bad) && tms_utf8_valid("\xc3\xa9t\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", &bad));
+    CHECK(!tms_utf8_valid("ab\xff", &bad) && bad == 2);
+    CHECK(!tms_utf8_valid("\xc0\xaf", &bad) && bad == 0);           /* overlong '/' */
+    CHECK(!tms_utf8_valid("x\xed\xa0\x80", &bad) && bad == 1);     /* a surrogate */
+    CHECK(!tms_utf8_valid("\xf4\x90\x80\x80", &bad) && bad == 0); /* past U+10FFFF */
+    CHECK(!tms_utf8_valid("\xe2\x82", &bad) && bad == 0);           /* cut short */
     CHECK(tms_backup_kind_parse("pinned", &kind) == TMS_OK && kind == TMS_BACKUP_PINNED);
     CHECK(tms_backup_kind_parse("mmap", &kind) == TMS_OK && kind == TMS_BACKUP_MMAP);
     CHECK(tms_backup_kind_parse("cuda", &kind) == TMS_E_ARG);
@@ -539,6 +558,38 @@ static void test_tags(void)
         free_ok(pb[i]);
         free_ok(pc[i]);
     }
+}
+
+/* Tags nobody references any more are reclaimed once many exist: more
+ * distinct tags than the table could ever hold at once all work, a tag with
+ * an allocation or a thread's region on it keeps its name and statistics,
+ * and names that are not UTF-8 never enter. */
+static void test_tag_reclaim(void)
+{
+    struct tms_err err;
+    struct tms_region keep = region("kept-tag", 0, TMS_BACKUP_MMAP);
+    void *kept = alloc_ok(4096, 0, &keep);
+    CHECK_RC(tms_core_set_region_tag("region-tag", &err), TMS_OK);
+    int region_tag = tms_region_current()->tag_id;
+    char name[32];
+    for (int i = 0; i < 70000; i++) {
+        snprintf(name, sizeof name, "churn-%d", i);
+        struct tms_region r = region(name, 0, TMS_BACKUP_MMAP);
+        if (i % 1000 == 0) free_ok(alloc_ok(1, 0, &r));
+    }
+    CHECK(strcmp(tms_core_tag_name(keep.tag_id), "kept-tag") == 0 && info_of(kept).tag_id == keep.tag_id);
+    CHECK(strcmp(tms_core_tag_name(region_tag), "region-tag") == 0);
+    int again = -1;
+    CHECK_RC(tms_core_tag_id("kept-tag", &again, &err), TMS_OK);
+    CHECK(again == keep.tag_id);
+    CHECK_RC(tms_core_pause("kept-tag", &err), TMS_OK);
+    CHECK_RC(tms_core_resume("kept-tag", &err), TMS_OK);
+    free_ok(kept);
+    CHECK_RC(tms_core_set_region_tag("default", &err), TMS_OK);
+    CHECK_RC(tms_core_tag_id("bad\xff", &again, &err), TMS_E_ARG);
+    CHECK(strstr(err.msg, "not valid UTF-8") != NULL);
+    CHECK_RC(tms_core_set_region_tag("", &err), TMS_E_ARG);
+    CHECK(tms_region_current()->tag_id == TMS_TAG_DEFAULT_ID);
 }
 
 /* A pause of a tag walks that tag's own list of allocations: frees at its
@@ -1500,6 +1551,7 @@ static const struct test tests[] = {
     {"sizes", test_sizes},
     {"tags", test_tags},
     {"tag_lists", test_tag_lists},
+    {"tag_reclaim", test_tag_reclaim},
     {"span_index", test_span_index},
     {"interior_lookup", test_interior_lookup},
     {"devices", test_devices},

@@ -1,0 +1,210 @@
+"""Safe on a machine shared with other users: the disk backup directory and its files,
+the sweep of dead processes' files, the relocation hooks, and input from outside (C ABI
+arguments, environment, Python arguments). Each test is one way in that an attack
+review found; tests/host_scenarios/disk_attacks.py plays the victim (and another user
+where the test runs as root)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import HOST_SCENARIOS, check_ok, child_env
+
+IS_ROOT = os.geteuid() == 0
+
+
+def _private(path):
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory everyone can write, that another user can reach (under /tmp:
+    pytest's own directories are private to this user)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="tms-shared-", dir="/tmp")
+    os.chmod(d, 0o777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# ---- the directory -----------------------------------------------------------------
+
+
+def test_a_directory_others_can_write_is_refused_naming_owner_and_mode(run_scenario, tmp_path):
+    out = check_ok(run_scenario("disk_attacks", "untrusted_dirs", _private(tmp_path / "base")))
+    assert out == "refused and accepted as expected\n"
+
+
+def test_the_user_may_vouch_for_a_shared_directory(run_scenario, tmp_path):
+    out = check_ok(run_scenario("disk_attacks", "vouched", _private(tmp_path / "base"),
+                                env={"TMS_DISK_BACKUP_TRUST_DIR": "1"}))
+    assert out == "vouched\n"
+
+
+def test_a_replaced_backup_file_is_an_error_never_data(run_scenario, tmp_path, shared_dir):
+    # A directory others can write (vouched for): files are replaced after the pause by
+    # a link, a copy, another user's file; the header changed, the file cut short.
+    out = check_ok(run_scenario("disk_attacks", "replaced_file", shared_dir, _private(tmp_path / "own") / "precious",
+                                env={"TMS_DISK_BACKUP_TRUST_DIR": "1"}))
+    assert out == "every replacement refused\n"
+
+
+def test_a_link_under_the_hidden_lock_name_truncates_nothing(run_scenario, tmp_path):
+    out = check_ok(run_scenario("disk_attacks", "lock_link", _private(tmp_path / "d1"), tmp_path / "d2",
+                                _private(tmp_path / "own") / "precious"))
+    assert out == "nothing truncated\n"
+
+
+def test_fifos_under_our_names_hang_neither_the_sweep_nor_fork(run_scenario, tmp_path):
+    out = check_ok(run_scenario("disk_attacks", "fifos", tmp_path / "d", timeout=90))
+    assert out == "no hang\n"
+
+
+def test_predictable_names_made_in_advance_do_not_stop_a_pause(run_scenario, tmp_path):
+    out = check_ok(run_scenario("disk_attacks", "squat", _private(tmp_path / "d")))
+    assert out == "made its files\n"
+
+
+def test_a_relative_directory_is_resolved_once(run_scenario, tmp_path):
+    start, elsewhere = _private(tmp_path / "start"), _private(tmp_path / "elsewhere")
+    out = check_ok(run_scenario("disk_attacks", "relative", start, elsewhere, env={"TMS_DISK_BACKUP_DIR": "rel"}))
+    assert out == "stayed\n"
+
+
+def test_a_failed_write_back_fails_the_pause(run_scenario, tmp_path):
+    out = check_ok(run_scenario("disk_attacks", "write_back", _private(tmp_path / "d"),
+                                env={"TMS_FAULT": "disk_no_direct:1,disk_sync:1"}))
+    assert out == "reported\n"
+
+
+# ---- the sweep -------------------------------------------------------------------------
+
+
+def _holder(d):
+    p = subprocess.Popen([sys.executable, str(HOST_SCENARIOS / "disk_attacks.py"), "hold", str(d)],
+                         env=child_env(), stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "paused\n"
+    return p
+
+
+def test_a_live_owner_whose_lock_was_removed_keeps_its_backups(run_scenario, tmp_path):
+    d = _private(tmp_path / "d")
+    holder = _holder(d)
+    try:
+        (lock,) = [n for n in os.listdir(d) if n.endswith(".lock")]
+        (backup,) = [n for n in os.listdir(d) if n.endswith(".bin")]
+        os.unlink(d / lock)                                   # a /tmp cleaner: not proof of death
+        left = eval(check_ok(run_scenario("disk_attacks", "sweep", d)))
+        assert backup in left, left
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline() == "resumed, lock 1\n"   # bit-exact, and its lock made again
+    finally:
+        holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
+
+
+def test_the_sweep_removes_only_what_is_dead_and_ours(run_scenario, tmp_path):
+    d = _private(tmp_path / "d")
+    dead_lock, dead_bin = "tms-999999-00000000000000aa.lock", "tms-999999-00000000000000aa-00000000000000bb.bin"
+    foreign = ["tms-2024-01-quarterly-report.bin", "tms-1-zz.lock", "tms-12-00000000000000aa-x.bin",
+               "tms-0999-00000000000000aa.lock", "tms-7-00000000000000AA.lock"]
+    for name in [dead_lock, dead_bin, *foreign]:
+        (d / name).write_bytes(b"x")
+    if IS_ROOT:                                               # a dead owner's files, but another user's
+        theirs = ["tms-999998-00000000000000cc.lock", "tms-999998-00000000000000cc-00000000000000dd.bin"]
+        for name in theirs:
+            (d / name).write_bytes(b"y")
+            os.chown(d / name, 65534, -1)
+        foreign += theirs
+    left = eval(check_ok(run_scenario("disk_attacks", "sweep", d)))
+    assert dead_lock not in left and dead_bin not in left, left   # dead (its lock could be taken) and ours
+    assert all(name in left for name in foreign), left
+
+
+# ---- relocation hooks ----------------------------------------------------------------
+# (tests/test_reloc.py: a dlopen returns patched; two runtimes each keep their own.)
+
+
+# ---- input from outside ----------------------------------------------------------------
+
+
+def test_a_tag_that_is_not_utf8_is_refused_where_it_enters(run_py):
+    out = check_ok(run_py("""
+        cdll = tms._impl._binary_wrapper.cdll
+        with tms.region("ok"):
+            p = core.malloc(MiB)
+        assert cdll.tms_set_current_tag(b"\\xff\\xfe") == 6                      # TMS_STATUS_ARG
+        assert b"not valid UTF-8" in cdll.tms_get_last_error()
+        assert cdll.tms_get_current_tag() == b"default"                        # unchanged
+        assert cdll.tms_set_current_tag(b"caf\\xc3\\xa9") == 0 and cdll.tms_get_current_tag() == "café".encode()
+        tms.stats(); tms.allocations(); tms.memory_summary(); tms.paused_tags()  # every reader still works
+        tms.pause("ok"); tms.resume("ok")
+        assert tms.stats()[0]["ok"]["pauses"] == 1
+        print("done")
+    """))
+    assert out == "done\n"
+
+
+def test_cudamalloc_of_null_in_a_region_is_invalid_value_with_nothing_kept(run_py):
+    out = check_ok(run_py("""
+        tms.hook_mode = "preload"
+        core = tms._core
+        hook = ctypes.CDLL(core.library_path())                                 # the preload variant's cudaMalloc
+        with tms.region("r"):
+            assert hook.cudaMalloc(None, ctypes.c_size_t(MiB)) == 1             # cudaErrorInvalidValue
+        assert tms.allocations() == []
+        assert "NULL" in core.last_hook_error()
+        print("done")
+    """, load_core=False))
+    assert out == "done\n"
+
+
+def test_many_distinct_tags_are_reclaimed_and_looked_up_by_name(run_py):
+    # More distinct tags than the table holds at once (65,536), each with an
+    # allocation freed again; one tag keeps its allocation throughout.
+    out = check_ok(run_py("""
+        with tms.region("kept"):
+            kept = core.malloc(MiB)
+        for i in range(70000):
+            core.set_region(True, f"t{i}", False, "mmap")
+            if i % 5000 == 0:
+                core.free(core.malloc(4096))
+        core.set_region(False, "default", False, "mmap")
+        assert [r["tag"] for r in tms.allocations()] == ["kept"]
+        tms.pause("kept"); tms.resume("kept")
+        print("done")
+    """, timeout=120))
+    assert out == "done\n"
+
+
+@pytest.mark.parametrize("value", [" 1", "+1", "\n1", "1 ", "0x2"])
+def test_numbers_in_the_environment_are_digits_only(run_py, value):
+    proc = run_py("import torch_memory_saver", prelude=False, env={"TMS_BACKUP_THREADS": value})
+    assert proc.returncode != 0 and "ValueError" in proc.stderr, proc.stderr
+    assert "is not a number from 1 to 32" in proc.stderr, proc.stderr
+
+
+def test_a_fault_count_past_the_range_is_refused(run_py):
+    proc = run_py("import torch_memory_saver", prelude=False, env={"TMS_FAULT": "create:99999999999999999999"})
+    assert proc.returncode != 0 and "TMS_FAULT='create:99999999999999999999' is malformed" in proc.stderr, proc.stderr
+
+
+def test_python_arguments_are_value_errors_naming_them(run_py):
+    out = check_ok(run_py("""
+        with tms.region("r"):
+            e = expect(ValueError, tms.malloc, 2 ** 70, match="torch_memory_saver: malloc: nbytes")
+            assert str(2 ** 70) in str(e)
+            expect(ValueError, tms.malloc, -5, match="torch_memory_saver: malloc: nbytes must be >= 0, got -5")
+            expect(ValueError, lambda: tms.malloc(MiB, device=-7), match="device must be >= 0")
+            expect(ValueError, core.malloc, MiB, -7, match="device must be >= 0")
+            expect(ValueError, core.malloc, MiB, 99, match="device 99 does not exist")
+        assert tms.allocations() == []
+        print("done")
+    """))
+    assert out == "done\n"
