@@ -25,22 +25,34 @@ except ImportError:  # setuptools < 70.1 has it in the wheel package (pip instal
 
 ROOT = Path(__file__).resolve().parent
 NAME = "torch_memory_saver"
-VARIANTS = ("preload", "torch")
-# The upstream library's file names, at the site-packages root: frameworks put
-# them on LD_PRELOAD or load them with ctypes (issue 10). Each needs the real
-# library of its variant (src/shim.c).
-UPSTREAM_SUFFIXES = ("", "_cu12", "_cu13")
 LIMITED_API = ("Py_LIMITED_API", "0x030A0000")  # CPython 3.10 and later, one abi3 build
-MANYLINUX = "manylinux_2_28"  # src/glibc_compat.h keeps every glibc symbol at or below 2.28
+MANYLINUX = "manylinux_2_28"  # src/platform/glibc_compat.h keeps every glibc symbol at or below 2.28
+# The upstream library's file names, at the site-packages root: frameworks put
+# them on LD_PRELOAD or load them with ctypes. Each needs the real library of
+# its variant (src/hooks/shim.c).
+UPSTREAM_SUFFIXES = ("", "_cu12", "_cu13")
 
 
-def core_sources():
-    lines = (ROOT / "src" / "sources.txt").read_text().splitlines()
-    return [f"src/{line.strip()}" for line in lines if line.strip() and not line.startswith("#")]
+def build_description():
+    """src/build.txt as {key: [values]}; a variant's value is (name, file)."""
+    desc = {}
+    for line in (ROOT / "src" / "build.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, value = line.split(None, 1)
+            desc.setdefault(key, []).append(value.strip())
+    return desc
+
+
+BUILD = build_description()
+VARIANTS = {name: file for name, file in (v.split() for v in BUILD["variant"])}
+
+
+def src(paths):
+    return [f"src/{p}" for p in paths]
 
 
 # Every header: a change to one rebuilds the extensions (setuptools compares times).
-HEADERS = sorted(str(p.relative_to(ROOT)) for p in [*(ROOT / "src").glob("*.h"), *(ROOT / "include").glob("*.h")])
+HEADERS = sorted(str(p.relative_to(ROOT)) for p in [*(ROOT / "src").rglob("*.h"), *(ROOT / "include").glob("*.h")])
 
 
 def upstream_names(variant):
@@ -48,8 +60,7 @@ def upstream_names(variant):
 
 
 def _compile_flags(sanitized=True):
-    flags = ["-std=c11", "-D_GNU_SOURCE", "-fvisibility=hidden", "-Wall", "-Wextra",
-             "-include", str(ROOT / "src" / "glibc_compat.h")]
+    flags = BUILD["cflags"][0].split() + ["-I" + str(ROOT / "src"), "-include", str(ROOT / "src" / BUILD["first"][0])]
     if os.environ.get("TMS_WERROR") == "1":
         flags.append("-Werror")
     if sanitized:
@@ -57,21 +68,16 @@ def _compile_flags(sanitized=True):
     return flags
 
 
-# NEEDED entries on libdl and libpthread: where glibc is older than 2.34 the
-# old symbol versions (src/glibc_compat.h) live there; from 2.34 on they are stubs.
-_LINK = ["-Wl,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-Wl,--as-needed"]
-
-
 def _variant(variant):
     return Extension(
         f"{NAME}._tms_{variant}",
-        sources=core_sources() + [f"src/hook_{variant}.c", "src/module.c"],
+        sources=src(BUILD["core"] + [VARIANTS[variant]] + BUILD["face"]),
         include_dirs=["include"],
         depends=HEADERS,
         define_macros=[("TMS_VARIANT", variant), LIMITED_API],
         extra_compile_args=_compile_flags(),
-        # The shims' NEEDED entry names the library by this soname.
-        extra_link_args=[f"-Wl,-soname,_tms_{variant}.abi3.so"] + _LINK + shlex.split(os.environ.get("TMS_EXTRA_CFLAGS", "")),
+        extra_link_args=[BUILD["soname"][0].format(variant=variant)] + BUILD["ldflags"][0].split()
+        + shlex.split(os.environ.get("TMS_EXTRA_CFLAGS", "")),
         py_limited_api=True,
     )
 
@@ -79,9 +85,10 @@ def _variant(variant):
 # _tms_env checks the TMS_* variables at package import without loading a core.
 # Not sanitized: it loads before torch, and a sanitizer runtime loaded that early
 # breaks torch's static initialisers; its sources are sanitized in the variants.
-ENV_MODULE = Extension(f"{NAME}._tms_env", sources=["src/module_env.c", "src/config.c", "src/parse.c", "src/error.c"], depends=HEADERS,
-                       define_macros=[LIMITED_API], extra_compile_args=_compile_flags(sanitized=False),
-                       extra_link_args=_LINK, py_limited_api=True)
+ENV_MODULE = Extension(f"{NAME}._tms_env", sources=src(BUILD["env"]), depends=HEADERS, define_macros=[LIMITED_API],
+                       extra_compile_args=_compile_flags(sanitized=False),
+                       extra_link_args=BUILD["ldflags"][0].split(),
+                       py_limited_api=True)
 
 
 class BuildExt(build_ext):
@@ -105,7 +112,7 @@ class BuildExt(build_ext):
         shutil.copyfile(ROOT / "include" / "torch_memory_saver.h", header)
 
     def _link_shim(self, variant, library, out):
-        objects = self.compiler.compile([str(ROOT / "src" / "shim.c")], output_dir=self.build_temp,
+        objects = self.compiler.compile([str(ROOT / "src" / BUILD["shim"][0])], output_dir=self.build_temp,
                                         macros=[(f"TMS_SHIM_{variant.upper()}", None)],
                                         extra_postargs=_compile_flags(sanitized=False))
         # --no-as-needed first: the shim references nothing in the library, and

@@ -1,7 +1,7 @@
 """Compiles the C test programs (tests/c/*.c + the core) straight with the C compiler,
 for the suites that run them under a tool (valgrind, libFuzzer); one build per
-(program, compiler, flags) per pytest session. The core's source list is
-src/sources.txt, as in setup.py and CMakeLists.txt."""
+(program, compiler, flags) per pytest session. Sources and flags come from
+src/build.txt, as in setup.py and CMakeLists.txt."""
 import atexit
 import os
 import re
@@ -21,11 +21,25 @@ _built = {}
 _out_dir = None
 
 
+def build_description():
+    """src/build.txt as {key: [values]}."""
+    desc = {}
+    for line in (SRC / "build.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, value = line.split(None, 1)
+            desc.setdefault(key, []).append(value.strip())
+    return desc
+
+
 def core_sources():
-    lines = (SRC / "sources.txt").read_text().splitlines()
-    names = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    assert names, "no source listed in src/sources.txt"
+    names = build_description()["core"]
+    assert names, "no core source listed in src/build.txt"
     return [SRC / name for name in names]
+
+
+def core_flags():
+    desc = build_description()
+    return [*desc["cflags"][0].split(), "-include", str(SRC / desc["first"][0])]
 
 
 def compiler():
@@ -56,7 +70,7 @@ def build(program, cc=None, flags=(), defines=()):
         _out_dir = Path(tempfile.mkdtemp(prefix="tms-cbuild-"))
         atexit.register(shutil.rmtree, _out_dir, True)
     out = _out_dir / f"{program}-{len(_built)}"
-    cmd = [*cc, "-std=c11", "-D_GNU_SOURCE", "-g", "-Wall", "-Wextra", "-Werror", *flags,
+    cmd = [*cc, *core_flags(), "-g", "-Werror", *flags,
            *(f"-D{d}" for d in defines), f"-I{SRC}", f"-I{ROOT / 'include'}", str(C_TESTS / f"{program}.c"), *map(str, core_sources()),
            "-o", str(out), "-ldl", "-lpthread"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -290,7 +290,7 @@ def test_sdist_builds_the_same_wheel_and_holds_no_build_output(tmp_path):
     with tarfile.open(sdist) as tar:
         names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
     assert not [n for n in names if n.endswith((".so", ".o", ".whl"))], names
-    for needed in ("setup.py", "pyproject.toml", "LICENSE", "src/sources.txt", "src/shim.c", "src/glibc_compat.h",
+    for needed in ("setup.py", "pyproject.toml", "LICENSE", "src/build.txt", "src/hooks/shim.c", "src/platform/glibc_compat.h",
                    "include/torch_memory_saver.h", "torch_memory_saver/py.typed", "torch_memory_saver/_tms_torch.pyi"):
         assert needed in names, (needed, sorted(names))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",

@@ -38,9 +38,9 @@
 #include <sys/stat.h>
 #include <time.h>
 
-#include "config.h"
-#include "core.h"
-#include "driver.h"
+#include "platform/config.h"
+#include "core/core.h"
+#include "platform/driver.h"
 
 /* ---- failure reporting --------------------------------------------------------- */
 

@@ -31,7 +31,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "../../src/hip_abi.h"
+#include "../../src/platform/hip_abi.h"
 
 #define API __attribute__((visibility("default")))
 #define GRANULARITY ((size_t)2 << 20)

@@ -14,10 +14,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "config.h"
-#include "core.h"
-#include "driver.h"
-#include "hip_abi.h"
+#include "platform/config.h"
+#include "core/core.h"
+#include "platform/driver.h"
+#include "platform/hip_abi.h"
 
 #define MiB ((size_t)1 << 20)
 

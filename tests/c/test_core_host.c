@@ -12,15 +12,15 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "backup.h"
-#include "config.h"
-#include "core.h"
-#include "driver.h"
-#include "parse.h"
+#include "backup/backup.h"
+#include "platform/config.h"
+#include "core/core.h"
+#include "platform/driver.h"
+#include "platform/parse.h"
 #include "seeded_bytes.h"
-#include "span_index.h"
-#include "topology.h"
-#include "transfer.h"
+#include "core/span_index.h"
+#include "platform/topology.h"
+#include "backup/transfer.h"
 
 /* The TMS_FAULT plans the fault scenarios are written for: driver_host.c
  * counts calls per op from process start, and each scenario's comments give

@@ -8,8 +8,8 @@
  * cuda.h is included first on purpose: its version macros (cuMemGetInfo ->
  * cuMemGetInfo_v2, ...) rename the table's fields consistently, and the
  * checks below see the names the header maps them to. */
-#include "driver_cuda.c"
-#include "hook.h"
+#include "platform/driver_cuda.c"
+#include "hooks/hook.h"
 
 #define SAME_CONST(name) \
     _Static_assert((long long)TMS_##name == (long long)name, "cuda_abi.h: TMS_" #name " != cuda.h " #name)

@@ -14,11 +14,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "config.h"
-#include "core.h"
-#include "cuda_abi.h"
-#include "cumem.h"
-#include "driver.h"
+#include "platform/config.h"
+#include "core/core.h"
+#include "platform/cuda_abi.h"
+#include "hooks/cumem.h"
+#include "platform/driver.h"
 #include "seeded_bytes.h"
 
 static int passed, failed;  /* atomic: the race checks from two threads */

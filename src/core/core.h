@@ -1,0 +1,128 @@
+/* The VMM core: the process's one allocation table and its pause/resume state machine. */
+#ifndef TMS_CORE_H
+#define TMS_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backup/backup.h"
+#include "platform/driver.h"
+#include "platform/config.h"
+#include "platform/error.h"
+#include "core/stats.h"
+
+enum tms_alloc_state {
+    TMS_ACTIVE = 0,
+    TMS_PAUSED = 1,
+    /* Only in tms_core_list: a pause or resume is moving it now. */
+    TMS_PAUSING = 2,
+    TMS_RESUMING = 3,
+};
+
+/* One row of tms_core_list(): a copy, safe to read without the core lock. */
+struct tms_alloc_info {
+    uint64_t ptr;
+    size_t size;         /* requested */
+    size_t reserved;     /* after rounding to the granularity */
+    int device;
+    int tag_id;
+    int state;           /* enum tms_alloc_state */
+    int backup;          /* backup enabled for this allocation */
+    int backup_kind;
+    int has_host_copy;   /* a host backup exists now (paused, or retained) */
+    int host_copy_pinned; /* ... and it is page-locked (pinned, or a retained one pinned since) */
+    int n_chunks;
+    int adopted;         /* mapped by its owner (tms_core_adopt), not allocated by the core */
+};
+
+/* Interns tag (a non-empty UTF-8 string, else TMS_E_ARG) and returns its
+ * id. A tag nothing references (no allocation, no region naming it) may be
+ * reclaimed once many tags exist, and its id reused. */
+int tms_core_tag_id(const char *tag, int *id, struct tms_err *err);
+/* Name of a tag; the string lives for the process. */
+const char *tms_core_tag_name(int id);
+/* Makes tag (checked as above) the calling thread's region tag, holding a
+ * reference on it until the thread names another or ends. */
+int tms_core_set_region_tag(const char *tag, struct tms_err *err);
+/* A reference on a tag held by a copy of a region (expandable segments). */
+void tms_core_tag_ref(int id);
+void tms_core_tag_unref(int id);
+
+/* Allocates size bytes on device (-1: the calling thread's current device)
+ * with the settings of region r. size 0 gives NULL, like cudaMalloc.
+ * TMS_E_OOM when the device is full or the margin would be crossed. */
+int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **ptr, struct tms_err *err);
+
+/* Frees an allocation (active or paused) and drops its backup.
+ * TMS_E_NOT_FOUND if ptr is not an allocation of the core. One that a pause
+ * or resume is moving now is freed by that call when it is done with it:
+ * this returns at once. */
+int tms_core_free(void *ptr, struct tms_err *err);
+
+/* Cheap test used by the hooks to route cudaFree. */
+int tms_core_owns(const void *ptr);
+
+/* tag NULL = every tag. A tag with no allocations is a no-op. Pausing a tag
+ * whose allocations are all paused (or resuming one all active) is
+ * TMS_E_STATE naming the tag. A call that selects allocations another
+ * pause or resume is moving first waits for them, then decides: two pauses
+ * of one tag give one pause and one TMS_E_STATE, as one after the other.
+ * Allocations made while a pause runs are not part of it. */
+int tms_core_pause(const char *tag, struct tms_err *err);
+int tms_core_resume(const char *tag, struct tms_err *err);
+
+/* The host backup covering [ptr, ptr+n): *out gets a new reference (caller
+ * unrefs) and *offset the position of ptr in it; *out = NULL if ptr is in no
+ * allocation or the allocation has no host copy now. TMS_E_ARG if the range
+ * starts inside an allocation and runs past its end. Waits while a pause or
+ * resume is moving that allocation (its backup is being written). */
+int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *offset, struct tms_err *err);
+
+/* Statistics of every (tag, device) with a nonzero field (caller frees
+ * *rows). Reads counters kept up to date: no table walk, no driver call. */
+int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *err);
+
+/* A copy of the table (caller frees *rows). */
+int tms_core_list(struct tms_alloc_info **rows, size_t *count, struct tms_err *err);
+/* The row of the allocation holding ptr; TMS_E_NOT_FOUND if none. */
+int tms_core_find(uint64_t ptr, struct tms_alloc_info *row);
+/* How many lookups of an address inside an allocation so far used the
+ * address-sorted copy of the table rather than a walk (tests). */
+uint64_t tms_core_sorted_lookups(void);
+
+/* ---- adopted memory (cumem.c: PyTorch's expandable segments) ----------------
+ * Memory its owner reserved, created and mapped itself, taken into the table
+ * so pause and resume treat it as any allocation: backup, unmap and release
+ * on pause; new physical memory mapped at the same address on resume. The
+ * owner knows it by owner_handle and gives it back with tms_core_disown. */
+
+/* Errors if mapping bytes more on device would cross memory_margin_bytes
+ * (TMS_E_OOM naming the tag) or the device cannot be asked. */
+int tms_core_check_margin(int device, size_t bytes, int tag_id, struct tms_err *err);
+
+/* Takes [va, va+size) (mapped with handle, readable and writable by device)
+ * into the table as an active allocation with region r's settings.
+ * handle_types: the shareable types its owner created it with, kept for
+ * the handles a resume creates. */
+int tms_core_adopt(uint64_t va, size_t size, int device, tms_phys handle, uint64_t owner_handle, int handle_types,
+                   const struct tms_region *r, struct tms_err *err);
+
+/* Takes the adopted allocation at va out of the table (its owner unmaps it),
+ * first waiting for a pause or resume moving it. *handle: its physical
+ * handle, still mapped, if it was active; 0 if paused (nothing is mapped
+ * then and its backup is dropped). *owner_handle and *size: what
+ * tms_core_adopt got. TMS_E_NOT_FOUND if no adopted allocation starts at
+ * va; TMS_E_ARG (nothing changed) if it is longer than max_size. */
+int tms_core_disown(uint64_t va, size_t max_size, tms_phys *handle, uint64_t *owner_handle, size_t *size,
+                    struct tms_err *err);
+
+/* The adopted allocation holding ptr: *owner_handle and *handle (its
+ * physical handle now; 0 while paused or moving). TMS_E_NOT_FOUND if none. */
+int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, tms_phys *handle);
+
+void tms_core_set_margin(size_t bytes);
+size_t tms_core_margin(void);
+void tms_core_set_retain(int retain);
+int tms_core_retain(void);
+
+#endif

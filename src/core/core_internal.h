@@ -1,0 +1,72 @@
+/* Inside the core: the allocation record and what the table (core.c), the
+ * pause/resume state machine (pause.c) and the chunk operations (chunks.c) share. */
+#ifndef TMS_CORE_INTERNAL_H
+#define TMS_CORE_INTERNAL_H
+
+#include <stdint.h>
+
+#include "backup/backup.h"
+#include "core/core.h"
+#include "platform/driver.h"
+
+struct tms_alloc {
+    tms_va va;
+    size_t size;
+    size_t reserved;
+    size_t chunk;            /* bytes per physical handle; the last may be shorter */
+    int n_chunks;
+    int device;
+    int tag_id;
+    int state;               /* TMS_ACTIVE or TMS_PAUSED: what it is between operations */
+    int moving;              /* a pause or resume owns it (see core.c) */
+    int free_requested;      /* freed while moving: its mover frees it when done */
+    int backup;
+    int backup_kind;
+    /* Adopted (core.h): mapped by its owner in a range the owner reserved;
+     * the core never reserves, frees or hands it to a free() of its own. */
+    int adopted;
+    uint64_t owner_handle;   /* adopted: the handle its owner knows it by */
+    int handle_types;        /* shareable handle types to create it with (0: none) */
+    tms_phys *handles;       /* n_chunks entries; points at one_handle when n_chunks == 1 */
+    tms_phys one_handle;
+    struct tms_backup *host_copy;  /* paused with backup, or retained after resume */
+    struct tms_alloc *next;        /* hash chain */
+    struct tms_alloc *tag_prev, *tag_next;  /* its tag's list (core.c) */
+};
+
+/* One allocation in a pause or resume. The mover fills it outside the table
+ * lock; tms_table_settle applies it. */
+struct tms_move {
+    struct tms_alloc *a;
+    int state;                  /* the state it settles in */
+    struct tms_backup *copy;    /* what a->host_copy becomes */
+    size_t copied;              /* bytes moved to or from the host by this call */
+    struct tms_backup *drop;    /* tms_table_settle: the backup a no longer holds */
+};
+
+/* Waits until no allocation of tag (NULL: every tag) is moving, then marks
+ * those in state `from` as moving and returns them: from then on only the
+ * caller touches their memory, handles and backups. *n = 0 with TMS_OK when
+ * the tag holds nothing; TMS_E_STATE naming the tag when nothing is in `from`. */
+int tms_table_claim(const char *tag, int from, struct tms_move **moves, size_t *n, struct tms_err *err);
+
+/* Puts claimed allocations back with their new state and backup, counts the
+ * call (ns long) in the statistics, wakes whoever waits for them, then drops
+ * the backups they no longer hold and finishes the frees that arrived
+ * meanwhile. Frees moves. */
+void tms_table_settle(const struct tms_driver *drv, struct tms_move *moves, size_t n, int is_pause, uint64_t ns);
+
+/* Physical memory of one allocation (chunks.c). tag names it in messages. */
+size_t tms_chunk_size(const struct tms_alloc *a, int i);
+/* Creates and maps every chunk; on failure leaves none created or mapped. */
+int tms_chunks_map(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
+/* Unmaps every chunk; if one fails, those already unmapped are mapped back so
+ * the allocation stays whole. pre: no work in flight touches it. */
+int tms_chunks_unmap(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
+/* Releases the handles of an unmapped allocation. A failure leaks a handle
+ * and changes nothing else: it is reported, not undone. */
+int tms_chunks_release(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
+
+uint64_t tms_now_ns(void);
+
+#endif

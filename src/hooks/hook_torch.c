@@ -1,0 +1,21 @@
+/* Torch variant: the malloc/free pair a CUDAPluggableAllocator calls. */
+#include <stddef.h>
+#include <sys/types.h>
+
+#include "hooks/hook.h"
+
+/* Only MemPools of torch_memory_saver use this allocator, so every call is
+ * served by the core with the calling thread's region settings (its tag). */
+TMS_EXPORT void *tms_torch_malloc(ssize_t size, int device, void *stream)
+{
+    (void)stream;
+    void *ptr = NULL;
+    if (size < 0 || tms_hook_alloc(&ptr, (size_t)size, device) != 0) return NULL;
+    return ptr;
+}
+
+TMS_EXPORT void tms_torch_free(void *ptr, ssize_t size, int device, void *stream)
+{
+    (void)size, (void)device, (void)stream;
+    (void)tms_hook_free(ptr);  /* errors are kept for tms_hook_last_error */
+}

@@ -1,0 +1,552 @@
+/* Preload mode without LD_PRELOAD: the hooks installed by rewriting the GOT entries of loaded objects. */
+#include "hooks/reloc.h"
+
+#include <dlfcn.h>
+#include <elf.h>
+#include <errno.h>
+#include <limits.h>
+#include <link.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "platform/config.h"
+#include "platform/log.h"
+
+/*
+ * Why (issue 14): a worker started without LD_PRELOAD (a launcher that
+ * rewrites the variable, a child that was not configured) would otherwise
+ * have unpauseable memory. PyTorch's libraries call cudaMalloc through their
+ * GOT; pointing those entries at our hooks is what LD_PRELOAD's symbol
+ * interposition achieves, object by object (UCX's memory hooks do the same).
+ * dlopen is redirected the same way, so objects loaded later are patched as
+ * soon as they are loaded.
+ */
+#if defined(__x86_64__)
+#define RELOC_JUMP_SLOT R_X86_64_JUMP_SLOT
+#define RELOC_GLOB_DAT R_X86_64_GLOB_DAT
+#elif defined(__aarch64__)
+#define RELOC_JUMP_SLOT R_AARCH64_JUMP_SLOT
+#define RELOC_GLOB_DAT R_AARCH64_GLOB_DAT
+#endif
+
+#define MAX_TARGETS 8
+
+struct target {
+    const char *name;
+    void *hook;
+};
+
+/*
+ * A pass runs in two phases. The first, holding no lock of ours, lists the
+ * loaded objects, takes a reference on each (so none is unloaded under the
+ * second), and plans every store: it asks the loader (dlopen RTLD_NOLOAD,
+ * dlsym), which may wait for a thread inside dlopen. The second, under
+ * reloc_lock, makes the stores and records them; it never calls into the
+ * loader, so a thread that waits for reloc_lock inside a library constructor
+ * (holding the loader's lock) cannot deadlock with it. A patched dlopen runs
+ * a whole pass before it returns.
+ */
+
+/* What a patched object's entries held: where its calls go on. Records are
+ * appended to pages that never move and are read by the hooks without a
+ * lock; a record of an object that was unloaded and loaded again is marked
+ * dead, and the newest live record holding an address wins. */
+struct patched {
+    uintptr_t lo, hi;                 /* its PT_LOAD span */
+    uintptr_t dynamic;                /* its identity while loaded */
+    void **slot;                      /* one patched entry: still the hook while the object is the same */
+    void *slot_hook;
+    void *original[MAX_TARGETS];      /* per target; NULL if it has no entry for it */
+    int live;                         /* atomic */
+};
+#define PATCHED_PAGE 64
+#define PATCHED_PAGES 256
+static struct patched *patched_pages[PATCHED_PAGES];  /* filled under reloc_lock */
+static size_t patched_count;                           /* atomic: published after the record is complete */
+
+static pthread_mutex_t reloc_lock = PTHREAD_MUTEX_INITIALIZER;  /* guards the records and names below */
+static struct target targets[MAX_TARGETS];
+static size_t target_count;  /* atomic: published before the first entry is patched */
+static int installed;  /* atomic */
+static uintptr_t self_base;  /* set once, before target_count is published */
+static char patched_names[8192];
+static char static_names[4096];
+
+static void *reloc_dlopen(const char *file, int mode);
+
+static struct patched *patched_at(size_t i) { return &patched_pages[i / PATCHED_PAGE][i % PATCHED_PAGE]; }
+
+static void append_name(char *list, size_t cap, const char *name)
+{
+    size_t used = strlen(list);
+    snprintf(list + used, cap - used, "%s\n", name && *name ? name : "<main program>");
+}
+
+/* glibc stores the dynamic section's addresses relocated, the vDSO's not. */
+static uintptr_t dyn_addr(uintptr_t base, ElfW(Addr) value) { return base && value < base ? base + value : value; }
+
+struct object {
+    char *name;
+    uintptr_t base;
+    const ElfW(Phdr) *phdr;
+    int phnum;
+};
+
+static int inside(const struct object *o, uintptr_t p)
+{
+    for (int i = 0; i < o->phnum; i++) {
+        const ElfW(Phdr) *ph = &o->phdr[i];
+        if (ph->p_type == PT_LOAD && p >= o->base + ph->p_vaddr && p < o->base + ph->p_vaddr + ph->p_memsz) return 1;
+    }
+    return 0;
+}
+
+static void span_of(const struct object *o, uintptr_t *lo, uintptr_t *hi)
+{
+    *lo = UINTPTR_MAX, *hi = 0;
+    for (int i = 0; i < o->phnum; i++) {
+        const ElfW(Phdr) *ph = &o->phdr[i];
+        if (ph->p_type != PT_LOAD) continue;
+        if (o->base + ph->p_vaddr < *lo) *lo = o->base + ph->p_vaddr;
+        if (o->base + ph->p_vaddr + ph->p_memsz > *hi) *hi = o->base + ph->p_vaddr + ph->p_memsz;
+    }
+}
+
+/* The protection of the page at addr now (RELRO made it read-only after
+ * relocation, or the loader left it writable): from /proc/self/maps. */
+static int page_prot(uintptr_t addr, int *prot)
+{
+    FILE *maps = fopen("/proc/self/maps", "re");
+    if (!maps) return -1;
+    char line[512];
+    int found = -1;
+    while (found < 0 && fgets(line, sizeof line, maps)) {
+        unsigned long lo, hi;
+        char perms[5];
+        if (sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) != 3 || addr < lo || addr >= hi) continue;
+        *prot = (perms[0] == 'r' ? PROT_READ : 0) | (perms[1] == 'w' ? PROT_WRITE : 0) |
+                (perms[2] == 'x' ? PROT_EXEC : 0);
+        found = 0;
+    }
+    fclose(maps);
+    return found;
+}
+
+/* One aligned pointer store: a thread calling through the entry meanwhile
+ * sees the old or the new function, both valid. */
+static int store(void **slot, void *value)
+{
+    int prot;
+    if (page_prot((uintptr_t)slot, &prot) != 0) return ENOENT;
+    if (prot & PROT_WRITE) {
+        __atomic_store_n(slot, value, __ATOMIC_RELEASE);
+        return 0;
+    }
+    uintptr_t page = (uintptr_t)slot & ~((uintptr_t)sysconf(_SC_PAGESIZE) - 1);
+    if (mprotect((void *)page, (size_t)sysconf(_SC_PAGESIZE), prot | PROT_WRITE) != 0) return errno;
+    __atomic_store_n(slot, value, __ATOMIC_RELEASE);
+    if (mprotect((void *)page, (size_t)sysconf(_SC_PAGESIZE), prot) != 0)
+        tms_log_warn("relocation hooks: cannot make the GOT page at %p read-only again: %s", (void *)page,
+                     strerror(errno));
+    return 0;
+}
+
+static int target_index(const char *name)
+{
+    size_t count = __atomic_load_n(&target_count, __ATOMIC_ACQUIRE);
+    for (size_t i = 0; i < count; i++)
+        if (strcmp(targets[i].name, name) == 0) return (int)i;
+    return -1;
+}
+
+static int is_hook(void *p)
+{
+    size_t count = __atomic_load_n(&target_count, __ATOMIC_ACQUIRE);
+    for (size_t i = 0; i < count; i++)
+        if (targets[i].hook == p) return 1;
+    return 0;
+}
+
+/* ---- phase one: plan, without our lock ---------------------------------------- */
+
+/* Objects planned before, by dynamic section and name: a pass skips them
+ * unless their patched entries no longer lead to the hooks (unloaded and
+ * loaded again), so a process that dlopens many small libraries does not
+ * read every object's relocations each time. seen_lock is held for lookups
+ * and inserts only, never across a call into the loader. */
+struct seen {
+    uintptr_t dynamic;
+    char *name;
+};
+static pthread_mutex_t seen_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct seen *seen;
+static size_t seen_count;
+
+static int seen_before(uintptr_t dynamic, const char *name)
+{
+    int found = 0;
+    pthread_mutex_lock(&seen_lock);
+    for (size_t i = 0; i < seen_count && !found; i++) found = seen[i].dynamic == dynamic && !strcmp(seen[i].name, name);
+    pthread_mutex_unlock(&seen_lock);
+    if (!found) return 0;
+    for (size_t i = __atomic_load_n(&patched_count, __ATOMIC_ACQUIRE); i-- > 0;) {
+        const struct patched *r = patched_at(i);
+        if (r->dynamic == dynamic && __atomic_load_n(&r->live, __ATOMIC_ACQUIRE))
+            return __atomic_load_n(r->slot, __ATOMIC_ACQUIRE) == r->slot_hook;
+    }
+    return 1;
+}
+
+static void remember(uintptr_t dynamic, const char *name)
+{
+    char *copy = strdup(name);
+    pthread_mutex_lock(&seen_lock);
+    struct seen *grown = copy ? realloc(seen, (seen_count + 1) * sizeof *seen) : NULL;
+    if (grown) {
+        seen = grown;
+        seen[seen_count++] = (struct seen){dynamic, copy};
+    } else {
+        free(copy);
+    }
+    pthread_mutex_unlock(&seen_lock);
+}
+
+struct store_plan {
+    void **slot;
+    int target;
+};
+
+struct plan {
+    struct object o;
+    void *handle;                      /* our reference: the object stays loaded until the pass ends */
+    uintptr_t dynamic;
+    const char *defines;               /* a target it defines itself (a runtime), else NULL */
+    struct store_plan *stores;
+    size_t n_stores;
+    void *original[MAX_TARGETS];
+};
+
+/* What o's own lookup scope resolves name to (its dependencies first): the
+ * definition its calls reached before the patch. */
+static void *resolve_for(const struct plan *p, const char *name)
+{
+    void *s = dlsym(p->handle, name);
+    return s && !inside(&p->o, (uintptr_t)s) && !is_hook(s) ? s : NULL;
+}
+
+/* An object that defines an allocator target itself is the runtime (or a
+ * copy of it linked in): its own references are left alone. */
+static const char *defined_target(const struct plan *p)
+{
+    size_t count = __atomic_load_n(&target_count, __ATOMIC_ACQUIRE);
+    for (size_t i = 0; i < count; i++) {
+        if (targets[i].hook == (void *)reloc_dlopen) continue;
+        void *s = dlsym(p->handle, targets[i].name);
+        if (s && inside(&p->o, (uintptr_t)s)) return targets[i].name;
+    }
+    return NULL;
+}
+
+static void plan_relocs(struct plan *p, const ElfW(Rela) *rel, size_t n, const ElfW(Sym) *symtab, const char *strtab)
+{
+    for (size_t i = 0; i < n; i++) {
+        unsigned long type = ELF64_R_TYPE(rel[i].r_info);
+        if (type != RELOC_JUMP_SLOT && type != RELOC_GLOB_DAT) continue;
+        int t = target_index(strtab + symtab[ELF64_R_SYM(rel[i].r_info)].st_name);
+        if (t < 0) continue;
+        void **slot = (void **)(p->o.base + rel[i].r_offset);
+        void *cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+        if (!p->original[t]) p->original[t] = inside(&p->o, (uintptr_t)cur) || is_hook(cur) ? resolve_for(p, targets[t].name) : cur;
+        if (!p->original[t]) {
+            /* The hook could not forward what it does not serve: leave the entry. */
+            TMS_DEBUG("relocation hooks: %s in %s left alone: no definition to forward to", targets[t].name, p->o.name);
+            continue;
+        }
+        struct store_plan *grown = realloc(p->stores, (p->n_stores + 1) * sizeof *grown);
+        if (!grown) return;
+        p->stores = grown;
+        p->stores[p->n_stores++] = (struct store_plan){slot, t};
+    }
+}
+
+static void plan_object(struct plan *p)
+{
+    const struct object *o = &p->o;
+    const ElfW(Phdr) *dyn_ph = NULL;
+    for (int i = 0; i < o->phnum; i++)
+        if (o->phdr[i].p_type == PT_DYNAMIC) dyn_ph = &o->phdr[i];
+    if (!dyn_ph || o->base == self_base || strstr(o->name, "linux-vdso")) return;
+    uintptr_t dynamic = o->base + dyn_ph->p_vaddr;
+    if (seen_before(dynamic, o->name)) return;
+    p->handle = dlopen(o->name[0] ? o->name : NULL, RTLD_LAZY | RTLD_NOLOAD);
+    if (!p->handle) return;  /* unloaded since it was listed */
+    p->dynamic = dynamic;
+    const ElfW(Sym) *symtab = NULL;
+    const char *strtab = NULL;
+    const ElfW(Rela) *jmprel = NULL, *rela = NULL;
+    size_t jmprel_bytes = 0, rela_bytes = 0;
+    int pltrel_is_rela = 1;
+    for (const ElfW(Dyn) *d = (const ElfW(Dyn) *)p->dynamic; d->d_tag != DT_NULL; d++) {
+        switch (d->d_tag) {
+        case DT_SYMTAB: symtab = (const ElfW(Sym) *)dyn_addr(o->base, d->d_un.d_ptr); break;
+        case DT_STRTAB: strtab = (const char *)dyn_addr(o->base, d->d_un.d_ptr); break;
+        case DT_JMPREL: jmprel = (const ElfW(Rela) *)dyn_addr(o->base, d->d_un.d_ptr); break;
+        case DT_PLTRELSZ: jmprel_bytes = d->d_un.d_val; break;
+        case DT_RELA: rela = (const ElfW(Rela) *)dyn_addr(o->base, d->d_un.d_ptr); break;
+        case DT_RELASZ: rela_bytes = d->d_un.d_val; break;
+        case DT_PLTREL: pltrel_is_rela = d->d_un.d_val == DT_RELA; break;
+        }
+    }
+    if (!symtab || !strtab) return;
+    if ((p->defines = defined_target(p))) return;
+    if (jmprel && pltrel_is_rela) plan_relocs(p, jmprel, jmprel_bytes / sizeof *jmprel, symtab, strtab);
+    if (rela) plan_relocs(p, rela, rela_bytes / sizeof *rela, symtab, strtab);
+}
+
+struct object_list {
+    struct object *items;
+    size_t count, cap;
+};
+
+static int collect(struct dl_phdr_info *info, size_t size, void *data)
+{
+    (void)size;
+    struct object_list *l = data;
+    if (l->count == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 64;
+        struct object *grown = realloc(l->items, cap * sizeof *grown);
+        if (!grown) return 1;
+        l->items = grown;
+        l->cap = cap;
+    }
+    char *name = strdup(info->dlpi_name ? info->dlpi_name : "");
+    if (!name) return 1;
+    l->items[l->count++] = (struct object){name, info->dlpi_addr, info->dlpi_phdr, info->dlpi_phnum};
+    return 0;
+}
+
+/* ---- phase two: store, under reloc_lock ----------------------------------------- */
+
+/* The live record of the object whose dynamic section is at dynamic, if its
+ * entries still lead to the hooks (else it was unloaded and loaded again:
+ * its GOT is new, and the old record dies). */
+static struct patched *record_of_locked(uintptr_t dynamic)
+{
+    for (size_t i = patched_count; i-- > 0;) {
+        struct patched *r = patched_at(i);
+        if (!r->live || r->dynamic != dynamic) continue;
+        if (__atomic_load_n(r->slot, __ATOMIC_ACQUIRE) == r->slot_hook) return r;
+        __atomic_store_n(&r->live, 0, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+static void apply_locked(const struct plan *p)
+{
+    const struct object *o = &p->o;
+    if (p->defines) {
+        if (!strstr(o->name, "libcudart") && !strstr(o->name, "libamdhip64") && !strstr(o->name, "torch_memory_saver") &&
+            !strstr(static_names, o->name[0] ? o->name : "<main program>")) {
+            append_name(static_names, sizeof static_names, o->name);
+            tms_log_warn("relocation hooks: %s defines %s itself (the CUDA runtime linked statically): its "
+                         "allocations cannot be hooked without LD_PRELOAD", o->name[0] ? o->name : "<main program>",
+                         p->defines);
+        }
+        return;
+    }
+    if (!p->n_stores || record_of_locked(p->dynamic)) return;
+    size_t i = patched_count;
+    if (i == PATCHED_PAGE * PATCHED_PAGES) {
+        tms_log_warn("relocation hooks: %s not patched: %zu objects patched already", o->name, i);
+        return;
+    }
+    struct patched **page = &patched_pages[i / PATCHED_PAGE];
+    if (!*page && !(*page = calloc(PATCHED_PAGE, sizeof **page))) return;
+    struct patched *r = patched_at(i);
+    *r = (struct patched){.dynamic = p->dynamic, .live = 1};
+    span_of(o, &r->lo, &r->hi);
+    memcpy(r->original, p->original, sizeof r->original);
+    /* Published before any entry leads to a hook, so the hook finds where to forward. */
+    __atomic_store_n(&patched_count, i + 1, __ATOMIC_RELEASE);
+    int patched = 0;
+    for (size_t k = 0; k < p->n_stores; k++) {
+        void *hook = targets[p->stores[k].target].hook;
+        int rc = store(p->stores[k].slot, hook);
+        if (rc) {
+            tms_log_warn("relocation hooks: cannot patch %s in %s: %s", targets[p->stores[k].target].name,
+                         o->name[0] ? o->name : "<main>", strerror(rc));
+            continue;
+        }
+        if (!r->slot) r->slot = p->stores[k].slot, r->slot_hook = hook;
+        if (hook != (void *)reloc_dlopen) patched = 1;
+    }
+    if (!r->slot) {
+        __atomic_store_n(&r->live, 0, __ATOMIC_RELEASE);
+        return;
+    }
+    if (patched) append_name(patched_names, sizeof patched_names, o->name);
+}
+
+/* One whole pass; returns once every object loaded when it began is patched. */
+static void patch_all(void)
+{
+    struct object_list l = {0};
+    dl_iterate_phdr(collect, &l);
+    struct plan *plans = calloc(l.count ? l.count : 1, sizeof *plans);
+    for (size_t i = 0; plans && i < l.count; i++) {
+        plans[i].o = l.items[i];
+        plan_object(&plans[i]);
+    }
+    pthread_mutex_lock(&reloc_lock);
+    for (size_t i = 0; plans && i < l.count; i++)
+        if (plans[i].handle) apply_locked(&plans[i]);
+    pthread_mutex_unlock(&reloc_lock);
+    for (size_t i = 0; plans && i < l.count; i++)
+        if (plans[i].handle) remember(plans[i].dynamic, plans[i].o.name);
+    for (size_t i = 0; plans && i < l.count; i++) {
+        if (plans[i].handle) dlclose(plans[i].handle);
+        free(plans[i].stores);
+    }
+    for (size_t i = 0; i < l.count; i++) free(l.items[i].name);
+    free(plans);
+    free(l.items);
+}
+
+/* ---- dlopen on behalf of the caller ----------------------------------------- */
+
+/* dlopen resolves a bare name with the calling object's RPATH/RUNPATH; called
+ * from here it would use this library's. Search the caller's first. */
+static void *open_in(const char *dirs, const char *origin, const char *file, int mode)
+{
+    char path[PATH_MAX];
+    for (const char *p = dirs; p && *p;) {
+        const char *end = strchr(p, ':');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        const char *rest = NULL;
+        if (len >= 7 && strncmp(p, "$ORIGIN", 7) == 0) rest = p + 7;
+        else if (len >= 9 && strncmp(p, "${ORIGIN}", 9) == 0) rest = p + 9;
+        int n = -1;
+        if (rest && !memchr(rest, '$', len - (size_t)(rest - p)))
+            n = snprintf(path, sizeof path, "%s%.*s/%s", origin, (int)(len - (size_t)(rest - p)), rest, file);
+        else if (!rest && len && !memchr(p, '$', len))
+            n = snprintf(path, sizeof path, "%.*s/%s", (int)len, p, file);
+        if (n > 0 && (size_t)n < sizeof path && access(path, F_OK) == 0) {
+            void *h = dlopen(path, mode);
+            if (h) return h;
+        }
+        p = end ? end + 1 : p + len;
+    }
+    return NULL;
+}
+
+static void *dlopen_for(const void *caller, const char *file, int mode)
+{
+    if (!file || strchr(file, '/')) return dlopen(file, mode);
+    void *h = dlopen(file, mode | RTLD_NOLOAD);
+    if (h) return h;
+    Dl_info info;
+    struct link_map *lm = NULL;
+    if (dladdr1(caller, &info, (void **)&lm, RTLD_DL_LINKMAP) && lm && lm->l_ld) {
+        const char *strtab = NULL;
+        ElfW(Xword) runpath = 0, rpath = 0;
+        int has_runpath = 0, has_rpath = 0;
+        for (const ElfW(Dyn) *d = lm->l_ld; d->d_tag != DT_NULL; d++) {
+            if (d->d_tag == DT_STRTAB) strtab = (const char *)dyn_addr(lm->l_addr, d->d_un.d_ptr);
+            else if (d->d_tag == DT_RUNPATH) runpath = d->d_un.d_val, has_runpath = 1;
+            else if (d->d_tag == DT_RPATH) rpath = d->d_un.d_val, has_rpath = 1;
+        }
+        char origin[PATH_MAX] = "";
+        const char *self = lm->l_name && *lm->l_name ? lm->l_name : NULL;
+        if (self) snprintf(origin, sizeof origin, "%s", self);
+        else if (readlink("/proc/self/exe", origin, sizeof origin - 1) < 0) origin[0] = '\0';
+        char *slash = strrchr(origin, '/');
+        if (slash) *slash = '\0';
+        if (strtab && has_runpath) {
+            if ((h = open_in(getenv("LD_LIBRARY_PATH"), origin, file, mode))) return h;
+            if ((h = open_in(strtab + runpath, origin, file, mode))) return h;
+        } else if (strtab && has_rpath && (h = open_in(strtab + rpath, origin, file, mode))) {
+            return h;
+        }
+    }
+    return dlopen(file, mode);
+}
+
+static void *reloc_dlopen(const char *file, int mode)
+{
+    void *h = dlopen_for(__builtin_return_address(0), file, mode);
+    if (h) {
+        int saved = errno;
+        patch_all();  /* the objects it loaded are patched before their caller can use them */
+        errno = saved;
+    }
+    return h;
+}
+
+/* ---- API ------------------------------------------------------------------ */
+
+/* A fork while another thread held a lock of ours: the child starts them
+ * free (the records are append-only and published last, so consistent). */
+static void locks_free_in_child(void)
+{
+    pthread_mutex_init(&reloc_lock, NULL);
+    pthread_mutex_init(&seen_lock, NULL);
+}
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static void register_atfork(void) { (void)pthread_atfork(NULL, NULL, locks_free_in_child); }
+
+int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms_err *err)
+{
+    pthread_once(&atfork_once, register_atfork);
+    if (!tms_defaults()->reloc_hooks)
+        return tms_fail(err, TMS_E_UNSUPPORTED, 0, "relocation hooks are off (TMS_RELOC_HOOKS=0)");
+    if (count + 1 > MAX_TARGETS) return tms_fail(err, TMS_E_ARG, 0, "too many relocation targets (%zu)", count);
+    Dl_info self;
+    uintptr_t base = dladdr((void *)reloc_dlopen, &self) ? (uintptr_t)self.dli_fbase : 0;  /* loader call: no lock held */
+    pthread_mutex_lock(&reloc_lock);
+    if (!__atomic_load_n(&target_count, __ATOMIC_ACQUIRE)) {
+        self_base = base;
+        for (size_t i = 0; i < count; i++) targets[i] = (struct target){t[i].name, t[i].hook};
+        targets[count] = (struct target){"dlopen", (void *)reloc_dlopen};
+        __atomic_store_n(&target_count, count + 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&reloc_lock);
+    patch_all();
+    __atomic_store_n(&installed, 1, __ATOMIC_RELEASE);
+    TMS_DEBUG("relocation hooks installed; patched:\n%s", patched_names);
+    return TMS_OK;
+}
+
+int tms_reloc_installed(void) { return __atomic_load_n(&installed, __ATOMIC_ACQUIRE); }
+
+/* No lock: the hooks call this, also while a pass is patching. Records are
+ * complete before they are counted and never move. The caller's object's
+ * record decides; a call from elsewhere (a tail call through a patched
+ * entry returns past its object) takes the newest live record's. */
+void *tms_reloc_original(const char *name, const void *caller)
+{
+    size_t n = __atomic_load_n(&patched_count, __ATOMIC_ACQUIRE);
+    if (!n) return NULL;
+    int t = target_index(name);
+    if (t < 0) return NULL;
+    void *fallback = NULL;
+    for (size_t i = n; i-- > 0;) {
+        const struct patched *r = patched_at(i);
+        if (!__atomic_load_n(&r->live, __ATOMIC_ACQUIRE) || !r->original[t]) continue;
+        if ((uintptr_t)caller >= r->lo && (uintptr_t)caller < r->hi) return r->original[t];
+        if (!fallback) fallback = r->original[t];
+    }
+    return fallback;
+}
+
+void tms_reloc_report(char *patched, size_t patched_n, char *static_runtime, size_t static_n)
+{
+    pthread_mutex_lock(&reloc_lock);
+    snprintf(patched, patched_n, "%s", patched_names);
+    snprintf(static_runtime, static_n, "%s", static_names);
+    pthread_mutex_unlock(&reloc_lock);
+}

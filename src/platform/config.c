@@ -1,0 +1,247 @@
+/* Process defaults from TMS_* environment and each thread's region settings. */
+#include "platform/config.h"
+
+#include "platform/parse.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+static pthread_once_t defaults_once = PTHREAD_ONCE_INIT;
+static struct tms_defaults defaults;  /* written once under defaults_once */
+static struct tms_host_env host_env;  /* written once under defaults_once */
+
+static _Thread_local struct tms_region thread_region;
+static _Thread_local int thread_region_ready;
+
+int tms_backup_kind_parse(const char *name, int *kind)
+{
+    if (strcmp(name, "pinned") == 0) *kind = TMS_BACKUP_PINNED;
+    else if (strcmp(name, "mmap") == 0) *kind = TMS_BACKUP_MMAP;
+    else return TMS_E_ARG;
+    return TMS_OK;
+}
+
+const char *tms_backup_kind_name(int kind)
+{
+    return kind == TMS_BACKUP_PINNED ? "pinned" : kind == TMS_BACKUP_DISK ? "disk" : "mmap";
+}
+
+static void env_bool(const char *var, int *out)
+{
+    const char *s = getenv(var);
+    if (s && tms_parse_bool(s, out) != TMS_OK && !defaults.parse_error.status)
+        tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                 "%s='%s' is not a boolean (use 1, true, TRUE, yes, YES or 0, false, FALSE, no, NO)", var, s);
+}
+
+static void env_threads(void)
+{
+    const char *s = getenv("TMS_BACKUP_THREADS");
+    if (!s || !*s) return;
+    unsigned long long n;
+    if (tms_parse_uint(s, 32, &n) || n < 1) {
+        if (!defaults.parse_error.status)
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0, "TMS_BACKUP_THREADS='%s' is not a number from 1 to 32", s);
+        return;
+    }
+    defaults.backup_threads = (int)n;
+}
+
+/* Upstream's spelling: whole MiB. */
+static void env_disk_block(void)
+{
+    defaults.disk_block_bytes = (size_t)256 << 20;
+    const char *s = getenv("TMS_DISK_BACKUP_CHUNK_MB");
+    if (!s || !*s) return;
+    unsigned long long n;
+    if (tms_parse_uint(s, 4096, &n) || n < 1) {
+        if (!defaults.parse_error.status)
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                     "TMS_DISK_BACKUP_CHUNK_MB='%s' is not a whole number of MiB from 1 to 4096", s);
+        return;
+    }
+    defaults.disk_block_bytes = (size_t)n << 20;
+}
+
+static void load_defaults(void)
+{
+    defaults.init_backup_kind = TMS_BACKUP_DEFAULT;
+    env_bool("TMS_INIT_ENABLE", &defaults.init_enable);
+    env_bool("TMS_INIT_ENABLE_CPU_BACKUP", &defaults.init_backup);
+    env_bool("TMS_RETAIN_CPU_BACKUP", &defaults.retain_backup);
+    env_bool("TMS_INIT_ENABLE_DISK_BACKUP", &defaults.init_disk_backup);
+    defaults.reloc_hooks = 1;
+    env_bool("TMS_RELOC_HOOKS", &defaults.reloc_hooks);
+    env_bool("TMS_DISK_BACKUP_TRUST_DIR", &defaults.disk_trust_dir);
+    env_disk_block();
+    const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
+    if (kind && *kind && tms_backup_kind_parse(kind, &defaults.init_backup_kind) != TMS_OK &&
+        !defaults.parse_error.status)
+        tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                 "TMS_INIT_CPU_BACKUP_BACKEND='%s' is not a backup backend (use 'pinned' or 'mmap')", kind);
+    env_threads();
+    static const struct { const char *var; const char *allowed[4]; } choices[] = {
+        {"TMS_LOG", {"debug", "off", "0", NULL}},
+        {"TMS_PLATFORM", {"cuda", "rocm", "hip", NULL}},
+        {"TMS_BACKEND", {"cuda", "hip", "host", NULL}},
+    };
+    for (size_t i = 0; i < sizeof choices / sizeof *choices; i++) {
+        const char *v = getenv(choices[i].var);
+        int ok = !v || !*v;
+        for (int k = 0; !ok && choices[i].allowed[k]; k++) ok = !strcmp(v, choices[i].allowed[k]);
+        if (!ok && !defaults.parse_error.status)
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0, "%s='%s' is not one of: %s, %s, %s", choices[i].var, v,
+                     choices[i].allowed[0], choices[i].allowed[1], choices[i].allowed[2]);
+    }
+    const char *block = getenv("TMS_BACKUP_BLOCK_BYTES");
+    size_t block_bytes = 0;
+    if (block && *block) {
+        if (tms_parse_bytes(block, &block_bytes) == TMS_OK && block_bytes >= (64u << 10) &&
+            block_bytes <= ((size_t)256 << 20) && block_bytes % 4096 == 0)
+            defaults.backup_block_bytes = block_bytes;
+        else if (!defaults.parse_error.status)
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                     "TMS_BACKUP_BLOCK_BYTES='%s' is not a size from 64KiB to 256MiB in whole 4 KiB pages", block);
+    }
+    /* Bounded so that rounding it up to the granularity cannot wrap to 0 (a
+     * division by zero at the first allocation, in every preloaded child). */
+    const char *chunk = getenv("TMS_CHUNK_BYTES");
+    size_t chunk_bytes = 0;
+    if (chunk && *chunk) {
+        if (tms_parse_bytes(chunk, &chunk_bytes) == TMS_OK && chunk_bytes <= TMS_CHUNK_BYTES_MAX) {
+            defaults.chunk_bytes = chunk_bytes;
+            defaults.chunk_bytes_set = 1;
+        } else if (!defaults.parse_error.status) {
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                     "TMS_CHUNK_BYTES='%s' is not a size from 0 to 1TiB (e.g. 67108864, 64MiB, 1GiB)", chunk);
+        }
+    }
+}
+
+static int parse_size_env(const char *var, size_t fallback, size_t *out, struct tms_err *err)
+{
+    const char *s = getenv(var);
+    if (!s || !*s) {
+        *out = fallback;
+        return TMS_OK;
+    }
+    if (tms_parse_bytes(s, out) != TMS_OK || *out == 0)
+        return tms_fail(err, TMS_E_ARG, 0, "%s='%s' is not a positive size (e.g. 8, 64MiB, 16GiB)", var, s);
+    return TMS_OK;
+}
+
+/* A count, not a size: "8MiB" devices is a typo, not 8 Mi devices. */
+static int parse_device_count(int *out, struct tms_err *err)
+{
+    const char *s = getenv("TMS_HOST_DEVICES");
+    *out = 2;
+    if (!s || !*s) return TMS_OK;
+    unsigned long long n;
+    if (tms_parse_uint(s, TMS_HOST_MAX_DEVICES, &n) || n < 1)
+        return tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_DEVICES='%s' is not a device count from 1 to %d", s,
+                        TMS_HOST_MAX_DEVICES);
+    *out = (int)n;
+    return TMS_OK;
+}
+
+static int parse_numa_node(int *out, struct tms_err *err)
+{
+    const char *s = getenv("TMS_HOST_NUMA_NODE");
+    *out = -1;
+    if (!s || !*s) return TMS_OK;
+    unsigned long long n;
+    if (tms_parse_uint(s, 1023, &n))
+        return tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_NUMA_NODE='%s' is not a NUMA node from 0 to 1023", s);
+    *out = (int)n;
+    return TMS_OK;
+}
+
+static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
+{
+    static const char *const names[TMS_FAULT_OPS] = {
+        "create", "map", "unmap", "copy_to_host", "copy_to_device", "host_alloc",
+        "disk_write", "disk_read", "disk_short_write", "disk_no_direct", "disk_sync",
+    };
+    const char *s = getenv("TMS_FAULT");
+    if (!s || !*s) return TMS_OK;
+    char buf[256];
+    if (strlen(s) >= sizeof buf) return tms_fail(err, TMS_E_ARG, 0, "TMS_FAULT is too long");
+    strcpy(buf, s);
+    char *save = NULL;
+    for (char *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        char *colon = strchr(item, ':');
+        unsigned long long n = 0;
+        int op = -1;
+        if (colon) {
+            *colon = '\0';
+            for (int i = 0; i < TMS_FAULT_OPS; i++)
+                if (strcmp(item, names[i]) == 0) op = i;
+        }
+        if (op < 0 || tms_parse_uint(colon + 1, 1000000000, &n) || n == 0)
+            return tms_fail(err, TMS_E_ARG, 0,
+                            "TMS_FAULT='%s' is malformed (expected op:n with op one of create, map, "
+                            "unmap, copy_to_host, copy_to_device, host_alloc, disk_write, disk_read, "
+                            "disk_short_write, disk_no_direct, disk_sync)", s);
+        at[op] = (long)n;
+    }
+    return TMS_OK;
+}
+
+static void load_host_env(void)
+{
+    struct tms_err *err = &host_env.error;
+    if (parse_size_env("TMS_HOST_DEVICE_BYTES", (size_t)16 << 30, &host_env.device_bytes, err)) return;
+    if (parse_device_count(&host_env.devices, err)) return;
+    if (parse_numa_node(&host_env.numa_node, err)) return;
+    if (parse_faults(host_env.fault_at, err)) return;
+    const char *gate = getenv("TMS_HOST_COPY_GATE");
+    if (gate && strlen(gate) >= sizeof host_env.copy_gate) {
+        tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_COPY_GATE is longer than %zu bytes", sizeof host_env.copy_gate - 1);
+        return;
+    }
+    if (gate) strcpy(host_env.copy_gate, gate);
+}
+
+static void load_all(void)
+{
+    load_defaults();
+    load_host_env();
+}
+
+const struct tms_host_env *tms_host_env(void)
+{
+    pthread_once(&defaults_once, load_all);
+    return &host_env;
+}
+
+int tms_env_check(struct tms_err *err)
+{
+    pthread_once(&defaults_once, load_all);
+    const struct tms_err *first = defaults.parse_error.status ? &defaults.parse_error : &host_env.error;
+    if (!first->status) return TMS_OK;
+    if (err) *err = *first;
+    return first->status;
+}
+
+const struct tms_defaults *tms_defaults(void)
+{
+    pthread_once(&defaults_once, load_all);
+    return &defaults;
+}
+
+struct tms_region *tms_region_current(void)
+{
+    if (!thread_region_ready) {
+        const struct tms_defaults *d = tms_defaults();
+        thread_region.active = d->init_enable;
+        thread_region.tag_id = TMS_TAG_DEFAULT_ID;
+        thread_region.backup = d->init_backup;
+        thread_region.backup_kind = d->init_backup_kind;
+        thread_region.disk_backup = d->init_disk_backup;
+        thread_region_ready = 1;
+    }
+    return &thread_region;
+}

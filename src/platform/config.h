@@ -1,0 +1,85 @@
+/* Process defaults from TMS_* environment and each thread's region settings. */
+#ifndef TMS_CONFIG_H
+#define TMS_CONFIG_H
+
+#include <stddef.h>
+
+#include "platform/error.h"
+
+enum tms_backup_kind {
+    TMS_BACKUP_PINNED = 0,  /* page-locked host memory */
+    TMS_BACKUP_MMAP = 1,    /* pageable anonymous memory, returned to the OS on resume */
+    TMS_BACKUP_DISK = 2,    /* a file in the disk backup directory (disk.h); never a CPU backup backend */
+};
+/* mmap is the default: it reaches link speed without keeping memory pinned
+ * between cycles (issue 4); pinning 8 GiB alone costs ~3 s (DESIGN). */
+#define TMS_BACKUP_DEFAULT TMS_BACKUP_MMAP
+
+#define TMS_TAG_DEFAULT_ID 0  /* the tag "default", interned first */
+#define TMS_CHUNK_BYTES_MAX ((size_t)1 << 40)
+
+/* What an allocation made by this thread now gets. */
+struct tms_region {
+    int active;       /* inside a region and not disabled */
+    int tag_id;
+    int backup;       /* keep a host copy across pause */
+    int backup_kind;  /* enum tms_backup_kind of the CPU backup: pinned or mmap */
+    int disk_backup;  /* back up to a file instead; wins over backup when both are set */
+};
+
+struct tms_defaults {
+    int init_enable;             /* TMS_INIT_ENABLE */
+    int init_backup;             /* TMS_INIT_ENABLE_CPU_BACKUP */
+    int init_backup_kind;        /* TMS_INIT_CPU_BACKUP_BACKEND */
+    int init_disk_backup;        /* TMS_INIT_ENABLE_DISK_BACKUP */
+    size_t disk_block_bytes;     /* TMS_DISK_BACKUP_CHUNK_MB: largest file I/O (default 256 MiB) */
+    int reloc_hooks;             /* TMS_RELOC_HOOKS (default 1): preload mode may patch GOT entries */
+    int disk_trust_dir;          /* TMS_DISK_BACKUP_TRUST_DIR: the user vouches for the disk backup directory */
+    int retain_backup;           /* TMS_RETAIN_CPU_BACKUP */
+    size_t chunk_bytes;          /* TMS_CHUNK_BYTES (<= TMS_CHUNK_BYTES_MAX); 0 = one handle per allocation */
+    int chunk_bytes_set;         /* else the backend's default applies */
+    int backup_threads;          /* TMS_BACKUP_THREADS; 0 = one per core, at most 16 */
+    size_t backup_block_bytes;   /* TMS_BACKUP_BLOCK_BYTES: copy block size both ways; 0 = per direction */
+    struct tms_err parse_error;  /* status != 0 if a variable was malformed */
+};
+
+/* Parsed once per process. A malformed variable leaves the safe default in
+ * place (hooks cannot raise) and is reported through parse_error, which the
+ * Python module raises at import. */
+const struct tms_defaults *tms_defaults(void);
+
+/* The host backend's emulated devices and injected faults (driver_host.c):
+ * TMS_HOST_DEVICE_BYTES, TMS_HOST_DEVICES, TMS_HOST_NUMA_NODE (the NUMA node
+ * the devices sit on), TMS_FAULT="op:n[,op:n...]", the n-th call of op
+ * failing once, and TMS_HOST_COPY_GATE (driver_host.c). Parsed with the
+ * defaults. */
+#define TMS_HOST_MAX_DEVICES 8
+enum tms_fault_op {
+    TMS_FAULT_CREATE, TMS_FAULT_MAP, TMS_FAULT_UNMAP, TMS_FAULT_TO_HOST, TMS_FAULT_TO_DEVICE, TMS_FAULT_HOST_ALLOC,
+    /* disk.c's, under every backend: a write or read failing with EIO, a write moving half its bytes,
+     * a file created without O_DIRECT (as on a filesystem that has none), a write-back failing with EIO */
+    TMS_FAULT_DISK_WRITE, TMS_FAULT_DISK_READ, TMS_FAULT_DISK_SHORT_WRITE, TMS_FAULT_DISK_NO_DIRECT,
+    TMS_FAULT_DISK_SYNC,
+    TMS_FAULT_OPS
+};
+struct tms_host_env {
+    size_t device_bytes;
+    int devices;
+    int numa_node;                 /* -1: unknown */
+    long fault_at[TMS_FAULT_OPS];  /* 0 = never */
+    char copy_gate[256];           /* TMS_HOST_COPY_GATE: a FIFO the first device->host copy waits on; "" = none */
+    struct tms_err error;          /* status != 0: one was malformed, the host backend does not load */
+};
+const struct tms_host_env *tms_host_env(void);
+
+/* The first malformed TMS_* variable of the process, for `import
+ * torch_memory_saver` to raise (module_env.c): TMS_OK if none. */
+int tms_env_check(struct tms_err *err);
+
+/* The calling thread's settings, initialised from the defaults on first use. */
+struct tms_region *tms_region_current(void);
+
+int tms_backup_kind_parse(const char *name, int *kind);
+const char *tms_backup_kind_name(int kind);
+
+#endif

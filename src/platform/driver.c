@@ -1,0 +1,90 @@
+/* Chooses and loads the process's one VMM backend. */
+#include "platform/driver.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+static pthread_mutex_t driver_lock = PTHREAD_MUTEX_INITIALIZER;
+static const struct tms_driver *driver_chosen;  /* guarded by driver_lock */
+static const struct tms_driver *driver_ready;   /* loaded; written once under the lock */
+static pthread_once_t fork_handlers_once = PTHREAD_ONCE_INIT;
+
+/* A fork while another thread loads the backend waits for the load, so the
+ * child sees the lock free and the backend either loaded or not. */
+static void fork_prepare(void) { pthread_mutex_lock(&driver_lock); }
+static void fork_release(void) { pthread_mutex_unlock(&driver_lock); }
+static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_release, fork_release); }
+
+static void lock_driver(void)
+{
+    pthread_once(&fork_handlers_once, register_fork_handlers);
+    pthread_mutex_lock(&driver_lock);
+}
+
+static const struct tms_driver *driver_by_name(const char *name)
+{
+    if (strcmp(name, "cuda") == 0) return &tms_driver_cuda;
+    if (strcmp(name, "hip") == 0) return &tms_driver_hip;
+    if (strcmp(name, "host") == 0) return &tms_driver_host;
+    return NULL;
+}
+
+int tms_driver_select(const char *name, struct tms_err *err)
+{
+    const struct tms_driver *want = driver_by_name(name);
+    if (!want)
+        return tms_fail(err, TMS_E_ARG, 0, "unknown backend '%s' (expected 'cuda', 'hip' or 'host')", name);
+    int rc = TMS_OK;
+    lock_driver();
+    const struct tms_driver *have = driver_ready ? driver_ready : driver_chosen;
+    if (have && have != want)
+        rc = tms_fail(err, TMS_E_STATE, 0, "backend '%s' is already in use; cannot switch to '%s'",
+                      have->name, name);
+    else
+        driver_chosen = want;
+    pthread_mutex_unlock(&driver_lock);
+    return rc;
+}
+
+int tms_driver_get(const struct tms_driver **out, struct tms_err *err)
+{
+    const struct tms_driver *ready = __atomic_load_n(&driver_ready, __ATOMIC_ACQUIRE);
+    if (ready) {
+        *out = ready;
+        return TMS_OK;
+    }
+    int rc = TMS_OK;
+    lock_driver();
+    if (!driver_ready) {
+        const struct tms_driver *d = driver_chosen;
+        if (!d) {
+            const char *env = getenv("TMS_BACKEND");
+            const char *platform = getenv("TMS_PLATFORM");
+            if (env && *env) d = driver_by_name(env);
+            else if (platform && (!strcmp(platform, "rocm") || !strcmp(platform, "hip"))) d = &tms_driver_hip;
+            else d = &tms_driver_cuda;
+            if (!d)
+                rc = tms_fail(err, TMS_E_ARG, 0,
+                              "TMS_BACKEND='%s' is not a backend (expected 'cuda', 'hip' or 'host')", env);
+        }
+        /* A failed load is not cached: a later call may succeed (driver
+         * installed, env fixed) and each caller gets the message. */
+        if (rc == TMS_OK)
+            rc = d->load(err);
+        if (rc == TMS_OK) {
+            driver_chosen = d;
+            __atomic_store_n(&driver_ready, d, __ATOMIC_RELEASE);
+        }
+    }
+    if (rc == TMS_OK)
+        *out = driver_ready;
+    pthread_mutex_unlock(&driver_lock);
+    return rc;
+}
+
+const char *tms_driver_loaded_name(void)
+{
+    const struct tms_driver *d = __atomic_load_n(&driver_ready, __ATOMIC_ACQUIRE);
+    return d ? d->name : NULL;
+}

@@ -1,0 +1,103 @@
+/* The platform contract: one table of function pointers per VMM backend. */
+#ifndef TMS_DRIVER_H
+#define TMS_DRIVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "platform/error.h"
+
+/*
+ * Conventions every backend keeps:
+ *  - Each operation returns int: 0 on success, otherwise the backend's own
+ *    code (CUresult, hipError_t, errno). The core turns codes into messages
+ *    with code_name(), the operation, the address and the size.
+ *  - Out-parameters are never NULL.
+ *  - Sizes and addresses handed to reserve/create/map/unmap are already
+ *    multiples of granularity(device).
+ *  - Device ordinals are valid for the backend (the core checks them with
+ *    device_count first).
+ *  - No operation calls back into the core or into Python, and none holds a
+ *    lock of its own across a call into another backend function.
+ */
+
+typedef uint64_t tms_va;     /* device virtual address */
+typedef uint64_t tms_phys;   /* physical memory handle */
+typedef struct tms_stream_opaque *tms_stream;  /* an ordered queue of copies on one device */
+
+struct tms_driver {
+    const char *name;
+
+    /* Resolve entry points and initialise; called once by driver.c.
+     * On failure fills err (TMS_E_NO_DRIVER or TMS_E_DRIVER). */
+    int (*load)(struct tms_err *err);
+
+    int (*is_oom)(int code);                 /* does code mean "out of memory"? */
+    int (*is_shutdown)(int code);            /* driver already torn down (process exit)? */
+    const char *(*code_name)(int code);
+    /* Physical chunk size the core should use when TMS_CHUNK_BYTES is unset
+     * (0: one handle per allocation). pre: loaded. */
+    size_t (*default_chunk_bytes)(void);
+
+    int (*device_count)(int *count);
+    /* The device the calling thread's runtime would allocate on. */
+    int (*current_device)(int *device);
+    int (*granularity)(int device, size_t *bytes);
+    int (*mem_get_info)(int device, size_t *free_bytes, size_t *total_bytes);
+
+    /* pre: size multiple of alignment. */
+    int (*reserve)(size_t size, size_t alignment, tms_va *va);
+    /* pre: nothing mapped in [va, va+size). */
+    int (*unreserve)(tms_va va, size_t size);
+    int (*create)(int device, size_t size, tms_phys *handle);
+    /* create, exportable as handle_types (CUmemAllocationHandleType bits), as
+     * an adopted allocation's owner made it (cumem.c). NULL: create is used. */
+    int (*create_shareable)(int device, size_t size, int handle_types, tms_phys *handle);
+    /* pre: handle not mapped anywhere. */
+    int (*release)(tms_phys handle);
+    /* Maps handle at va and grants device read-write access.
+     * pre: [va, va+size) reserved and unmapped; size == the handle's size. */
+    int (*map)(int device, tms_va va, size_t size, tms_phys handle);
+    /* pre: [va, va+size) mapped; no work in flight touches it. */
+    int (*unmap)(tms_va va, size_t size);
+
+    /* Waits for all work queued on device (every stream). */
+    int (*synchronize)(int device);
+    /* A copy queue of its own on device, independent of the user's streams.
+     * Streams live for the process. */
+    int (*stream_create)(int device, tms_stream *stream);
+    /* Queues a copy of n bytes between host and the device range at dev.
+     * pre: the range is mapped; host stays valid until stream_wait returns.
+     * host may be pageable (the copy is then synchronous). */
+    int (*copy_async)(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream);
+    /* Waits for every copy queued on stream. */
+    int (*stream_wait)(int device, tms_stream stream);
+
+    /* Page-locked host memory (plain memory on the host backend). */
+    int (*host_alloc_pinned)(size_t size, void **ptr);
+    int (*host_free_pinned)(void *ptr, size_t size);
+    /* Page-locks memory the caller mapped and faulted in (faster than
+     * host_alloc_pinned for large sizes: fault in on many threads, then lock). */
+    int (*host_register)(void *ptr, size_t size);
+    int (*host_unregister)(void *ptr);
+    /* NUMA node of the host memory nearest the device (its backups go
+     * there), -1 where unknown; NULL where the backend cannot tell. */
+    int (*numa_node)(int device);
+};
+
+extern const struct tms_driver tms_driver_cuda;
+extern const struct tms_driver tms_driver_hip;
+extern const struct tms_driver tms_driver_host;
+
+/* The process's backend, loaded on first use: the one selected, else
+ * TMS_BACKEND (cuda, hip, host), else TMS_PLATFORM=rocm -> hip, else cuda.
+ * Returns TMS_OK and sets *out, or fills err. Thread-safe. */
+int tms_driver_get(const struct tms_driver **out, struct tms_err *err);
+
+/* Chooses the backend before first use; TMS_E_STATE if another is loaded. */
+int tms_driver_select(const char *name, struct tms_err *err);
+
+/* Name of the loaded backend, or NULL if none is loaded yet. */
+const char *tms_driver_loaded_name(void);
+
+#endif

@@ -1,0 +1,373 @@
+/* CUDA backend: driver entry points resolved at run time from libcuda.so.1. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "platform/cuda_abi.h"
+#include "platform/driver.h"
+#include "platform/topology.h"
+
+/* Every entry is requested at the ABI of CUDA 12.0, which CUDA 12 and 13
+ * drivers both serve, so one build runs on either (DESIGN req. 3). */
+#define CUDA_ABI_VERSION 12000
+#define CUDA_MAX_DEVICES 64
+
+#define CUDA_ENTRIES(X) \
+    X(cuInit, (unsigned flags)) \
+    X(cuDeviceGetCount, (int *count)) \
+    X(cuDeviceGet, (tms_CUdevice *dev, int ordinal)) \
+    X(cuDeviceGetPCIBusId, (char *bus_id, int len, tms_CUdevice dev)) \
+    X(cuDevicePrimaryCtxRetain, (tms_CUcontext *ctx, tms_CUdevice dev)) \
+    X(cuCtxGetCurrent, (tms_CUcontext *ctx)) \
+    X(cuCtxGetDevice, (tms_CUdevice *dev)) \
+    X(cuCtxPushCurrent, (tms_CUcontext ctx)) \
+    X(cuCtxPopCurrent, (tms_CUcontext *ctx)) \
+    X(cuCtxSynchronize, (void)) \
+    X(cuMemGetInfo, (size_t *free_bytes, size_t *total_bytes)) \
+    X(cuMemGetAllocationGranularity, (size_t *g, const tms_CUmemAllocationProp *prop, int option)) \
+    X(cuMemAddressReserve, (tms_CUdeviceptr *va, size_t size, size_t align, tms_CUdeviceptr addr, \
+                            unsigned long long flags)) \
+    X(cuMemAddressFree, (tms_CUdeviceptr va, size_t size)) \
+    X(cuMemCreate, (tms_CUmemHandle *h, size_t size, const tms_CUmemAllocationProp *prop, \
+                    unsigned long long flags)) \
+    X(cuMemRelease, (tms_CUmemHandle h)) \
+    X(cuMemMap, (tms_CUdeviceptr va, size_t size, size_t offset, tms_CUmemHandle h, \
+                 unsigned long long flags)) \
+    X(cuMemUnmap, (tms_CUdeviceptr va, size_t size)) \
+    X(cuMemSetAccess, (tms_CUdeviceptr va, size_t size, const tms_CUmemAccessDesc *desc, size_t count)) \
+    X(cuStreamCreate, (tms_CUstream *stream, unsigned flags)) \
+    X(cuStreamSynchronize, (tms_CUstream stream)) \
+    X(cuMemcpyDtoHAsync, (void *dst, tms_CUdeviceptr src, size_t n, tms_CUstream stream)) \
+    X(cuMemcpyHtoDAsync, (tms_CUdeviceptr dst, const void *src, size_t n, tms_CUstream stream)) \
+    X(cuMemHostAlloc, (void **p, size_t size, unsigned flags)) \
+    X(cuMemFreeHost, (void *p)) \
+    X(cuMemHostRegister, (void *p, size_t size, unsigned flags)) \
+    X(cuMemHostUnregister, (void *p)) \
+    X(cuGetErrorName, (tms_CUresult code, const char **name))
+
+#define CUDA_DECLARE_FIELD(name, params) tms_CUresult (*name) params;
+struct cuda_api {
+    CUDA_ENTRIES(CUDA_DECLARE_FIELD)
+};
+
+/* Written once by cuda_load (under driver.c's lock), read-only afterwards. */
+static struct cuda_api cu;
+
+struct cuda_device {
+    int ready;                /* atomic: 1 once the fields below are set */
+    tms_CUcontext ctx;        /* primary context, retained for the process's life */
+    size_t granularity;
+    int numa_node;            /* of the host memory nearest it, -1 unknown */
+};
+
+static pthread_mutex_t devices_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct cuda_device devices[CUDA_MAX_DEVICES];  /* guarded by devices_lock until ready */
+static pthread_once_t fork_handlers_once = PTHREAD_ONCE_INIT;
+
+/* Every lock of the library is free in a forked child (CUDA itself is not
+ * usable there, but the child must not hang on a lock on its way to that error). */
+static void fork_prepare(void) { pthread_mutex_lock(&devices_lock); }
+static void fork_release(void) { pthread_mutex_unlock(&devices_lock); }
+static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_release, fork_release); }
+
+typedef tms_CUresult (*get_proc_v2_fn)(const char *, void **, int, unsigned long long, int *);
+typedef tms_CUresult (*get_proc_v1_fn)(const char *, void **, int, unsigned long long);
+
+static int cuda_load(struct tms_err *err)
+{
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        const char *why = dlerror();
+        return tms_fail(err, TMS_E_NO_DRIVER, 0,
+                        "CUDA driver not found: dlopen(\"libcuda.so.1\") failed: %s (no GPU here? TMS_BACKEND=host "
+                        "runs the library on host memory, for tests and demos)", why ? why : "?");
+    }
+    /* _v2 (CUDA 12+) reports per-symbol status; plain is the 11.3 form. */
+    get_proc_v2_fn get_v2 = (get_proc_v2_fn)dlsym(lib, "cuGetProcAddress_v2");
+    get_proc_v1_fn get_v1 = (get_proc_v1_fn)dlsym(lib, "cuGetProcAddress");
+    if (!get_v2 && !get_v1)
+        return tms_fail(err, TMS_E_NO_DRIVER, 0,
+                        "CUDA driver too old: libcuda.so.1 has no cuGetProcAddress (need CUDA 12 or newer)");
+    struct cuda_api api;
+    memset(&api, 0, sizeof api);
+#define CUDA_RESOLVE(name, params)                                                              \
+    {                                                                                           \
+        void *fn = NULL;                                                                        \
+        int symbol_status = 0;                                                                  \
+        tms_CUresult rc = get_v2 ? get_v2(#name, &fn, CUDA_ABI_VERSION,                         \
+                                          TMS_CU_GET_PROC_ADDRESS_DEFAULT, &symbol_status)      \
+                                 : get_v1(#name, &fn, CUDA_ABI_VERSION,                         \
+                                          TMS_CU_GET_PROC_ADDRESS_DEFAULT);                     \
+        if (rc != TMS_CUDA_SUCCESS || !fn)                                                      \
+            return tms_fail(err, TMS_E_NO_DRIVER, rc,                                           \
+                            "CUDA driver lacks " #name " (cuGetProcAddress code %d, status %d)", \
+                            rc, symbol_status);                                                 \
+        memcpy(&api.name, &fn, sizeof fn);                                                      \
+    }
+    CUDA_ENTRIES(CUDA_RESOLVE)
+#undef CUDA_RESOLVE
+    tms_CUresult rc = api.cuInit(0);
+    if (rc != TMS_CUDA_SUCCESS) {
+        const char *name = "?";
+        api.cuGetErrorName(rc, &name);
+        return tms_fail(err, TMS_E_NO_DRIVER, rc, "cuInit failed: %s (%d): no usable GPU", name, rc);
+    }
+    cu = api;
+    return TMS_OK;
+}
+
+static int cuda_is_oom(int code) { return code == TMS_CUDA_ERROR_OUT_OF_MEMORY; }
+
+static int cuda_is_shutdown(int code)
+{
+    return code == TMS_CUDA_ERROR_DEINITIALIZED || code == TMS_CUDA_ERROR_NOT_INITIALIZED;
+}
+
+static const char *cuda_code_name(int code)
+{
+    const char *name = NULL;
+    if (cu.cuGetErrorName && cu.cuGetErrorName(code, &name) == TMS_CUDA_SUCCESS && name)
+        return name;
+    return "CUDA_ERROR_UNRECOGNISED";
+}
+
+static int cuda_device_count(int *count) { return cu.cuDeviceGetCount(count); }
+
+static int cuda_current_device(int *device)
+{
+    tms_CUcontext ctx = NULL;
+    int rc = cu.cuCtxGetCurrent(&ctx);
+    if (rc) return rc;
+    if (!ctx) {  /* the runtime has not touched a device yet: it would use 0 */
+        *device = 0;
+        return 0;
+    }
+    tms_CUdevice dev = 0;
+    rc = cu.cuCtxGetDevice(&dev);
+    if (rc == 0) *device = dev;
+    return rc;
+}
+
+static tms_CUmemAllocationProp device_prop(int device)
+{
+    tms_CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = TMS_CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = TMS_CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    return prop;
+}
+
+/* Retains the primary context (the one the runtime and PyTorch use) on
+ * first use of a device. */
+static int device_get(int device, struct cuda_device **out)
+{
+    if (device < 0 || device >= CUDA_MAX_DEVICES) return TMS_CUDA_ERROR_INVALID_DEVICE;
+    struct cuda_device *d = &devices[device];
+    if (__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE)) {
+        *out = d;
+        return 0;
+    }
+    int rc = 0;
+    pthread_once(&fork_handlers_once, register_fork_handlers);
+    pthread_mutex_lock(&devices_lock);
+    if (!d->ready) {
+        tms_CUdevice dev = 0;
+        tms_CUcontext ctx = NULL;
+        size_t gran = 0;
+        tms_CUmemAllocationProp prop = device_prop(device);
+        rc = cu.cuDeviceGet(&dev, device);
+        if (!rc) rc = cu.cuDevicePrimaryCtxRetain(&ctx, dev);
+        if (!rc) rc = cu.cuMemGetAllocationGranularity(&gran, &prop, TMS_CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+        if (!rc) {
+            char bus_id[32];
+            d->numa_node = cu.cuDeviceGetPCIBusId(bus_id, (int)sizeof bus_id, dev) == TMS_CUDA_SUCCESS
+                               ? tms_topology_pci_numa_node(TMS_SYSFS, bus_id)
+                               : -1;
+            d->ctx = ctx;
+            d->granularity = gran;
+            __atomic_store_n(&d->ready, 1, __ATOMIC_RELEASE);
+        }
+    }
+    pthread_mutex_unlock(&devices_lock);
+    if (!rc) *out = d;
+    return rc;
+}
+
+static int cuda_granularity(int device, size_t *bytes)
+{
+    struct cuda_device *d;
+    int rc = device_get(device, &d);
+    if (!rc) *bytes = d->granularity;
+    return rc;
+}
+
+/* Runs the body with device's primary context current, restoring the
+ * caller's context after: hooks run on PyTorch's threads. */
+#define WITH_DEVICE_CONTEXT(device, d, body)                 \
+    do {                                                     \
+        int rc_ = device_get((device), &(d));                \
+        if (rc_) return rc_;                                 \
+        rc_ = cu.cuCtxPushCurrent((d)->ctx);                 \
+        if (rc_) return rc_;                                 \
+        int body_rc_ = (body);                               \
+        tms_CUcontext popped_;                               \
+        rc_ = cu.cuCtxPopCurrent(&popped_);                  \
+        return body_rc_ ? body_rc_ : rc_;                    \
+    } while (0)
+
+static int cuda_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes)
+{
+    struct cuda_device *d;
+    WITH_DEVICE_CONTEXT(device, d, cu.cuMemGetInfo(free_bytes, total_bytes));
+}
+
+static int cuda_reserve(size_t size, size_t alignment, tms_va *va)
+{
+    tms_CUdeviceptr p = 0;
+    int rc = cu.cuMemAddressReserve(&p, size, alignment, 0, 0);
+    if (!rc) *va = p;
+    return rc;
+}
+
+static int cuda_unreserve(tms_va va, size_t size) { return cu.cuMemAddressFree(va, size); }
+
+static int cuda_create_shareable(int device, size_t size, int handle_types, tms_phys *handle)
+{
+    tms_CUmemAllocationProp prop = device_prop(device);
+    prop.requestedHandleTypes = handle_types;
+    tms_CUmemHandle h = 0;
+    int rc = cu.cuMemCreate(&h, size, &prop, 0);
+    if (!rc) *handle = h;
+    return rc;
+}
+
+static int cuda_create(int device, size_t size, tms_phys *handle)
+{
+    return cuda_create_shareable(device, size, 0, handle);
+}
+
+static int cuda_release(tms_phys handle) { return cu.cuMemRelease(handle); }
+
+static int cuda_map(int device, tms_va va, size_t size, tms_phys handle)
+{
+    int rc = cu.cuMemMap(va, size, 0, handle, 0);
+    if (rc) return rc;
+    tms_CUmemAccessDesc access = {
+        .location = {.type = TMS_CU_MEM_LOCATION_TYPE_DEVICE, .id = device},
+        .flags = TMS_CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    rc = cu.cuMemSetAccess(va, size, &access, 1);
+    if (rc) cu.cuMemUnmap(va, size);  /* leave it unmapped, as before the call */
+    return rc;
+}
+
+static int cuda_unmap(tms_va va, size_t size) { return cu.cuMemUnmap(va, size); }
+
+static int cuda_synchronize(int device)
+{
+    struct cuda_device *d;
+    WITH_DEVICE_CONTEXT(device, d, cu.cuCtxSynchronize());
+}
+
+static int cuda_stream_create(int device, tms_stream *stream)
+{
+    struct cuda_device *d;
+    tms_CUstream created = NULL;
+    int rc = device_get(device, &d);
+    if (rc) return rc;
+    if ((rc = cu.cuCtxPushCurrent(d->ctx))) return rc;
+    rc = cu.cuStreamCreate(&created, TMS_CU_STREAM_NON_BLOCKING);
+    tms_CUcontext popped;
+    int pop_rc = cu.cuCtxPopCurrent(&popped);
+    if (!rc) *stream = (tms_stream)created;
+    return rc ? rc : pop_rc;
+}
+
+static int queue_copy(int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
+{
+    return to_host ? cu.cuMemcpyDtoHAsync(host, dev, n, (tms_CUstream)stream)
+                   : cu.cuMemcpyHtoDAsync(dev, host, n, (tms_CUstream)stream);
+}
+
+static int cuda_copy_async(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
+{
+    struct cuda_device *d;
+    WITH_DEVICE_CONTEXT(device, d, queue_copy(to_host, host, dev, n, stream));
+}
+
+static int cuda_stream_wait(int device, tms_stream stream)
+{
+    (void)device;  /* a stream carries its context */
+    return cu.cuStreamSynchronize((tms_CUstream)stream);
+}
+
+/* Host allocations need a current context; a region's first backup can come
+ * before PyTorch has made one current, so borrow device 0's primary one. */
+#define WITH_SOME_CONTEXT(body)                               \
+    do {                                                      \
+        tms_CUcontext current_ = NULL;                        \
+        int rc_ = cu.cuCtxGetCurrent(&current_);              \
+        if (rc_) return rc_;                                  \
+        if (current_) return (body);                          \
+        struct cuda_device *d_;                               \
+        WITH_DEVICE_CONTEXT(0, d_, (body));                   \
+    } while (0)
+
+static int cuda_host_alloc_pinned(size_t size, void **ptr)
+{
+    /* Portable: the backup may be restored while another device's context
+     * is current. */
+    WITH_SOME_CONTEXT(cu.cuMemHostAlloc(ptr, size, 0x01 /* CU_MEMHOSTALLOC_PORTABLE */));
+}
+
+static int cuda_host_free_pinned(void *ptr, size_t size)
+{
+    (void)size;
+    WITH_SOME_CONTEXT(cu.cuMemFreeHost(ptr));
+}
+
+static int cuda_host_register(void *ptr, size_t size)
+{
+    WITH_SOME_CONTEXT(cu.cuMemHostRegister(ptr, size, 0x01 /* CU_MEMHOSTREGISTER_PORTABLE */));
+}
+
+static int cuda_host_unregister(void *ptr) { WITH_SOME_CONTEXT(cu.cuMemHostUnregister(ptr)); }
+
+static size_t cuda_default_chunk_bytes(void) { return 0; }
+
+static int cuda_numa_node(int device)
+{
+    struct cuda_device *d;
+    return device_get(device, &d) ? -1 : d->numa_node;
+}
+
+const struct tms_driver tms_driver_cuda = {
+    .name = "cuda",
+    .load = cuda_load,
+    .is_oom = cuda_is_oom,
+    .is_shutdown = cuda_is_shutdown,
+    .code_name = cuda_code_name,
+    .default_chunk_bytes = cuda_default_chunk_bytes,
+    .device_count = cuda_device_count,
+    .current_device = cuda_current_device,
+    .granularity = cuda_granularity,
+    .mem_get_info = cuda_mem_get_info,
+    .reserve = cuda_reserve,
+    .unreserve = cuda_unreserve,
+    .create = cuda_create,
+    .create_shareable = cuda_create_shareable,
+    .release = cuda_release,
+    .map = cuda_map,
+    .unmap = cuda_unmap,
+    .synchronize = cuda_synchronize,
+    .stream_create = cuda_stream_create,
+    .copy_async = cuda_copy_async,
+    .stream_wait = cuda_stream_wait,
+    .host_alloc_pinned = cuda_host_alloc_pinned,
+    .host_free_pinned = cuda_host_free_pinned,
+    .host_register = cuda_host_register,
+    .host_unregister = cuda_host_unregister,
+    .numa_node = cuda_numa_node,
+};

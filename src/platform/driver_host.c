@@ -1,0 +1,262 @@
+/* Host backend: VMM emulated on memfd + mmap, so every core path runs without a GPU. */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "platform/config.h"
+#include "platform/driver.h"
+
+/* 2 MiB like the H100's granularity, so rounding behaves as on the GPU. */
+#define HOST_GRANULARITY ((size_t)2 << 20)
+#define HOST_MAX_DEVICES TMS_HOST_MAX_DEVICES
+
+/* An emulated device of TMS_HOST_DEVICE_BYTES (default 16 GiB) capacity:
+ * create fails with ENOMEM past it, which is how OOM paths run in CI. */
+static size_t host_capacity;                     /* set once in load */
+static int host_device_count;                    /* set once in load */
+static size_t host_used[HOST_MAX_DEVICES];       /* atomic */
+
+/* TMS_FAULT (config.c): the n-th call (1-based) of op fails once. */
+static long fault_at[TMS_FAULT_OPS];             /* set once in load; 0 = never */
+static long fault_calls[TMS_FAULT_OPS];          /* atomic */
+
+static int fault_hit(int op)
+{
+    long n = __atomic_add_fetch(&fault_calls[op], 1, __ATOMIC_RELAXED);
+    return fault_at[op] != 0 && n == fault_at[op];
+}
+
+/* TMS_HOST_COPY_GATE names a FIFO: the first device->host copy waits until a
+ * byte can be read from it, so a test holds a pause in the middle of its
+ * copies for as long as it needs, whatever the machine's speed. */
+static pthread_once_t gate_once = PTHREAD_ONCE_INIT;
+
+static void pass_gate(void)
+{
+    const char *path = tms_host_env()->copy_gate;
+    if (!path[0]) return;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    char byte;
+    if (fd >= 0) {
+        while (read(fd, &byte, 1) < 0 && errno == EINTR) {}
+        close(fd);
+    }
+}
+
+/* The variables were parsed (and checked at import) with the defaults. */
+static int host_load(struct tms_err *err)
+{
+    const struct tms_host_env *env = tms_host_env();
+    if (env->error.status) {
+        if (err) *err = env->error;
+        return env->error.status;
+    }
+    host_capacity = env->device_bytes;
+    host_device_count = env->devices;
+    memcpy(fault_at, env->fault_at, sizeof fault_at);
+    return TMS_OK;
+}
+
+static int host_is_oom(int code) { return code == ENOMEM; }
+static int host_is_shutdown(int code) { (void)code; return 0; }
+static const char *host_code_name(int code) { return strerror(code); }
+
+static int host_device_count_fn(int *count)
+{
+    *count = host_device_count;
+    return 0;
+}
+
+static int host_current_device(int *device)
+{
+    *device = 0;
+    return 0;
+}
+
+static int host_granularity(int device, size_t *bytes)
+{
+    (void)device;
+    *bytes = HOST_GRANULARITY;
+    return 0;
+}
+
+static int host_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes)
+{
+    size_t used = __atomic_load_n(&host_used[device], __ATOMIC_RELAXED);
+    *total_bytes = host_capacity;
+    *free_bytes = used < host_capacity ? host_capacity - used : 0;
+    return 0;
+}
+
+static int host_reserve(size_t size, size_t alignment, tms_va *va)
+{
+    /* Over-reserve and trim so the range starts on the alignment. */
+    if (size > SIZE_MAX - alignment) return ENOMEM;
+    size_t span = size + alignment;
+    char *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return errno;
+    uintptr_t start = ((uintptr_t)p + alignment - 1) & ~(uintptr_t)(alignment - 1);
+    size_t head = start - (uintptr_t)p;
+    if (head) munmap(p, head);
+    size_t tail = span - head - size;
+    if (tail) munmap((char *)start + size, tail);
+    *va = start;
+    return 0;
+}
+
+static int host_unreserve(tms_va va, size_t size)
+{
+    return munmap((void *)(uintptr_t)va, size) ? errno : 0;
+}
+
+/* A handle is a memfd; its size is what was created (fstat gives it back). */
+static int host_create(int device, size_t size, tms_phys *handle)
+{
+    if (fault_hit(TMS_FAULT_CREATE)) return ENOMEM;
+    size_t used = __atomic_add_fetch(&host_used[device], size, __ATOMIC_RELAXED);
+    if (used > host_capacity) {
+        __atomic_sub_fetch(&host_used[device], size, __ATOMIC_RELAXED);
+        return ENOMEM;
+    }
+    int fd = memfd_create("tms-host-device", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+        int e = errno;
+        if (fd >= 0) close(fd);
+        __atomic_sub_fetch(&host_used[device], size, __ATOMIC_RELAXED);
+        return e;
+    }
+    /* Encode the device in the high bits: release must give its bytes back. */
+    *handle = ((tms_phys)device << 32) | (tms_phys)(unsigned)fd;
+    return 0;
+}
+
+static int host_release(tms_phys handle)
+{
+    int fd = (int)(handle & 0xffffffffu);
+    int device = (int)(handle >> 32);
+    off_t size = lseek(fd, 0, SEEK_END);
+    if (size < 0) return errno;
+    if (close(fd) != 0) return errno;
+    __atomic_sub_fetch(&host_used[device], (size_t)size, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static int host_map(int device, tms_va va, size_t size, tms_phys handle)
+{
+    (void)device;
+    if (fault_hit(TMS_FAULT_MAP)) return ENOMEM;
+    int fd = (int)(handle & 0xffffffffu);
+    void *p = mmap((void *)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+    return p == MAP_FAILED ? errno : 0;
+}
+
+/* Back to an inaccessible reservation: touching it now faults, as on a GPU. */
+static int host_unmap(tms_va va, size_t size)
+{
+    if (fault_hit(TMS_FAULT_UNMAP)) return EIO;
+    void *p = mmap((void *)(uintptr_t)va, size, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? errno : 0;
+}
+
+static int host_synchronize(int device)
+{
+    (void)device;
+    return 0;
+}
+
+static int host_stream_create(int device, tms_stream *stream)
+{
+    (void)device;
+    *stream = (tms_stream)(uintptr_t)1;  /* copies run at once: a stream is only a token */
+    return 0;
+}
+
+static int host_copy_async(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
+{
+    (void)device, (void)stream;
+    if (fault_hit(to_host ? TMS_FAULT_TO_HOST : TMS_FAULT_TO_DEVICE)) return EIO;
+    if (to_host) pthread_once(&gate_once, pass_gate);
+    if (to_host) memcpy(host, (const void *)(uintptr_t)dev, n);
+    else memcpy((void *)(uintptr_t)dev, host, n);
+    return 0;
+}
+
+static int host_stream_wait(int device, tms_stream stream)
+{
+    (void)device, (void)stream;
+    return 0;
+}
+
+static int host_alloc_pinned(size_t size, void **ptr)
+{
+    if (fault_hit(TMS_FAULT_HOST_ALLOC)) return ENOMEM;
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return errno;
+    /* Page-locked memory is resident: mimic it so RSS reflects the backup. */
+    memset(p, 0, size);
+    *ptr = p;
+    return 0;
+}
+
+static int host_free_pinned(void *ptr, size_t size)
+{
+    return munmap(ptr, size) ? errno : 0;
+}
+
+/* Nothing to lock on the host backend; counted as a host allocation so
+ * TMS_FAULT=host_alloc:n reaches pinned backups too. */
+static int host_register(void *ptr, size_t size)
+{
+    (void)ptr, (void)size;
+    return fault_hit(TMS_FAULT_HOST_ALLOC) ? ENOMEM : 0;
+}
+
+static int host_unregister(void *ptr)
+{
+    (void)ptr;
+    return 0;
+}
+
+static size_t host_default_chunk_bytes(void) { return 0; }
+
+/* Every emulated device sits on TMS_HOST_NUMA_NODE, if set. */
+static int host_numa_node(int device)
+{
+    (void)device;
+    return tms_host_env()->numa_node;
+}
+
+const struct tms_driver tms_driver_host = {
+    .name = "host",
+    .load = host_load,
+    .is_oom = host_is_oom,
+    .is_shutdown = host_is_shutdown,
+    .code_name = host_code_name,
+    .default_chunk_bytes = host_default_chunk_bytes,
+    .device_count = host_device_count_fn,
+    .current_device = host_current_device,
+    .granularity = host_granularity,
+    .mem_get_info = host_mem_get_info,
+    .reserve = host_reserve,
+    .unreserve = host_unreserve,
+    .create = host_create,
+    .release = host_release,
+    .map = host_map,
+    .unmap = host_unmap,
+    .synchronize = host_synchronize,
+    .stream_create = host_stream_create,
+    .copy_async = host_copy_async,
+    .stream_wait = host_stream_wait,
+    .host_alloc_pinned = host_alloc_pinned,
+    .host_free_pinned = host_free_pinned,
+    .host_register = host_register,
+    .host_unregister = host_unregister,
+    .numa_node = host_numa_node,
+};
