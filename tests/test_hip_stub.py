@@ -4,7 +4,7 @@ stand-in libamdhip64 over host memory that checks its arguments as HIP does.
 No AMD GPU is needed: the stub is compiled here with `cc -shared -fPIC`, and each
 scenario runs in a fresh subprocess with TMS_BACKEND=hip and TMS_HIP_LIBRARY=<stub>
 (conftest's run_py; its helpers: tms, core, fill/read through ctypes, row, expect).
-The stub is compiled behind the prototypes of src/driver_hip.c's HIP_ENTRIES, so a
+The stub is compiled behind the prototypes of src/platform/driver_hip.c's HIP_ENTRIES, so a
 signature of the stub that drifts from what the backend calls fails to compile.
 """
 import ctypes
@@ -20,7 +20,7 @@ import pytest
 from conftest import HOOK_MODES, REPO, check_ok, library_file
 
 STUB_SOURCE = REPO / "tests" / "c" / "hip_stub.c"
-DRIVER_HIP = REPO / "src" / "driver_hip.c"
+DRIVER_HIP = REPO / "src" / "platform" / "driver_hip.c"
 ROCM6, ROCM7 = 60342131, 70051831  # hipRuntimeGetVersion of ROCm 6.3 and 7.0
 
 
@@ -58,7 +58,7 @@ def hip_stub(tmp_path_factory):
     checked = tmp / "hip_stub_checked.c"
     checked.write_text(
         "#define _GNU_SOURCE\n"
-        f'#include "{REPO / "src" / "hip_abi.h"}"\n'
+        f'#include "{REPO / "src" / "platform" / "hip_abi.h"}"\n'
         f"{macro}\n"
         "#define DECLARE(name, params) tms_hipError_t name params;\n"
         "HIP_ENTRIES(DECLARE)\n"

@@ -1,66 +1,130 @@
-/* Backups of paused allocations: host buffers and disk files, reference-counted. */
+/* Backups of paused allocations: one contract, one file per kind (pageable, pinned, retained, disk). */
 #ifndef TMS_BACKUP_H
 #define TMS_BACKUP_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#include "backup/disk.h"
 #include "platform/driver.h"
+#include "platform/error.h"
+
+/*
+ * The core asks for a backup of an allocation, fills it on pause and reads it
+ * on resume; the copy workers (transfer.c) move its blocks. Neither knows how
+ * a kind keeps its bytes: each kind is one table of operations below, in a
+ * file of its own. Adding a kind is adding such a file and its enum entry
+ * (platform/config.h).
+ */
+
+/* How the copy workers move a backup's blocks, chosen when a copy is planned. */
+enum tms_backup_path {
+    TMS_PATH_STAGED,    /* through the workers' pinned staging: write_block / read_block */
+    TMS_PATH_DIRECT,    /* a DMA straight to or from page-locked host memory (direct_at) */
+    TMS_PATH_PREPARED,  /* device->host: the kind prepares each block first (prepare_block), then as DIRECT, or
+                         * as STAGED where it could not */
+};
+
+/* Block sizes the copy workers offer: staged copies, direct ones, and a
+ * staging slot's size (the most one staged block can be). */
+struct tms_block_sizes {
+    size_t staged, direct, slot;
+};
+
+struct tms_backup;
+
+struct tms_backup_ops {
+    const char *name;
+    int host_memory;     /* its bytes are host memory a CPU view may alias (get_cpu_backup) */
+    int open_limit;      /* at most this many open at once in one copy (descriptors), 0: no limit */
+    int interleave;      /* a copy takes its backups' blocks in turns (I/O in flight on several at once) */
+    /* Makes b's storage for b->size bytes of the allocation at va on device. */
+    int (*create)(struct tms_backup *b, int device, uint64_t va, struct tms_err *err);
+    /* A pause may write into b again. */
+    int (*reusable)(const struct tms_backup *b);
+    /* Around a copy's blocks (NULL: nothing to do). close after writes makes them durable. */
+    int (*open)(struct tms_backup *b, struct tms_err *err);
+    int (*close)(struct tms_backup *b, int wrote, struct tms_err *err);
+    enum tms_backup_path (*path)(const struct tms_backup *b, int to_host);
+    /* The length of the block at off on path, at most left. */
+    size_t (*block_len)(const struct tms_backup *b, enum tms_backup_path path, size_t off, size_t left,
+                        const struct tms_block_sizes *sizes);
+    /* DIRECT: the host address of byte off. */
+    void *(*direct_at)(const struct tms_backup *b, size_t off);
+    /* PREPARED: 1 if the block now takes a DMA directly, 0 if it must be staged,
+     * or a status (< 0 as -status) with err filled. */
+    int (*prepare_block)(struct tms_backup *b, size_t off, size_t len, struct tms_err *err);
+    /* STAGED: len bytes between the staging and the backup at off. */
+    int (*write_block)(struct tms_backup *b, const void *staging, size_t len, size_t off, struct tms_err *err);
+    int (*read_block)(struct tms_backup *b, void *staging, size_t len, size_t off, struct tms_err *err);
+    /* A pause's copy into b succeeded (NULL: nothing to record). */
+    void (*copied)(struct tms_backup *b);
+    /* An active allocation keeps b (to be written again by its next pause). */
+    int (*kept_while_active)(const struct tms_backup *b, int retain);
+    /* After a pause or resume that keeps b (NULL: nothing). */
+    void (*kept)(struct tms_backup *b, int retain);
+    /* Frees b's storage (once, at the last reference or on restore). */
+    void (*release)(struct tms_backup *b);
+    /* A DMA can go straight to b now (page-locked). NULL: never. */
+    int (*page_locked)(const struct tms_backup *b);
+};
+
+extern const struct tms_backup_ops tms_backup_ops_pageable, tms_backup_ops_pinned, tms_backup_ops_disk;
+
+enum tms_pinning { TMS_PIN_NONE, TMS_PIN_RUNNING, TMS_PIN_DONE, TMS_PIN_FAILED };
 
 /* Reference-counted so a zero-copy view handed to Python keeps the bytes
  * alive after the core has dropped them (resume without retain, free). */
 struct tms_backup {
-    void *host;                      /* NULL for a disk backup, and once released */
-    size_t size;
+    const struct tms_backup_ops *ops;
     int kind;                        /* enum tms_backup_kind */
-    int pinning;                     /* atomic, enum tms_pinning: TMS_PIN_DONE once page-locked */
-    /* Per TMS_PIN_PIECE_BYTES piece of host, 1 while it is registered: by a
-     * pinned backup's first copy (any order) or by the page-locking thread
-     * (in order). NULL until either may lock it. */
-    unsigned char *locked;
-    struct tms_backup *pin_next;     /* in the queue of backups to page-lock (backup.c) */
+    size_t size;
     int refs;                        /* atomic */
     const struct tms_driver *drv;
-    struct tms_disk_file file;       /* kind TMS_BACKUP_DISK */
+    /* Host-memory kinds (host.h): */
+    void *host;                      /* the bytes; NULL once released */
+    int pinning;                     /* atomic, enum tms_pinning: TMS_PIN_DONE once page-locked */
+    unsigned char *locked;           /* per piece: registered now; NULL until a piece may be */
+    struct tms_backup *pin_next;     /* in the queue of backups to page-lock (retained.c) */
+    /* Other kinds' own state (disk.c: its file). */
+    void *kind_state;
 };
 
-enum tms_pinning { TMS_PIN_NONE, TMS_PIN_RUNNING, TMS_PIN_DONE, TMS_PIN_FAILED };
+/* The kind of an allocation's backup, by enum tms_backup_kind. */
+const struct tms_backup_ops *tms_backup_ops_of(int kind);
 
 /* New backup of size bytes for the allocation at va on device, with one
- * reference; host memory is placed on the device's NUMA node where the
- * driver knows it. Fills err on failure (TMS_E_HOST_OOM naming size and
- * kind; TMS_E_IO for a file). */
+ * reference. TMS_E_HOST_OOM naming size and kind; TMS_E_IO for a file. */
 int tms_backup_new(const struct tms_driver *drv, int kind, int device, size_t size, uint64_t va,
                    struct tms_backup **out, struct tms_err *err);
-/* A pause of an allocation backed up as kind may write into b again: same
- * kind, and a file only where tms_disk_rewritable says so. */
-int tms_backup_reusable(const struct tms_backup *b, int kind);
-/* Is b page-locked now (a DMA can go straight to it)? A pinned backup is
- * from its first copy on (tms_backup_copied), where the driver can lock it. */
+
+/* What a pause writes into: *b itself if it can be written again (opened),
+ * else a new one (opened; the old one stays for the caller to drop). */
+int tms_backup_for_pause(const struct tms_driver *drv, int kind, int device, size_t size, uint64_t va,
+                         struct tms_backup **b, struct tms_err *err);
+
+int tms_backup_open(struct tms_backup *b, struct tms_err *err);
+int tms_backup_close(struct tms_backup *b, int wrote, struct tms_err *err);
+int tms_backup_open_limit(const struct tms_backup *b);
+
+/* The bytes of a host-memory backup (a CPU view aliases them), else NULL. */
+void *tms_backup_host(const struct tms_backup *b);
+/* Is b page-locked now (a DMA can go straight to it)? */
 int tms_backup_pinned(const struct tms_backup *b);
-/* The piece map a copy into b locks as it goes (tms_transfer lock_pieces):
- * a new pinned backup's before its first copy; else NULL. */
-unsigned char *tms_backup_pieces_to_lock(const struct tms_backup *b);
-/* The first copy into b succeeded: a new pinned backup whose pieces that copy
- * all locked is page-locked from now on; one it could not lock whole stays
- * pageable (its locked pieces unlocked). Nothing for other backups. */
+
 void tms_backup_copied(struct tms_backup *b);
-/* Queues an mmap backup to be page-locked, once, by a background thread
- * while no copy runs: a retained backup is copied again every cycle, and a
- * page-locked one takes the DMA directly at link speed instead of through
- * the staging (issue 16). Until it is done (~0.3-0.5 s per 8 GiB) copies go
- * through the staging as before. It is registered in pieces of
- * TMS_PIN_PIECE_BYTES (transfer.h), each only while no copy runs, so a copy
- * that starts meanwhile waits for one piece at most. */
-void tms_backup_pin_later(struct tms_backup *b);
+int tms_backup_kept_while_active(const struct tms_backup *b, int retain);
+void tms_backup_kept(struct tms_backup *b, int retain);
+
 void tms_backup_ref(struct tms_backup *b);
 void tms_backup_unref(struct tms_backup *b);
+
 /* A resume restored every byte of backup (a struct tms_backup *) and drops
- * it: its host memory goes now, on the copy worker, while other allocations'
- * copies still run (freeing 16 GiB of page-locked memory took 0.35-0.5 s, the
- * length of the copies themselves, on the lent H100), unless a zero-copy
- * view still holds it. The record stays until the last reference. */
+ * it: its storage goes now, on the copy worker, while other allocations'
+ * copies still run, unless a zero-copy view still holds it. The record stays
+ * until the last reference. */
 void tms_backup_release_restored(void *backup);
+
+/* Does kind keep a host copy (a CPU backup), rather than a file? */
+int tms_backup_kind_is_host(int kind);
 
 #endif

@@ -11,30 +11,24 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#endif
 
 /*
- * Why this shape (issue 4, figures from DESIGN on the lent H100):
- *  - a DMA into pageable memory runs 8-15 GB/s, into pinned memory ~55 GB/s,
- *    but pinning fresh memory costs ~3 s per 8 GiB; so copies go through a
- *    small pinned staging area reused across cycles;
- *  - one thread fills fresh pages at ~2 GB/s, 8-16 threads at ~40 GB/s, so
- *    the host side of the copy is spread over worker threads;
+ * Why this shape (docs/performance.md has the measurements):
+ *  - a DMA into pageable memory is several times slower than into pinned
+ *    memory, but pinning fresh memory is slow too; so copies go through a
+ *    small pinned staging area reused across cycles, unless the backup is
+ *    page-locked already (it says so: its path);
+ *  - one thread fills fresh pages far below the link's rate, so the host
+ *    side of the copy is spread over worker threads;
  *  - each worker owns two staging slots and two streams: while one slot's
  *    DMA runs, it copies the other slot on the host side;
- *  - block size was measured on the lent H100 (8 GiB, 16 workers): device->
- *    host ran 36-38 GB/s with 2 MiB blocks against 28-32 with 4-16 MiB
- *    (small blocks are still in the CPU cache when copied out of staging);
- *    host->device, 16 GiB: 47-49 GB/s with 4 MiB, 43-47 with 8, 44 with 2
- *    (a resume's workers spend 81-93% of their time copying into the
- *    staging; benchmarks/results/20261125-023015_*-resume-block.md).
- *    TMS_BACKUP_BLOCK_BYTES sets one size for both.
- *  - a slot stays 8 MiB (unless TMS_BACKUP_BLOCK_BYTES sets one size for
- *    all): a disk backup's file I/O goes through it, in blocks up to its size.
- *  - a pinned backup is locked as it is copied, a whole piece per block: the
- *    piece is registered as one range, so that it can be unregistered as one.
+ *  - device->host blocks are small enough to still be in the CPU cache when
+ *    copied out of the staging; host->device blocks trade that against the
+ *    number of waits. TMS_BACKUP_BLOCK_BYTES sets one size for both;
+ *  - a slot stays larger than either block (unless TMS_BACKUP_BLOCK_BYTES
+ *    sets one size for all): a backup's staged blocks may be up to its size.
+ * The workers know nothing of how a backup keeps its bytes: the backup's kind
+ * (backup.h) says how each block moves and does the host side of it.
  */
 #define TO_HOST_BLOCK_BYTES ((size_t)2 << 20)
 #define TO_DEVICE_BLOCK_BYTES ((size_t)4 << 20)
@@ -80,9 +74,15 @@ static unsigned long job_seq;
 static struct job *current_job;
 static int workers_busy;
 /* Progress of the job running now, readable without locks (progress lines
- * for long pauses, issue 7): bytes done and bytes in the job. */
+ * for long pauses): bytes done and bytes in the job. */
 static size_t progress_done;   /* atomic */
 static size_t progress_total;  /* atomic */
+
+/* Copies in progress, for the page-locking of retained backups, which
+ * waits for none to run (retained.c). */
+static pthread_mutex_t idle_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t idle_cond = PTHREAD_COND_INITIALIZER;
+static int runs_in_progress;  /* guarded by idle_lock */
 
 static void job_fail(struct job *j, struct tms_err *e)
 {
@@ -97,9 +97,10 @@ static int fail_driver(struct job *j, const char *what, const struct block *b, i
     const struct tms_transfer *it = &j->items[b->item];
     struct tms_err e;
     tms_fail(&e, j->drv->is_oom(rc) ? TMS_E_OOM : TMS_E_DRIVER, rc,
-             "%s of %zu bytes %s device %d at 0x%llx (allocation offset %zu of %zu) failed: %s (%d)", what, b->len,
-             j->to_host ? "from" : "to", it->device, (unsigned long long)(it->dev + b->offset), b->offset, it->n,
-             j->drv->code_name(rc), rc);
+             "%s of %zu bytes %s device %d at 0x%llx (allocation offset %zu, %s backup of %zu bytes) failed: %s (%d)",
+             what, b->len, j->to_host ? "from" : "to", it->device, (unsigned long long)(it->dev + it->offset + b->offset),
+             it->offset + b->offset,
+             it->backup->ops->name, it->backup->size, j->drv->code_name(rc), rc);
     job_fail(j, &e);
     return rc;
 }
@@ -125,47 +126,14 @@ static tms_stream *stream_for(struct worker *w, struct job *j, const struct bloc
     return s;
 }
 
-/* Does the DMA of it go straight to its host memory, without staging? */
-static int direct(int to_host, const struct tms_transfer *it)
-{
-    return it->host_pinned || (to_host && it->lock_pieces);
-}
+/* Does the DMA of it go straight to its backup's memory, without staging? */
+static int direct(const struct tms_transfer *it) { return it->path != TMS_PATH_STAGED; }
 
 static ssize_t claim(struct job *j)
 {
     if (__atomic_load_n(&j->failed, __ATOMIC_ACQUIRE)) return -1;
     size_t b = __atomic_fetch_add(&j->next_block, 1, __ATOMIC_RELAXED);
     return b < j->n_blocks ? (ssize_t)b : -1;
-}
-
-/* Moves a block out of the staging into a backup's fresh pages with
- * streaming stores: a plain store reads each destination line before
- * writing it, and the kernel has just zeroed these lines out of the cache,
- * so that read is one more pass over memory per byte backed up. */
-static void copy_out_of_staging(void *dst, const void *src, size_t n)
-{
-#if defined(__x86_64__)
-    char *d = dst;
-    const char *s = src;
-    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
-    if (head > n) head = n;
-    memcpy(d, s, head);
-    d += head, s += head, n -= head;
-    for (; n >= 64; n -= 64, d += 64, s += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(const void *)s);
-        __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(s + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(s + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(s + 48));
-        _mm_stream_si128((__m128i *)(void *)d, a);
-        _mm_stream_si128((__m128i *)(void *)(d + 16), b);
-        _mm_stream_si128((__m128i *)(void *)(d + 32), c);
-        _mm_stream_si128((__m128i *)(void *)(d + 48), e);
-    }
-    memcpy(d, s, n);
-    _mm_sfence();  /* streaming stores are weakly ordered: visible before the block counts as done */
-#else
-    memcpy(dst, src, n);
-#endif
 }
 
 /* Counts len more bytes of it as copied. */
@@ -178,7 +146,7 @@ static void credit(struct job *j, struct tms_transfer *it, size_t len)
 }
 
 /* Waits for the copy of block b in slot to land, then (device->host) moves
- * it out of staging and credits its bytes. */
+ * it out of staging into the backup and credits its bytes. */
 static void finish(struct worker *w, struct job *j, ssize_t b, int slot)
 {
     if (b < 0) return;
@@ -189,63 +157,37 @@ static void finish(struct worker *w, struct job *j, ssize_t b, int slot)
         fail_driver(j, j->to_host ? "backup copy" : "restore copy", blk, rc);
         return;
     }
-    if (j->to_host && it->file) {
+    if (j->to_host && !direct(it)) {
         struct tms_err e;
-        if (tms_disk_write(it->file, w->slot[slot], blk->len, blk->offset, &e)) {
+        if (it->backup->ops->write_block(it->backup, w->slot[slot], blk->len, it->offset + blk->offset, &e)) {
             job_fail(j, &e);
             return;
         }
-    } else if (j->to_host && !direct(1, it)) {
-        copy_out_of_staging((char *)it->host + blk->offset, w->slot[slot], blk->len);
     }
     credit(j, it, blk->len);
 }
 
-/* Copies block blk, a piece of a pinned backup the driver would not lock,
- * through the staging slot, a slot's size at a time: a DMA into pageable
- * memory runs 8-15 GB/s. The slot must be free. */
-static void copy_unlocked_piece(struct worker *w, struct job *j, const struct block *blk, int slot, tms_stream s)
+/* Copies block blk device->host through the staging slot, a slot's size at
+ * a time: a prepared block (a whole piece) the backup could not take
+ * directly. The slot must be free. */
+static void copy_staged_now(struct worker *w, struct job *j, const struct block *blk, int slot, tms_stream s)
 {
     struct tms_transfer *it = &j->items[blk->item];
     for (size_t off = 0; off < blk->len; off += slot_bytes) {
         size_t n = blk->len - off < slot_bytes ? blk->len - off : slot_bytes;
-        int rc = j->drv->copy_async(it->device, 1, w->slot[slot], it->dev + blk->offset + off, n, s);
+        int rc = j->drv->copy_async(it->device, 1, w->slot[slot], it->dev + it->offset + blk->offset + off, n, s);
         if (!rc) rc = j->drv->stream_wait(it->device, s);
         if (rc) {
             fail_driver(j, "backup copy", blk, rc);
             return;
         }
-        copy_out_of_staging((char *)it->host + blk->offset + off, w->slot[slot], n);
+        struct tms_err e;
+        if (it->backup->ops->write_block(it->backup, w->slot[slot], n, it->offset + blk->offset + off, &e)) {
+            job_fail(j, &e);
+            return;
+        }
     }
     credit(j, it, blk->len);
-}
-
-/* Page-locks the piece that is block blk of a pinned backup, faulting its
- * fresh pages in first: registering unfaulted memory faults it in on one
- * thread inside the driver (5 GB/s, 16 workers, lent H100), and touching
- * each page beat MADV_POPULATE_WRITE (29.7-30.6 vs 25.5-27.5 GB/s for the
- * whole pause). 1 if locked; 0 if the driver cannot lock host memory (the
- * piece stays pageable); -1, the job failed, for lack of memory. */
-static int lock_piece(struct job *j, const struct block *blk)
-{
-    struct tms_transfer *it = &j->items[blk->item];
-    volatile char *p = (char *)it->host + blk->offset;
-    for (size_t off = 0; off < blk->len; off += 4096) p[off] = 0;
-    int rc = j->drv->host_register((char *)it->host + blk->offset, blk->len);
-    if (rc == 0) {
-        it->lock_pieces[blk->offset / TMS_PIN_PIECE_BYTES] = 1;
-        return 1;
-    }
-    if (j->drv->is_oom(rc)) {
-        struct tms_err e;
-        tms_fail(&e, TMS_E_HOST_OOM, rc,
-                 "cannot pin %zu bytes of host memory for a pinned backup of %zu bytes (device %d at 0x%llx, offset %zu): "
-                 "%s (%d)", blk->len, it->n, it->device, (unsigned long long)(it->dev + blk->offset), blk->offset,
-                 j->drv->code_name(rc), rc);
-        job_fail(j, &e);
-        return -1;
-    }
-    return 0;
 }
 
 static void worker_run(struct worker *w, struct job *j)
@@ -255,32 +197,36 @@ static void worker_run(struct worker *w, struct job *j)
     for (ssize_t b; (b = claim(j)) >= 0; cur ^= 1) {
         const struct block *blk = &j->blocks[b];
         struct tms_transfer *it = &j->items[blk->item];
+        struct tms_backup *bk = it->backup;
+        size_t at = it->offset + blk->offset;
         /* Host->device reuses the slot only once its previous DMA is done. */
         if (!j->to_host) finish(w, j, in_slot[cur], cur), in_slot[cur] = -1;
         tms_stream *s = stream_for(w, j, blk, cur);
         if (!s) break;
-        if (j->to_host && it->lock_pieces) {
-            int locked = lock_piece(j, blk);
-            if (locked < 0) break;
-            if (!locked) {
+        if (it->path == TMS_PATH_PREPARED) {
+            struct tms_err e;
+            int ready = bk->ops->prepare_block(bk, at, blk->len, &e);
+            if (ready < 0) {
+                job_fail(j, &e);
+                break;
+            }
+            if (!ready) {
                 /* Device->host leaves slot cur free here; it stays free for
                  * the next block, which the loop's toggle undone gives it. */
-                copy_unlocked_piece(w, j, blk, cur, *s);
+                copy_staged_now(w, j, blk, cur, *s);
                 cur ^= 1;
                 continue;
             }
         }
-        void *staging = direct(j->to_host, it) ? (char *)it->host + blk->offset : w->slot[cur];
-        if (!j->to_host && it->file) {
+        void *host = direct(it) ? bk->ops->direct_at(bk, at) : w->slot[cur];
+        if (!j->to_host && !direct(it)) {
             struct tms_err e;
-            if (tms_disk_read(it->file, staging, blk->len, blk->offset, &e)) {
+            if (bk->ops->read_block(bk, host, blk->len, at, &e)) {
                 job_fail(j, &e);
                 break;
             }
-        } else if (!j->to_host && !direct(0, it)) {
-            memcpy(staging, (char *)it->host + blk->offset, blk->len);
         }
-        int rc = j->drv->copy_async(it->device, j->to_host, staging, it->dev + blk->offset, blk->len, *s);
+        int rc = j->drv->copy_async(it->device, j->to_host, host, it->dev + at, blk->len, *s);
         if (rc) {
             fail_driver(j, j->to_host ? "backup copy" : "restore copy", blk, rc);
             break;
@@ -362,6 +308,9 @@ static void pool_discard_locked(const struct tms_driver *drv)
  * parent's staging stays mapped in the child, unused). */
 static void pool_forget_in_child(void)
 {
+    pthread_mutex_init(&idle_lock, NULL);
+    pthread_cond_init(&idle_cond, NULL);
+    runs_in_progress = 0;
     pthread_mutex_init(&pool_lock, NULL);
     pthread_mutex_init(&run_lock, NULL);
     pthread_cond_init(&job_posted, NULL);
@@ -421,21 +370,10 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
 
 int tms_transfer_warm(const struct tms_driver *drv, struct tms_err *err) { return pool_start(drv, err); }
 
-/* Block sizes of one job: staged, straight to page-locked memory, and of a file. */
-struct block_sizes {
-    size_t staged, direct, file;
-};
-
-/* The block of it at off: its size, to the item's end, or for memory copied
- * straight (which is registered in pieces) to the end of its piece,
- * whichever is shortest: a DMA range within one registration. A backup
- * locked as it is copied takes a whole piece per block. */
-static size_t block_len(int to_host, const struct tms_transfer *it, size_t off, const struct block_sizes *bs)
+/* The block of item it at off (from the item's start), as its backup's kind cuts it. */
+static size_t block_len(const struct tms_transfer *it, size_t off, const struct tms_block_sizes *sizes)
 {
-    size_t size = !direct(to_host, it) ? bs->staged : it->host_pinned ? bs->direct : TMS_PIN_PIECE_BYTES;
-    size_t len = it->n - off < size ? it->n - off : size;
-    size_t to_piece_end = TMS_PIN_PIECE_BYTES - off % TMS_PIN_PIECE_BYTES;
-    return direct(to_host, it) && len > to_piece_end ? to_piece_end : len;
+    return it->backup->ops->block_len(it->backup, it->path, it->offset + off, it->n - off, sizes);
 }
 
 static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
@@ -444,53 +382,51 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
     size_t total = 0, n_blocks = 0;
     for (size_t i = 0; i < count; i++) {
         items[i].done = 0;
+        items[i].path = items[i].backup->ops->path(items[i].backup, to_host);
         total += items[i].n;
     }
     if (total == 0) return TMS_OK;
     int rc = pool_start(drv, err);  /* sets slot_bytes */
     if (rc) return rc;
     size_t fixed = tms_defaults()->backup_block_bytes;  /* a set size is the slots' size too */
-    struct block_sizes bs = {
+    struct tms_block_sizes sizes = {
         .staged = fixed ? fixed : to_host ? TO_HOST_BLOCK_BYTES : TO_DEVICE_BLOCK_BYTES,
         .direct = fixed ? fixed : TMS_DIRECT_BLOCK_BYTES,
-        .file = tms_defaults()->disk_block_bytes < slot_bytes ? tms_defaults()->disk_block_bytes : slot_bytes,
+        .slot = slot_bytes,
     };
-    for (size_t i = 0; i < count; i++) {
-        if (items[i].file) {
-            n_blocks += (items[i].n + bs.file - 1) / bs.file;
-            continue;
-        }
-        for (size_t off = 0; off < items[i].n; off += block_len(to_host, &items[i], off, &bs)) n_blocks++;
-    }
+    for (size_t i = 0; i < count; i++)
+        for (size_t off = 0; off < items[i].n; off += block_len(&items[i], off, &sizes)) n_blocks++;
     struct block *blocks = malloc(n_blocks * sizeof *blocks);
-    size_t *files = malloc((count ? count : 1) * sizeof *files);
-    if (!blocks || !files) {
+    size_t *turns = malloc((count ? count : 1) * sizeof *turns), *next = calloc(count ? count : 1, sizeof *next);
+    if (!blocks || !turns || !next) {
         free(blocks);
-        free(files);
+        free(turns);
+        free(next);
         return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu copy blocks", n_blocks);
     }
-    size_t k = 0, n_files = 0;
+    size_t k = 0, n_turns = 0;
     for (size_t i = 0; i < count; i++) {
-        if (items[i].file) {
-            files[n_files++] = i;
+        if (items[i].backup->ops->interleave) {
+            turns[n_turns++] = i;
             continue;
         }
         for (size_t off = 0, len; off < items[i].n; off += len)
-            blocks[k++] = (struct block){i, off, len = block_len(to_host, &items[i], off, &bs)};
+            blocks[k++] = (struct block){i, off, len = block_len(&items[i], off, &sizes)};
     }
-    /* Files take turns, so the workers keep I/O in flight on several files
-     * (and their extents) at once rather than all on the first one. */
-    for (size_t off = 0; n_files > 0; off += bs.file) {
+    /* Backups whose blocks are I/O take turns, a block each, so the workers
+     * keep I/O in flight on several of them (files and their extents) at
+     * once rather than all on the first one. */
+    while (n_turns > 0) {
         size_t left = 0;
-        for (size_t f = 0; f < n_files; f++) {
-            size_t i = files[f];
-            if (off >= items[i].n) continue;
-            blocks[k++] = (struct block){i, off, items[i].n - off < bs.file ? items[i].n - off : bs.file};
-            files[left++] = i;
+        for (size_t t = 0; t < n_turns; t++) {
+            size_t i = turns[t], len = block_len(&items[i], next[i], &sizes);
+            blocks[k++] = (struct block){i, next[i], len};
+            if ((next[i] += len) < items[i].n) turns[left++] = i;
         }
-        n_files = left;
+        n_turns = left;
     }
-    free(files);
+    free(turns);
+    free(next);
 
     __atomic_store_n(&progress_done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&progress_total, total, __ATOMIC_RELAXED);
@@ -515,18 +451,33 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
     return TMS_OK;
 }
 
-static int runs_in_progress;  /* atomic */
-
 int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
                      struct tms_err *err)
 {
-    __atomic_add_fetch(&runs_in_progress, 1, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&idle_lock);
+    runs_in_progress++;
+    pthread_mutex_unlock(&idle_lock);
     int rc = run_job(drv, to_host, items, count, err);
-    __atomic_sub_fetch(&runs_in_progress, 1, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&idle_lock);
+    if (--runs_in_progress == 0) pthread_cond_broadcast(&idle_cond);
+    pthread_mutex_unlock(&idle_lock);
     return rc;
 }
 
-int tms_transfer_idle(void) { return __atomic_load_n(&runs_in_progress, __ATOMIC_RELAXED) == 0; }
+int tms_transfer_wait_idle(const int *stop)
+{
+    pthread_mutex_lock(&idle_lock);
+    while (runs_in_progress && !__atomic_load_n(stop, __ATOMIC_ACQUIRE)) pthread_cond_wait(&idle_cond, &idle_lock);
+    pthread_mutex_unlock(&idle_lock);
+    return __atomic_load_n(stop, __ATOMIC_ACQUIRE);
+}
+
+void tms_transfer_wake_idle_waiters(void)
+{
+    pthread_mutex_lock(&idle_lock);
+    pthread_cond_broadcast(&idle_cond);
+    pthread_mutex_unlock(&idle_lock);
+}
 
 void tms_transfer_progress(size_t *done, size_t *total)
 {

@@ -2,6 +2,7 @@
 #include "core/core.h"
 
 #include <limits.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -298,6 +299,14 @@ static struct tms_stats *stats_of_locked(int tag_id, int device)
     return &tag_at(tag_id)->per_device[stats_slot(device)];
 }
 
+/* A backup's bytes count in the gauge of its kind: the fields follow enum tms_backup_kind. */
+_Static_assert(offsetof(struct tms_stats, bytes_backup_mmap) ==
+                       offsetof(struct tms_stats, bytes_backup_pinned) + TMS_BACKUP_MMAP * sizeof(uint64_t) &&
+                   offsetof(struct tms_stats, bytes_backup_disk) ==
+                       offsetof(struct tms_stats, bytes_backup_pinned) + TMS_BACKUP_DISK * sizeof(uint64_t) &&
+                   TMS_BACKUP_PINNED == 0,
+               "bytes_backup_<kind> in the order of enum tms_backup_kind");
+
 /* The one place gauges change: an allocation's share is taken out (sign -1)
  * before any change to it and put back (+1) after, so gauges always equal
  * the sum over the table. A moving allocation counts in its settled state. */
@@ -311,9 +320,7 @@ static void account_locked(const struct tms_alloc *a, int sign)
     st->bytes_reserved += s * a->reserved;
     if (a->state == TMS_ACTIVE) st->bytes_mapped += s * a->reserved;
     else st->bytes_paused += s * a->reserved;
-    if (a->host_copy && a->host_copy->kind == TMS_BACKUP_PINNED) st->bytes_backup_pinned += s * a->host_copy->size;
-    if (a->host_copy && a->host_copy->kind == TMS_BACKUP_MMAP) st->bytes_backup_mmap += s * a->host_copy->size;
-    if (a->host_copy && a->host_copy->kind == TMS_BACKUP_DISK) st->bytes_backup_disk += s * a->host_copy->size;
+    if (a->host_copy) (&st->bytes_backup_pinned)[a->host_copy->kind] += s * a->host_copy->size;
 }
 
 /* A pause or resume that changed an allocation counts once per (tag,
@@ -916,7 +923,7 @@ int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *
     } else if (n > owner->size || ptr - owner->va > owner->size - n) {
         rc = tms_fail(err, TMS_E_ARG, 0, "range 0x%llx + %zu bytes runs past allocation 0x%llx of %zu bytes",
                       (unsigned long long)ptr, n, (unsigned long long)owner->va, owner->size);
-    } else if (owner->host_copy && owner->host_copy->kind != TMS_BACKUP_DISK) {  /* a file is no CPU backup */
+    } else if (owner->host_copy && tms_backup_host(owner->host_copy)) {  /* a file is no CPU backup */
         tms_backup_ref(owner->host_copy);
         *out = owner->host_copy;
         *offset = (size_t)(ptr - owner->va);
@@ -933,7 +940,7 @@ static struct tms_alloc_info info_of_locked(const struct tms_alloc *a)
         .ptr = a->va, .size = a->size, .reserved = a->reserved, .device = a->device,
         .tag_id = a->tag_id, .state = state, .backup = a->backup, .backup_kind = a->backup_kind,
         .has_host_copy = a->host_copy != NULL, .n_chunks = a->n_chunks, .adopted = a->adopted,
-        .host_copy_pinned = a->host_copy && a->host_copy->kind != TMS_BACKUP_DISK && tms_backup_pinned(a->host_copy),
+        .host_copy_pinned = a->host_copy && tms_backup_pinned(a->host_copy),
     };
 }
 

@@ -9,54 +9,46 @@
 
 static struct tms_transfer transfer_of(const struct tms_alloc *a, struct tms_backup *copy)
 {
-    return (struct tms_transfer){
-        .device = a->device, .dev = a->va, .host = copy->host, .n = a->size,
-        .file = copy->kind == TMS_BACKUP_DISK ? &copy->file : NULL,
-        .host_pinned = tms_backup_pinned(copy),
-        .lock_pieces = tms_backup_pieces_to_lock(copy),
-    };
+    return (struct tms_transfer){.device = a->device, .dev = a->va, .backup = copy, .n = a->size};
 }
 
-/* Does an active allocation keep this backup? A host copy only when
- * retained; a file always, to be rewritten in place by the next pause. */
-static int kept_while_active(const struct tms_backup *copy, int retain)
-{
-    return retain || copy->kind == TMS_BACKUP_DISK;
-}
-
-/* Copies run in batches holding at most TMS_DISK_FILES_OPEN_AT_ONCE open
- * files, each batch's files closed once it has run; memory copies ride along. */
+/* Copies run in batches holding at most a kind's open limit of open
+ * backups (files: descriptors), each batch's backups closed once it has run. */
 struct batcher {
     const struct tms_driver *drv;
     int to_host;
     struct tms_transfer *items;
-    size_t start, count, files;
+    size_t start, count, open;
     int rc;              /* the first failure */
     struct tms_err err;
 };
 
-static void batch_close(struct batcher *b)
+/* Closes the batch's backups; after a pause's copies, a close that finds a
+ * write not durable fails the batch. */
+static void batch_close(struct batcher *b, int copied)
 {
-    for (size_t i = b->start; i < b->count; i++)
-        if (b->items[i].file) tms_disk_close(b->items[i].file);
+    for (size_t i = b->start; i < b->count; i++) {
+        struct tms_err e = {0};
+        int rc = tms_backup_close(b->items[i].backup, b->to_host && copied, &e);
+        if (rc && !b->rc) b->rc = rc, b->err = e;
+    }
     b->start = b->count;
-    b->files = 0;
+    b->open = 0;
 }
 
 static void batch_run(struct batcher *b)
 {
     struct tms_err e = {0};
     int rc = tms_transfer_run(b->drv, b->to_host, b->items + b->start, b->count - b->start, &e);
-    for (size_t i = b->start; !rc && b->to_host && i < b->count; i++)
-        if (b->items[i].file) rc = tms_disk_flush(b->items[i].file, &e);
     if (rc && !b->rc) b->rc = rc, b->err = e;
-    batch_close(b);
+    batch_close(b, !rc);
 }
 
 static void batch_add(struct batcher *b, struct tms_transfer t)
 {
     b->items[b->count++] = t;
-    if (t.file && ++b->files == TMS_DISK_FILES_OPEN_AT_ONCE) batch_run(b);
+    int limit = tms_backup_open_limit(t.backup);
+    if (limit && ++b->open == (size_t)limit) batch_run(b);
 }
 
 /* Forgets the backup a move would install, dropping it if it is new. */
@@ -93,12 +85,11 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
     for (size_t i = 0; i < n && !rc && !b.rc; i++) {
         const struct tms_alloc *a = m[i].a;
         if (!a->backup) continue;
-        if (m[i].copy && !tms_backup_reusable(m[i].copy, a->backup_kind)) m[i].copy = NULL;  /* settle drops the old one */
-        if (!m[i].copy) rc = tms_backup_new(drv, a->backup_kind, a->device, a->size, a->va, &m[i].copy, err);  /* a file: open */
-        else if (m[i].copy->kind == TMS_BACKUP_DISK) rc = tms_disk_open(&m[i].copy->file, err);
+        /* Settle drops the old backup if this is another one. */
+        rc = tms_backup_for_pause(drv, a->backup_kind, a->device, a->size, a->va, &m[i].copy, err);
         if (!rc) batch_add(&b, transfer_of(a, m[i].copy));
     }
-    if (rc) batch_close(&b);
+    if (rc) batch_close(&b, 0);
     else batch_run(&b);
     if (!rc && b.rc) {
         rc = b.rc;
@@ -126,7 +117,7 @@ static int unmap_all(const struct tms_driver *drv, struct tms_move *m, size_t n,
             m[i].state = TMS_PAUSED;
             m[i].copied = m[i].copy ? a->size : 0;
             one = tms_chunks_release(drv, a, tag, &one_err);  /* paused all the same: reported, not undone */
-        } else if (m[i].copy && !kept_while_active(m[i].copy, retain)) {
+        } else if (m[i].copy && !tms_backup_kept_while_active(m[i].copy, retain)) {
             discard_copy(&m[i]);  /* still active: the device holds the bytes */
         }
         if (one && !rc) {
@@ -137,12 +128,12 @@ static int unmap_all(const struct tms_driver *drv, struct tms_move *m, size_t n,
     return rc;
 }
 
-/* Backups kept across resume are copied every cycle: page-locked in the
- * background, the next copies skip the staging. */
-static void pin_retained(const struct tms_move *m, size_t n)
+/* Backups kept across the call are told so (a retained one is page-locked
+ * in the background: it is copied every cycle). */
+static void keep_copies(const struct tms_move *m, size_t n, int retain)
 {
     for (size_t i = 0; i < n; i++)
-        if (m[i].copy && m[i].copy->kind == TMS_BACKUP_MMAP) tms_backup_pin_later(m[i].copy);
+        if (m[i].copy) tms_backup_kept(m[i].copy, retain);
 }
 
 int tms_core_pause(const char *tag, struct tms_err *err)
@@ -158,7 +149,7 @@ int tms_core_pause(const char *tag, struct tms_err *err)
     /* All backups first: if one fails, nothing has been unmapped yet. */
     if (!rc) rc = backup_all(drv, m, n, err);
     if (!rc) rc = unmap_all(drv, m, n, err);
-    if (tms_core_retain()) pin_retained(m, n);
+    if (tms_core_retain()) keep_copies(m, n, 1);
     uint64_t ns = tms_now_ns() - start;
     tms_table_settle(drv, m, n, 1, ns);
     TMS_DEBUG("pause %s: %zu allocations, %.3f ms, status %d", tag ? tag : "<all>", n, (double)ns / 1e6, rc);
@@ -202,15 +193,14 @@ int tms_core_resume(const char *tag, struct tms_err *err)
     for (; !rc && mapped < n; mapped++) {
         struct tms_alloc *a = m[mapped].a;
         struct tms_backup *copy = m[mapped].copy;
-        int file = copy && copy->kind == TMS_BACKUP_DISK;
-        if (file && (rc = tms_disk_open(&copy->file, err))) break;
+        if (copy && (rc = tms_backup_open(copy, err))) break;
         if ((rc = tms_chunks_map(drv, a, tms_core_tag_name(a->tag_id), err))) {
-            if (file) tms_disk_close(&copy->file);
+            if (copy) (void)tms_backup_close(copy, 0, NULL);
             break;
         }
         if (!copy) continue;
         struct tms_transfer t = transfer_of(a, copy);
-        if (!kept_while_active(copy, retain)) t.restored = tms_backup_release_restored, t.restored_arg = copy;
+        if (!tms_backup_kept_while_active(copy, retain)) t.restored = tms_backup_release_restored, t.restored_arg = copy;
         batch_add(&b, t);
     }
     if (copies) batch_run(&b);
@@ -228,9 +218,9 @@ int tms_core_resume(const char *tag, struct tms_err *err)
         }
         m[i].state = TMS_ACTIVE;
         m[i].copied = m[i].copy ? m[i].a->size : 0;
-        if (m[i].copy && !kept_while_active(m[i].copy, retain)) m[i].copy = NULL;  /* settle drops it */
+        if (m[i].copy && !tms_backup_kept_while_active(m[i].copy, retain)) m[i].copy = NULL;  /* settle drops it */
     }
-    if (retain) pin_retained(m, n);
+    if (retain) keep_copies(m, n, 1);
     free(copies);
     uint64_t ns = tms_now_ns() - start;
     tms_table_settle(drv, m, n, 0, ns);

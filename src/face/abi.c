@@ -5,7 +5,7 @@
 
 #include "platform/config.h"
 #include "core/core.h"
-#include "backup/disk.h"
+#include "backup/files.h"
 #include "hooks/hook.h"
 
 _Static_assert(TMS_STATUS_OK == TMS_OK && TMS_STATUS_OOM == TMS_E_OOM && TMS_STATUS_HOST_OOM == TMS_E_HOST_OOM &&

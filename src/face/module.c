@@ -12,7 +12,7 @@
 
 #include "platform/config.h"
 #include "core/core.h"
-#include "backup/disk.h"
+#include "backup/files.h"
 #include "platform/driver.h"
 #include "hooks/hook.h"
 #include "hooks/reloc.h"

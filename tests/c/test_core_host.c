@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "backup/backup.h"
+#include "backup/host.h"
 #include "platform/config.h"
 #include "core/core.h"
 #include "platform/driver.h"
@@ -1268,15 +1269,14 @@ static void test_lock_on_copy(void)
         struct tms_backup *b = new_recorded_backup(size, TMS_BACKUP_PINNED);
         if (!b) break;
         char *host = b->host;
-        CHECK(tms_backup_pieces_to_lock(b) == b->locked && b->locked && !tms_backup_pinned(b) && pieces == 0);  /* nothing locked before the copy */
+        CHECK(b->ops->path(b, 1) == TMS_PATH_PREPARED && b->locked && !tms_backup_pinned(b) && pieces == 0);  /* nothing locked before the copy */
         recording_drv.copy_async = record_copy;
         dma_base = host;
         dma_span = size;
         dmas = 0;
         fail_register_at = round ? host + TMS_PIN_PIECE_BYTES : NULL;
         fail_register_code = round == 1 ? EOPNOTSUPP : oom_code();
-        struct tms_transfer item = {.device = 0, .dev = (tms_va)(uintptr_t)dev, .host = host, .n = size,
-                                    .lock_pieces = tms_backup_pieces_to_lock(b)};
+        struct tms_transfer item = {.device = 0, .dev = (tms_va)(uintptr_t)dev, .backup = b, .n = size};
         struct tms_err err = {0};
         CHECK_RC(tms_transfer_run(&recording_drv, 1, &item, 1, &err), round == 2 ? TMS_E_HOST_OOM : TMS_OK);
         fail_register_at = NULL;
@@ -1306,7 +1306,7 @@ static void test_lock_on_copy(void)
         CHECK(straight == (unlockable ? 0 : round == 1 ? size - TMS_PIN_PIECE_BYTES : size));
         CHECK(straight + staged == size);
         tms_backup_copied(b);
-        CHECK(tms_backup_pieces_to_lock(b) == NULL);  /* later copies lock nothing more */
+        CHECK(b->ops->path(b, 1) != TMS_PATH_PREPARED);  /* later copies lock nothing more */
         if (unlockable) {  /* stays pageable */
             CHECK(!tms_backup_pinned(b) && pieces == 0 && unregistered == 0);
             tms_backup_unref(b);
@@ -1349,30 +1349,36 @@ static void test_direct_blocks(void)
 {
     const size_t size = 2 * TMS_PIN_PIECE_BYTES + ((size_t)5 << 20) + 7;
     struct tms_region r = region("direct_blocks", 0, TMS_BACKUP_MMAP);
-    void *dev = alloc_ok(size, 0, &r);
-    char *host = malloc(size);
-    CHECK(host != NULL);
-    if (!dev || !host) return;
-    fill(host, size, 16);
-    struct tms_driver copying = *drv;
-    copying.copy_async = record_copy;
-    dma_base = host;
-    dma_span = size;
-    dmas = 0;
-    struct tms_transfer item = {.device = 0, .dev = (tms_va)(uintptr_t)dev, .host = host, .n = size, .host_pinned = 1};
+    char *dev = alloc_ok(size, 0, &r);
     struct tms_err err = {0};
-    CHECK_RC(tms_transfer_run(&copying, 0, &item, 1, &err), TMS_OK);
-    CHECK(item.done == size && dmas <= DMA_MAX);
-    size_t covered = 0;
-    for (int i = 0; i < dmas && i < DMA_MAX; i++) {
-        CHECK(dma_len[i] > 0 && dma_off[i] / TMS_PIN_PIECE_BYTES == (dma_off[i] + dma_len[i] - 1) / TMS_PIN_PIECE_BYTES);
-        covered += dma_len[i];
+    struct tms_backup *b = NULL;
+    CHECK_RC(tms_backup_new(drv, TMS_BACKUP_PINNED, 0, size, 0, &b, &err), TMS_OK);
+    if (!dev || !b) return;
+    fill(dev, size, 16);
+    struct tms_transfer item = {.device = 0, .dev = (tms_va)(uintptr_t)dev, .backup = b, .n = size};
+    CHECK_RC(tms_transfer_run(drv, 1, &item, 1, &err), TMS_OK);  /* the first copy page-locks it */
+    tms_backup_copied(b);
+    if (tms_backup_pinned(b)) {  /* else a backend that cannot page-lock: every copy stages */
+        struct tms_driver copying = *drv;
+        copying.copy_async = record_copy;
+        dma_base = b->host;
+        dma_span = size;
+        for (int to_host = 0; to_host < 2; to_host++) {
+            dmas = 0;
+            if (!to_host) memset(dev, 0, size);
+            CHECK_RC(tms_transfer_run(&copying, to_host, &item, 1, &err), TMS_OK);
+            CHECK(item.done == size && dmas <= DMA_MAX);
+            size_t covered = 0;
+            for (int i = 0; i < dmas && i < DMA_MAX; i++) {
+                CHECK(dma_off[i] != SIZE_MAX);  /* straight into the backup */
+                CHECK(dma_len[i] > 0 && dma_off[i] / TMS_PIN_PIECE_BYTES == (dma_off[i] + dma_len[i] - 1) / TMS_PIN_PIECE_BYTES);
+                covered += dma_len[i];
+            }
+            CHECK(covered == size);
+        }
     }
-    CHECK(covered == size);
-    memset(host, 0, size);
-    CHECK_RC(tms_transfer_run(&copying, 1, &item, 1, &err), TMS_OK);  /* and back */
-    CHECK(matches(host, size, 16));
-    free(host);
+    CHECK(matches(dev, size, 16) && matches(b->host, size, 16));
+    tms_backup_unref(b);
     free_ok(dev);
 }
 
@@ -1381,7 +1387,7 @@ static void test_direct_blocks(void)
  * for an item whose copy failed, nor device->host. */
 static int restored_calls[3];  /* atomic */
 static const struct tms_transfer *restored_items;
-static char *failing_host;
+static char *failing_dev;
 
 static void count_restored(void *arg)
 {
@@ -1392,7 +1398,7 @@ static void count_restored(void *arg)
 
 static int copy_failing_one(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
 {
-    if (failing_host && (char *)host <= failing_host && failing_host < (char *)host + n) return EIO;
+    if (failing_dev && (char *)(uintptr_t)dev <= failing_dev && failing_dev < (char *)(uintptr_t)dev + n) return EIO;
     return drv->copy_async(device, to_host, host, dev, n, stream);
 }
 
@@ -1401,28 +1407,27 @@ static void test_restored_callback(void)
     enum { N = 3 };
     const size_t sizes[N] = {4093, 2 * TMS_DIRECT_BLOCK_BYTES + 5, gran};
     struct tms_region r = region("restored", 0, TMS_BACKUP_MMAP);
-    void *dev[N] = {0};
-    char *host[N] = {0};
+    char *dev[N] = {0};
+    struct tms_backup *backups[N] = {0};
     static struct tms_transfer items[N];  /* restored_items points here */
     struct tms_driver failing = *drv;
     failing.copy_async = copy_failing_one;
     restored_items = items;
+    struct tms_err err = {0};
     for (int round = 0; round < 3; round++) {  /* to host, to device, to device with item 1 failing */
         for (int i = 0; i < N; i++) {
             if (round == 0) {
                 dev[i] = alloc_ok(sizes[i], 0, &r);
-                host[i] = malloc(sizes[i]);
-                CHECK(dev[i] && host[i]);
-                if (!dev[i] || !host[i]) goto out;
+                CHECK_RC(tms_backup_new(drv, TMS_BACKUP_MMAP, 0, sizes[i], 0, &backups[i], &err), TMS_OK);
+                if (!dev[i] || !backups[i]) goto out;
                 fill(dev[i], sizes[i], 40 + i);
             }
-            items[i] = (struct tms_transfer){.device = 0, .dev = (tms_va)(uintptr_t)dev[i], .host = host[i],
-                                             .n = sizes[i], .host_pinned = 1, .restored = count_restored,
+            items[i] = (struct tms_transfer){.device = 0, .dev = (tms_va)(uintptr_t)dev[i], .backup = backups[i],
+                                             .n = sizes[i], .restored = count_restored,
                                              .restored_arg = (void *)(intptr_t)i};
             restored_calls[i] = 0;
         }
-        failing_host = round == 2 ? host[1] + TMS_DIRECT_BLOCK_BYTES : NULL;  /* in its second block */
-        struct tms_err err = {0};
+        failing_dev = round == 2 ? dev[1] + TMS_DIRECT_BLOCK_BYTES : NULL;  /* in one of its later blocks */
         CHECK_RC(tms_transfer_run(&failing, round == 0, items, N, &err), round == 2 ? TMS_E_DRIVER : TMS_OK);
         for (int i = 0; i < N; i++) {
             int whole = items[i].done == items[i].n;
@@ -1434,7 +1439,7 @@ static void test_restored_callback(void)
 out:
     for (int i = 0; i < N; i++) {
         if (dev[i]) free_ok(dev[i]);
-        free(host[i]);
+        tms_backup_unref(backups[i]);
     }
 }
 

@@ -1,6 +1,6 @@
-/* Backup files: one per allocation backed up to disk, in the process's disk backup directory. */
-#ifndef TMS_DISK_H
-#define TMS_DISK_H
+/* Backup files in the disk backup directory: the directory checked and held, files created, checked, written, read and swept. */
+#ifndef TMS_FILES_H
+#define TMS_FILES_H
 
 #include <stddef.h>
 #include <stdint.h>
