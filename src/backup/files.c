@@ -51,12 +51,23 @@ static int stat_at(int dfd, const char *name, struct statx *st)
 #define RAMFS_MAGIC_ 0x858458f6
 #define HEADER_MAGIC "TMSDISK1"
 
+#define TOKENS_PER_DIR 8
 struct tms_disk_dir {
     char *path;      /* resolved, absolute */
-    int dfd;         /* held open for the process's life */
+    uint64_t dev, ino;  /* the directory held: the path may later name another */
+    int dfd;         /* held open while the directory is in use or holds files */
     int memory_fs;   /* tmpfs or ramfs: backups there take RAM */
     int lock_fd;     /* this process's lock file in it, -1 until needed (and after a fork) */
-    pid_t lock_pid;  /* the process lock_fd belongs to */
+    pid_t lock_pid;  /* the process lock_fd and tokens belong to */
+    /* The random part of this process's names here (lock and backups): one
+     * per directory, so a token seen in one directory cannot be squatted in
+     * another; a new one if a name is taken. All kept, for the exit sweep. */
+    unsigned long long tokens[TOKENS_PER_DIR];
+    int n_tokens;
+    size_t files;    /* this process's backup files in it now */
+    int replaced;    /* set_dir chose another while it held files: retired with its last one */
+    uint32_t file_uid;  /* the owner the filesystem gives this process's files (its lock's) */
+    int retired;     /* no longer used: descriptors closed, the path looked up anew */
 };
 
 /* disk_lock guards the records below; it is taken by fork's prepare handler,
@@ -66,8 +77,9 @@ static struct tms_disk_dir **dirs;  /* never freed: files point at them */
 static size_t dir_count;
 static struct tms_disk_dir *chosen;  /* set_dir's; NULL: the default */
 static char *default_path;           /* the default, resolved once */
-static unsigned long long token, key;
-static pid_t token_pid;              /* the process token and key belong to (fork makes another) */
+static unsigned long long key;
+static pid_t key_pid;                /* the process key belongs to (fork makes another) */
+static int default_errno;            /* the default directory could not be made absolute */
 static unsigned long fork_generation;  /* forks made by this process (its files before one are shared) */
 /* Serialises the making of lock files (file I/O: not under disk_lock). */
 static pthread_mutex_t lock_file_mutex = PTHREAD_MUTEX_INITIALIZER;
@@ -105,13 +117,14 @@ static unsigned long long random_u64(void)
            (unsigned long long)(uintptr_t)&v;
 }
 
-static void ensure_token_locked(void)
+static void ensure_key_locked(void)
 {
-    if (token_pid == getpid()) return;
-    token = random_u64();
+    if (key_pid == getpid()) return;
     key = random_u64();
-    token_pid = getpid();
+    key_pid = getpid();
 }
+
+static unsigned long long current_token(const struct tms_disk_dir *d) { return d->tokens[d->n_tokens - 1]; }
 
 /* ---- names ------------------------------------------------------------------ */
 
@@ -245,9 +258,41 @@ static int make_dirs(const char *path)
     return 0;
 }
 
+/* A link on the way to the directory is followed only where another user
+ * could not have made or replaced it: in a directory they cannot write, or
+ * in a sticky one with the link owned by root or this user. Checked before
+ * anything is made (mkdir follows links). */
+static int check_links(const char *abs, struct tms_err *err)
+{
+    if (tms_defaults()->disk_trust_dir) return TMS_OK;
+    char buf[PATH_MAX];
+    if (snprintf(buf, sizeof buf, "%s", abs) >= (int)sizeof buf) return fail_errno(err, ENAMETOOLONG, "resolving", abs, NULL);
+    for (char *p = buf + 1;; p++) {
+        if (*p != '/' && *p) continue;
+        char saved = *p;
+        *p = '\0';
+        struct statx link, parent;
+        char *slash = strrchr(buf, '/');
+        char parent_path[PATH_MAX];
+        snprintf(parent_path, sizeof parent_path, "%.*s", slash == buf ? 1 : (int)(slash - buf), buf);
+        if (stat_at(AT_FDCWD, buf, &link) == 0 && S_ISLNK(link.stx_mode) &&
+            statx(AT_FDCWD, parent_path, 0, STATX_BASIC_STATS, &parent) == 0) {
+            int others_write = (parent.stx_mode & (S_IWGRP | S_IWOTH)) != 0, sticky = (parent.stx_mode & S_ISVTX) != 0;
+            int link_owner_ok = link.stx_uid == geteuid() || link.stx_uid == 0;
+            if (others_write && !(sticky && link_owner_ok))
+                return unsafe(err, abs, buf, &link);
+        }
+        if (!saved) break;
+        *p = saved;
+    }
+    return TMS_OK;
+}
+
 /* The resolved form of an absolute path that exists, made where missing. */
 static int resolve(const char *abs, char *resolved, struct tms_err *err)
 {
+    int rc = check_links(abs, err);
+    if (rc) return rc;
     if (make_dirs(abs) != 0) return fail_errno(err, errno, "creating directory", abs, NULL);
     if (!realpath(abs, resolved)) return fail_errno(err, errno, "resolving directory", abs, NULL);
     return TMS_OK;
@@ -256,7 +301,8 @@ static int resolve(const char *abs, char *resolved, struct tms_err *err)
 /* ---- lock files ------------------------------------------------------------- */
 
 /* d's lock for this process: made now if it has none (first use, a fork, or
- * its file was removed while it lived). */
+ * its file was removed while it lived). A name someone else took (they saw
+ * the token) makes a new token. */
 static int ensure_lock(struct tms_disk_dir *d, struct tms_err *err)
 {
     pthread_mutex_lock(&lock_file_mutex);
@@ -265,28 +311,30 @@ static int ensure_lock(struct tms_disk_dir *d, struct tms_err *err)
     if (d->lock_fd >= 0 && d->lock_pid == getpid() && stat_fd(d->lock_fd, &st) == 0 && st.stx_nlink > 0) goto out;
     if (d->lock_fd >= 0 && d->lock_pid == getpid()) close(d->lock_fd);  /* removed under us: a new one */
     d->lock_fd = -1;
-    pthread_mutex_lock(&disk_lock);
-    ensure_token_locked();
-    unsigned long long tok = token;
-    pthread_mutex_unlock(&disk_lock);
-    char hidden[80], final[64];
-    snprintf(hidden, sizeof hidden, ".tms-%d-%016llx.lock.new", (int)getpid(), tok);
-    snprintf(final, sizeof final, "tms-%d-%016llx.lock", (int)getpid(), tok);
-    (void)unlinkat(d->dfd, hidden, 0);  /* ours from an earlier try, if any: the token is secret until renamed */
-    int fd = openat(d->dfd, hidden, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
-    if (fd < 0) {
-        rc = fail_errno(err, errno, "creating a lock file in", d->path, NULL);
-        goto out;
-    }
-    if (flock(fd, LOCK_EX | LOCK_NB) != 0 || renameat(d->dfd, hidden, d->dfd, final) != 0) {
+    if (d->lock_pid != getpid()) d->n_tokens = 0, d->lock_pid = getpid(), d->files = 0;  /* a new process after a fork */
+    if (!d->n_tokens) d->tokens[d->n_tokens++] = random_u64();
+    for (;;) {
+        char hidden[80], final[64];
+        snprintf(hidden, sizeof hidden, ".tms-%d-%016llx.lock.new", (int)getpid(), current_token(d));
+        snprintf(final, sizeof final, "tms-%d-%016llx.lock", (int)getpid(), current_token(d));
+        int fd = openat(d->dfd, hidden, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
         int e = errno;
-        unlinkat(d->dfd, hidden, 0);
-        close(fd);
-        rc = fail_errno(err, e, "taking the lock file in", d->path, NULL);
-        goto out;
+        if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) == 0 && renameat(d->dfd, hidden, d->dfd, final) == 0) {
+            d->lock_fd = fd;
+            d->file_uid = stat_fd(fd, &st) == 0 ? st.stx_uid : geteuid();
+            break;
+        }
+        if (fd >= 0) {
+            e = errno;
+            unlinkat(d->dfd, hidden, 0);
+            close(fd);
+        }
+        if (e != EEXIST || d->n_tokens == TOKENS_PER_DIR) {
+            rc = fail_errno(err, e, "taking a lock file in", d->path, NULL);
+            break;
+        }
+        d->tokens[d->n_tokens++] = random_u64();
     }
-    d->lock_fd = fd;
-    d->lock_pid = getpid();
 out:
     pthread_mutex_unlock(&lock_file_mutex);
     return rc;
@@ -313,6 +361,14 @@ static int own_regular_file(int dfd, const char *name)
     return stat_at(dfd, name, &st) == 0 && S_ISREG(st.stx_mode) && st.stx_uid == geteuid();
 }
 
+/* One of this process's files: a regular file owned as the filesystem makes
+ * this process's files (not always this user: NFS root_squash). */
+static int my_regular_file(const struct tms_disk_dir *d, const char *name)
+{
+    struct statx st;
+    return stat_at(d->dfd, name, &st) == 0 && S_ISREG(st.stx_mode) && st.stx_uid == d->file_uid;
+}
+
 struct owner {
     int pid;
     unsigned long long token;
@@ -322,7 +378,15 @@ struct owner {
  * files: at exit). An owner is dead when its lock file, a regular file of
  * this user's, can be locked; its backups go first, then the lock, while
  * this holds it. Runs without disk_lock. */
-static void sweep(struct tms_disk_dir *d, int mine_only, int my_pid, unsigned long long my_token)
+static int my_token(const struct tms_disk_dir *d, int pid, unsigned long long tok)
+{
+    if (pid != getpid() || d->lock_pid != getpid()) return 0;
+    for (int i = 0; i < d->n_tokens; i++)
+        if (d->tokens[i] == tok) return 1;
+    return 0;
+}
+
+static void sweep(struct tms_disk_dir *d, int mine_only)
 {
     int list_fd = openat(d->dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     DIR *dir = list_fd >= 0 ? fdopendir(list_fd) : NULL;
@@ -339,9 +403,9 @@ static void sweep(struct tms_disk_dir *d, int mine_only, int my_pid, unsigned lo
         unsigned long long tok;
         int kind = parse_name(e->d_name, &pid, &tok);
         if (kind == NAME_OTHER) continue;
-        int mine = pid == my_pid && tok == my_token;
+        int mine = my_token(d, pid, tok);
         if (mine_only) {
-            if (mine && own_regular_file(d->dfd, e->d_name) && unlinkat(d->dfd, e->d_name, 0) == 0) removed++;
+            if (mine && my_regular_file(d, e->d_name) && unlinkat(d->dfd, e->d_name, 0) == 0) removed++;
             continue;
         }
         if (mine || kind != NAME_LOCK || !own_regular_file(d->dfd, e->d_name)) {
@@ -387,19 +451,32 @@ static void sweep(struct tms_disk_dir *d, int mine_only, int my_pid, unsigned lo
     if (removed && !mine_only) TMS_DEBUG("disk backup: removed %zu files of dead processes from %s", removed, d->path);
 }
 
+/* The live record of the directory at resolved whose identity is (dev, ino), if any. */
+static struct tms_disk_dir *find_dir_locked(const char *resolved, uint64_t dev, uint64_t ino)
+{
+    for (size_t i = 0; i < dir_count; i++)
+        if (!dirs[i]->retired && dirs[i]->dev == dev && dirs[i]->ino == ino && strcmp(dirs[i]->path, resolved) == 0)
+            return dirs[i];
+    return NULL;
+}
+
 /* The record of the directory at abs (absolute), prepared on first use: made,
- * checked, opened and swept. Files and opens happen without disk_lock. */
+ * checked, opened and swept. A directory removed and made again under the
+ * same path is another directory: a new record. Files and opens happen
+ * without disk_lock. */
 static int get_dir(const char *abs, struct tms_disk_dir **out, struct tms_err *err)
 {
     char resolved[PATH_MAX];
     int rc = resolve(abs, resolved, err);
     if (rc) return rc;
+    struct statx st;
+    if (statx(AT_FDCWD, resolved, 0, STATX_BASIC_STATS, &st) != 0)
+        return fail_errno(err, errno, "checking directory", resolved, NULL);
+    uint64_t dev = (uint64_t)st.stx_dev_major << 32 | st.stx_dev_minor, ino = st.stx_ino;
     pthread_mutex_lock(&disk_lock);
-    for (size_t i = 0; i < dir_count; i++)
-        if (strcmp(dirs[i]->path, resolved) == 0) *out = dirs[i];
-    int known = *out != NULL;
+    *out = find_dir_locked(resolved, dev, ino);
     pthread_mutex_unlock(&disk_lock);
-    if (known) return TMS_OK;
+    if (*out) return TMS_OK;
 
     int dfd = -1;
     if ((rc = open_checked(resolved, &dfd, err))) return rc;
@@ -412,7 +489,8 @@ static int get_dir(const char *abs, struct tms_disk_dir **out, struct tms_err *e
         return tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a directory record");
     }
     struct statfs fs;
-    *d = (struct tms_disk_dir){.path = path, .dfd = dfd, .lock_fd = -1};
+    *d = (struct tms_disk_dir){.path = path, .dfd = dfd, .lock_fd = -1, .lock_pid = getpid()};
+    if (stat_fd(dfd, &st) == 0) d->dev = (uint64_t)st.stx_dev_major << 32 | st.stx_dev_minor, d->ino = st.stx_ino;
     d->memory_fs = fstatfs(dfd, &fs) == 0 && (fs.f_type == TMPFS_MAGIC_ || (unsigned long)fs.f_type == RAMFS_MAGIC_);
     if ((rc = ensure_lock(d, err))) {
         close(dfd);
@@ -421,21 +499,17 @@ static int get_dir(const char *abs, struct tms_disk_dir **out, struct tms_err *e
         return rc;
     }
     pthread_mutex_lock(&disk_lock);
-    struct tms_disk_dir *existing = NULL;
-    for (size_t i = 0; i < dir_count; i++)
-        if (strcmp(dirs[i]->path, resolved) == 0) existing = dirs[i];
+    struct tms_disk_dir *existing = find_dir_locked(resolved, d->dev, d->ino);
     struct tms_disk_dir **grown = existing ? NULL : realloc(dirs, (dir_count + 1) * sizeof *dirs);
     if (grown) {
         dirs = grown;
         dirs[dir_count++] = d;
     }
-    int my_pid = token_pid;
-    unsigned long long my_token = token;
     pthread_mutex_unlock(&disk_lock);
     if (!grown) {  /* another thread prepared it meanwhile (or no memory): drop ours */
         char final[64];
-        snprintf(final, sizeof final, "tms-%d-%016llx.lock", (int)d->lock_pid, my_token);
-        if (existing) (void)unlinkat(dfd, final, 0);
+        snprintf(final, sizeof final, "tms-%d-%016llx.lock", (int)getpid(), current_token(d));
+        (void)unlinkat(dfd, final, 0);
         close(d->lock_fd);
         close(dfd);
         free(path);
@@ -444,7 +518,7 @@ static int get_dir(const char *abs, struct tms_disk_dir **out, struct tms_err *e
         *out = existing;
         return TMS_OK;
     }
-    sweep(d, 0, my_pid, my_token);
+    sweep(d, 0);
     if (d->memory_fs)
         tms_log_warn("disk backup directory %s is on a %s: backups there take RAM, not disk "
                      "(set TMS_DISK_BACKUP_DIR or set_disk_backup_dir to a disk)",
@@ -453,15 +527,26 @@ static int get_dir(const char *abs, struct tms_disk_dir **out, struct tms_err *e
     return TMS_OK;
 }
 
+/* A directory that is neither chosen nor holds a file of this process's any
+ * more gives back its descriptors and lock; its record stays (retired), so
+ * a file record pointing at it never dangles. Runs without disk_lock. */
+static void retire(struct tms_disk_dir *d)
+{
+    sweep(d, 1);  /* our lock (and nothing else: no files) */
+    if (d->lock_fd >= 0) close(d->lock_fd);
+    close(d->dfd);
+    d->lock_fd = d->dfd = -1;
+}
+
 /* The default directory's absolute path, resolved once: a relative
  * TMS_DISK_BACKUP_DIR must not move with later changes of directory. */
 static const char *default_locked(void)
 {
-    if (default_path) return default_path;
+    if (default_path || default_errno) return default_path;
     const char *env = getenv("TMS_DISK_BACKUP_DIR");
     if (!env || !*env) env = getenv("TMPDIR");
-    default_path = absolute(env && *env ? env : "/tmp");
-    return default_path ? default_path : "/tmp";
+    if (!(default_path = absolute(env && *env ? env : "/tmp"))) default_errno = errno ? errno : ENOMEM;
+    return default_path;
 }
 
 /* ---- exit and fork -------------------------------------------------------- */
@@ -471,14 +556,12 @@ static const char *default_locked(void)
 static void remove_mine_at_exit(void)
 {
     if (pthread_mutex_trylock(&disk_lock) != 0) return;
-    int mine = token_pid == getpid();
-    int pid = token_pid;
-    unsigned long long tok = token;
-    size_t n = mine ? dir_count : 0;
+    size_t n = dir_count;
     struct tms_disk_dir **list = n ? malloc(n * sizeof *list) : NULL;
     if (list) memcpy(list, dirs, n * sizeof *list);
     pthread_mutex_unlock(&disk_lock);
-    for (size_t i = 0; list && i < n; i++) sweep(list[i], 1, pid, tok);  /* the lock too: nothing is left */
+    for (size_t i = 0; list && i < n; i++)
+        if (!list[i]->retired && list[i]->lock_pid == getpid()) sweep(list[i], 1);  /* the lock too: nothing is left */
     free(list);
 }
 
@@ -522,8 +605,14 @@ int tms_disk_set_dir(const char *dir, struct tms_err *err)
     free(abs);
     if (rc) return rc;
     pthread_mutex_lock(&disk_lock);
+    struct tms_disk_dir *previous = chosen;
     chosen = d;
+    d->replaced = 0;
+    int drop = previous && previous != d && !previous->retired && previous->lock_pid == getpid();
+    if (drop && previous->files) previous->replaced = 1, drop = 0;
+    if (drop) previous->retired = 1;
     pthread_mutex_unlock(&disk_lock);
+    if (drop) retire(previous);
     return TMS_OK;
 }
 
@@ -531,7 +620,8 @@ void tms_disk_get_dir(char *buf, size_t n)
 {
     pthread_once(&handlers_once, install_handlers);
     pthread_mutex_lock(&disk_lock);
-    snprintf(buf, n, "%s", chosen ? chosen->path : default_locked());
+    const char *dflt = chosen ? NULL : default_locked();
+    snprintf(buf, n, "%s", chosen ? chosen->path : dflt ? dflt : "?");
     pthread_mutex_unlock(&disk_lock);
 }
 
@@ -601,23 +691,30 @@ int tms_disk_create(uint64_t va, size_t size, struct tms_disk_file *f, struct tm
     pthread_once(&handlers_once, install_handlers);
     pthread_mutex_lock(&disk_lock);
     struct tms_disk_dir *d = chosen;
-    char *abs = d ? NULL : strdup(default_locked());
+    const char *dflt = d ? NULL : default_locked();
+    char *abs = dflt ? strdup(dflt) : NULL;
+    int e = default_errno;
     pthread_mutex_unlock(&disk_lock);
     int rc = TMS_OK;
+    if (!d && !dflt)
+        return tms_fail(err, TMS_E_IO, e, "disk backup: the default directory cannot be made absolute (the "
+                        "working directory is unknown): %s (errno %d)", strerror(e), e);
     if (!d && !abs) return tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a path");
     if (!d) rc = get_dir(abs, &d, err);
     free(abs);
     if (!rc) rc = ensure_lock(d, err);
     if (rc) return rc;
+    pthread_mutex_lock(&lock_file_mutex);
+    unsigned long long tok = current_token(d);
+    pthread_mutex_unlock(&lock_file_mutex);
     pthread_mutex_lock(&disk_lock);
-    ensure_token_locked();
+    ensure_key_locked();
     struct tms_disk_file made = {.fd = -1, .owner = getpid(), .generation = fork_generation, .dir = d,
                                  .key = key, .size = size};
-    unsigned long long tok = token;
     pthread_mutex_unlock(&disk_lock);
 
     int flags = O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
-    int fd = -1, e = 0;
+    int fd = -1;
     /* A name someone else made first is tried again with another random part. */
     for (int attempt = 0; attempt < 8 && fd < 0; attempt++) {
         snprintf(made.name, sizeof made.name, "tms-%d-%016llx-%016llx.bin", (int)getpid(), tok, random_u64());
@@ -632,6 +729,9 @@ int tms_disk_create(uint64_t va, size_t size, struct tms_disk_file *f, struct tm
     }
     if (fd < 0) return fail_errno(err, e, "creating a file in", d->path, NULL);
     made.fd = fd;
+    pthread_mutex_lock(&disk_lock);
+    d->files++;  /* tms_disk_remove counts it out, on every path from here */
+    pthread_mutex_unlock(&disk_lock);
     made.drop_cache = !made.direct && !d->memory_fs;
     struct statx st;
     if (stat_fd(fd, &st) != 0) {
@@ -641,6 +741,7 @@ int tms_disk_create(uint64_t va, size_t size, struct tms_disk_file *f, struct tm
     }
     made.dev = (uint64_t)st.stx_dev_major << 32 | st.stx_dev_minor;
     made.ino = st.stx_ino;
+    made.uid = st.stx_uid;  /* who the filesystem says owns it (NFS root_squash: not always this user) */
     /* Reserving the blocks up front makes a full disk fail here, before any
      * copy. Not on tmpfs: there it would zero every page once more. */
     off_t total = (off_t)(TMS_DISK_HEADER_BYTES + round_up_align(size));
@@ -675,7 +776,7 @@ int tms_disk_open(struct tms_disk_file *f, struct tms_err *err)
     int fd = openat(f->dir->dfd, f->name, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | (f->direct ? O_DIRECT : 0));
     if (fd < 0) return fail_errno(err, errno, "opening", f->dir->path, f->name);
     struct statx st;
-    if (stat_fd(fd, &st) != 0 || !S_ISREG(st.stx_mode) || same_file(&st, f) == 0 || st.stx_uid != geteuid()) {
+    if (stat_fd(fd, &st) != 0 || !S_ISREG(st.stx_mode) || same_file(&st, f) == 0 || st.stx_uid != f->uid) {
         close(fd);
         return tms_fail(err, TMS_E_IO, 0,
                         "disk backup: opening %s found another file than the backup written there (replaced "
@@ -730,6 +831,13 @@ void tms_disk_remove(struct tms_disk_file *f)
         tms_log_warn("disk backup: cannot remove %s/%s: %s", f->dir->path, f->name, strerror(e));
     }
     f->name[0] = '\0';
+    if (f->owner != getpid()) return;
+    struct tms_disk_dir *d = f->dir;
+    pthread_mutex_lock(&disk_lock);
+    int drop = d->files && !--d->files && d->replaced && !d->retired;
+    if (drop) d->retired = 1;
+    pthread_mutex_unlock(&disk_lock);
+    if (drop) retire(d);
 }
 
 static int io_failed(const struct tms_disk_file *f, struct tms_err *err, const char *what, size_t len, size_t offset,

@@ -33,6 +33,7 @@ struct tms_disk_file {
     char name[64];             /* its name in dir */
     uint64_t dev;              /* what was created (major << 32 | minor): a reopen must find this very file */
     uint64_t ino;
+    uint32_t uid;              /* its owner as the filesystem made it: a reopen must find the same */
     uint64_t key;              /* the header's key */
     size_t size;               /* data bytes after the header */
 };

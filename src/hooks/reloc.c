@@ -62,7 +62,8 @@ struct patched {
     void **slot;                      /* one patched entry: still the hook while the object is the same */
     void *slot_hook;
     void *original[MAX_TARGETS];      /* per target; NULL if it has no entry for it */
-    int live;                         /* atomic */
+    uintptr_t original_dynamic[MAX_TARGETS];  /* the object defining each original (0: unknown) */
+    int live;                         /* atomic: its object and the objects its originals are in are loaded */
 };
 #define PATCHED_PAGE 64
 #define PATCHED_PAGES 256
@@ -78,6 +79,10 @@ static char patched_names[8192];
 static char static_names[4096];
 
 static void *reloc_dlopen(const char *file, int mode);
+static int reloc_dlclose(void *handle);
+
+/* dlopen and dlclose are patched too; they are no allocator targets. */
+static int is_loader_hook(const void *hook) { return hook == (void *)reloc_dlopen || hook == (void *)reloc_dlclose; }
 
 static struct patched *patched_at(size_t i) { return &patched_pages[i / PATCHED_PAGE][i % PATCHED_PAGE]; }
 
@@ -229,6 +234,7 @@ struct plan {
     struct store_plan *stores;
     size_t n_stores;
     void *original[MAX_TARGETS];
+    uintptr_t original_dynamic[MAX_TARGETS];
 };
 
 /* What o's own lookup scope resolves name to (its dependencies first): the
@@ -245,7 +251,7 @@ static const char *defined_target(const struct plan *p)
 {
     size_t count = __atomic_load_n(&target_count, __ATOMIC_ACQUIRE);
     for (size_t i = 0; i < count; i++) {
-        if (targets[i].hook == (void *)reloc_dlopen) continue;
+        if (is_loader_hook(targets[i].hook)) continue;
         void *s = dlsym(p->handle, targets[i].name);
         if (s && inside(&p->o, (uintptr_t)s)) return targets[i].name;
     }
@@ -261,7 +267,13 @@ static void plan_relocs(struct plan *p, const ElfW(Rela) *rel, size_t n, const E
         if (t < 0) continue;
         void **slot = (void **)(p->o.base + rel[i].r_offset);
         void *cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-        if (!p->original[t]) p->original[t] = inside(&p->o, (uintptr_t)cur) || is_hook(cur) ? resolve_for(p, targets[t].name) : cur;
+        if (!p->original[t]) {
+            p->original[t] = inside(&p->o, (uintptr_t)cur) || is_hook(cur) ? resolve_for(p, targets[t].name) : cur;
+            Dl_info info;
+            struct link_map *lm = NULL;
+            if (p->original[t] && dladdr1(p->original[t], &info, (void **)&lm, RTLD_DL_LINKMAP) && lm)
+                p->original_dynamic[t] = (uintptr_t)lm->l_ld;
+        }
         if (!p->original[t]) {
             /* The hook could not forward what it does not serve: leave the entry. */
             TMS_DEBUG("relocation hooks: %s in %s left alone: no definition to forward to", targets[t].name, p->o.name);
@@ -371,6 +383,7 @@ static void apply_locked(const struct plan *p)
     *r = (struct patched){.dynamic = p->dynamic, .live = 1};
     span_of(o, &r->lo, &r->hi);
     memcpy(r->original, p->original, sizeof r->original);
+    memcpy(r->original_dynamic, p->original_dynamic, sizeof r->original_dynamic);
     /* Published before any entry leads to a hook, so the hook finds where to forward. */
     __atomic_store_n(&patched_count, i + 1, __ATOMIC_RELEASE);
     int patched = 0;
@@ -383,7 +396,7 @@ static void apply_locked(const struct plan *p)
             continue;
         }
         if (!r->slot) r->slot = p->stores[k].slot, r->slot_hook = hook;
-        if (hook != (void *)reloc_dlopen) patched = 1;
+        if (!is_loader_hook(hook)) patched = 1;
     }
     if (!r->slot) {
         __atomic_store_n(&r->live, 0, __ATOMIC_RELEASE);
@@ -476,6 +489,66 @@ static void *dlopen_for(const void *caller, const char *file, int mode)
     return dlopen(file, mode);
 }
 
+struct loaded {
+    uintptr_t *dynamic;
+    size_t count, cap;
+};
+
+static int collect_dynamic(struct dl_phdr_info *info, size_t size, void *data)
+{
+    (void)size;
+    struct loaded *l = data;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        if (info->dlpi_phdr[i].p_type != PT_DYNAMIC) continue;
+        if (l->count == l->cap) {
+            size_t cap = l->cap ? 2 * l->cap : 128;
+            uintptr_t *grown = realloc(l->dynamic, cap * sizeof *grown);
+            if (!grown) return 1;
+            l->dynamic = grown, l->cap = cap;
+        }
+        l->dynamic[l->count++] = info->dlpi_addr + info->dlpi_phdr[i].p_vaddr;
+    }
+    return 0;
+}
+
+static int is_loaded(const struct loaded *l, uintptr_t dynamic)
+{
+    for (size_t i = 0; i < l->count; i++)
+        if (l->dynamic[i] == dynamic) return 1;
+    return 0;
+}
+
+/* After a dlclose: a record whose object, or an object its originals are
+ * in, is no longer loaded dies, so no call is ever forwarded into it. */
+static void prune(void)
+{
+    struct loaded l = {0};
+    if (dl_iterate_phdr(collect_dynamic, &l) != 0) {  /* out of memory: keep what is known */
+        free(l.dynamic);
+        return;
+    }
+    pthread_mutex_lock(&reloc_lock);
+    for (size_t i = 0; i < patched_count; i++) {
+        struct patched *r = patched_at(i);
+        if (!r->live) continue;
+        int gone = !is_loaded(&l, r->dynamic);
+        for (size_t t = 0; t < MAX_TARGETS && !gone; t++)
+            gone = r->original_dynamic[t] && !is_loaded(&l, r->original_dynamic[t]);
+        if (gone) __atomic_store_n(&r->live, 0, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&reloc_lock);
+    free(l.dynamic);
+}
+
+static int reloc_dlclose(void *handle)
+{
+    int rc = dlclose(handle);
+    int saved = errno;
+    prune();
+    errno = saved;
+    return rc;
+}
+
 static void *reloc_dlopen(const char *file, int mode)
 {
     void *h = dlopen_for(__builtin_return_address(0), file, mode);
@@ -504,7 +577,7 @@ int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms
     pthread_once(&atfork_once, register_atfork);
     if (!tms_defaults()->reloc_hooks)
         return tms_fail(err, TMS_E_UNSUPPORTED, 0, "relocation hooks are off (TMS_RELOC_HOOKS=0)");
-    if (count + 1 > MAX_TARGETS) return tms_fail(err, TMS_E_ARG, 0, "too many relocation targets (%zu)", count);
+    if (count + 2 > MAX_TARGETS) return tms_fail(err, TMS_E_ARG, 0, "too many relocation targets (%zu)", count);
     Dl_info self;
     uintptr_t base = dladdr((void *)reloc_dlopen, &self) ? (uintptr_t)self.dli_fbase : 0;  /* loader call: no lock held */
     pthread_mutex_lock(&reloc_lock);
@@ -512,7 +585,8 @@ int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms
         self_base = base;
         for (size_t i = 0; i < count; i++) targets[i] = (struct target){t[i].name, t[i].hook};
         targets[count] = (struct target){"dlopen", (void *)reloc_dlopen};
-        __atomic_store_n(&target_count, count + 1, __ATOMIC_RELEASE);
+        targets[count + 1] = (struct target){"dlclose", (void *)reloc_dlclose};
+        __atomic_store_n(&target_count, count + 2, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&reloc_lock);
     patch_all();
@@ -526,7 +600,8 @@ int tms_reloc_installed(void) { return __atomic_load_n(&installed, __ATOMIC_ACQU
 /* No lock: the hooks call this, also while a pass is patching. Records are
  * complete before they are counted and never move. The caller's object's
  * record decides; a call from elsewhere (a tail call through a patched
- * entry returns past its object) takes the newest live record's. */
+ * entry returns past its object) takes the newest live record's, whose
+ * runtime is still loaded (a dlclose prunes the others). */
 void *tms_reloc_original(const char *name, const void *caller)
 {
     size_t n = __atomic_load_n(&patched_count, __ATOMIC_ACQUIRE);

@@ -162,8 +162,9 @@ def replaced_file(d, precious):
 
 
 def lock_link(d1, d2, precious):
-    """A link planted under the hidden name of this process's lock file in a second
-    directory (the token is public once the first lock exists) truncates nothing."""
+    """A link planted under the hidden name this process's lock file would have in a
+    second directory (its token is public once the first lock exists) truncates
+    nothing: each directory has a token of its own."""
     with open(precious, "wb") as f:
         f.write(b"keep me")
     _paused_file(d1)
@@ -175,7 +176,8 @@ def lock_link(d1, d2, precious):
     tms.pause("w")
     tms.resume("w")
     assert open(precious, "rb").read() == b"keep me"
-    assert stat.S_ISREG(os.lstat(os.path.join(d2, lock)).st_mode)
+    locks = [n for n in os.listdir(d2) if n.startswith(f"tms-{os.getpid()}-") and n.endswith(".lock")]
+    assert len(locks) == 1 and locks[0] != lock and stat.S_ISREG(os.lstat(os.path.join(d2, locks[0])).st_mode)
     print("nothing truncated")
 
 
