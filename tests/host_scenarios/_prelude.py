@@ -35,6 +35,11 @@ def row(ptr):
     return rows[0]
 
 
+def states():
+    """Sorted (tag, state) pairs of every allocation."""
+    return sorted((r["tag"], r["state"]) for r in tms.allocations())
+
+
 def rss_bytes(pid="self"):
     """VmRSS of a process, in bytes (the host backend's memfd pages count in it)."""
     with open(f"/proc/{pid}/status") as f:
