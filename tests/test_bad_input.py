@@ -110,4 +110,5 @@ def test_missing_ld_preload_message_says_how_to_fix(run_scenario, built_libs):
     # without it (relocation hooks), and without it with TMS_RELOC_HOOKS=0.
     assert check_ok(run_scenario("bad_input", "ensure_hooked", env={"TMS_RELOC_HOOKS": "0"})) == "raised\n"
     assert check_ok(run_scenario("bad_input", "ensure_hooked")) == "relocation\n"
-    assert check_ok(run_scenario("bad_input", "ensure_hooked", env={"LD_PRELOAD": built_libs["preload"]})) == "ld_preload\n"
+    preloaded = run_scenario("bad_input", "ensure_hooked", env={"LD_PRELOAD": built_libs["preload"]})
+    assert check_ok(preloaded) == "ld_preload\n"
