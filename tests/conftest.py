@@ -3,12 +3,15 @@
 The backend and the TMS_* environment are fixed per process, so most tests run
 their scenario in a fresh Python subprocess (`run_py`) on the host backend.
 """
+import contextlib
+import hashlib
 import importlib.util
 import inspect
 import itertools
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -206,13 +209,28 @@ def ok():
     return check_ok
 
 
+@contextlib.contextmanager
+def tree_build_lock():
+    """Held around each `pip install .` / `pip wheel .` of this tree: pip builds in the
+    tree's build/ folder, and two builds at once (pytest-xdist workers) can package each
+    other's half-written files (a shim of 0 bytes)."""
+    import fcntl
+
+    key = hashlib.sha1(str(REPO).encode()).hexdigest()[:12]
+    with open(os.path.join(tempfile.gettempdir(), f"tms-tree-build-{key}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def installed(tmp_path_factory):
     """A site directory holding the package as `pip install .` lays it out (the
     libraries under their upstream names at its root), built from this tree."""
     site = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index",
-                           "--target", str(site), str(REPO)], capture_output=True, text=True, timeout=600)
+    with tree_build_lock():
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
+                               "--no-index", "--target", str(site), str(REPO)], capture_output=True, text=True,
+                              timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return site
 

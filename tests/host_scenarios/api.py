@@ -2,7 +2,7 @@
 """The Python layer once the core is loaded (tests/test_api.py): hook_mode and the
 settings around first use, argument errors of the native module, the environment's
 sizes and booleans as parsed, the one public exception type, public malloc/free, and
-the command line's usage line."""
+the command line's usage line, and no CUDA driver (tests/test_build.py)."""
 import ast
 import sys
 
@@ -152,6 +152,23 @@ def public_malloc_and_free():
     expect(ValueError, tms.malloc, MiB, match="outside a region")
     expect(TypeError, tms.malloc, True, match="nbytes must be an int")
     expect(ValueError, tms.free, p, match="not an allocation")
+    print("done")
+
+
+def no_driver():
+    """Without TMS_BACKEND and without a CUDA driver: the import works, the first GPU use
+    raises the library's Error saying what is missing and how to run without a GPU."""
+    assert tms.enabled is True
+    for attempt in range(2):                           # the failure is not cached as success
+        try:
+            tms.pause()
+        except RuntimeError as e:
+            msg = str(e)
+            assert "CUDA driver" in msg and "libcuda.so.1" in msg, msg
+            assert "TMS_BACKEND=host" in msg, msg      # the way to run without a GPU
+            assert type(e) is torch_memory_saver.Error, type(e)
+        else:
+            raise AssertionError("pause() without a driver succeeded")
     print("done")
 
 
