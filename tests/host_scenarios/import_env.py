@@ -1,5 +1,5 @@
 """A malformed environment fails the import (tests/test_api.py, test_bad_input.py,
-test_host_backend.py): a ValueError naming the variable and its value, every time the
+test_host_backend.py, test_compat.py): a ValueError naming the variable and its value, every time the
 import is tried (a failed import is not cached as success).
 
 No _prelude here: it imports the package, which is what these cases check."""
@@ -41,6 +41,13 @@ def backend_variable(fragment):
             raise AssertionError(name)
     assert "torch_memory_saver._tms_preload" not in sys.modules
     print("done")
+
+
+def pause_every_tag():
+    """Imports the package and pauses every tag: the import raises first."""
+    import torch_memory_saver
+
+    torch_memory_saver.torch_memory_saver.pause()
 
 
 if __name__ == "__main__":
