@@ -13,8 +13,15 @@ MiB = 1 << 20
 
 
 def core():
-    """The native module in use (loads the core: set hook_mode before)."""
+    """The native module in use (loads the core: set hook_mode before). For what only
+    the native layer has; the rest goes through the public singleton `tms`."""
     return tms._core
+
+
+def start():
+    """Starts the core now, as the first use of `tms` would: what follows (settings,
+    measurements) then meets a running core."""
+    core()
 
 
 def fill(ptr, n):

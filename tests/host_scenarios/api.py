@@ -7,7 +7,7 @@ import ast
 import sys
 
 import torch_memory_saver
-from _prelude import MiB, core, expect, fill, raw_region, read, row, run_cases, tms
+from _prelude import MiB, core, expect, fill, raw_region, read, row, run_cases, start, tms
 
 
 def enabled_without_starting_the_core():
@@ -73,7 +73,7 @@ def native_argument_errors():
 
 def chunk_bytes_at_its_bound():
     """TMS_CHUNK_BYTES at its bound (1 TiB): one chunk, pause and resume work; prints it."""
-    core()
+    start()
     with raw_region("t"):
         p = tms.malloc(3 * MiB)
     assert row(p)["chunks"] == 1, row(p)          # a chunk above the allocation: one handle
@@ -138,7 +138,7 @@ def one_public_error():
 
 def public_malloc_and_free():
     """tms.malloc/free give pauseable memory on the host backend, on any device."""
-    core()
+    start()
     with tms.region("w", enable_cpu_backup=True):
         p = tms.malloc(3 * MiB + 1)
         q = tms.malloc(MiB, 1)                          # on device 1

@@ -8,7 +8,7 @@ import os
 import sys
 
 import torch_memory_saver
-from _prelude import MiB, core, expect, fill, raw_region, read, row, run_cases, tms
+from _prelude import MiB, core, expect, fill, raw_region, read, row, run_cases, start, tms
 
 
 def nul_in_tag():
@@ -62,7 +62,7 @@ def cpu_backup_of_views():
     """get_cpu_backup of slices, strided, stride-0 and offset views, empty, past the end, foreign."""
     import torch
 
-    core()
+    start()
     n = 3 * MiB + 10
     with tms.region("g", enable_cpu_backup=True):
         p = tms.malloc(n)

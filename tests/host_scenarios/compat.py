@@ -1,4 +1,4 @@
-# Tests the native module too: get_region (one thread state with the C ABI), preload_active, defaults().
+# Tests the native module too: get_region (one thread state with the C ABI), preload_active, get_cpu_backup.
 """Drop-in compatibility with the upstream library (tests/test_compat.py): the call
 shapes of slime and AReaL against the package as `pip install .` lays it out (the
 test runs those with the installed package on PYTHONPATH), the C ABI through the
@@ -9,7 +9,7 @@ import os
 import sys
 
 import torch_memory_saver
-from _prelude import MiB, core, expect, fill, read, row, run_cases, states, tms
+from _prelude import MiB, core, expect, fill, read, row, run_cases, start, states, tms
 
 
 def slime_disk_offload():
@@ -163,7 +163,7 @@ def default(key):
 
 def lists_of_tags():
     """pause/resume of a list of tags is all-or-nothing; paused_tags() and is_paused()."""
-    core()
+    start()
     ptrs = {}
     for tag in ("a", "b", "c"):
         with tms.region(tag, enable_cpu_backup=True):
@@ -201,7 +201,7 @@ def foreign_tensor_backup():
     """get_cpu_backup of a tensor outside every allocation is None (as upstream)."""
     import torch
 
-    core()
+    start()
     with tms.region("w", enable_cpu_backup=True):
         tms.malloc(MiB)
     tms.pause("w")

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from _prelude import MiB, core, expect, fill, read, row, rss_bytes, run_cases, tms
+from _prelude import MiB, core, expect, fill, read, row, rss_bytes, run_cases, start, tms
 
 
 def restores_exactly(kind):
@@ -32,7 +32,7 @@ def restores_exactly(kind):
 
 def retained(kind):
     """retain_cpu_backup keeps the host copy across resume, refreshed by each pause."""
-    core()                                             # the setting below goes to a running core
+    start()                                            # the setting below goes to a running core
     assert tms.retain_cpu_backup is False
     tms.retain_cpu_backup = True
     assert tms.retain_cpu_backup is True and core().get_retain_cpu_backup() is True

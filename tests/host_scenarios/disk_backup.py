@@ -12,7 +12,7 @@ import stat
 import sys
 
 import torch_memory_saver
-from _prelude import MiB, core, expect, fill, read, rss_bytes, run_cases, tms
+from _prelude import MiB, core, expect, fill, read, rss_bytes, run_cases, start, tms
 
 _spec = importlib.util.spec_from_file_location(
     "_pagecache", os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "gpu_scenarios", "_pagecache.py"))
@@ -29,7 +29,7 @@ def begin(d, mode, set_dir=True):
     tms.hook_mode = mode
     if set_dir:
         tms.set_disk_backup_dir(D)
-    core()
+    start()
 
 
 def bins():

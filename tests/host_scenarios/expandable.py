@@ -8,7 +8,7 @@ import ctypes
 import os
 import sys
 
-from _prelude import MiB, core, run_cases, tms
+from _prelude import MiB, core, run_cases, start, tms
 
 Create = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t, ctypes.c_void_p,
                           ctypes.c_ulonglong)
@@ -20,7 +20,7 @@ def begin(d):
     """hook_mode "preload", the core started, the stub runtime and both libraries loaded:
     (stub, libc10_cuda, libother)."""
     tms.hook_mode = "preload"
-    core()
+    start()
     stub = ctypes.CDLL(os.path.join(d, "libcudart_stub.so"))
     stub.stub_function.restype = ctypes.c_void_p
     stub.stub_function.argtypes = [ctypes.c_char_p]

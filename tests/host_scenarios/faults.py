@@ -9,13 +9,13 @@ would also start the copy workers, whose pinned staging takes host_alloc calls o
 import sys
 
 import torch_memory_saver
-from _prelude import MiB, core, expect, fill, raw_region, read, row, run_cases, tms
+from _prelude import MiB, core, expect, fill, raw_region, read, row, run_cases, start, tms
 
 
 def one_chunked_allocation(op, exc, fragment, state):
     """One 70 MiB - 1 allocation in 32 MiB chunks with a pinned backup: `op` ("pause" or
     "resume") raises `exc` with `fragment`, leaving it in `state`; then it works."""
-    core()
+    start()
     n = 70 * MiB - 1
     with raw_region("f", True, "pinned"):
         p = tms.malloc(n)
@@ -41,7 +41,7 @@ def one_chunked_allocation(op, exc, fragment, state):
 
 def failed_unmap():
     """A pause whose unmap fails leaves the allocation active with no (stale) host copy."""
-    core()
+    start()
     n = 10 * MiB - 1
     with raw_region("f", True, "mmap"):
         p = tms.malloc(n)
@@ -78,7 +78,7 @@ def failing_rollback():
 def several():
     """Four allocations in tag "p", two with mmap and two with pinned backups, of 1-3 copy
     blocks each, filled: (sizes, ptrs, data, intact), intact() checking every byte."""
-    core()
+    start()
     sizes = [MiB + 1, 17 * MiB + 7, 2 * MiB, 5]
     ptrs = []
     for i, n in enumerate(sizes):

@@ -11,7 +11,7 @@ import os
 import sys
 
 import torch_memory_saver
-from _prelude import MiB, core, expect, fill, read, row, run_cases, tms
+from _prelude import MiB, core, expect, fill, read, row, run_cases, start, tms
 
 
 def device_free(device=0):
@@ -91,7 +91,7 @@ def chunking(chunk_mib):
     """600 MiB and 259 MiB (mmap backup) in chunks of chunk_mib (0: one handle): marks at
     every chunk boundary survive, every chunk is mapped again."""
     chunk_mib = int(chunk_mib)
-    core()
+    start()
 
     def chunk_ends(size):
         reserved = -(-size // (2 * MiB)) * 2 * MiB
@@ -195,7 +195,7 @@ def no_device():
 
 def out_of_memory():
     """On a 64 MiB device 65 MiB is a MemoryError (the library's) naming hipErrorOutOfMemory; 64 MiB works."""
-    core()
+    start()
     with tms.region("oom"):
         e = expect(MemoryError, tms.malloc, 65 * MiB)
         assert isinstance(e, torch_memory_saver.Error) and "hipErrorOutOfMemory" in str(e), str(e)

@@ -7,7 +7,7 @@ import os
 import sys
 
 import torch_memory_saver
-from _prelude import MiB, core, fill, read, run_cases, tms
+from _prelude import MiB, core, fill, read, run_cases, start, tms
 
 
 def stats_follow_every_state_change():
@@ -56,7 +56,7 @@ def stats_follow_every_state_change():
 
 def memory_summary():
     """Prints memory_summary() with tag kv_cache (3 MiB, active) and weights (5 MiB, paused, backed up)."""
-    core()
+    start()
     assert "no allocations yet" in torch_memory_saver.memory_summary()
     with tms.region("kv_cache"):
         tms.malloc(3 * MiB)
@@ -68,7 +68,7 @@ def memory_summary():
 
 def log_lines():
     """Logs at DEBUG to stdout: a pause and a resume of 8 MiB, then a pause with the logger at WARNING."""
-    core()
+    start()
     logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(levelname)s %(name)s %(message)s")
     with tms.region("w", enable_cpu_backup=True):
         tms.malloc(8 * MiB)
@@ -97,7 +97,7 @@ def progress_lines():
 
     opener = OpenGate()
     opener.opened = False
-    core()
+    start()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
     logging.getLogger("torch_memory_saver").addHandler(opener)
     assert tms.progress is False                       # off by default
@@ -115,7 +115,7 @@ def progress_lines():
 
 
 def progress_needs_a_bool():
-    core()
+    start()
     try:
         tms.progress = "yes"
     except TypeError as e:

@@ -1,3 +1,4 @@
+# Tests the native module too: which variant is loaded, and its Error for a double pause.
 """Allocation, pause and resume on the host backend (tests/test_host_backend.py):
 random bytes at granularity-aligned addresses, pages given back on pause and mapped
 again on resume (RSS), faults on paused memory, tags paused and resumed apart, frees

@@ -5,7 +5,7 @@ of fresh threads."""
 import sys
 import threading
 
-from _prelude import MiB, core, expect, fill, read, row, run_cases, states, tms
+from _prelude import MiB, core, expect, fill, read, row, run_cases, start, states, tms
 
 
 def nested():
@@ -135,7 +135,7 @@ def init_enable(active):
 
 def default_tag_without_regions():
     """With TMS_INIT_ENABLE=1 allocations outside any region are tag 'default', pauseable by name."""
-    core()
+    start()
     p = tms.malloc(MiB)                                # active from TMS_INIT_ENABLE, tag 'default'
     assert row(p)["tag"] == "default"
     d = fill(p, MiB)

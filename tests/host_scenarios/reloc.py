@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 
-from _prelude import MiB, core, expect, fill, run_cases, tms
+from _prelude import MiB, core, expect, fill, run_cases, start, tms
 
 D = None     # the directory of the built libraries
 STUB = None  # the stub runtime (counts the calls that reach it)
@@ -21,7 +21,7 @@ def begin(d):
     global D, STUB
     D = d
     tms.hook_mode = "preload"
-    core()
+    start()
     STUB = ctypes.CDLL(os.path.join(D, "libcudart_stub.so"))
 
 

@@ -10,7 +10,7 @@ import sys
 import threading
 import warnings
 
-from _prelude import MiB, core, fill, raw_region, run_cases, tms
+from _prelude import MiB, core, fill, raw_region, run_cases, start, tms
 
 AT_EXIT = []  # what must still be alive when the interpreter exits
 
@@ -81,7 +81,7 @@ def torch_tensors_and_atexit(mode):
     import torch
 
     tms.hook_mode = mode
-    core()
+    start()
     n = 6 * MiB + 3
     with tms.region("w", enable_cpu_backup=True, cpu_backup_backend="pinned"):
         p = tms.malloc(n)
@@ -117,7 +117,7 @@ def torch_tensors_and_atexit(mode):
 def uncaught_exception(mode):
     """Raises RuntimeError("boom") inside a region, with paused allocations."""
     tms.hook_mode = mode
-    core()
+    start()
     with raw_region("w", True, "pinned"):
         p = tms.malloc(9 * MiB)
     with raw_region("kv"):
