@@ -1,7 +1,8 @@
 """Shared fixtures for the CPU-side suite.
 
 The backend and the TMS_* environment are fixed per process, so most tests run
-their scenario in a fresh Python subprocess (`run_py`) on the host backend.
+their scenario in a fresh Python process on the host backend: a case of a program
+in tests/host_scenarios/ (`run_scenario`), or a snippet of a line or two (`run_py`).
 """
 import contextlib
 import hashlib
@@ -40,8 +41,9 @@ def library_file(mode):
     return PKG / f"_tms_{mode}.abi3.so"
 
 
-# Helpers every child snippet gets (prelude=True): the public singleton `tms`,
-# its native module `core`, random fill / read-back through ctypes, RSS.
+# Helpers every run_py snippet gets (prelude=True): the public singleton `tms`,
+# its native module `core`, random fill / read-back through ctypes, RSS
+# (host_scenarios/_prelude.py is the same for scenario files).
 CHILD_PRELUDE = (
     "import ctypes, os, random, sys, threading\n"
     + inspect.getsource(rss_bytes)
