@@ -1,14 +1,18 @@
 """Shared fixtures for the CPU-side suite.
 
 The backend and the TMS_* environment are fixed per process, so most tests run
-their scenario in a fresh Python subprocess (`run_py`) on the host backend.
+their scenario in a fresh Python process on the host backend: a case of a program
+in tests/host_scenarios/ (`run_scenario`), or a snippet of a line or two (`run_py`).
 """
+import contextlib
+import hashlib
 import importlib.util
 import inspect
 import itertools
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -37,8 +41,9 @@ def library_file(mode):
     return PKG / f"_tms_{mode}.abi3.so"
 
 
-# Helpers every child snippet gets (prelude=True): the public singleton `tms`,
-# its native module `core`, random fill / read-back through ctypes, RSS.
+# Helpers every run_py snippet gets (prelude=True): the public singleton `tms`,
+# its native module `core`, random fill / read-back through ctypes, RSS
+# (host_scenarios/_prelude.py is the same for scenario files).
 CHILD_PRELUDE = (
     "import ctypes, os, random, sys, threading\n"
     + inspect.getsource(rss_bytes)
@@ -206,13 +211,28 @@ def ok():
     return check_ok
 
 
+@contextlib.contextmanager
+def tree_build_lock():
+    """Held around each `pip install .` / `pip wheel .` of this tree: pip builds in the
+    tree's build/ folder, and two builds at once (pytest-xdist workers) can package each
+    other's half-written files (a shim of 0 bytes)."""
+    import fcntl
+
+    key = hashlib.sha1(str(REPO).encode()).hexdigest()[:12]
+    with open(os.path.join(tempfile.gettempdir(), f"tms-tree-build-{key}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def installed(tmp_path_factory):
     """A site directory holding the package as `pip install .` lays it out (the
     libraries under their upstream names at its root), built from this tree."""
     site = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index",
-                           "--target", str(site), str(REPO)], capture_output=True, text=True, timeout=600)
+    with tree_build_lock():
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
+                               "--no-index", "--target", str(site), str(REPO)], capture_output=True, text=True,
+                              timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return site
 

@@ -29,7 +29,7 @@ def enter(cm):
         pass
 
 
-def test_enabled_is_true_read_only_and_does_not_start_the_core(fresh, run_py):
+def test_enabled_is_true_read_only_and_does_not_start_the_core(fresh, run_scenario):
     # Upstream's compatibility property: True. Older upstream versions answered
     # False when the hook library was not preloaded; here that case is a clear
     # error at the first region instead, so a process without LD_PRELOAD
@@ -37,18 +37,7 @@ def test_enabled_is_true_read_only_and_does_not_start_the_core(fresh, run_py):
     assert fresh.enabled is True
     with pytest.raises(AttributeError):
         fresh.enabled = False
-    out = check_ok(run_py("""
-        import os, sys
-        from torch_memory_saver import TorchMemorySaver
-        assert "LD_PRELOAD" not in os.environ
-        for mode in ("preload", "torch"):
-            t = TorchMemorySaver()
-            t.hook_mode = mode
-            assert t.enabled is True and t._impl is None, mode
-        cores = [m for m in sys.modules if m in ("torch_memory_saver._tms_preload", "torch_memory_saver._tms_torch")]
-        assert cores == [], cores
-        print("done")
-    """, prelude=False))
+    out = check_ok(run_scenario("api", "enabled_without_starting_the_core"))
     assert out == "done\n"
 
 
@@ -147,53 +136,18 @@ def test_get_cpu_backup_needs_a_tensor(fresh):
 # ---- validation once the core is loaded (subprocess) ----------------------------
 
 
-def test_hook_mode_cannot_change_after_first_use(run_py):
-    out = check_ok(run_py("""
-        tms.hook_mode = "torch"
-        tms.pause("nothing")                               # first use
-        assert tms._core.VARIANT == "torch"
-        tms.hook_mode = "torch"                            # same value: fine
-        e = expect(RuntimeError, setattr, tms, "hook_mode", "preload", match="set hook_mode before first use")
-        assert "'torch'" in str(e)
-        assert tms.hook_mode == "torch"
-        assert "torch_memory_saver._tms_preload" not in sys.modules
-        expect(ValueError, setattr, tms, "hook_mode", "cuda", match="'cuda'")
-        print("done")
-    """, load_core=False))
+def test_hook_mode_cannot_change_after_first_use(run_scenario):
+    out = check_ok(run_scenario("api", "hook_mode_after_first_use"))
     assert out == "done\n"
 
 
-def test_settings_made_before_first_use_reach_the_core(run_py):
-    out = check_ok(run_py("""
-        tms.memory_margin_bytes = 12345
-        tms.retain_cpu_backup = True
-        assert tms._impl is None
-        core = tms._core
-        assert core.get_memory_margin_bytes() == 12345 and core.get_retain_cpu_backup() is True
-        assert tms.memory_margin_bytes == 12345 and tms.retain_cpu_backup is True
-        tms.retain_cpu_backup = False
-        assert core.get_retain_cpu_backup() is False
-        expect(ValueError, setattr, tms, "memory_margin_bytes", -1, match=">= 0")
-        assert core.get_memory_margin_bytes() == 12345
-        print("done")
-    """, load_core=False))
+def test_settings_made_before_first_use_reach_the_core(run_scenario):
+    out = check_ok(run_scenario("api", "settings_before_first_use"))
     assert out == "done\n"
 
 
-def test_native_argument_errors(run_py):
-    out = check_ok(run_py("""
-        expect(TypeError, core.pause, 1, match="tag must be a str or None, not int")
-        expect(ValueError, core.resume, "", match="tag must be a non-empty string")
-        expect(ValueError, core.set_region, True, "t", True, "disk", match="'disk'")
-        expect(ValueError, core.set_region, True, "", False, "mmap", match="non-empty")
-        expect(TypeError, core.set_memory_margin_bytes, 1.5, match="must be an int, not float")
-        expect(ValueError, core.set_memory_margin_bytes, -3, match="memory_margin_bytes must be >= 0, got -3")
-        with tms.region("t"):
-            expect(ValueError, core.malloc, -1, match="nbytes must be >= 0")
-        expect(ValueError, core.free, 4096, match="not an allocation of torch_memory_saver")
-        assert core.get_region() == (False, "default", False, "mmap", False)   # failed set_region changed nothing
-        print("done")
-    """))
+def test_native_argument_errors(run_scenario):
+    out = check_ok(run_scenario("api", "native_argument_errors"))
     assert out == "done\n"
 
 
@@ -212,31 +166,13 @@ _MALFORMED = [
 
 
 @pytest.mark.parametrize("var,value", _MALFORMED, ids=[f"{v}={x}" for v, x in _MALFORMED])
-def test_malformed_env_raises_value_error_at_import_naming_variable_and_value(run_py, var, value):
-    out = check_ok(run_py(f"""
-        import importlib, sys
-        for name in ("torch_memory_saver", "torch_memory_saver._tms_preload", "torch_memory_saver._tms_torch"):
-            for attempt in range(2):                   # a failed import is not cached as success
-                try:
-                    importlib.import_module(name)
-                except ValueError as e:
-                    assert "{var}" in str(e) and "'{value}'" in str(e), (name, str(e))
-                else:
-                    raise AssertionError(f"import of {{name}} succeeded")
-        print("done")
-    """, prelude=False, env={var: value}))
+def test_malformed_env_raises_value_error_at_import_naming_variable_and_value(run_scenario, var, value):
+    out = check_ok(run_scenario("import_env", "package_and_variants", var, value, env={var: value}))
     assert out == "done\n"
 
 
-def test_chunk_bytes_at_its_bound_allocates(run_py):
-    out = check_ok(run_py("""
-        with raw_region("t"):
-            p = core.malloc(3 * MiB)
-        assert row(p)["chunks"] == 1, row(p)          # a chunk above the allocation: one handle
-        tms.pause("t"); tms.resume("t")
-        core.free(p)
-        print(core.defaults()["chunk_bytes"])
-    """, env={"TMS_CHUNK_BYTES": str(1 << 40)}))
+def test_chunk_bytes_at_its_bound_allocates(run_scenario):
+    out = check_ok(run_scenario("api", "chunk_bytes_at_its_bound", env={"TMS_CHUNK_BYTES": str(1 << 40)}))
     assert out == f"{1 << 40}\n"
 
 
@@ -248,12 +184,8 @@ def test_chunk_bytes_at_its_bound_allocates(run_py):
     ("TMS_RETAIN_CPU_BACKUP", "YES", "retain_cpu_backup", True),
     ("TMS_INIT_ENABLE", "FALSE", "init_enable", False),
 ])
-def test_well_formed_env_values_parse(run_py, var, value, key, expected):
-    out = check_ok(run_py(f"""
-        got = core.defaults()["{key}"]
-        assert got == {expected!r} and type(got) is type({expected!r}), got
-        print("done")
-    """, env={var: value}))
+def test_well_formed_env_values_parse(run_scenario, var, value, key, expected):
+    out = check_ok(run_scenario("api", "env_value_parses", key, repr(expected), env={var: value}))
     assert out == "done\n"
 
 
@@ -345,51 +277,17 @@ def test_without_ld_preload_the_hook_is_not_active(run_py):
     assert out == ["", "(False, None)"]
 
 
-def test_torch_variant_has_no_allocator_hook(run_py, preload_lib):
+def test_torch_variant_has_no_allocator_hook(run_scenario, preload_lib):
     # Only the preload variant defines cudaMalloc/cudaFree and can report on
     # them; the torch variant is reached through the pluggable allocator only.
-    out = check_ok(run_py("""
-        import ctypes
-        import torch_memory_saver._tms_torch as t, torch_memory_saver._tms_preload as p
-        assert not hasattr(t, "preload_active") and p.preload_active()[0] is True
-        torch_lib, preload_lib = ctypes.CDLL(t.library_path()), ctypes.CDLL(p.library_path())
-        for name in ("cudaMalloc", "cudaFree", "hipMalloc", "hipFree"):
-            assert not hasattr(torch_lib, name), name
-            assert hasattr(preload_lib, name), name
-        assert hasattr(torch_lib, "tms_torch_malloc") and hasattr(torch_lib, "tms_torch_free")
-        print("done")
-    """, prelude=False, env={"LD_PRELOAD": preload_lib}))
+    out = check_ok(run_scenario("api", "torch_variant_has_no_allocator_hook", env={"LD_PRELOAD": preload_lib}))
     assert out == "done\n"
 
 
 # ---- the public surface: one exception type, typed, documented (issue 13) ------------
 
-def test_both_variants_raise_the_one_public_error(run_py):
-    out = check_ok(run_py("""
-        import pickle
-        import torch_memory_saver
-        import torch_memory_saver._tms_preload as p, torch_memory_saver._tms_torch as t
-        assert p.Error is t.Error is torch_memory_saver.Error and issubclass(torch_memory_saver.Error, RuntimeError)
-        assert p.OutOfMemoryError is t.OutOfMemoryError is torch_memory_saver.OutOfMemoryError
-        assert issubclass(torch_memory_saver.OutOfMemoryError, (torch_memory_saver.Error, MemoryError))
-        assert repr(torch_memory_saver.Error) == "<class 'torch_memory_saver.Error'>"
-        e = pickle.loads(pickle.dumps(torch_memory_saver.Error("x")))
-        assert type(e) is torch_memory_saver.Error and str(e) == "x"
-        for mode in ("preload", "torch"):
-            core = getattr(torch_memory_saver, "_tms_" + mode)
-            core.set_region(True, "dbl-" + mode, False, "mmap")
-            ptr = core.malloc(1 << 20)
-            core.set_region(False, "default", False, "mmap")
-            core.pause("dbl-" + mode)
-            try:
-                core.pause("dbl-" + mode)
-            except torch_memory_saver.Error as e:
-                assert "already paused" in str(e), e
-            else:
-                raise AssertionError(mode)
-            core.free(ptr)
-        print("done")
-    """, prelude=False))
+def test_both_variants_raise_the_one_public_error(run_scenario):
+    out = check_ok(run_scenario("api", "one_public_error"))
     assert out == "done\n"
 
 
@@ -422,37 +320,14 @@ def test_every_public_member_is_documented():
         assert (getattr(torch_memory_saver, name).__doc__ or "").strip(), name
 
 
-def test_public_malloc_and_free_on_the_host_backend(run_py):
-    out = check_ok(run_py("""
-        with tms.region("w", enable_cpu_backup=True):
-            p = tms.malloc(3 * MiB + 1)
-            q = tms.malloc(MiB, 1)                          # on device 1
-        data = fill(p, 3 * MiB + 1)
-        tms.pause("w")
-        assert row(p)["state"] == "paused" and row(q)["device"] == 1
-        tms.resume("w")
-        assert read(p, 3 * MiB + 1) == data
-        tms.free(p)
-        tms.free(q)
-        expect(ValueError, tms.malloc, MiB, match="outside a region")
-        expect(TypeError, tms.malloc, True, match="nbytes must be an int")
-        expect(ValueError, tms.free, p, match="not an allocation")
-        print("done")
-    """))
+def test_public_malloc_and_free_on_the_host_backend(run_scenario):
+    out = check_ok(run_scenario("api", "public_malloc_and_free"))
     assert out == "done\n"
 
 
 @pytest.mark.parametrize("argv0,prog", [("/venv/bin/torch-memory-saver", "torch-memory-saver"),
                                         ("/x/torch_memory_saver/__main__.py", "python -m torch_memory_saver")])
-def test_help_names_the_command_it_was_started_as(run_py, argv0, prog):
-    out = check_ok(run_py(f"""
-        import sys
-        sys.argv[0] = {argv0!r}
-        from torch_memory_saver.__main__ import main
-        try:
-            main(["--help"])
-        except SystemExit as e:
-            assert e.code == 0
-    """, prelude=False))
+def test_help_names_the_command_it_was_started_as(run_scenario, argv0, prog):
+    out = check_ok(run_scenario("api", "help_as", argv0))
     assert out.startswith(f"usage: {prog} "), out
 

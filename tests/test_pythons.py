@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import check_ok
+from conftest import check_ok, tree_build_lock
 
 _SMOKE = r"""
 import ctypes, os, pickle, sys
@@ -78,9 +78,10 @@ INTERPRETERS = _interpreters()
 def site(tmp_path_factory):
     """The wheel `pip wheel .` builds, unpacked: a site directory any interpreter can use."""
     tmp = tmp_path_factory.mktemp("pythons")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
-                           "-w", str(tmp), str(Path(__file__).resolve().parent.parent)],
-                          capture_output=True, text=True, timeout=600)
+    with tree_build_lock():
+        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
+                               "-w", str(tmp), str(Path(__file__).resolve().parent.parent)],
+                              capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [wheel] = list(tmp.glob("*.whl"))
     with zipfile.ZipFile(wheel) as z:

@@ -1,8 +1,15 @@
 """What every host-backend scenario imports: the public singleton, random fill and
 read-back of pauseable memory through ctypes, the allocation table and RSS.
 
-A scenario is a program run in a fresh process (tests/conftest.py: run_scenario)
-with TMS_BACKEND=host; it asserts, prints what the test checks, and exits 0."""
+A scenario file holds the cases of one topic, each a function with a docstring; the
+test runs one in a fresh process (tests/conftest.py: run_scenario) with its name and
+arguments on the command line and TMS_BACKEND=host. A case asserts, prints what the
+test checks, and exits 0. To run one by hand, from the repository root:
+
+    PYTHONPATH=. TMS_BACKEND=host python tests/host_scenarios/pause_resume.py by_tag
+
+Cases go through the public singleton `tms`; core() (the native module) is for what
+only the native layer has, and a file that uses it says so in its first line."""
 import contextlib
 import ctypes
 import os
@@ -13,8 +20,15 @@ MiB = 1 << 20
 
 
 def core():
-    """The native module in use (loads the core: set hook_mode before)."""
+    """The native module in use (loads the core: set hook_mode before). For what only
+    the native layer has; the rest goes through the public singleton `tms`."""
     return tms._core
+
+
+def start():
+    """Starts the core now, as the first use of `tms` would: what follows (settings,
+    measurements) then meets a running core."""
+    core()
 
 
 def fill(ptr, n):
@@ -33,6 +47,11 @@ def row(ptr):
     rows = [r for r in tms.allocations() if r["ptr"] == ptr]
     assert len(rows) == 1, (hex(ptr), tms.allocations())
     return rows[0]
+
+
+def states():
+    """Sorted (tag, state) pairs of every allocation."""
+    return sorted((r["tag"], r["state"]) for r in tms.allocations())
 
 
 def rss_bytes(pid="self"):

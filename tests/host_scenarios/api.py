@@ -1,0 +1,187 @@
+# Tests the native module too: its argument checks, get_region, defaults() and variants.
+"""The Python layer once the core is loaded (tests/test_api.py): hook_mode and the
+settings around first use, argument errors of the native module, the environment's
+sizes and booleans as parsed, the one public exception type, public malloc/free, and
+the command line's usage line, and no CUDA driver (tests/test_build.py)."""
+import ast
+import sys
+
+import torch_memory_saver
+from _prelude import MiB, core, expect, fill, raw_region, read, row, run_cases, start, tms
+
+
+def enabled_without_starting_the_core():
+    """enabled is True in both hook modes without LD_PRELOAD, and loads no core."""
+    import os
+
+    from torch_memory_saver import TorchMemorySaver
+
+    assert "LD_PRELOAD" not in os.environ
+    for mode in ("preload", "torch"):
+        t = TorchMemorySaver()
+        t.hook_mode = mode
+        assert t.enabled is True and t._impl is None, mode
+    cores = [m for m in sys.modules if m in ("torch_memory_saver._tms_preload", "torch_memory_saver._tms_torch")]
+    assert cores == [], cores
+    print("done")
+
+
+def hook_mode_after_first_use():
+    """hook_mode is fixed by the first use: the same value is fine, another raises."""
+    tms.hook_mode = "torch"
+    tms.pause("nothing")                               # first use
+    assert core().VARIANT == "torch"
+    tms.hook_mode = "torch"                            # same value: fine
+    e = expect(RuntimeError, setattr, tms, "hook_mode", "preload", match="set hook_mode before first use")
+    assert "'torch'" in str(e)
+    assert tms.hook_mode == "torch"
+    assert "torch_memory_saver._tms_preload" not in sys.modules
+    expect(ValueError, setattr, tms, "hook_mode", "cuda", match="'cuda'")
+    print("done")
+
+
+def settings_before_first_use():
+    """memory_margin_bytes and retain_cpu_backup set before the core starts reach it."""
+    tms.memory_margin_bytes = 12345
+    tms.retain_cpu_backup = True
+    assert tms._impl is None
+    native = core()
+    assert native.get_memory_margin_bytes() == 12345 and native.get_retain_cpu_backup() is True
+    assert tms.memory_margin_bytes == 12345 and tms.retain_cpu_backup is True
+    tms.retain_cpu_backup = False
+    assert native.get_retain_cpu_backup() is False
+    expect(ValueError, setattr, tms, "memory_margin_bytes", -1, match=">= 0")
+    assert native.get_memory_margin_bytes() == 12345
+    print("done")
+
+
+def native_argument_errors():
+    """The native module checks its own arguments; a failed set_region changes nothing."""
+    native = core()
+    expect(TypeError, native.pause, 1, match="tag must be a str or None, not int")
+    expect(ValueError, native.resume, "", match="tag must be a non-empty string")
+    expect(ValueError, native.set_region, True, "t", True, "disk", match="'disk'")
+    expect(ValueError, native.set_region, True, "", False, "mmap", match="non-empty")
+    expect(TypeError, native.set_memory_margin_bytes, 1.5, match="must be an int, not float")
+    expect(ValueError, native.set_memory_margin_bytes, -3, match="memory_margin_bytes must be >= 0, got -3")
+    with tms.region("t"):
+        expect(ValueError, native.malloc, -1, match="nbytes must be >= 0")
+    expect(ValueError, native.free, 4096, match="not an allocation of torch_memory_saver")
+    assert native.get_region() == (False, "default", False, "mmap", False)   # failed set_region changed nothing
+    print("done")
+
+
+def chunk_bytes_at_its_bound():
+    """TMS_CHUNK_BYTES at its bound (1 TiB): one chunk, pause and resume work; prints it."""
+    start()
+    with raw_region("t"):
+        p = tms.malloc(3 * MiB)
+    assert row(p)["chunks"] == 1, row(p)          # a chunk above the allocation: one handle
+    tms.pause("t")
+    tms.resume("t")
+    tms.free(p)
+    print(core().defaults()["chunk_bytes"])
+
+
+def env_value_parses(key, expected):
+    """defaults()[key] equals the Python literal `expected`, of the same type."""
+    got = core().defaults()[key]
+    expected = ast.literal_eval(expected)
+    assert got == expected and type(got) is type(expected), got
+    print("done")
+
+
+def torch_variant_has_no_allocator_hook():
+    """Only the preload variant defines cudaMalloc/cudaFree (and hip*); run with it on LD_PRELOAD."""
+    import ctypes
+
+    import torch_memory_saver._tms_preload as p
+    import torch_memory_saver._tms_torch as t
+
+    assert not hasattr(t, "preload_active") and p.preload_active()[0] is True
+    torch_lib, preload_lib = ctypes.CDLL(t.library_path()), ctypes.CDLL(p.library_path())
+    for name in ("cudaMalloc", "cudaFree", "hipMalloc", "hipFree"):
+        assert not hasattr(torch_lib, name), name
+        assert hasattr(preload_lib, name), name
+    assert hasattr(torch_lib, "tms_torch_malloc") and hasattr(torch_lib, "tms_torch_free")
+    print("done")
+
+
+def one_public_error():
+    """Both native variants raise torch_memory_saver.Error (and its OutOfMemoryError), picklable."""
+    import pickle
+
+    import torch_memory_saver._tms_preload as p
+    import torch_memory_saver._tms_torch as t
+
+    assert p.Error is t.Error is torch_memory_saver.Error and issubclass(torch_memory_saver.Error, RuntimeError)
+    assert p.OutOfMemoryError is t.OutOfMemoryError is torch_memory_saver.OutOfMemoryError
+    assert issubclass(torch_memory_saver.OutOfMemoryError, (torch_memory_saver.Error, MemoryError))
+    assert repr(torch_memory_saver.Error) == "<class 'torch_memory_saver.Error'>"
+    e = pickle.loads(pickle.dumps(torch_memory_saver.Error("x")))
+    assert type(e) is torch_memory_saver.Error and str(e) == "x"
+    for mode in ("preload", "torch"):
+        native = getattr(torch_memory_saver, "_tms_" + mode)
+        native.set_region(True, "dbl-" + mode, False, "mmap")
+        ptr = native.malloc(1 << 20)
+        native.set_region(False, "default", False, "mmap")
+        native.pause("dbl-" + mode)
+        try:
+            native.pause("dbl-" + mode)
+        except torch_memory_saver.Error as e:
+            assert "already paused" in str(e), e
+        else:
+            raise AssertionError(mode)
+        native.free(ptr)
+    print("done")
+
+
+def public_malloc_and_free():
+    """tms.malloc/free give pauseable memory on the host backend, on any device."""
+    start()
+    with tms.region("w", enable_cpu_backup=True):
+        p = tms.malloc(3 * MiB + 1)
+        q = tms.malloc(MiB, 1)                          # on device 1
+    data = fill(p, 3 * MiB + 1)
+    tms.pause("w")
+    assert row(p)["state"] == "paused" and row(q)["device"] == 1
+    tms.resume("w")
+    assert read(p, 3 * MiB + 1) == data
+    tms.free(p)
+    tms.free(q)
+    expect(ValueError, tms.malloc, MiB, match="outside a region")
+    expect(TypeError, tms.malloc, True, match="nbytes must be an int")
+    expect(ValueError, tms.free, p, match="not an allocation")
+    print("done")
+
+
+def no_driver():
+    """Without TMS_BACKEND and without a CUDA driver: the import works, the first GPU use
+    raises the library's Error saying what is missing and how to run without a GPU."""
+    assert tms.enabled is True
+    for attempt in range(2):                           # the failure is not cached as success
+        try:
+            tms.pause()
+        except RuntimeError as e:
+            msg = str(e)
+            assert "CUDA driver" in msg and "libcuda.so.1" in msg, msg
+            assert "TMS_BACKEND=host" in msg, msg      # the way to run without a GPU
+            assert type(e) is torch_memory_saver.Error, type(e)
+        else:
+            raise AssertionError("pause() without a driver succeeded")
+    print("done")
+
+
+def help_as(argv0):
+    """`--help` with sys.argv[0] = argv0: prints the usage line and exits 0."""
+    sys.argv[0] = argv0
+    from torch_memory_saver.__main__ import main
+
+    try:
+        main(["--help"])
+    except SystemExit as e:
+        assert e.code == 0
+
+
+if __name__ == "__main__":
+    run_cases(globals(), sys.argv)

@@ -1,0 +1,128 @@
+# Tests the native module too: mem_get_info, the emulated device's free bytes.
+"""What the library reports (tests/test_observe.py): stats() after every state change,
+memory_summary(), the pause/resume log lines and the progress lines of a long copy."""
+import faulthandler
+import logging
+import os
+import sys
+
+import torch_memory_saver
+from _prelude import MiB, core, fill, read, run_cases, start, tms
+
+
+def stats_follow_every_state_change():
+    """Gauges and counters per device and tag, as allocations pause, resume and go."""
+    native = core()
+    G = 2 * MiB                                        # host backend granularity
+    with tms.region("kv"):
+        kv = tms.malloc(3 * MiB)                       # reserves 4 MiB
+    with tms.region("w", enable_cpu_backup=True, cpu_backup_backend="mmap"):
+        w = tms.malloc(5 * MiB + 1)                    # reserves 6 MiB
+    with tms.region("p", enable_cpu_backup=True, cpu_backup_backend="pinned"):
+        tms.malloc(1, 1)                               # device 1, reserves 2 MiB
+    s = torch_memory_saver.stats()
+    assert s[0]["kv"]["allocations"] == 1 and s[0]["kv"]["bytes_requested"] == 3 * MiB, s
+    assert s[0]["kv"]["bytes_reserved"] == 2 * G and s[0]["kv"]["bytes_mapped"] == 2 * G, s
+    assert s[0]["w"]["bytes_reserved"] == 3 * G and s[1]["p"]["bytes_reserved"] == G, s
+    assert s[0]["w"]["bytes_paused"] == 0 and s[0]["w"]["pauses"] == 0, s
+    fill(w, 5 * MiB + 1)
+
+    tms.pause()
+    s = torch_memory_saver.stats()
+    assert s[0]["kv"]["bytes_mapped"] == 0 and s[0]["kv"]["bytes_paused"] == 2 * G, s
+    assert s[0]["kv"]["bytes_backup_mmap"] == 0 and s[0]["kv"]["bytes_to_host"] == 0, s
+    assert s[0]["w"]["bytes_backup_mmap"] == 5 * MiB + 1 and s[0]["w"]["bytes_to_host"] == 5 * MiB + 1, s
+    assert s[1]["p"]["bytes_backup_pinned"] == 1 and s[1]["p"]["bytes_backup_mmap"] == 0, s
+    for dev, tag in ((0, "kv"), (0, "w"), (1, "p")):
+        assert s[dev][tag]["pauses"] == 1 and s[dev][tag]["pause_ns"] > 0, (tag, s)
+    # the emulated device's free bytes agree with the gauges
+    for dev in (0, 1):
+        free, total = native.mem_get_info(dev)
+        assert total - free == sum(r["bytes_mapped"] for r in s[dev].values()) == 0, (dev, free, total, s)
+
+    tms.resume("w")
+    s = torch_memory_saver.stats()
+    free, total = native.mem_get_info(0)
+    assert total - free == s[0]["w"]["bytes_mapped"] == 3 * G, (free, total, s)
+    assert s[0]["w"]["bytes_mapped"] == 3 * G and s[0]["w"]["bytes_backup_mmap"] == 0, s
+    assert s[0]["w"]["resumes"] == 1 and s[0]["w"]["bytes_to_device"] == 5 * MiB + 1, s
+    assert s[0]["kv"]["resumes"] == 0, s               # other tags untouched
+    tms.free(kv)
+    s = torch_memory_saver.stats()
+    assert s[0]["kv"]["allocations"] == 0 and s[0]["kv"]["bytes_reserved"] == 0, s
+    assert s[0]["kv"]["bytes_paused"] == 0 and s[0]["kv"]["pauses"] == 1, s   # counters stay
+    print("done")
+
+
+def memory_summary():
+    """Prints memory_summary() with tag kv_cache (3 MiB, active) and weights (5 MiB, paused, backed up)."""
+    start()
+    assert "no allocations yet" in torch_memory_saver.memory_summary()
+    with tms.region("kv_cache"):
+        tms.malloc(3 * MiB)
+    with tms.region("weights", enable_cpu_backup=True):
+        tms.malloc(5 * MiB)
+    tms.pause("weights")
+    print(torch_memory_saver.memory_summary())
+
+
+def log_lines():
+    """Logs at DEBUG to stdout: a pause and a resume of 8 MiB, then a pause with the logger at WARNING."""
+    start()
+    logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(levelname)s %(name)s %(message)s")
+    with tms.region("w", enable_cpu_backup=True):
+        tms.malloc(8 * MiB)
+    tms.pause("w")
+    tms.resume("w")
+    logging.getLogger("torch_memory_saver").setLevel(logging.WARNING)
+    tms.pause("w")                                     # silent
+
+
+def progress_lines():
+    """A 256 MiB backed-up pause and resume with progress on, lines every 0.05 s, logged to
+    stdout. The pause's first copy waits at the gate (TMS_HOST_COPY_GATE) until the first
+    progress line is out: there is one however fast the machine copies."""
+    import torch_memory_saver._observe as observe
+
+    faulthandler.dump_traceback_later(60, exit=True)   # no progress line: the pause waits, and fails here
+    gate_path = os.environ["TMS_HOST_COPY_GATE"]
+    os.mkfifo(gate_path)
+    gate = os.open(gate_path, os.O_RDWR)               # a writer, so the core's open does not block
+
+    class OpenGate(logging.Handler):
+        def emit(self, record):
+            if "% (" in record.getMessage() and not self.opened:
+                self.opened = True
+                os.write(gate, b"x")
+
+    opener = OpenGate()
+    opener.opened = False
+    start()
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+    logging.getLogger("torch_memory_saver").addHandler(opener)
+    assert tms.progress is False                       # off by default
+    tms.progress = True
+    observe.PROGRESS_AFTER_S = 0.05
+    observe.PROGRESS_EVERY_S = 0.05
+    with tms.region("w", enable_cpu_backup=True):
+        p = tms.malloc(256 * MiB)
+    d = fill(p, 256 * MiB)
+    tms.pause("w")
+    assert opener.opened
+    tms.resume("w")
+    assert read(p, 256 * MiB) == d
+    faulthandler.cancel_dump_traceback_later()
+
+
+def progress_needs_a_bool():
+    start()
+    try:
+        tms.progress = "yes"
+    except TypeError as e:
+        assert "progress must be a bool" in str(e)
+    else:
+        raise AssertionError("no TypeError")
+
+
+if __name__ == "__main__":
+    run_cases(globals(), sys.argv)
