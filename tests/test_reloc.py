@@ -92,23 +92,9 @@ def test_each_patched_object_forwards_to_its_own_runtime(run_scenario, libs):
     assert out == "done\n"
 
 
-def test_a_tail_call_never_reaches_an_unloaded_runtime(run_py, libs):
+def test_a_tail_call_never_reaches_an_unloaded_runtime(run_scenario, libs):
     # user_free's `return cudaFree(p)` is a tail call: the hook sees a caller
     # outside every patched object. Once the newest runtime is unloaded, such a
     # call goes to a runtime still loaded, not into unmapped memory.
-    out = check_ok(_run(run_py, """
-        import _ctypes
-        now = load("libuser_now.so")                              # tail calls, on libcudart_stub
-        core.install_relocation_hooks()
-        d = load("libuser_on_d.so")
-        d_stub = ctypes.CDLL(os.path.join(D, "libcudart_d.so"))
-        assert d.user_free(d.user_alloc(64)) == 0 and d_stub.stub_frees() == 1
-        _ctypes.dlclose(d._handle)
-        _ctypes.dlclose(d_stub._handle)
-        assert "libcudart_d.so" not in open("/proc/self/maps").read()
-        m0, f0 = counts()
-        p = now.user_alloc(64)
-        assert p and now.user_free(p) == 0 and counts() == (m0 + 1, f0 + 1)
-        print("done")
-    """, load_core=False, args=(libs,)))
+    out = check_ok(run_scenario("reloc", "tail_call_after_dlclose", libs))
     assert out == "done\n"

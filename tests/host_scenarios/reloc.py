@@ -224,5 +224,24 @@ def own_runtimes(d):
     print("done")
 
 
+def tail_call_after_dlclose(d):
+    """A tail call (user_free's `return cudaFree(p)`) has a caller outside every patched
+    object; after the newest runtime is unloaded it reaches one still loaded."""
+    import _ctypes
+    begin(d)
+    now = load("libuser_now.so")                              # tail calls, on libcudart_stub
+    core().install_relocation_hooks()
+    lib_d = load("libuser_on_d.so")
+    d_stub = ctypes.CDLL(os.path.join(D, "libcudart_d.so"))
+    assert lib_d.user_free(lib_d.user_alloc(64)) == 0 and d_stub.stub_frees() == 1
+    _ctypes.dlclose(lib_d._handle)
+    _ctypes.dlclose(d_stub._handle)
+    assert "libcudart_d.so" not in open("/proc/self/maps").read()
+    m0, f0 = counts()
+    p = now.user_alloc(64)
+    assert p and now.user_free(p) == 0 and counts() == (m0 + 1, f0 + 1)
+    print("done")
+
+
 if __name__ == "__main__":
     run_cases(globals(), sys.argv)
