@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 
-from . import floor, report
+from . import floor, run_report as report
 from .common import GiB, MiB, error_record, log, write_json_atomic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

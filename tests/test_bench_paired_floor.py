@@ -13,7 +13,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import report  # noqa: E402
+from benchmarks import run_report as report  # noqa: E402
 
 STAND_IN = textwrap.dedent("""
     import ctypes, json, sys
