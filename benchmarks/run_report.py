@@ -1,22 +1,24 @@
-"""Turns the raw results of a run into ratios (derive), a Markdown report and PNG plots."""
+"""The run suite's figures: its raw results turned into ratios (derive), the
+report's Markdown body and its PNG plots."""
 import os
 
-from .common import GiB, MiB, fmt_bytes, median
+from .common import GiB, MiB, fmt_bytes, median, pyplot, save_png
+from .report import table as _table
 
-# Issue 4's targets for 8 GiB in 16 tensors (GB/s).
+# Backup targets for 8 GiB in 16 tensors (GB/s): a backup should run near the copy link.
 BACKUP_TARGETS = {
     "mmap": {"pause": 35.0, "resume": 40.0, "which": "first and steady cycles"},
     "mmap_retained": {"pause": 50.0, "resume": 50.0, "which": "steady cycles"},
     "pinned_retained": {"pause": 50.0, "resume": 50.0, "which": "steady cycles"},
 }
 PASSTHROUGH_TARGET_NS_PER_CALL = 1000.0
-CONTENTION_TARGET_P99_US = 100.0  # issue 12: pass-through calls on another thread during a backed-up pause
+CONTENTION_TARGET_P99_US = 100.0  # pass-through calls on another thread must not wait for a backed-up pause
 CONTENTION_OPS = {"pair_hook": "cudaMalloc+cudaFree 2 MiB, hook", "pair_direct": "cudaMalloc+cudaFree 2 MiB, libcudart",
                   "foreign_free_hook": "cudaFree of a host address, hook",
                   "foreign_free_direct": "cudaFree of a host address, libcudart", "stats": "stats()"}
 FLOOR_RATIO_TARGET = 1.2
-# Issue 11: disk backup against the directory's own parallel O_DIRECT rate; on a
-# tmpfs an absolute rate (the pipeline is not the limit); RSS growth per pause.
+# Disk backup against the directory's own parallel O_DIRECT rate; on a tmpfs an
+# absolute rate (the pipeline is not the limit); RSS growth per pause.
 DISK_TARGET_VS_LIMIT = 0.9
 DISK_TARGET_TMPFS_GBPS = 20.0
 DISK_TARGET_RSS_BYTES = 512 * MiB
@@ -90,8 +92,9 @@ def _paired(e):
     return {"paired_pause_ms": fp * 1e3 if fp else None, "paired_resume_ms": fr * 1e3 if fr else None,
             "pause_vs_paired": _ratio(e["pause_median_s"], fp) if fp else None,
             "resume_vs_paired": _ratio(e["resume_median_s"], fr) if fr else None,
-            # The driver's create/release of 8 GiB and more takes 0.4 ms or 30-100 ms, floor and library
-            # alike (lent H100): a median of 5-7 cycles lands on either, the fastest cycles do not.
+            # The driver's create or release of a large allocation is either fast or tens of times slower
+            # from one cycle to the next, floor and library alike: a median of a few cycles may land on
+            # either, the fastest cycles do not.
             "pause_fastest_vs_paired": _ratio(e.get("pause_min_s"), mp) if mp and e.get("pause_min_s") else None,
             "resume_fastest_vs_paired": _ratio(e.get("resume_min_s"), mr) if mr and e.get("resume_min_s") else None,
             "paired_note": e.get("paired_note")}
@@ -332,32 +335,18 @@ PAIRED_TEXT = ("The paired floor is the raw driver loop on as many allocations o
                "its own (section 1).")
 
 
-def _table(head, rows):
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" if i else "---" for i in range(len(head))) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(str(c) for c in r) + " |")
-    return "\n".join(lines)
+def header_rows(meta):
+    """What the run's report header adds to the common one."""
+    return [["driver", f"{meta.get('driver_version', '-')} (CUDA driver API {meta.get('cuda_driver_api', '-')})"],
+            ["torch / CUDA", f"{meta.get('torch_version', '-')} / {meta.get('torch_cuda_version', '-')}"],
+            ["host", f"{meta.get('cpu_count', '-')} CPUs, {_f(meta.get('host_mem_gib'), '{:.0f}')} GiB RAM"],
+            ["wall time", f"{_f(meta.get('wall_s'), '{:.0f}')} s"]]
 
 
 def markdown(results, images):
-    meta = results.get("meta", {})
+    """The report's body, below the header report.write puts above it."""
     d = results.get("derived") or derive(results)
     out = []
-    title = "torch_memory_saver benchmark"
-    if meta.get("dry_run"):
-        title += " — DRY RUN (host backend, no GPU: figures are not GPU figures)"
-    out.append(f"# {title}\n")
-    out.append(_table(["", ""], [
-        ["device", meta.get("device_name", "-")],
-        ["driver", f"{meta.get('driver_version', '-')} (CUDA driver API {meta.get('cuda_driver_api', '-')})"],
-        ["torch / CUDA", f"{meta.get('torch_version', '-')} / {meta.get('torch_cuda_version', '-')}"],
-        ["host", f"{meta.get('cpu_count', '-')} CPUs, {_f(meta.get('host_mem_gib'), '{:.0f}')} GiB RAM"],
-        ["date (UTC)", meta.get("date", "-")],
-        ["commit", f"`{meta.get('git_commit', '-')}`" + (" (dirty)" if meta.get("git_dirty") else "")],
-        ["command", f"`{meta.get('command', '-')}`"],
-        ["wall time", f"{_f(meta.get('wall_s'), '{:.0f}')} s"],
-    ]))
-    out.append("")
     out.append("Medians unless noted; GB/s = 10⁹ bytes/s; every ratio is against a limit this run measured "
                "on this machine.\n")
     summary = _summary_lines(d)
@@ -680,20 +669,13 @@ def plots(results, out_dir, stem):
     """Writes the PNGs; returns ({name: file name}, [errors])."""
     d = results.get("derived") or derive(results)
     images, errors = {}, []
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:
-        return images, [f"matplotlib unavailable: {type(e).__name__}: {e}"]
+    plt = pyplot()
+    if plt is None:
+        return images, ["matplotlib unavailable"]
 
     def save(fig, name):
-        fname = f"{stem}-{name}.png"
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, fname), dpi=110)
-        plt.close(fig)
-        images[name] = fname
+        save_png(plt, fig, os.path.join(out_dir, f"{stem}-{name}.png"))
+        images[name] = f"{stem}-{name}.png"
 
     for key, xlabel, xscale in (("scaling_count", "allocations (2 MiB each)", 1.0),
                                 ("scaling_bytes", "bytes in one allocation (GiB)", 1.0 / GiB)):

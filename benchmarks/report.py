@@ -1,0 +1,207 @@
+"""The one report writer of every suite: the run's facts (device, date, commit,
+command line), then <suite>_<device>[-<variant>].json and .md (and the suite's
+PNGs) in the output folder, and README.md there, the index of the reports it holds.
+
+A report's name carries no date: a new run of a suite on the same device
+replaces the last one (git keeps the history), so the folder holds the latest
+report per suite and device.
+"""
+import datetime
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+from .common import GiB, REPO, error_record, read_json, write_json_atomic
+
+SUITES = ("run", "multi_gpu", "alloc_count", "fragmentation")
+DRY_RUN_DEVICE = "host backend (dry run)"
+
+
+def _run_text(cmd, timeout=20):
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return p.stdout.strip() if p.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def git_commit():
+    """(commit, dirty). TMS_BENCH_COMMIT names the commit of a copied tree
+    whose git metadata is not its own (a tree copied beside the .git of an
+    earlier copy); whether such a tree is dirty is then unknown (None)."""
+    named = os.environ.get("TMS_BENCH_COMMIT")
+    if named:
+        return named, None
+    commit = _run_text(["git", "-C", REPO, "rev-parse", "HEAD"])
+    dirty = None
+    status = _run_text(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"])
+    if status is not None:
+        dirty = any(line and "benchmarks/results" not in line for line in status.splitlines())
+    return commit or "unknown", dirty
+
+
+def _nvidia_smi():
+    if not shutil.which("nvidia-smi"):
+        return {}
+    index = "0"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if visible.isdigit():
+        index = visible
+    fields = ["name", "driver_version", "memory.total", "pcie.link.gen.max", "pcie.link.width.max"]
+    text = _run_text(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i", index])
+    if not text:
+        return {}
+    out = dict(zip(fields, (v.strip() for v in text.splitlines()[0].split(","))))
+    return {"device_name": out.get("name"), "driver_version": out.get("driver_version"),
+            "nvidia_smi_memory_total_mib": out.get("memory.total"),
+            "pcie": f"gen{out.get('pcie.link.gen.max')} x{out.get('pcie.link.width.max')}"}
+
+
+def _proc_field(path, prefix):
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(prefix):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def collect_meta(suite, argv, dry_run):
+    """What every report says about its run; the suite adds device_name where
+    nvidia-smi could not tell it."""
+    mem = _proc_field("/proc/meminfo", "MemTotal:")
+    meta = {
+        "suite": suite,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "dry_run": bool(dry_run),
+        "command": shlex.join(["python", "-m", "benchmarks", suite, *argv]),
+        "python": sys.version.split()[0],
+        "kernel": os.uname().release,
+        "cpu_model": _proc_field("/proc/cpuinfo", "model name"),
+        "cpu_count": os.cpu_count(),
+        "host_mem_gib": int(mem.split()[0]) * 1024 / GiB if mem else None,
+        "environment": {k: v for k, v in sorted(os.environ.items())
+                        if k.startswith("TMS_") or k in ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")},
+    }
+    meta["git_commit"], meta["git_dirty"] = git_commit()
+    try:
+        from torch_memory_saver import __version__
+
+        meta["tms_version"] = __version__
+    except Exception as e:
+        meta["tms_version"] = f"import failed: {e}"
+    if dry_run:
+        meta["device_name"] = DRY_RUN_DEVICE
+    else:
+        meta.update({k: v for k, v in _nvidia_smi().items() if v})
+    return meta
+
+
+def slug(text):
+    return re.sub(r"[^A-Za-z0-9]+", "-", text or "gpu").strip("-") or "gpu"
+
+
+def name(meta, variant=None):
+    """<suite>_<device>[-<variant>]: the variant names what makes a run of the
+    suite another report on the same device (processes per GPU, options)."""
+    return f"{meta['suite']}_{slug(meta.get('device_name'))}" + (f"-{variant}" if variant else "")
+
+
+def out_dir(requested, dry_run):
+    """--out, else benchmarks/results; a dry run's figures mean nothing, so by
+    default they go to build/bench-dry-run instead."""
+    from .common import DRY_RUN_OUT, RESULTS
+
+    path = os.path.abspath(requested or (DRY_RUN_OUT if dry_run else RESULTS))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def table(head, rows, align=None):
+    """A Markdown table; align is one letter per column (l or r), default the
+    first column left and the rest right."""
+    align = align or "l" + "r" * (len(head) - 1)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def header(meta, title, extra_rows=()):
+    if meta.get("dry_run"):
+        title += " — DRY RUN (host backend, no GPU: figures are not GPU figures)"
+    commit = f"`{meta.get('git_commit', '-')}`" + (" (dirty)" if meta.get("git_dirty") else "")
+    rows = [["device", meta.get("device_name", "-")], ["date (UTC)", meta.get("date", "-")], ["commit", commit],
+            ["command", f"`{meta.get('command', '-')}`"], *extra_rows]
+    return f"# {title}\n\n" + table(["", ""], rows) + "\n\n"
+
+
+def write(out, stem, doc, title, body, plots=None, extra_rows=()):
+    """Writes stem.json (doc, which holds "meta") and stem.md (the header, then
+    body(images)); then plots(out, stem) -> {name: PNG file name}, and both again
+    with the images, so that a plot that fails costs no figures; then the index.
+    Returns the Markdown path."""
+    meta = doc["meta"]
+    md_path = os.path.join(out, f"{stem}.md")
+
+    def save(images):
+        write_json_atomic(os.path.join(out, f"{stem}.json"), doc, strip=REPO + os.sep)
+        try:
+            text = body(images)
+        except Exception as e:  # the figures are in the JSON; say why the text is not
+            r = error_record(e)
+            text = f"Markdown report failed: {r['error']}\n\n```\n{r['traceback']}\n```\n"
+        with open(md_path, "w") as f:
+            f.write(header(meta, title, extra_rows() if callable(extra_rows) else extra_rows) + text)
+
+    save({})
+    if plots:
+        try:
+            images = plots(out, stem)
+        except Exception as e:
+            images = {}
+            doc.setdefault("errors", []).append({"where": "report/plots", **error_record(e)})
+        if images:
+            doc["plots"] = images
+            save(images)
+    write_index(out)
+    return md_path
+
+
+def _report_facts(path, suite, stem):
+    """Device (with the variant its name adds), date and commit of a report;
+    reports written before this writer kept them at the top level."""
+    doc = read_json(path)
+    meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else doc
+    device = meta.get("device_name") or meta.get("device") or "-"
+    key = stem[len(suite) + 1:]
+    variant = key[len(slug(device)) + 1:] if key.startswith(slug(device) + "-") else ""
+    return {"device": device + (f" ({variant})" if variant else ""), "date": meta.get("date") or "-",
+            "commit": (meta.get("git_commit") or "-")[:12]}
+
+
+def write_index(out):
+    """README.md of the folder: each report there, with its device, date and commit."""
+    rows = []
+    files = sorted(os.listdir(out))
+    for suite in SUITES:
+        for f in files:
+            if not (f.startswith(suite + "_") and f.endswith(".json")):
+                continue
+            stem = f[:-len(".json")]
+            facts = _report_facts(os.path.join(out, f), suite, stem)
+            pngs = [p for p in files if p.endswith(".png") and (p == stem + ".png" or p.startswith(stem + "-"))]
+            md = f"[{stem}.md]({stem}.md)" if f"{stem}.md" in files else "-"
+            rows.append([f"`{suite}`", facts["device"], facts["date"], f"`{facts['commit']}`", md,
+                         ", ".join(f"[{p[len(stem):].strip('-.') or 'png'}]({p})" for p in pngs) or "-"])
+    text = ("# Benchmark reports\n\n"
+            "The latest report of each suite on each device, written by `python -m benchmarks <suite>` "
+            "(`make bench SUITE=<suite>`); a new run replaces its suite's report for that device, and git "
+            "keeps the earlier ones. Each report names the commit it measured and its command line.\n\n"
+            + table(["suite", "device", "date (UTC)", "commit", "report", "plots"], rows, "llllll") + "\n")
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(text)
