@@ -172,32 +172,30 @@ def write(out, stem, doc, title, body, plots=None, extra_rows=()):
     return md_path
 
 
-def _report_facts(path, suite, stem):
-    """Device (with the variant its name adds), date and commit of a report;
-    reports written before this writer kept them at the top level."""
+def _report_facts(path, suite, stem, files):
+    """Device (with the variant its name adds), date, commit and plots of a
+    report; reports written before this writer kept them at the top level."""
     doc = read_json(path)
     meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else doc
     device = meta.get("device_name") or meta.get("device") or "-"
     key = stem[len(suite) + 1:]
     variant = key[len(slug(device)) + 1:] if key.startswith(slug(device) + "-") else ""
+    plots = doc.get("plots") or ({"plot": stem + ".png"} if stem + ".png" in files else {})
     return {"device": device + (f" ({variant})" if variant else ""), "date": meta.get("date") or "-",
-            "commit": (meta.get("git_commit") or "-")[:12]}
+            "commit": (meta.get("git_commit") or "not recorded")[:12],
+            "plots": {k: f for k, f in plots.items() if f in files}}
 
 
 def write_index(out):
-    """README.md of the folder: each report there, with its device, date and commit."""
+    """README.md of the folder: each report there, with its device, date, commit and plots."""
+    files = set(os.listdir(out))
     rows = []
-    files = sorted(os.listdir(out))
     for suite in SUITES:
-        for f in files:
-            if not (f.startswith(suite + "_") and f.endswith(".json")):
-                continue
-            stem = f[:-len(".json")]
-            facts = _report_facts(os.path.join(out, f), suite, stem)
-            pngs = [p for p in files if p.endswith(".png") and (p == stem + ".png" or p.startswith(stem + "-"))]
+        for stem in sorted(f[:-len(".json")] for f in files if f.startswith(suite + "_") and f.endswith(".json")):
+            facts = _report_facts(os.path.join(out, stem + ".json"), suite, stem, files)
             md = f"[{stem}.md]({stem}.md)" if f"{stem}.md" in files else "-"
             rows.append([f"`{suite}`", facts["device"], facts["date"], f"`{facts['commit']}`", md,
-                         ", ".join(f"[{p[len(stem):].strip('-.') or 'png'}]({p})" for p in pngs) or "-"])
+                         ", ".join(f"[{k}]({f})" for k, f in facts["plots"].items()) or "-"])
     text = ("# Benchmark reports\n\n"
             "The latest report of each suite on each device, written by `python -m benchmarks <suite>` "
             "(`make bench SUITE=<suite>`); a new run replaces its suite's report for that device, and git "
