@@ -167,7 +167,7 @@ def write(out, stem, doc, title, body, plots=None, extra_rows=()):
             doc.setdefault("errors", []).append({"where": "report/plots", **error_record(e)})
         if images:
             doc["plots"] = images
-            save(images)
+        save(images)
     write_index(out)
     return md_path
 

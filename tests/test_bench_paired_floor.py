@@ -1,7 +1,7 @@
 """`make bench` compares discard-mode pause/resume with the driver's own loop
 cycled beside it in the same process (the paired floor), not only with a
-floor measured in a process of its own: on the lent H100 the own-process
-floor of one 8 GiB allocation moved 3-6 ms between processes. No GPU here:
+floor measured in a process of its own, whose figure for one large allocation
+moves from one process to the next. No GPU here:
 the cycles run on the host backend beside a stand-in for floor.Paired, and
 the report is fed made-up figures."""
 import json
