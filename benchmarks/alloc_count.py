@@ -140,12 +140,12 @@ def _markdown(r):
              "`paired` is the same floor loop on as many allocations of its own inside the worker process, "
              "one cycle of it beside each cycle of the library, first and second in turn (floor.Paired): "
              "PyTorch loaded, its primary context, the same idle time before each call. "
-             "Target: call <= 1.2x floor.", "",
-             "| allocations | pause call ms | pause core ms | floor ms | paired ms | shuffled ms | call/floor "
-             "| call/paired | µs/alloc (call) "
-             "| resume call ms | resume core ms | floor ms | paired ms | shuffled ms | call/floor | call/paired "
-             "| µs/alloc (call) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "Target: call <= 1.2x floor.", ""]
+    per_op = ["call ms", "core ms", "floor ms", "paired ms", "shuffled ms", "call/floor", "call/paired",
+              "µs/alloc (call)"]
+    head = ["allocations"] + [f"{op} {c}" if c in ("call ms", "core ms") else c for op in ("pause", "resume")
+                              for c in per_op]
+    rows = []
     for p in r["points"]:
         cells = [str(p["allocations"])]
         for op in ("pause", "resume"):
@@ -155,15 +155,13 @@ def _markdown(r):
                       f"{paired * 1e3:.3f}" if paired else "-", f"{shuffled * 1e3:.3f}" if shuffled else "-",
                       f"{call / fl:.2f}×" if fl else "-", f"{call / paired:.2f}×" if paired else "-",
                       f"{call / max(1, p['allocations']) * 1e6:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "`allocation_at()` of an address 4 KiB inside each tensor (what `get_cpu_backup` of a tensor "
-              "inside a segment looks up), per lookup, after the cycles:", "",
-              "| allocations | tensors looked up | first pass µs | later passes µs |", "|---:|---:|---:|---:|"]
-    for p in r["points"]:
-        passes = p.get("lookup_s") or []
-        if passes:
-            later = ", ".join(f"{t * 1e6:.2f}" for t in passes[1:])
-            lines.append(f"| {p['allocations']} | {p.get('tensors', '-')} | {passes[0] * 1e6:.2f} | {later} |")
+        rows.append(cells)
+    lines += [report.table(head, rows, "r" * len(head)), "",
+              "`allocation_at()` of an address 4 KiB inside each tensor (what `get_cpu_backup` of a tensor "
+              "inside a segment looks up), per lookup, after the cycles:", ""]
+    rows = [[p["allocations"], p.get("tensors", "-"), f"{p['lookup_s'][0] * 1e6:.2f}",
+             ", ".join(f"{t * 1e6:.2f}" for t in p["lookup_s"][1:])] for p in r["points"] if p.get("lookup_s")]
+    lines.append(report.table(["allocations", "tensors looked up", "first pass µs", "later passes µs"], rows, "rrrr"))
     return "\n".join(lines) + "\n"
 
 
