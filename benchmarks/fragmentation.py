@@ -160,21 +160,19 @@ def table(results):
     def per_live(r):
         return "-" if r["torch_reserved"] is None else f"{r['torch_reserved'] / max(r['live_bytes'], 1):.2f}×"
 
-    lines = ["| churn | hook mode | expandable segments | live tensors | live GiB | PyTorch reserved GiB | tag GiB "
-             "(allocations, adopted) | reserved / live | pause frees (of tag) | pause ms | resume ms |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    head = ["churn", "hook mode", "expandable segments", "live tensors", "live GiB", "PyTorch reserved GiB",
+            "tag GiB (allocations, adopted)", "reserved / live", "pause frees (of tag)", "pause ms", "resume ms"]
+    rows = []
     for r in results:
+        cells = [r["pattern"], r["hook_mode"], "on" if r["expandable"] else "off"]
         if "error" in r:
-            lines.append(f"| {r['pattern']} | {r['hook_mode']} | {'on' if r['expandable'] else 'off'} | "
-                         f"error: {r['error'][:200]} "
-                         "| | | | | | | |")
+            rows.append(cells + [f"error: {r['error'][:200]}"] + [""] * 7)
             continue
-        lines.append(
-            f"| {r['pattern']} | {r['hook_mode']} | {'on' if r['expandable'] else 'off'} | {r['live_tensors']} "
-            f"| {gib(r['live_bytes'])} | {gib(r['torch_reserved'])} | {gib(r['tag_bytes'])} ({r['allocations']}, "
-            f"{r['adopted']}) | {per_live(r)} "
-            f"| {r['freed_by_pause'] / max(r['tag_bytes'], 1):.1%} | {r['pause_ms']:.1f} | {r['resume_ms']:.1f} |")
-    return "\n".join(lines)
+        rows.append(cells + [r["live_tensors"], gib(r["live_bytes"]), gib(r["torch_reserved"]),
+                             f"{gib(r['tag_bytes'])} ({r['allocations']}, {r['adopted']})", per_live(r),
+                             f"{r['freed_by_pause'] / max(r['tag_bytes'], 1):.1%}", f"{r['pause_ms']:.1f}",
+                             f"{r['resume_ms']:.1f}"])
+    return report.table(head, rows, "lllrrrrrrrr")
 
 
 def main(argv=None):

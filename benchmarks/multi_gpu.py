@@ -445,21 +445,18 @@ def _markdown(r):
         lines += ["Host limits measured after the backups: the first pause is this VM's first touch of that memory.",
                   ""]
     if "limit_fill" in r:
-        lines += ["| host limit, all processes at once | per GPU GB/s | aggregate GB/s |", "|---|---:|---:|"]
-        for key, name in (("fill_first", "fresh-page fill, first touch of the process"),
-                          ("fill", "fresh-page fill, again (median of the next 2)"),
-                          ("copy", f"host copy out of filled memory, {COPY_BLOCK // MiB} MiB blocks (median of {COPY_REPS})"),
-                          ("d2h", "pinned device→host"),
-                          ("h2d", "pinned host→device")):
-            if f"limit_{key}" not in r:
-                continue
-            lim = r[f"limit_{key}"]
-            lines.append(f"| {name} | {' / '.join(map(fmt, lim['per_gpu']))} | {fmt(lim['aggregate'])} |")
-        lines.append("")
-    lines += ["| backup | cycle | pause per GPU GB/s | pause aggregate (× limit) | resume per GPU GB/s "
-              "| resume aggregate (× limit) | start skew pause / resume ms | page faults in pause, per GPU "
-              "| anon huge pages after pause GiB | contents | exit codes |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        rows = [[name, " / ".join(map(fmt, r[f"limit_{key}"]["per_gpu"])), fmt(r[f"limit_{key}"]["aggregate"])]
+                for key, name in (("fill_first", "fresh-page fill, first touch of the process"),
+                                  ("fill", "fresh-page fill, again (median of the next 2)"),
+                                  ("copy", f"host copy out of filled memory, {COPY_BLOCK // MiB} MiB blocks "
+                                           f"(median of {COPY_REPS})"),
+                                  ("d2h", "pinned device→host"), ("h2d", "pinned host→device"))
+                if f"limit_{key}" in r]
+        lines += [report.table(["host limit, all processes at once", "per GPU GB/s", "aggregate GB/s"], rows), ""]
+    head = ["backup", "cycle", "pause per GPU GB/s", "pause aggregate (× limit)", "resume per GPU GB/s",
+            "resume aggregate (× limit)", "start skew pause / resume ms", "page faults in pause, per GPU",
+            "anon huge pages after pause GiB", "contents", "exit codes"]
+    rows = []
     for row in r["rows"]:
         retained = row["config"].endswith("retained")
         for i, cyc in enumerate(row["cycles"]):
@@ -476,11 +473,11 @@ def _markdown(r):
             cells.append(" / ".join("–" if x is None else f"{x * 1e3:.1f}" for x in skews))
             cells += [" / ".join(str(x) for x in cyc.get("pause_faults", [])),
                       " / ".join(f"{x / GiB:.1f}" for x in cyc.get("huge_bytes_paused", []))]
-            lines.append(f"| {_name(row)} | {'first' if i == 0 else i + 1} | {' | '.join(cells)} | "
-                         f"{'exact' if cyc['verified'] else 'MISMATCH'} | {row['exit_codes']} |")
+            rows.append([_name(row), "first" if i == 0 else i + 1, *cells,
+                         "exact" if cyc["verified"] else "MISMATCH", row["exit_codes"]])
         if not row["cycles"]:
-            lines.append(f"| {_name(row)} | failed | | | | | | | | | {row['exit_codes']} |")
-    lines.append("")
+            rows.append([_name(row), "failed", *[""] * 8, row["exit_codes"]])
+    lines += [report.table(head, rows, "llrrrrrrrll"), ""]
     lines.append("Pause of a non-retained backup is bound by the fresh-page fill; a retained one by the link. A resume "
                  "from page-locked memory (pinned, or retained) is bound by the link; one of a non-retained mmap "
                  "backup also by the host copy into the staging, the lower of the two.")
