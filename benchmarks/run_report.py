@@ -85,6 +85,16 @@ def _fit_line(xs, ys):
     return {"intercept": my - b * mx, "slope": b, "points": n}
 
 
+def _vs_floors(e, f):
+    """A measured shape's or point's times, and their ratios to the own-process
+    floor f (None where it did not run) and to the paired floor."""
+    out = {"pause_ms": e["pause_median_s"] * 1e3, "resume_ms": e["resume_median_s"] * 1e3}
+    for what in ("pause", "resume"):
+        out[f"floor_{what}_ms"] = f[f"{what}_median_s"] * 1e3 if f else None
+        out[f"{what}_vs_floor"] = _ratio(e[f"{what}_median_s"], f[f"{what}_median_s"]) if f else None
+    return {**out, **_paired(e)}
+
+
 def _paired(e):
     """The paired floor's figures and the ratios to it, for a measured shape or point."""
     fp, fr = e.get("paired_pause_median_s"), e.get("paired_resume_median_s")
@@ -142,15 +152,9 @@ def derive(results):
                 f = floor.get((int(e["allocations"]), int(e["reserved_size"]))) if e.get("allocations") else None
                 n = max(1, int(e.get("allocations") or 1))
                 row.update({
-                    "pause_ms": e["pause_median_s"] * 1e3,
-                    "resume_ms": e["resume_median_s"] * 1e3,
+                    **_vs_floors(e, f),
                     "pause_per_alloc_us": e["pause_median_s"] / n * 1e6,
                     "resume_per_alloc_us": e["resume_median_s"] / n * 1e6,
-                    "floor_pause_ms": f["pause_median_s"] * 1e3 if f else None,
-                    "floor_resume_ms": f["resume_median_s"] * 1e3 if f else None,
-                    "pause_vs_floor": _ratio(e["pause_median_s"], f["pause_median_s"]) if f else None,
-                    "resume_vs_floor": _ratio(e["resume_median_s"], f["resume_median_s"]) if f else None,
-                    **_paired(e),
                     "freed_gib": (median(e.get("freed_bytes") or []) or 0) / GiB,
                     "reserved_gib": (e.get("reserved_bytes") or 0) / GiB,
                     "freed_ok": e.get("freed_ok"),
@@ -288,15 +292,8 @@ def derive(results):
                                 "skipped": p.get("skipped") or p.get("error")})
                     continue
                 f = floor.get((int(p["allocations"]), int(p["reserved_size"])))
-                pts.append({
-                    "x": p.get(xkey), "allocations": p.get("allocations"), "reserved_size": p.get("reserved_size"),
-                    "pause_ms": p["pause_median_s"] * 1e3, "resume_ms": p["resume_median_s"] * 1e3,
-                    "floor_pause_ms": f["pause_median_s"] * 1e3 if f else None,
-                    "floor_resume_ms": f["resume_median_s"] * 1e3 if f else None,
-                    "pause_vs_floor": _ratio(p["pause_median_s"], f["pause_median_s"]) if f else None,
-                    "resume_vs_floor": _ratio(p["resume_median_s"], f["resume_median_s"]) if f else None,
-                    **_paired(p),
-                })
+                pts.append({"x": p.get(xkey), "allocations": p.get("allocations"),
+                            "reserved_size": p.get("reserved_size"), **_vs_floors(p, f)})
         good = [p for p in pts if p.get("pause_ms") is not None]
         scale = 1.0 if key == "count" else 1.0 / GiB
         fits = {}
