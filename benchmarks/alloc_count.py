@@ -19,7 +19,7 @@ tags hold. After the cycles each worker also times allocation_at() of an
 address 4 KiB inside each tensor (the lookup that get_cpu_backup of a tensor
 inside a segment makes), three passes.
 
---dry-run: host backend and no floor, for the plumbing only.
+--dry-run: host backend, up to 100 allocations and no floor, for the plumbing only.
 Report: alloc_count_<device>[-idle<U>us][-beside<N>].{md,json,png}.
 """
 import argparse
@@ -203,7 +203,8 @@ def _run_worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_us=0.0, be
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks alloc_count", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--counts", default="1,10,100,1000,10000")
+    ap.add_argument("--counts", help="allocation counts, one worker each (default 1,10,100,1000,10000; "
+                                     "1,10,100 for --dry-run)")
     ap.add_argument("--cycles", type=int, default=8, help="even: the paired floor goes first in half of them")
     # The driver's unmap in a fresh PyTorch process takes a few cycles to settle.
     ap.add_argument("--warmup", type=int, default=4)
@@ -216,7 +217,8 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="no GPU: host backend, no floor, plumbing only")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-    counts = [int(c) for c in args.counts.split(",") if c]
+    counts = [int(c) for c in (args.counts or ("1,10,100" if args.dry_run else "1,10,100,1000,10000")).split(",")
+              if c]
     meta = report.collect_meta("alloc_count", argv, args.dry_run)
     r = {"meta": meta, "cycles": args.cycles, "warmup": args.warmup, "idle_us": args.idle_us}
     # A process per count, as the floor frees each shape's reservations before

@@ -12,10 +12,10 @@ holds for the tag, device memory taken since the start; and what a pause of
 the tag gives back (free memory gained / tag bytes) and how long pause and
 resume take.
 
---dry-run: the same churn on the host backend under a live cap of 64 MiB, the
-library's own allocations standing in for tensors (no PyTorch allocator: its
-reserved bytes are not known) and the process's resident memory for the
-device's; the figures mean nothing.
+--dry-run: 100 steps of the same churn on the host backend under a live cap of
+64 MiB, the library's own allocations standing in for tensors (no PyTorch
+allocator: its reserved bytes are not known) and the process's resident memory
+for the device's; the figures mean nothing.
 Report: fragmentation_<device>.{md,json}.
 """
 import argparse
@@ -178,7 +178,7 @@ def table(results):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks fragmentation",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=None, help="churn steps (default 400; 100 for --dry-run)")
     parser.add_argument("--live-gib", type=float, default=None, help="live cap (default 24; 1/16 for --dry-run)")
     parser.add_argument("--seed", type=int, default=15)
     parser.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
@@ -187,6 +187,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.live_gib is None:
         args.live_gib = 1 / 16 if args.dry_run else 24
+    if args.steps is None:
+        args.steps = 100 if args.dry_run else 400
     meta = report.collect_meta("fragmentation", argv, args.dry_run)
     if not args.dry_run:
         import torch

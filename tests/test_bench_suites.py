@@ -14,12 +14,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import report  # noqa: E402
 
-DRY_RUNS = {
-    "run": [],
-    "multi_gpu": ["--cycles", "2", "--configs", "mmap,pinned_retained"],
-    "alloc_count": ["--counts", "1,3", "--cycles", "2", "--warmup", "1", "--beside", "2"],
-    "fragmentation": ["--steps", "60"],
-}
+# Each suite's dry run as documented: `python -m benchmarks <suite> --dry-run`.
+DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation"]
 # What each dry run measured, beyond the plumbing: the rows its report names.
 CHECKS = {
     "run": lambda d: (sorted(d["backup"]) == ["mmap", "mmap_retained", "pinned", "pinned_retained"]
@@ -28,16 +24,17 @@ CHECKS = {
                       and sorted(d["disk"]) == ["disk", "tmpfs"]
                       and {e["where"] for e in d["errors"]} <= {"floor", "report/plots"}),
     "multi_gpu": lambda d: ([(r["config"], r["exit_codes"], len(r["cycles"])) for r in d["rows"]]
-                            == [("mmap", [0, 0], 2), ("pinned_retained", [0, 0], 2)]
+                            == [("mmap", [0, 0], 3), ("pinned", [0, 0], 3), ("mmap_retained", [0, 0], 3)]
                             and all(c["verified"] for r in d["rows"] for c in r["cycles"])
                             and all(f"limit_{k}" in d for k in ("fill", "copy", "d2h", "h2d"))),
-    "alloc_count": lambda d: [p["allocations"] for p in d["points"]] == [1, 3] and d["beside"] == 2,
+    "alloc_count": lambda d: ([p["allocations"] for p in d["points"]] == [1, 10, 100]
+                              and all(len(p["pause"]) == 8 and len(p["lookup_s"]) == 3 for p in d["points"])),
     "fragmentation": lambda d: (len(d["rows"]) == 8 and not any("error" in r for r in d["rows"])
                                 and {(r["pattern"], r["hook_mode"]) for r in d["rows"]}
                                 == {(p, m) for p in ("steady", "bursty") for m in ("preload", "torch")}),
 }
 STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend-dry-run-2procs-on-1",
-         "alloc_count": "alloc_count_host-backend-dry-run-beside2",
+         "alloc_count": "alloc_count_host-backend-dry-run",
          "fragmentation": "fragmentation_host-backend-dry-run"}
 
 
@@ -51,16 +48,15 @@ def _header(text):
     return {c[0]: c[1] for c in ([x.strip() for x in r.strip("|").split("|")] for r in rows)}
 
 
-@pytest.mark.parametrize("suite", list(DRY_RUNS))
+@pytest.mark.parametrize("suite", DRY_RUNS)
 def test_each_suite_dry_run_writes_its_report_through_the_one_writer(suite, tmp_path):
-    proc = _bench(suite, "--dry-run", "--out", str(tmp_path), *DRY_RUNS[suite])
+    proc = _bench(suite, "--dry-run", "--out", str(tmp_path))
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     stem = STEMS[suite]
     doc = json.loads((tmp_path / f"{stem}.json").read_text())
     meta = doc["meta"]
     assert meta["suite"] == suite and meta["dry_run"] is True
-    assert meta["command"] == " ".join(["python", "-m", "benchmarks", suite, "--dry-run", "--out", str(tmp_path),
-                                        *DRY_RUNS[suite]])
+    assert meta["command"] == f"python -m benchmarks {suite} --dry-run --out {tmp_path}"
     assert meta["git_commit"] and meta["date"].endswith("Z")
     assert CHECKS[suite](doc), json.dumps(doc)[-3000:]
     text = (tmp_path / f"{stem}.md").read_text()
