@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-from .common import GiB, REPO, error_record, read_json, write_json_atomic
+from .common import DRY_RUN_OUT, REPO, RESULTS, GiB, error_record, read_json, write_json_atomic
 
 SUITES = ("run", "multi_gpu", "alloc_count", "fragmentation")
 DRY_RUN_DEVICE = "host backend (dry run)"
@@ -115,8 +115,6 @@ def name(meta, variant=None):
 def out_dir(requested, dry_run):
     """--out, else benchmarks/results; a dry run's figures mean nothing, so by
     default they go to build/bench-dry-run instead."""
-    from .common import DRY_RUN_OUT, RESULTS
-
     path = os.path.abspath(requested or (DRY_RUN_OUT if dry_run else RESULTS))
     os.makedirs(path, exist_ok=True)
     return path
