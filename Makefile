@@ -2,7 +2,7 @@
 PYTHON ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: build deps reinstall test soak demo bench bench-multi-gpu bench-alloc-count bench-fragmentation sanitize sanitize-thread sanitize-python fuzz clean
+.PHONY: build deps reinstall test soak demo bench bench-multi-gpu bench-alloc-count bench-fragmentation bench-dry-run sanitize sanitize-thread sanitize-python fuzz clean
 
 # The extensions compiled in place (torch_memory_saver/_tms_*.abi3.so, the upstream-named
 # shims at the root) for tests; warnings are errors here and in CI, never in a user's install.
@@ -48,21 +48,29 @@ demo:
 	$(PYTHON) -m pip install -q .
 	cd /tmp && $(PYTHON) -m torch_memory_saver demo
 
+# One tool, `python -m benchmarks <suite>`: `make bench` runs the one-GPU suite
+# (run); SUITE picks another and BENCH_ARGS adds its options. The other bench-*
+# targets are short names for the suites. Reports go to benchmarks/results.
+SUITE ?= run
+BENCH_ARGS ?=
 bench: build
-	$(PYTHON) -m benchmarks.run
+	$(PYTHON) -m benchmarks $(SUITE) $(BENCH_ARGS)
 
-# Every GPU of the host pausing at once, one process per GPU (issue 16); GIB=24 by default.
+# Every GPU of the host pausing at once, one process per GPU; GIB=24 by default.
 GIB ?= 24
 bench-multi-gpu: build
-	$(PYTHON) -m benchmarks.multi_gpu --gib $(GIB)
+	$(PYTHON) -m benchmarks multi_gpu --gib $(GIB) $(BENCH_ARGS)
 
-# Pause/resume cost per allocation against the raw driver loop, 1 to 10,000 allocations (issue 16).
 bench-alloc-count: build
-	$(PYTHON) -m benchmarks.alloc_count
+	$(PYTHON) -m benchmarks alloc_count $(BENCH_ARGS)
 
-# Reserved bytes with and without expandable segments, both hook modes (issue 15).
 bench-fragmentation: build
-	$(PYTHON) -m benchmarks.fragmentation
+	$(PYTHON) -m benchmarks fragmentation $(BENCH_ARGS)
+
+# Every suite's dry run on the host backend (no GPU; reports in build/bench-dry-run).
+bench-dry-run: build
+	for s in run multi_gpu alloc_count fragmentation; do \
+	    TMS_BACKEND=host $(PYTHON) -m benchmarks $$s --dry-run || exit 1; done
 
 # C tests under AddressSanitizer + UndefinedBehaviorSanitizer.
 sanitize:

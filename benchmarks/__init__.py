@@ -1,2 +1,3 @@
-"""Benchmarks of torch_memory_saver: both hook modes side by side, every figure as a
-ratio to a limit this machine measures itself. Entry point: `python -m benchmarks.run`."""
+"""Benchmarks of torch_memory_saver, one tool: `python -m benchmarks <suite>`
+(see benchmarks/__main__.py); every figure is set beside a limit the same run
+measures on the same machine."""

@@ -1,6 +1,6 @@
-"""Pause/resume cost per allocation against the raw driver loop (issue 16):
-`python -m benchmarks.alloc_count [--counts 1,10,100,1000,10000] [--cycles C]
-[--beside N] [--out DIR] [--dry-run]`.
+"""The `alloc_count` suite: pause/resume cost per allocation against the raw
+driver loop: `python -m benchmarks alloc_count [--counts 1,10,100,1000,10000]
+[--cycles C] [--idle-us U] [--beside N] [--out DIR] [--dry-run]`.
 
 A worker process per n (torch hook mode) holds n allocations of 2 MiB in one tag
 (2n tensors of 1 MiB: PyTorch packs two in each 2 MiB segment) and times
@@ -12,40 +12,30 @@ memory works). vmm_floor.c runs the same driver calls, and the same writes
 (<= 1.2x). It runs again with --shuffle: the driver's cost of a scattered order.
 Inside each worker the floor also holds n allocations of its own and runs one
 cycle beside each of the library's, first and second in turn (floor.Paired):
-the same process, context and idle time before the call, which moves the
-driver's cost of one allocation by up to 2x. --beside N keeps N more
-allocations of another tag live in each worker: a pause of one tag should not
-cost more for what other tags hold. After the cycles each worker also times
-allocation_at() of an address 4 KiB inside each tensor (the lookup that
-get_cpu_backup of a tensor inside a segment makes), three passes.
+the same process, context and idle time before the call, which all move the
+driver's cost of one allocation. --beside N keeps N more allocations of another
+tag live in each worker: a pause of one tag should not cost more for what other
+tags hold. After the cycles each worker also times allocation_at() of an
+address 4 KiB inside each tensor (the lookup that get_cpu_backup of a tensor
+inside a segment makes), three passes.
 
---dry-run: host backend and no floor, for the plumbing only.
-Output: DIR/<date>_<device>-alloc_count.{md,json,png}.
+--dry-run: host backend, up to 100 allocations and no floor, for the plumbing only.
+Report: alloc_count_<device>[-idle<U>us][-beside<N>].{md,json,png}.
 """
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
-from . import floor
-from .common import MiB, median, pyplot, save_png
+from . import floor, report
+from .common import MiB, child_env, median, pyplot, run_worker, save_png, spin
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOC_BYTES = 2 * MiB
+TITLE = "Pause/resume per allocation vs the driver floor"
 
 
-def _spin(seconds):
-    """Busy-waits: the device idles, the CPU does not (no sleep state to wake from)."""
-    until = time.perf_counter() + seconds
-    while time.perf_counter() < until:
-        pass
-
-
-def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0):
+def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0, save=None):
     """Runs in the worker process: {count: point}. With floor_lib, the floor
     holds as many allocations of its own in this process and runs a cycle
     beside each of the library's (floor.Beside), first and second in turn."""
@@ -67,7 +57,7 @@ def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0
                 fp = paired.cycle(c, idle_s)
             before = env.tag_stats(tag)
             env.touch(block, c)  # ends in a synchronize, as the floor's cycle starts
-            _spin(idle_s)
+            spin(idle_s)
             t0 = time.perf_counter()
             env.tms.pause(tag)
             t1 = time.perf_counter()
@@ -101,7 +91,9 @@ def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0
 
 
 def _interior_lookups(env, block, passes=3):
-    """Seconds per allocation_at() of an address inside each tensor, per pass."""
+    """Seconds per allocation_at() of an address inside each tensor, per pass.
+    The lookup has no public call of its own (get_cpu_backup makes it, then
+    copies), so it is timed on the native module."""
     inside = [p + 4096 for p in env.addresses(block)]
     at = env.tms._core.allocation_at
     per_pass = []
@@ -112,22 +104,6 @@ def _interior_lookups(env, block, passes=3):
         if found != len(inside):
             raise RuntimeError(f"allocation_at found {found} of {len(inside)} addresses inside live tensors")
     return per_pass
-
-
-def _run_worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_us=0.0, beside=0):
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [sys.executable, "-m", "benchmarks.alloc_count", "--worker", out.name,
-               "--counts", ",".join(map(str, counts)), "--cycles", str(cycles), "--warmup", str(warmup),
-               "--idle-us", str(idle_us), "--beside", str(beside)]
-        if dry_run:
-            cmd.append("--dry-run")
-        if floor_lib:
-            cmd += ["--floor-lib", floor_lib]
-        p = subprocess.run(cmd, cwd=REPO)
-        if p.returncode != 0:
-            raise RuntimeError(f"worker exited {p.returncode}: {' '.join(cmd)}")
-        with open(out.name) as f:
-            return json.load(f)
 
 
 def _floor(counts, cycles, warmup, options=()):
@@ -151,8 +127,7 @@ def _floor_median(shape, op):
 
 
 def _markdown(r):
-    lines = [f"# Pause/resume per allocation vs the driver floor — {r['device']}", "",
-             f"{r['date']}, `{r['command']}`, torch hook mode, allocations of 2 MiB, "
+    lines = ["Torch hook mode, allocations of 2 MiB, "
              f"median of {r['cycles']} cycles after {r['warmup']} warm-up, "
              f"{r.get('idle_us', 0):g} µs of device idle (a spin) before each timed call"
              + (f", {r['beside']} allocations of another tag live beside the measured one" if r.get("beside") else "")
@@ -165,12 +140,12 @@ def _markdown(r):
              "`paired` is the same floor loop on as many allocations of its own inside the worker process, "
              "one cycle of it beside each cycle of the library, first and second in turn (floor.Paired): "
              "PyTorch loaded, its primary context, the same idle time before each call. "
-             "Target: call <= 1.2x floor.", "",
-             "| allocations | pause call ms | pause core ms | floor ms | paired ms | shuffled ms | call/floor "
-             "| call/paired | µs/alloc (call) "
-             "| resume call ms | resume core ms | floor ms | paired ms | shuffled ms | call/floor | call/paired "
-             "| µs/alloc (call) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "Target: call <= 1.2x floor.", ""]
+    per_op = ["call ms", "core ms", "floor ms", "paired ms", "shuffled ms", "call/floor", "call/paired",
+              "µs/alloc (call)"]
+    head = ["allocations"] + [f"{op} {c}" if c in ("call ms", "core ms") else c for op in ("pause", "resume")
+                              for c in per_op]
+    rows = []
     for p in r["points"]:
         cells = [str(p["allocations"])]
         for op in ("pause", "resume"):
@@ -180,26 +155,22 @@ def _markdown(r):
                       f"{paired * 1e3:.3f}" if paired else "-", f"{shuffled * 1e3:.3f}" if shuffled else "-",
                       f"{call / fl:.2f}×" if fl else "-", f"{call / paired:.2f}×" if paired else "-",
                       f"{call / max(1, p['allocations']) * 1e6:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "`allocation_at()` of an address 4 KiB inside each tensor (what `get_cpu_backup` of a tensor "
-              "inside a segment looks up), per lookup, after the cycles:", "",
-              "| allocations | tensors looked up | first pass µs | later passes µs |", "|---:|---:|---:|---:|"]
-    for p in r["points"]:
-        passes = p.get("lookup_s") or []
-        if passes:
-            later = ", ".join(f"{t * 1e6:.2f}" for t in passes[1:])
-            lines.append(f"| {p['allocations']} | {p.get('tensors', '-')} | {passes[0] * 1e6:.2f} | {later} |")
+        rows.append(cells)
+    lines += [report.table(head, rows, "r" * len(head)), "",
+              "`allocation_at()` of an address 4 KiB inside each tensor (what `get_cpu_backup` of a tensor "
+              "inside a segment looks up), per lookup, after the cycles:", ""]
+    rows = [[p["allocations"], p.get("tensors", "-"), f"{p['lookup_s'][0] * 1e6:.2f}",
+             ", ".join(f"{t * 1e6:.2f}" for t in p["lookup_s"][1:])] for p in r["points"] if p.get("lookup_s")]
+    lines.append(report.table(["allocations", "tensors looked up", "first pass µs", "later passes µs"], rows, "rrrr"))
     return "\n".join(lines) + "\n"
 
 
-def _plot(r, stem):
-    """Microseconds per allocation vs count, library and floor; the PNG's path, or None."""
+def _plot(r, out, stem):
+    """Microseconds per allocation vs count, library and floor: {"plot": PNG file name}, or {}."""
     plt = pyplot()
-    if plt is None:
-        return None
     pts = [p for p in r["points"] if p.get("pause_floor_s")]
-    if not pts:
-        return None
+    if plt is None or not pts:
+        return {}
     xs = [p["allocations"] for p in pts]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for op, marker in (("pause", "o"), ("resume", "s")):
@@ -213,45 +184,49 @@ def _plot(r, stem):
     ax.set_xscale("log")
     ax.set_xlabel("allocations (2 MiB each)")
     ax.set_ylabel("µs per allocation")
-    ax.set_title(f"Pause/resume per allocation vs the driver floor\n{r['device']}")
+    ax.set_title(f"{TITLE}\n{r['meta']['device_name']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    return save_png(plt, fig, stem + ".png")
+    save_png(plt, fig, os.path.join(out, stem + ".png"))
+    return {"plot": stem + ".png"}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--counts", default="1,10,100,1000,10000")
+def _run_worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_us=0.0, beside=0):
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        args = {"counts": counts, "cycles": cycles, "warmup": warmup, "dry_run": dry_run, "floor_lib": floor_lib,
+                "idle_s": idle_us * 1e-6, "beside": beside}
+        doc, rc, _, _ = run_worker("alloc_count", args, out.name, child_env(dry_run))
+    if rc != 0:
+        raise RuntimeError(f"alloc_count worker for {counts} exited {rc}")
+    return doc
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks alloc_count", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--counts", help="allocation counts, one worker each (default 1,10,100,1000,10000; "
+                                     "1,10,100 for --dry-run)")
     ap.add_argument("--cycles", type=int, default=8, help="even: the paired floor goes first in half of them")
-    # The driver's unmap in a fresh PyTorch process takes a few cycles to settle
-    # (one 2 MiB allocation: 305, 77, 59, 49, 50, 49 us on the lent H100).
+    # The driver's unmap in a fresh PyTorch process takes a few cycles to settle.
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--idle-us", type=float, default=0.0,
                     help="after the synchronize that ends each cycle's writes, spin this long with the device idle "
                          "before the timed calls (library and paired floor alike)")
     ap.add_argument("--beside", type=int, default=0,
                     help="allocations of 2 MiB in another tag, live while each count is measured")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
-    ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--floor-lib", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    counts = [int(c) for c in args.counts.split(",") if c]
-    if args.worker:
-        if args.dry_run:
-            os.environ.setdefault("TMS_BACKEND", "host")
-        with open(args.worker, "w") as f:
-            json.dump(worker(counts, args.cycles, args.warmup, args.dry_run, args.floor_lib, args.idle_us * 1e-6,
-                             args.beside), f)
-        return
-    r = {"command": "python -m benchmarks.alloc_count " + " ".join(sys.argv[1:]), "cycles": args.cycles,
-         "warmup": args.warmup, "idle_us": args.idle_us, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    ap.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: host backend, no floor, plumbing only")
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+    counts = [int(c) for c in (args.counts or ("1,10,100" if args.dry_run else "1,10,100,1000,10000")).split(",")
+              if c]
+    meta = report.collect_meta("alloc_count", argv, args.dry_run)
+    r = {"meta": meta, "cycles": args.cycles, "warmup": args.warmup, "idle_us": args.idle_us}
     # A process per count, as the floor frees each shape's reservations before
     # the next: the driver's cost depends on what else the process holds.
     floor_lib = None if args.dry_run else floor.build(library=True)[0]
     runs = [_run_worker([n], args.cycles, args.warmup, args.dry_run, floor_lib, args.idle_us, args.beside)
             for n in counts]
-    r["device"] = runs[0]["env"]["device_name"]
+    meta.setdefault("device_name", runs[0]["env"]["device_name"])
     r["beside"] = min(run.get("beside", 0) for run in runs)
     r["points"] = [run["points"][0] for run in runs]
     if not args.dry_run:
@@ -264,22 +239,16 @@ def main():
                     shape = shapes.get(p["allocations"])
                     p[op + key] = _floor_median(shape, op) if shape else None
                 p[op + "_floor_paired_s"] = median(p[op + "_paired"]) if p.get(op + "_paired") else None
-    os.makedirs(args.out, exist_ok=True)
-    idle = (f"-idle{args.idle_us:g}us" if args.idle_us else "") + (f"-beside{args.beside}" if args.beside else "")
-    stem = os.path.join(args.out,
-                        f"{datetime.datetime.now():%Y%m%d-%H%M%S}_{r['device'].replace(' ', '-')}{idle}-alloc_count")
-    with open(stem + ".json", "w") as f:
-        json.dump(r, f, indent=1)
-    text = _markdown(r)
-    with open(stem + ".md", "w") as f:  # before the plot: a failing plot must not cost the figures
-        f.write(text)
-    if _plot(r, stem):
-        text += f"\n![per-allocation cost vs the driver floor]({os.path.basename(stem)}.png)\n"
-        with open(stem + ".md", "w") as f:
-            f.write(text)
-    print(text)
-    print("written:", stem + ".md")
+    variant = "-".join(v for v in (f"idle{args.idle_us:g}us" if args.idle_us else "",
+                                   f"beside{args.beside}" if args.beside else "") if v)
+    md = report.write(report.out_dir(args.out, args.dry_run), report.name(meta, variant), r, TITLE,
+                      lambda images: _markdown(r) + "".join(f"\n![per-allocation cost vs the driver floor]({f})\n"
+                                                            for f in images.values()),
+                      lambda out, stem: _plot(r, out, stem))
+    print(open(md).read())
+    print("written:", md)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Disk backup (issue 11): pause/resume with enable_disk_backup=True of
+"""Disk backup: pause/resume with enable_disk_backup=True of
 params['bytes'] in params['tensors'] tensors, median of params['cycles'] cycles,
 contents verified after every resume, host RSS sampled through each pause; next to
 the same directory's own limit, measured first in the same process: a parallel

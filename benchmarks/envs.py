@@ -31,6 +31,10 @@ def _tms(mode):
     return tms
 
 
+def _tag_allocs(tms, tag):
+    return [a for a in tms.allocations() if a["tag"] == tag]
+
+
 def _sum_stats(tms, tag):
     """The tag's row of tms.stats(), summed over devices."""
     total = {}
@@ -113,7 +117,7 @@ class GpuEnv:
                 pass  # already paused
 
     def tag_allocs(self, tag):
-        return [a for a in self.tms._core.allocations() if a["tag"] == tag]
+        return _tag_allocs(self.tms, tag)
 
     def tag_stats(self, tag):
         return _sum_stats(self.tms, tag)
@@ -183,17 +187,9 @@ class HostEnv:
     kind = "host"
 
     def __init__(self, mode, use_tms=True):
-        os.environ.setdefault("TMS_BACKEND", "host")
+        os.environ["TMS_BACKEND"] = "host"  # read when the library first loads its backend
         self.mode = mode
         self.tms = _tms(mode) if use_tms else None
-        self.core = None
-        if self.tms is not None:
-            self.core = self.tms._core
-            try:
-                self.core.use_backend("host")
-            except Exception:
-                pass  # TMS_BACKEND=host already chose it
-            self.core.backend()
 
     def info(self):
         return {"device_name": "host backend (dry run)", "backend": "host", "torch_version": None,
@@ -212,7 +208,7 @@ class HostEnv:
         if disk:
             kw.update(enable_disk_backup=True)
         with self.tms.region(**kw):
-            block = [(self.core.malloc(int(s)), int(s)) for s in sizes]
+            block = [(self.tms.malloc(int(s)), int(s)) for s in sizes]
         for p, n in block:
             ctypes.memset(p, 0, n)  # resident, as device memory is once created
         return block
@@ -222,11 +218,11 @@ class HostEnv:
 
     def dispose(self, block, tag, pause=True):
         for p, _ in block:
-            self.core.free(p)
+            self.tms.free(p)
         block.clear()
 
     def tag_allocs(self, tag):
-        return [a for a in self.core.allocations() if a["tag"] == tag]
+        return _tag_allocs(self.tms, tag)
 
     def tag_stats(self, tag):
         return _sum_stats(self.tms, tag)

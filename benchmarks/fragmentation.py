@@ -1,68 +1,131 @@
-"""Fragmentation with and without PyTorch's expandable segments (issue 15):
-`python -m benchmarks.fragmentation [--steps N] [--out DIR]`.
+"""The `fragmentation` suite: one region's churn with and without PyTorch's
+expandable segments: `python -m benchmarks fragmentation [--steps N]
+[--live-gib G] [--seed S] [--out DIR] [--dry-run]`.
 
-One worker process per (hook mode, expandable segments on/off) runs the same
-seeded churn inside one region: each step allocates a tensor of log-uniform
+One worker process per (churn, hook mode, expandable segments on/off) runs the
+same seeded churn inside one region: each step allocates a tensor of log-uniform
 size from 1 MiB to 512 MiB (while under --live-gib live); the "steady" churn
 then frees a random live one with probability 0.45, the "bursty" one a random
 30 % of the live ones with probability 0.3. It then reports what the region
 costs: live tensor bytes, PyTorch's reserved bytes, the bytes the library
 holds for the tag, device memory taken since the start; and what a pause of
 the tag gives back (free memory gained / tag bytes) and how long pause and
-resume take. The table goes to stdout and to DIR/<date>_<device>-fragmentation.md.
+resume take.
+
+--dry-run: 100 steps of the same churn on the host backend under a live cap of
+64 MiB, the library's own allocations standing in for tensors (no PyTorch
+allocator: its reserved bytes are not known) and the process's resident memory
+for the device's; the figures mean nothing.
+Report: fragmentation_<device>.{md,json}.
 """
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MiB = 1 << 20
-GiB = 1 << 30
+from . import report
+from .common import GiB, child_env, rss_bytes, run_worker
+
 PATTERNS = ("steady", "bursty")
+TITLE = "Fragmentation: one region's churn with and without expandable segments"
 
 
-def worker(hook_mode, pattern, steps, live_gib, seed):
+class _Gpu:
+    """Tensors on the GPU; free() is the device's free memory."""
+
+    def __init__(self, tms, hook_mode):
+        import torch
+
+        self.torch = torch
+        if hook_mode == "preload":
+            _ = tms.preload_method  # hooks in place before the first CUDA allocation
+        torch.cuda.init()
+        torch.cuda.synchronize()
+
+    def alloc(self, n):
+        return self.torch.empty(n, dtype=self.torch.uint8, device="cuda")
+
+    def drop(self, item):
+        return item[1]  # the tensor goes with the item
+
+    def settle(self):
+        self.torch.cuda.synchronize()
+
+    def free(self):
+        return self.torch.cuda.mem_get_info()[0]
+
+    def reserved(self):
+        return self.torch.cuda.memory_reserved()
+
+
+class _Host:
+    """The library's host-backend allocations, written through so they are
+    resident; free() is minus this process's resident memory, so that the
+    same differences read as memory taken and given back."""
+
+    def __init__(self, tms):
+        self.tms = tms
+
+    def alloc(self, n):
+        import ctypes
+
+        p = self.tms.malloc(n)
+        ctypes.memset(p, 1, n)
+        return p
+
+    def drop(self, item):
+        self.tms.free(item[0])
+        return item[1]
+
+    def settle(self):
+        pass
+
+    def free(self):
+        return -rss_bytes()
+
+    def reserved(self):
+        return None
+
+
+def worker(hook_mode, pattern, steps, live_gib, seed, dry_run=False, save=None):
     import random
 
-    import torch
-
+    if dry_run:
+        os.environ["TMS_BACKEND"] = "host"
     from torch_memory_saver import torch_memory_saver as tms
 
     tms.hook_mode = hook_mode
-    if hook_mode == "preload":
-        _ = tms.preload_method  # hooks in place before the first CUDA allocation
-    torch.cuda.init()
-    torch.cuda.synchronize()
-    free0 = torch.cuda.mem_get_info()[0]
+    mem = _Host(tms) if dry_run else _Gpu(tms, hook_mode)
+    free0 = mem.free()
     rng = random.Random(seed)
     live, live_bytes = [], 0
     with tms.region(tag="frag"):
         for _ in range(steps):
             n = int(2 ** rng.uniform(20, 29))  # 1 MiB .. 512 MiB
             if live_bytes + n <= live_gib * GiB:
-                live.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
+                live.append((mem.alloc(n), n))
                 live_bytes += n
             if pattern == "steady" and live and rng.random() < 0.45:
-                live_bytes -= live.pop(rng.randrange(len(live))).numel()
+                live_bytes -= mem.drop(live.pop(rng.randrange(len(live))))
             elif pattern == "bursty" and rng.random() < 0.3:
                 for i in sorted(rng.sample(range(len(live)), k=int(len(live) * 0.3)), reverse=True):
-                    live_bytes -= live.pop(i).numel()
-    torch.cuda.synchronize()
-    rows = [r for r in tms._core.allocations() if r["tag"] == "frag"]
+                    live_bytes -= mem.drop(live.pop(i))
+    mem.settle()
+    rows = [r for r in tms.allocations() if r["tag"] == "frag"]
     tag_bytes = sum(r["reserved"] for r in rows)
-    used = free0 - torch.cuda.mem_get_info()[0]
-    reserved = torch.cuda.memory_reserved()
-    before = torch.cuda.mem_get_info()[0]
+    used = free0 - mem.free()
+    reserved = mem.reserved()
+    before = mem.free()
     t0 = time.perf_counter()
     tms.pause("frag")
     t1 = time.perf_counter()
-    freed = torch.cuda.mem_get_info()[0] - before
+    freed = mem.free() - before
     tms.resume("frag")
     t2 = time.perf_counter()
+    if dry_run:
+        for item in live:
+            mem.drop(item)
     return {
         "hook_mode": hook_mode, "pattern": pattern,
         "expandable": "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
@@ -72,90 +135,82 @@ def worker(hook_mode, pattern, steps, live_gib, seed):
     }
 
 
-def run_worker(hook_mode, pattern, expandable, args):
-    from torch_memory_saver import configure_subprocess
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TMS_") and k != "PYTORCH_CUDA_ALLOC_CONF"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+def run_row(hook_mode, pattern, expandable, args):
+    """One row in a worker of its own, with only its own settings: none of
+    this process's TMS_* or allocator configuration reaches it."""
+    env = child_env(args.dry_run, clean=True)
     if expandable:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if hook_mode == "preload":
-        with configure_subprocess():
-            env["LD_PRELOAD"] = os.environ["LD_PRELOAD"]
-    else:
-        env.pop("LD_PRELOAD", None)
-    cmd = [sys.executable, "-m", "benchmarks.fragmentation", "--worker", hook_mode, "--pattern", pattern,
-           "--steps", str(args.steps),
-           "--live-gib", str(args.live_gib), "--seed", str(args.seed)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
+    wargs = {"hook_mode": hook_mode, "pattern": pattern, "steps": args.steps, "live_gib": args.live_gib,
+             "seed": args.seed, "dry_run": args.dry_run}
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        doc, rc, timed_out, tail = run_worker("fragmentation", wargs, out.name, env, timeout=600,
+                                              preload=hook_mode == "preload")
+    if rc != 0:
+        why = "killed after 600 s" if timed_out else f"exit {rc}"
         return {"hook_mode": hook_mode, "pattern": pattern, "expandable": expandable,
-                "error": f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+                "error": f"{why}: {' / '.join(tail[-8:])[-2000:]}"}
+    return doc
 
 
 def table(results):
     def gib(n):
-        return f"{n / GiB:.2f}"
+        return "-" if n is None else f"{n / GiB:.2f}"
 
-    lines = ["| churn | hook mode | expandable segments | live tensors | live GiB | PyTorch reserved GiB | tag GiB "
-             "(allocations, adopted) | reserved / live | pause frees (of tag) | pause ms | resume ms |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    def per_live(r):
+        return "-" if r["torch_reserved"] is None else f"{r['torch_reserved'] / max(r['live_bytes'], 1):.2f}×"
+
+    head = ["churn", "hook mode", "expandable segments", "live tensors", "live GiB", "PyTorch reserved GiB",
+            "tag GiB (allocations, adopted)", "reserved / live", "pause frees (of tag)", "pause ms", "resume ms"]
+    rows = []
     for r in results:
+        cells = [r["pattern"], r["hook_mode"], "on" if r["expandable"] else "off"]
         if "error" in r:
-            lines.append(f"| {r['pattern']} | {r['hook_mode']} | {'on' if r['expandable'] else 'off'} | "
-                         f"error: {r['error'][:200]} "
-                         "| | | | | | | |")
+            rows.append(cells + [f"error: {r['error'][:200]}"] + [""] * 7)
             continue
-        lines.append(
-            f"| {r['pattern']} | {r['hook_mode']} | {'on' if r['expandable'] else 'off'} | {r['live_tensors']} | {gib(r['live_bytes'])} "
-            f"| {gib(r['torch_reserved'])} | {gib(r['tag_bytes'])} ({r['allocations']}, {r['adopted']}) "
-            f"| {r['torch_reserved'] / max(r['live_bytes'], 1):.2f}× "
-            f"| {r['freed_by_pause'] / max(r['tag_bytes'], 1):.1%} | {r['pause_ms']:.1f} | {r['resume_ms']:.1f} |")
-    return "\n".join(lines)
+        rows.append(cells + [r["live_tensors"], gib(r["live_bytes"]), gib(r["torch_reserved"]),
+                             f"{gib(r['tag_bytes'])} ({r['allocations']}, {r['adopted']})", per_live(r),
+                             f"{r['freed_by_pause'] / max(r['tag_bytes'], 1):.1%}", f"{r['pause_ms']:.1f}",
+                             f"{r['resume_ms']:.1f}"])
+    return report.table(head, rows, "lllrrrrrrrr")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--live-gib", type=float, default=24)
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks fragmentation",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help="churn steps (default 400; 100 for --dry-run)")
+    parser.add_argument("--live-gib", type=float, default=None, help="live cap (default 24; 1/16 for --dry-run)")
     parser.add_argument("--seed", type=int, default=15)
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
-    parser.add_argument("--worker", choices=("preload", "torch"))
-    parser.add_argument("--pattern", choices=PATTERNS, default="steady")
-    args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.pattern, args.steps, args.live_gib, args.seed)))
-        return
-    import torch
+    parser.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: host backend, 64 MiB live, plumbing only")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    if args.live_gib is None:
+        args.live_gib = 1 / 16 if args.dry_run else 24
+    if args.steps is None:
+        args.steps = 100 if args.dry_run else 400
+    meta = report.collect_meta("fragmentation", argv, args.dry_run)
+    if not args.dry_run:
+        import torch
 
-    device = torch.cuda.get_device_name(0).replace(" ", "-") if torch.cuda.is_available() else "no-GPU"
-    results = [run_worker(mode, pattern, expandable, args)
-               for pattern in PATTERNS for mode in ("preload", "torch") for expandable in (False, True)]
-    now = datetime.datetime.now(datetime.timezone.utc)
-    text = "\n".join([
-        "# Fragmentation: one region's churn with and without expandable segments", "",
-        f"device {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}, "
-        f"torch {torch.__version__}, {now:%Y-%m-%dT%H:%M:%SZ}", "",
-        f"command: `python -m benchmarks.fragmentation --steps {args.steps} --live-gib {args.live_gib} "
-        f"--seed {args.seed}`", "",
+        meta["device_name"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+        meta["torch_version"] = torch.__version__
+    rows = [run_row(mode, pattern, expandable, args)
+            for pattern in PATTERNS for mode in ("preload", "torch") for expandable in (False, True)]
+    doc = {"meta": meta, "steps": args.steps, "live_gib": args.live_gib, "seed": args.seed, "rows": rows}
+    body = "\n".join([
         "Same seeded sequence in every row of a churn: each step allocates a tensor of 1 MiB to 512 MiB "
         "(log-uniform) while under the live cap; *steady* then frees a random live tensor with probability 0.45, "
         "*bursty* frees a random 30 % of the live ones with probability 0.3. *reserved / live*: PyTorch's "
         "reserved bytes per live tensor byte (fragmentation). *pause frees*: device memory a pause of the "
         "tag gave back, as a share of the bytes the library held for it.", "",
-        table(results), ""])
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{now:%Y%m%d-%H%M%S}_{device}-fragmentation.md")
-    with open(path, "w") as f:
-        f.write(text)
-    with open(path[:-3] + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"written: {path}")
-    if any("error" in r for r in results):
-        sys.exit(1)
+        table(rows), ""])
+    md = report.write(report.out_dir(args.out, args.dry_run), report.name(meta), doc, TITLE, lambda images: body,
+                      extra_rows=[["torch", meta.get("torch_version", "-")]])
+    print(open(md).read())
+    print(f"written: {md}")
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

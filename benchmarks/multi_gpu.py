@@ -1,6 +1,6 @@
-"""Every GPU of the host pausing at once (issue 16): `python -m benchmarks.multi_gpu
-[--gib G] [--cycles C] [--gpus N] [--share-gpu] [--limits-last] [--configs LIST]
-[--tensor-mib M] [--upstream DIR] [--out DIR]`.
+"""The `multi_gpu` suite: every GPU of the host pausing at once:
+`python -m benchmarks multi_gpu [--gib G] [--cycles C] [--gpus N] [--share-gpu]
+[--limits-last] [--configs LIST] [--tensor-mib M] [--upstream DIR] [--out DIR] [--dry-run]`.
 
 One process per GPU (CUDA_VISIBLE_DEVICES=i, torch hook mode; with --share-gpu N
 processes all on GPU 0, a stand-in for the host side of N GPUs), each holding G GiB
@@ -11,8 +11,8 @@ pause and every resume in all processes together. Per backup configuration (mmap
 pinned, mmap retained) and cycle it reports each GPU's GB/s and the aggregate
 (all bytes over the span from the first start to the last end; the start skew,
 last start less first, says how much of that span the barrier's release cost), contents checked
-after every resume (a GPU-side checksum of every tensor and one tensor compared
-byte for byte), and every process's exit status. --upstream DIR runs every
+after every resume (two checksums of every tensor, taken before the pause), and
+every process's exit status. --upstream DIR runs every
 configuration again with the torch_memory_saver found in DIR (the upstream wheel
 unpacked), the same worker code calling only the API both libraries share,
 ours first for every other configuration and second for the rest.
@@ -26,30 +26,30 @@ copy (the same threads copy the filled memory out in 4 MiB blocks, each into two
 buffers of its own in turn, all processes at once, median of 3: the host side of
 a resume of a non-retained mmap backup, which copies each block into a pinned
 staging slot before its DMA) and pinned device->host / host->device copies of 4
-GiB on every GPU at once, the median of 5 (the link). Output:
-DIR/<date>_<device>-multi_gpu.{md,json}.
+GiB on every GPU at once, the median of 5 (the link).
+
+--dry-run: two processes on the host backend, 64 MiB each in 8 MiB allocations,
+a host memcpy standing in for the link; the figures mean nothing.
+Report: multi_gpu_<device>-x<N> (or -<N>procs-on-1).{md,json,png}.
 """
 import argparse
-import datetime
-import json
 import multiprocessing as mp
 import os
 import sys
 import time
 
-from .common import pyplot, save_png
+from . import report
+from .common import GiB, MiB, REPO, pyplot, save_png
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MiB = 1 << 20
-GiB = 1 << 30
 TENSOR_MIB = 512
 LINK_REPS = 5
 FILL_REPS = 3
 COPY_REPS = 3
-COPY_BLOCK = 4 * MiB  # src/transfer.c TO_DEVICE_BLOCK_BYTES
+COPY_BLOCK = 4 * MiB  # the library's block of a copy to the device (src/transfer.c)
 CONFIGS = {"mmap": ("mmap", False), "pinned": ("pinned", False), "mmap_retained": ("mmap", True),
            "pinned_retained": ("pinned", True)}
 DEFAULT_CONFIGS = "mmap,pinned,mmap_retained"
+DRY_RUN = {"gib": 1 / 16, "tensor_mib": 8, "gpus": 2}
 
 
 def _host_gpus():
@@ -125,11 +125,32 @@ def _timed(work, barrier, nbytes):
     return (t0, time.monotonic(), nbytes)
 
 
-def limits_worker(rank, gpu, gib, barrier, results):
+def _link_copies(nbytes, dry_run):
+    """[(name, copy)] of the link's two directions: pinned copies of 4 GiB on
+    this process's GPU, or (dry run) a host memcpy standing in for them."""
+    if dry_run:
+        import ctypes
+
+        a, b = ctypes.create_string_buffer(nbytes), ctypes.create_string_buffer(nbytes)
+        return nbytes, [("d2h", lambda: ctypes.memmove(b, a, nbytes)), ("h2d", lambda: ctypes.memmove(a, b, nbytes))]
+    import torch
+
+    n = 4 * GiB
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host.copy_(dev)  # warm
+    torch.cuda.synchronize()
+
+    def copy(dst, src):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return n, [("d2h", lambda: copy(host, dev)), ("h2d", lambda: copy(dev, host))]
+
+
+def limits_worker(rank, gpu, gib, dry_run, barrier, results):
     os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import ctypes
-
-    import torch
 
     out = {"rank": rank}
     threads = _threads()
@@ -144,18 +165,13 @@ def limits_worker(rank, gpu, gib, barrier, results):
     for _ in range(COPY_REPS):
         out["copy"].append(_timed(_copy_out(addr, nbytes, buffers), barrier, nbytes))
     unmap()
-    n = 4 * GiB
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    host.copy_(dev)  # warm
-    torch.cuda.synchronize()
-    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+    n, link = _link_copies(nbytes, dry_run)
+    for name, copy in link:
         out[name] = []
         for _ in range(LINK_REPS):  # the first copies of a process run slower: the median counts
             barrier.wait()
             t0 = time.monotonic()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
+            copy()
             out[name].append((t0, time.monotonic(), n))
     results.put(out)
 
@@ -195,38 +211,33 @@ def _library_of(module):
     return {"path": root, "version": version}
 
 
-def backup_worker(rank, gpu, config, gib, cycles, tensor_mib, library, barrier, results):
+def backup_worker(rank, gpu, config, gib, cycles, tensor_mib, library, dry_run, barrier, results):
     """library: None (ours, from this checkout) or the directory of another
     torch_memory_saver (the upstream wheel, unpacked): only the API both share
     is called."""
     os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     sys.path.insert(0, library or REPO)
-    import torch
-
     import torch_memory_saver
-    from torch_memory_saver import torch_memory_saver as tms
+
+    from .envs import make_env
 
     loaded = _library_of(torch_memory_saver)
     if loaded["path"] != os.path.abspath(library or REPO):
         raise RuntimeError(f"asked for the torch_memory_saver in {library or REPO}, loaded {loaded['path']}")
-    tms.hook_mode = "torch"
+    env = make_env("torch", dry_run)
+    tms = env.tms
     backend, retain = CONFIGS[config]
     tms.retain_cpu_backup = retain
     if bool(tms.retain_cpu_backup) != retain:  # a library without the property would ignore it
         raise RuntimeError(f"retain_cpu_backup = {retain} did not take: reads {tms.retain_cpu_backup!r}")
-    torch.manual_seed(rank)
     tensor = int(tensor_mib * MiB) // 8 * 8
     count = max(1, int(gib * GiB) // tensor)
-    with tms.region(tag="mg", enable_cpu_backup=True, cpu_backup_backend=backend):
-        tensors = [torch.randint(-2**62, 2**62, (tensor // 8,), dtype=torch.int64, device="cuda")
-                   for _ in range(count)]
+    block = env.alloc("mg", [tensor] * count, backup=True, backend=backend)
     out = {"rank": rank, "bytes": count * tensor, "cycles": [], "library": loaded}
     for c in range(cycles):
-        for t in tensors:
-            t.random_(-2**62, 2**62)
-        sums = [t.sum().item() for t in tensors]
-        probe = tensors[c % count].cpu()
-        torch.cuda.synchronize()
+        env.fill_random(block, rank * 1000 + c)
+        sums = env.snapshot(block, keep_copy=False)
+        env.sync()
         faults0 = _faults()  # before the barrier: nothing may stand between it and the clock's start
         barrier.wait()
         t0 = time.monotonic()
@@ -238,11 +249,10 @@ def backup_worker(rank, gpu, config, gib, cycles, tensor_mib, library, barrier, 
         barrier.wait()
         t2 = time.monotonic()
         tms.resume("mg")
-        torch.cuda.synchronize()
+        env.sync()
         t3 = time.monotonic()
         barrier.wait()
-        ok = [t.sum().item() for t in tensors] == sums and torch.equal(tensors[c % count].cpu(), probe)
-        out["cycles"].append({"pause": (t0, t1), "resume": (t2, t3), "verified": ok,
+        out["cycles"].append({"pause": (t0, t1), "resume": (t2, t3), "verified": env.verify(block, sums),
                               "pause_faults": faults1 - faults0, "huge_bytes_paused": huge, "smaps_walk_s": walk})
     results.put(out)
 
@@ -291,82 +301,85 @@ def _cycle(res, c):
     return cyc
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gib", type=float, default=24)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks multi_gpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=None, help="backed-up data per process (default 24)")
     ap.add_argument("--cycles", type=int, default=3)
     ap.add_argument("--gpus", type=int, default=0, help="processes (default: every GPU)")
     ap.add_argument("--share-gpu", action="store_true",
                     help="every process on GPU 0: the host side (cores, fresh pages) shared as by N GPUs, "
                          "the link shared too")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {','.join(CONFIGS)}")
-    ap.add_argument("--tensor-mib", type=float, default=TENSOR_MIB,
-                    help="size of each tensor (default 512): small ones make many backups")
+    ap.add_argument("--tensor-mib", type=float, default=None,
+                    help=f"size of each tensor (default {TENSOR_MIB}): small ones make many backups")
     ap.add_argument("--upstream", metavar="DIR",
                     help="also run every configuration with the torch_memory_saver found in DIR (the upstream "
                          "wheel unpacked there), in the same run, after ours")
     ap.add_argument("--limits-last", action="store_true",
                     help="measure the host limits after the backups, so the first pause is the first touch")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
-    args = ap.parse_args()
-    import torch
+    ap.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="no GPU: processes on the host backend, tiny sizes, plumbing only")
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+    dry = DRY_RUN if args.dry_run else {"gib": 24, "tensor_mib": TENSOR_MIB, "gpus": 0}
+    gib = dry["gib"] if args.gib is None else args.gib
+    tensor_mib = dry["tensor_mib"] if args.tensor_mib is None else args.tensor_mib
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        return f"unknown configuration {unknown[0]!r}: one of {', '.join(CONFIGS)}"
+    meta = report.collect_meta("multi_gpu", argv, args.dry_run)
+    if args.dry_run:
+        os.environ["TMS_BACKEND"] = "host"  # the spawned processes inherit it
+        n, share_gpu = args.gpus or dry["gpus"], True
+    else:
+        import torch
 
-    n = args.gpus or torch.cuda.device_count()
-    if n < 1:
-        sys.exit("no GPU")
-    if n > torch.cuda.device_count() and not args.share_gpu:
-        sys.exit(f"{n} processes, {torch.cuda.device_count()} GPUs: pass --share-gpu to put them all on GPU 0")
-    device = torch.cuda.get_device_name(0)
-    report = {"device": device, "gpus": n, "share_gpu": args.share_gpu, "gib_per_gpu": args.gib, "cycles": args.cycles,
-              "tensor_mib": args.tensor_mib,
-              "copy_threads_per_process": _threads(), "cpus": os.cpu_count(),
-              "command": "python -m benchmarks.multi_gpu " + " ".join(sys.argv[1:]),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
-    report["limits_last"] = args.limits_last
+        n, share_gpu = args.gpus or torch.cuda.device_count(), args.share_gpu
+        if n < 1:
+            return "no GPU"
+        if n > torch.cuda.device_count() and not share_gpu:
+            return f"{n} processes, {torch.cuda.device_count()} GPUs: pass --share-gpu to put them all on GPU 0"
+        meta["device_name"] = torch.cuda.get_device_name(0)
+    r = {"meta": meta, "gpus": n, "share_gpu": share_gpu, "gib_per_gpu": gib, "cycles": args.cycles,
+         "tensor_mib": tensor_mib, "copy_threads_per_process": _threads(), "cpus": os.cpu_count(),
+         "limits_last": args.limits_last}
     if not args.limits_last:
-        _limits(report, args.gib, n, args.share_gpu)
+        _limits(r, gib, n, share_gpu, args.dry_run)
     rows = []
     libraries = [None] + ([os.path.abspath(args.upstream)] if args.upstream else [])
     # Ours first for every other configuration, the other library first in the
     # rest: neither always runs on the machine the other warmed.
-    runs = [(c, lib) for i, c in enumerate(args.configs.split(","))
-            for lib in (libraries if i % 2 == 0 else libraries[::-1])]
+    runs = [(c, lib) for i, c in enumerate(configs) for lib in (libraries if i % 2 == 0 else libraries[::-1])]
     for config, library in runs:
-        if config not in CONFIGS:
-            sys.exit(f"unknown configuration {config!r}: one of {', '.join(CONFIGS)}")
-        res, codes = _run(backup_worker, (config, args.gib, args.cycles, args.tensor_mib, library), n,
-                          args.share_gpu)
+        res, codes = _run(backup_worker, (config, gib, args.cycles, tensor_mib, library, args.dry_run), n,
+                          share_gpu)
         row = {"config": config, "library": "upstream" if library else "ours", "exit_codes": codes, "cycles": []}
         if res:
             row["loaded"] = res[0]["library"]
         if len(res) == n:
             row["cycles"] = [_cycle(res, c) for c in range(args.cycles)]
         rows.append(row)
-        print(json.dumps(row), flush=True)
-    report["rows"] = rows
+        print(f"{_name(row)}: exit codes {codes}, {len(row['cycles'])} cycles", flush=True)
+    r["rows"] = rows
     if args.limits_last:
-        _limits(report, args.gib, n, args.share_gpu)
-    text = _markdown(report)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    shape = f"{n}procs-on-1" if args.share_gpu else f"x{n}"
-    stem = os.path.join(args.out, f"{datetime.datetime.now():%Y%m%d-%H%M%S}_{device.replace(' ', '-')}{shape}-multi_gpu")
-    with open(stem + ".md", "w") as f:
-        f.write(text)
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    png = _plot(report, stem)
-    if png:
-        with open(stem + ".md", "a") as f:
-            f.write(f"\n![aggregate GB/s per backup and cycle]({os.path.basename(png)})\n")
-    print("written:", stem + ".md")
+        _limits(r, gib, n, share_gpu, args.dry_run)
+    variant = f"{n}procs-on-1" if share_gpu else f"x{n}"
+    md = report.write(report.out_dir(args.out, args.dry_run), report.name(meta, variant), r, _title(r),
+                      lambda images: _markdown(r) + "".join(f"\n![aggregate GB/s per backup and cycle]({f})\n"
+                                                            for f in images.values()),
+                      lambda out, stem: _plot(r, out, stem))
+    print(open(md).read())
+    print("written:", md)
+    return 0
 
 
-def _plot(r, stem):
-    """Aggregate pause/resume GB/s per backup and cycle against the limits; the PNG's path, or None."""
+def _plot(r, out, stem):
+    """Aggregate pause/resume GB/s per backup and cycle against the limits: {"plot": PNG file name}, or {}."""
     plt = pyplot()
     if plt is None:
-        return None
+        return {}
     labels, pause, resume = [], [], []
     for row in r["rows"]:
         for i, cyc in enumerate(row["cycles"]):
@@ -374,7 +387,7 @@ def _plot(r, stem):
             pause.append(cyc["pause"]["aggregate"])
             resume.append(cyc["resume"]["aggregate"])
     if not labels:
-        return None
+        return {}
     fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(labels)), 4.8))
     xs = range(len(labels))
     ax.bar([x - 0.2 for x in xs], pause, 0.4, label="pause (aggregate)")
@@ -387,14 +400,16 @@ def _plot(r, stem):
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("GB/s, all GPUs together")
-    who = f"{r['gpus']} processes on one {r['device']}" if r.get("share_gpu") else f"{r['gpus']} × {r['device']}"
+    device = r["meta"]["device_name"]
+    who = f"{r['gpus']} processes on one {device}" if r.get("share_gpu") else f"{r['gpus']} × {device}"
     ax.set_title(f"{who} pausing together, {r['gib_per_gpu']:g} GiB each")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return save_png(plt, fig, stem + ".png")
+    save_png(plt, fig, os.path.join(out, stem + ".png"))
+    return {"plot": stem + ".png"}
 
 
-def _limits(report, gib, n, share_gpu):
-    lim, codes = _run(limits_worker, (gib,), n, share_gpu)
+def _limits(report, gib, n, share_gpu, dry_run):
+    lim, codes = _run(limits_worker, (gib, dry_run), n, share_gpu)
     report["limits_exit_codes"] = codes
     if len(lim) == n:
         for key in ("fill", "copy", "d2h", "h2d"):
@@ -411,16 +426,16 @@ def _name(row):
     return ("upstream " if row.get("library") == "upstream" else "") + row["config"]
 
 
+def _title(r):
+    return (f"{r['gpus']} processes on one GPU" if r.get("share_gpu") else f"{r['gpus']} GPUs") + " pausing together"
+
+
 def _markdown(r):
     def fmt(x):
         return f"{x:.1f}"
 
-    who = f"{r['gpus']} processes on one GPU" if r.get("share_gpu") else f"{r['gpus']} GPUs"
-    lines = [f"# {who} pausing together: {r['device']}", "",
-             f"{r['date']}, {r['gib_per_gpu']} GiB per GPU in {r.get('tensor_mib', TENSOR_MIB):g} MiB tensors, "
-             f"{r['cycles']} cycles, "
-             f"{r['copy_threads_per_process']} copy threads per process, {r['cpus']} CPUs. Command: `{r['command']}`",
-             ""]
+    lines = [f"{r['gib_per_gpu']} GiB per GPU in {r.get('tensor_mib', TENSOR_MIB):g} MiB tensors, {r['cycles']} cycles, "
+             f"{r['copy_threads_per_process']} copy threads per process, {r['cpus']} CPUs.", ""]
     others = {row["loaded"]["path"]: row["loaded"]["version"] for row in r["rows"]
               if row.get("library") == "upstream" and row.get("loaded")}
     for path, version in others.items():
@@ -430,21 +445,18 @@ def _markdown(r):
         lines += ["Host limits measured after the backups: the first pause is this VM's first touch of that memory.",
                   ""]
     if "limit_fill" in r:
-        lines += ["| host limit, all processes at once | per GPU GB/s | aggregate GB/s |", "|---|---:|---:|"]
-        for key, name in (("fill_first", "fresh-page fill, first touch of the process"),
-                          ("fill", "fresh-page fill, again (median of the next 2)"),
-                          ("copy", f"host copy out of filled memory, {COPY_BLOCK // MiB} MiB blocks (median of {COPY_REPS})"),
-                          ("d2h", "pinned device→host"),
-                          ("h2d", "pinned host→device")):
-            if f"limit_{key}" not in r:
-                continue
-            lim = r[f"limit_{key}"]
-            lines.append(f"| {name} | {' / '.join(map(fmt, lim['per_gpu']))} | {fmt(lim['aggregate'])} |")
-        lines.append("")
-    lines += ["| backup | cycle | pause per GPU GB/s | pause aggregate (× limit) | resume per GPU GB/s "
-              "| resume aggregate (× limit) | start skew pause / resume ms | page faults in pause, per GPU "
-              "| anon huge pages after pause GiB | contents | exit codes |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        rows = [[name, " / ".join(map(fmt, r[f"limit_{key}"]["per_gpu"])), fmt(r[f"limit_{key}"]["aggregate"])]
+                for key, name in (("fill_first", "fresh-page fill, first touch of the process"),
+                                  ("fill", "fresh-page fill, again (median of the next 2)"),
+                                  ("copy", f"host copy out of filled memory, {COPY_BLOCK // MiB} MiB blocks "
+                                           f"(median of {COPY_REPS})"),
+                                  ("d2h", "pinned device→host"), ("h2d", "pinned host→device"))
+                if f"limit_{key}" in r]
+        lines += [report.table(["host limit, all processes at once", "per GPU GB/s", "aggregate GB/s"], rows), ""]
+    head = ["backup", "cycle", "pause per GPU GB/s", "pause aggregate (× limit)", "resume per GPU GB/s",
+            "resume aggregate (× limit)", "start skew pause / resume ms", "page faults in pause, per GPU",
+            "anon huge pages after pause GiB", "contents", "exit codes"]
+    rows = []
     for row in r["rows"]:
         retained = row["config"].endswith("retained")
         for i, cyc in enumerate(row["cycles"]):
@@ -461,11 +473,11 @@ def _markdown(r):
             cells.append(" / ".join("–" if x is None else f"{x * 1e3:.1f}" for x in skews))
             cells += [" / ".join(str(x) for x in cyc.get("pause_faults", [])),
                       " / ".join(f"{x / GiB:.1f}" for x in cyc.get("huge_bytes_paused", []))]
-            lines.append(f"| {_name(row)} | {'first' if i == 0 else i + 1} | {' | '.join(cells)} | "
-                         f"{'exact' if cyc['verified'] else 'MISMATCH'} | {row['exit_codes']} |")
+            rows.append([_name(row), "first" if i == 0 else i + 1, *cells,
+                         "exact" if cyc["verified"] else "MISMATCH", row["exit_codes"]])
         if not row["cycles"]:
-            lines.append(f"| {_name(row)} | failed | | | | | | | | | {row['exit_codes']} |")
-    lines.append("")
+            rows.append([_name(row), "failed", *[""] * 8, row["exit_codes"]])
+    lines += [report.table(head, rows, "llrrrrrrrll"), ""]
     lines.append("Pause of a non-retained backup is bound by the fresh-page fill; a retained one by the link. A resume "
                  "from page-locked memory (pinned, or retained) is bound by the link; one of a non-retained mmap "
                  "backup also by the host copy into the staging, the lower of the two.")
@@ -477,4 +489,4 @@ def _markdown(r):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

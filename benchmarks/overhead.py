@@ -57,10 +57,9 @@ def _region_round(env, tag, n, size, counts):
             block = [torch.empty(size, dtype=torch.uint8, device=env.device) for _ in range(n)]
             t1 = time.perf_counter()
     else:
-        core = env.core
         with tms.region(tag=tag):
             t0 = time.perf_counter()
-            block = [(core.malloc(size), size) for _ in range(n)]
+            block = [(tms.malloc(size), size) for _ in range(n)]
             t1 = time.perf_counter()
     counts.append(len(env.tag_allocs(tag)))
     env.dispose(block, tag)
@@ -206,7 +205,7 @@ def passthrough(env, params, deadline):
             raise RuntimeError("ctypes.CDLL(None).cudaMalloc is not the preload library's hook")
         paths["hook"] = hooked
         try:
-            out["core_allocations_alive"] = len(env.tms._core.allocations())
+            out["core_allocations_alive"] = len(env.tms.allocations())
         except Exception:
             pass
     paths["direct"] = _bind(cudart)
@@ -265,7 +264,7 @@ def _clear_last_error(lib):
         return f"{type(e).__name__}: {e}"
 
 
-# ---- pass-through during a pause (issue 12) ------------------------------------------
+# ---- pass-through during a pause ---------------------------------------------------
 
 def _percentile(xs, q):
     xs = sorted(xs)
@@ -281,7 +280,7 @@ def _latency_summary(samples_ns):
 def contention(env, params, deadline):
     """Latency of calls on a second thread, idle and while the main thread
     pauses params['bytes'] with backup. With the table lock spanning a pause,
-    any call that took it waited for the whole pause (issue 12).
+    any call that took it would wait for the whole pause.
 
     - pair: cudaMalloc+cudaFree of 2 MiB outside any region, through the hook
       and through libcudart's own functions, interleaved: the hook's cost is

@@ -1,37 +1,30 @@
-"""The benchmark run: `python -m benchmarks.run [--quick] [--dry-run] [--out DIR]`.
+"""The `run` suite, `make bench`: `python -m benchmarks run [--quick] [--dry-run] [--out DIR]`.
 
 One process tree on one GPU. The runner itself never touches the GPU; it starts
 one worker process per step (limits; torch hook mode; preload hook mode through
-`python -m torch_memory_saver run --`; one per backup configuration), builds and
-runs the raw driver floor (vmm_floor.c) for the allocation shapes the workers
-observed, then writes <stem>.json, <stem>.md, latest.md and <stem>-*.png to the
-output folder (default benchmarks/results). A failing section is recorded as an
-error and the run goes on; a worker that dies is restarted for its remaining
-sections. Results are rewritten after every step, so a run cut short still
-leaves its partial results.
+`python -m torch_memory_saver run --`; one per backup configuration; disk),
+builds and runs the raw driver floor (vmm_floor.c) for the allocation shapes the
+workers observed, then writes the report (run_<device>.json, .md, .log and PNGs)
+to the output folder. A failing section is recorded as an error and the run goes
+on; a worker that dies is restarted for its remaining sections. The report is
+rewritten after every step, so a run cut short still leaves its partial results.
 
 --dry-run: no GPU. Workers use the library's host backend (TMS_BACKEND=host) and
-tiny sizes, so every loop, the JSON/Markdown/PNG writing and the error paths run
-here; the figures mean nothing. Output defaults to build/bench-dry-run.
+tiny sizes, so every loop, the report and the error paths run here; the figures
+mean nothing. Output defaults to build/bench-dry-run.
 """
 import argparse
 import collections
-import datetime
 import json
 import os
-import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-from . import floor, report
-from .common import GiB, MiB, error_record, log, write_json_atomic
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from . import floor, report, run_report
+from .common import GiB, MiB, Deadline, child_env, error_record, log, read_json, run_worker, set_log_prefix
 
 # ---- what each preset measures ------------------------------------------------------
 
@@ -107,176 +100,88 @@ def _on_signal(signum, frame):
     raise Interrupted(f"signal {signum}")
 
 
-# ---- machine facts ----------------------------------------------------------------
+# ---- the worker's side -------------------------------------------------------------
 
-def _run_text(cmd, timeout=20):
+def _section(name):
+    """The function that measures a section: fn(env, params, deadline) -> dict."""
+    from . import cycles, disk, limits, overhead
+
+    kind, _, arg = name.partition(":")
+    if kind == "disk":
+        return lambda env, params, deadline: disk.run(env, arg, params, deadline)
+    if kind == "backup":
+        return lambda env, params, deadline: cycles.backup(env, arg, params, deadline)
+    return {"limits": limits.run, "latency": cycles.latency, "scaling_count": cycles.scaling_count,
+            "scaling_bytes": cycles.scaling_bytes, "alloc_overhead": overhead.alloc_overhead,
+            "passthrough": overhead.passthrough, "contention": overhead.contention}[name]
+
+
+def worker(mode, sections, deadline, params, dry_run=False, save=lambda doc: None):
+    """Runs in a worker process (benchmarks.worker): the named sections in one
+    hook mode ("none": no library), saving the document after each section so
+    that a crash or a kill keeps what was done."""
+    from .envs import make_env
+
+    deadline = Deadline(deadline)
+    set_log_prefix(f"worker:{mode}")
+    result = {"mode": mode, "pid": os.getpid(), "python": sys.version.split()[0], "sections": {},
+              "current": None, "env": None, "started": time.time()}
+    save(result)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        return p.stdout.strip() if p.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-
-def _nvidia_smi():
-    if not shutil.which("nvidia-smi"):
-        return {}
-    index = "0"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-    if visible.isdigit():
-        index = visible
-    fields = ["name", "driver_version", "memory.total", "pcie.link.gen.max", "pcie.link.width.max"]
-    text = _run_text(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i", index])
-    if not text:
-        return {}
-    vals = [v.strip() for v in text.splitlines()[0].split(",")]
-    out = dict(zip(fields, vals))
-    return {"device_name": out.get("name"), "driver_version": out.get("driver_version"),
-            "nvidia_smi_memory_total_mib": out.get("memory.total"),
-            "pcie": f"gen{out.get('pcie.link.gen.max')} x{out.get('pcie.link.width.max')}"}
-
-
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def _mem_gib():
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024 / GiB
-    except OSError:
-        pass
-    return None
-
-
-def _git():
-    """(commit, dirty). TMS_BENCH_COMMIT names the commit of a copied tree
-    whose git metadata is not its own (the lent GPU machines keep the .git of
-    an earlier copy); whether such a tree is dirty is then unknown (None)."""
-    named = os.environ.get("TMS_BENCH_COMMIT")
-    if named:
-        return named, None
-    commit = _run_text(["git", "-C", REPO, "rev-parse", "HEAD"])
-    dirty = None
-    status = _run_text(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"])
-    if status is not None:
-        dirty = any(line and "benchmarks/results" not in line for line in status.splitlines())
-    return commit or "unknown", dirty
-
-
-def collect_meta(args, preset_name):
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "preset": preset_name,
-        "dry_run": bool(args.dry_run),
-        "command": "python -m benchmarks.run " + " ".join(sys.argv[1:]),
-        "python": sys.version.split()[0],
-        "kernel": os.uname().release,
-        "cpu_model": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "host_mem_gib": _mem_gib(),
-        "environment": {k: v for k, v in sorted(os.environ.items())
-                        if k.startswith("TMS_") or k in ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")},
-    }
-    meta["git_commit"], meta["git_dirty"] = _git()
-    try:
-        from torch_memory_saver import __version__
-
-        meta["tms_version"] = __version__
+        env = make_env(None if mode == "none" else mode, dry_run, use_tms=mode != "none")
+        result["env"] = env.info()
+        if mode == "preload":
+            result["env"]["ld_preload"] = os.environ.get("LD_PRELOAD")
+        result["env"]["tms_backup_threads"] = os.environ.get("TMS_BACKUP_THREADS")
     except Exception as e:
-        meta["tms_version"] = f"import failed: {e}"
-    if not args.dry_run:
-        meta.update({k: v for k, v in _nvidia_smi().items() if v})
-    return meta
+        rec = error_record(e)
+        log(f"cannot set up: {rec['error']}")
+        for name in sections:
+            result["sections"][name] = dict(rec, error=f"setup failed: {rec['error']}")
+        return result
 
-
-def _slug(text):
-    return re.sub(r"[^A-Za-z0-9]+", "-", text or "gpu").strip("-") or "gpu"
+    for name in sections:
+        result["current"] = name
+        save(result)
+        p = params.get(name.split(":", 1)[0], {})
+        log(f"{name}: start ({deadline.left():.0f} s left in this process's budget)")
+        t0 = time.time()
+        if deadline.left() <= 0:
+            out = {"error": "skipped: time budget exhausted"}
+        else:
+            try:
+                out = _section(name)(env, p, deadline)
+            except Exception as e:
+                out = error_record(e)
+                log(f"{name}: FAILED: {out['error']}")
+        out["wall_s"] = time.time() - t0
+        result["sections"][name] = out
+        result["current"] = None
+        save(result)
+        log(f"{name}: done in {out['wall_s']:.1f} s")
+    result["finished"] = time.time()
+    return result
 
 
 # ---- running workers ---------------------------------------------------------------
 
 class Runner:
-    def __init__(self, args, preset, out_dir, log_path):
+    def __init__(self, args, preset, log_path):
         self.args = args
         self.preset = preset
-        self.out_dir = out_dir
         self.log_file = open(log_path, "a", buffering=1)
         self.tmp = tempfile.mkdtemp(prefix="tms-bench-")
-        self.current = None
         self.partial = None  # (step, sections done, record) of the worker step under way
         self.floor_lib = None  # the floor as a library, for the cycles paired with the library's
 
     def echo(self, line):
-        sys.stdout.write(line if line.endswith("\n") else line + "\n")
-        sys.stdout.flush()
-        self.log_file.write(line if line.endswith("\n") else line + "\n")
+        line = f"  | {line}"
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
 
     def say(self, msg):
         log(msg)
         self.log_file.write(msg + "\n")
-
-    def child_env(self, mode):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env["PYTHONUNBUFFERED"] = "1"
-        # Only the preload worker gets the preload library (the runner adds it).
-        kept = [e for e in env.get("LD_PRELOAD", "").replace(":", " ").split() if "_tms_preload" not in e]
-        if kept:
-            env["LD_PRELOAD"] = " ".join(kept)
-        else:
-            env.pop("LD_PRELOAD", None)
-        if self.args.dry_run:
-            env["TMS_BACKEND"] = "host"
-        return env
-
-    def run_process(self, cmd, env, timeout, label):
-        """Runs cmd, streaming its output; kills it after timeout. Returns (rc, timed_out, tail)."""
-        tail = collections.deque(maxlen=40)
-        self.say(f"{label}: {' '.join(cmd)[:300]}")
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, errors="replace")
-        self.current = proc
-
-        def pump():
-            for line in proc.stdout:
-                tail.append(line.rstrip("\n"))
-                self.echo(f"  | {line.rstrip()}")
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        timed_out = False
-        try:
-            proc.wait(timeout=max(1.0, timeout))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            self.say(f"{label}: past its {timeout:.0f} s limit: killing pid {proc.pid}")
-            proc.kill()
-            proc.wait()
-        except BaseException:  # interrupted: the worker must not outlive the runner
-            proc.kill()
-            proc.wait()
-            raise
-        finally:
-            reader.join(timeout=5)
-            self.current = None
-        return proc.returncode, timed_out, list(tail)
-
-    def kill_current(self):
-        proc = self.current
-        if proc is not None and proc.poll() is None:
-            try:
-                proc.kill()
-            except OSError:
-                pass
 
     def worker(self, step, deadline_at):
         """Runs the step's sections, restarting the worker after a crash for the
@@ -287,7 +192,6 @@ class Runner:
         if self.floor_lib:
             for k in PAIRED_SECTIONS:
                 params[k] = dict(params[k], floor_lib=self.floor_lib)
-        params = json.dumps(params)
         for attempt in range(3):
             if not pending:
                 break
@@ -298,21 +202,20 @@ class Runner:
                 pending = []
                 break
             result_path = os.path.join(self.tmp, f"{step.name.replace(':', '_')}-{attempt}.json")
-            inner = [sys.executable, "-m", "benchmarks.worker", "--mode", step.mode, "--sections",
-                     ",".join(pending), "--result", result_path, "--deadline", f"{deadline_at:.3f}",
-                     "--params", params]
-            if self.args.dry_run:
-                inner.append("--dry-run")
-            cmd = ([sys.executable, "-m", "torch_memory_saver", "run", "--"] + inner
-                   if step.mode == "preload" else inner)
+            args = {"mode": step.mode, "sections": pending, "deadline": deadline_at, "params": params,
+                    "dry_run": self.args.dry_run}
+            self.say(f"{step.name}: worker for {','.join(pending)}" + (" (preload)" if step.mode == "preload" else ""))
             t0 = time.time()
             self.partial = (step, done, record)
             try:
-                rc, timed_out, tail = self.run_process(cmd, self.child_env(step.mode), left + GRACE_S, step.name)
+                res, rc, timed_out, tail = run_worker("run", args, result_path, child_env(self.args.dry_run),
+                                                      left + GRACE_S, preload=step.mode == "preload",
+                                                      echo=self.echo)
             except BaseException:  # interrupted: keep the sections the worker finished
-                done.update(_read_result(result_path).get("sections") or {})
+                done.update(_sections(result_path))
                 raise
-            res = _read_result(result_path)
+            if timed_out:
+                self.say(f"{step.name}: past its {left + GRACE_S:.0f} s limit: killed")
             if "read_error" in res:
                 res.setdefault("current", pending[0] if pending else None)
             att = {"sections": list(pending), "rc": rc, "timed_out": timed_out, "wall_s": time.time() - t0,
@@ -320,8 +223,7 @@ class Runner:
             record["attempts"].append(att)
             if res.get("env"):
                 record["env"] = res["env"]
-            for s, out in (res.get("sections") or {}).items():
-                done[s] = out
+            done.update(res.get("sections") or {})
             missing = [s for s in pending if s not in done]
             if not missing:
                 pending = []
@@ -341,12 +243,8 @@ class Runner:
         return done, record
 
 
-def _read_result(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        return {"sections": {}, "read_error": f"{type(e).__name__}: {e}"}
+def _sections(path):
+    return read_json(path).get("sections") or {}
 
 
 # ---- merging ------------------------------------------------------------------------
@@ -422,7 +320,7 @@ def build_paired_floor(runner, results):
 def run_floor(runner, results, deadline_at):
     p = runner.preset["floor"]
     shapes = [f"{c}x{s}" for c, s in CANONICAL_SHAPES]
-    for c, s in report.floor_shapes_for(results):
+    for c, s in run_report.floor_shapes_for(results):
         t = f"{c}x{s}"
         if t not in shapes:
             shapes.append(t)
@@ -454,68 +352,55 @@ def run_floor(runner, results, deadline_at):
 
 # ---- writing -------------------------------------------------------------------------
 
-def write_outputs(results, out_dir, stem, with_plots):
+def write_outputs(results, out, stem, with_plots):
     try:
-        results["derived"] = report.derive(results)
+        results["derived"] = run_report.derive(results)
     except Exception as e:
         results["derived"] = {}
         results["errors"].append({"where": "report/derive", **error_record(e)})
-    images = {}
-    if with_plots:
-        try:
-            images, errs = report.plots(results, out_dir, stem)
-            results["plots"] = images
-            for e in errs:
-                results["errors"].append({"where": "report/plots", "error": e})
-        except Exception as e:
-            results["errors"].append({"where": "report/plots", **error_record(e)})
-    else:
-        images = results.get("plots") or {}
-    write_json_atomic(os.path.join(out_dir, f"{stem}.json"), results, strip=REPO + os.sep)
-    try:
-        md = report.markdown(results, images)
-    except Exception as e:
-        r = error_record(e)
-        md = f"# torch_memory_saver benchmark\n\nMarkdown report failed: {r['error']}\n\n```\n{r['traceback']}\n```\n"
-    for name in (f"{stem}.md", "latest.md"):
-        with open(os.path.join(out_dir, name), "w") as f:
-            f.write(md)
+
+    def plots(out, stem):
+        images, errors = run_report.plots(results, out, stem)
+        results["errors"] += [{"where": "report/plots", "error": e} for e in errors]
+        return images
+
+    report.write(out, stem, results, "torch_memory_saver benchmark",
+                 lambda images: run_report.markdown(results, images or results.get("plots") or {}),
+                 plots if with_plots else None, lambda: run_report.header_rows(results["meta"]))
 
 
 # ---- main ------------------------------------------------------------------------------
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer cycles and points (about 4 minutes)")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: host backend, tiny sizes, plumbing only")
     ap.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
     ap.add_argument("--budget", type=float, help="wall-clock budget in seconds for all steps")
     ap.add_argument("--force", action="store_true", help="run even if no CUDA driver is found")
     ap.add_argument("--only", help="comma-separated step names to run (debugging): " + ",".join(s.name for s in STEPS))
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
 
     if not args.dry_run and not args.force and not _driver_present():
-        print("benchmarks.run: no CUDA driver here (libcuda.so.1 cannot be loaded), so there is nothing to "
-              "measure and nothing is written to benchmarks/results.\n"
+        print("python -m benchmarks run: no CUDA driver here (libcuda.so.1 cannot be loaded), so there is nothing "
+              "to measure and nothing is written to benchmarks/results.\n"
               "Use --dry-run to exercise the benchmark on the host backend (output in build/bench-dry-run), "
               "or --force to run anyway.", file=sys.stderr)
         return 2
     preset_name = "dry" if args.dry_run else ("quick" if args.quick else "full")
     preset = PRESETS[preset_name]
     budget = args.budget or preset["budget_s"]
-    default_out = os.path.join(REPO, "build", "bench-dry-run") if args.dry_run else os.path.join(REPO, "benchmarks",
-                                                                                               "results")
-    out_dir = os.path.abspath(args.out or default_out)
-    os.makedirs(out_dir, exist_ok=True)
+    out = report.out_dir(args.out, args.dry_run)
     t_start = time.time()
     global_deadline = t_start + budget
 
-    meta = collect_meta(args, preset_name)
-    device_for_stem = "host-dry-run" if args.dry_run else meta.get("device_name")
-    stem = f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%d-%H%M%S')}_{_slug(device_for_stem)}"
+    meta = report.collect_meta("run", argv, args.dry_run)
+    meta["preset"] = preset_name
+    stem = report.name(meta)
     results = {"schema": 1, "meta": meta, "params": preset, "errors": [], "workers": {}, "steps": {}}
-    runner = Runner(args, preset, out_dir, os.path.join(out_dir, f"{stem}.log"))
-    runner.say(f"benchmark run {stem}: preset {preset_name}, budget {budget:.0f} s, output {out_dir}")
+    runner = Runner(args, preset, os.path.join(out, f"{stem}.log"))
+    runner.say(f"benchmark run {stem}: preset {preset_name}, budget {budget:.0f} s, output {out}")
     runner.say(f"meta: {json.dumps(meta)}")
 
     if not args.dry_run:
@@ -550,10 +435,9 @@ def main(argv=None):
                 results["errors"].append({"where": f"runner/{step.name}", **error_record(e)})
             results["steps"][step.name] = {"wall_s": time.time() - t0, "given_s": give}
             results["meta"]["wall_s"] = time.time() - t_start
-            write_outputs(results, out_dir, stem, with_plots=False)
+            write_outputs(results, out, stem, with_plots=False)
             runner.say(f"=== step {step.name} done in {time.time() - t0:.1f} s ===")
     except (Interrupted, KeyboardInterrupt) as e:
-        runner.kill_current()
         if runner.partial is not None:
             step, done, record = runner.partial
             results["workers"][step.name] = record
@@ -563,9 +447,9 @@ def main(argv=None):
     finally:
         signal.signal(signal.SIGTERM, old_term)
         results["meta"]["wall_s"] = time.time() - t_start
-        write_outputs(results, out_dir, stem, with_plots=True)
+        write_outputs(results, out, stem, with_plots=True)
         shutil.rmtree(runner.tmp, ignore_errors=True)
-        runner.say(f"wrote {os.path.join(out_dir, stem)}.json / .md / .log, latest.md, "
+        runner.say(f"wrote {os.path.join(out, stem)}.json / .md / .log, "
                    f"{len(results.get('plots') or {})} plots; {len(results['errors'])} errors; "
                    f"{results['meta']['wall_s']:.0f} s")
         for e in results["errors"]:

@@ -11,11 +11,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_beside_allocations_live_in_another_tag(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.alloc_count", "--dry-run", "--counts", "1,3",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "alloc_count", "--dry-run", "--counts", "1,3",
                            "--beside", "5", "--cycles", "2", "--warmup", "1", "--out", str(tmp_path)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (report,) = tmp_path.glob("*-beside5-alloc_count.json")
+    (report,) = tmp_path.glob("alloc_count_*-beside5.json")
     r = json.loads(report.read_text())
     assert r["beside"] == 5
     assert [p["allocations"] for p in r["points"]] == [1, 3]  # the other tag's are not counted

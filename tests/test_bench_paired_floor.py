@@ -1,7 +1,7 @@
 """`make bench` compares discard-mode pause/resume with the driver's own loop
 cycled beside it in the same process (the paired floor), not only with a
-floor measured in a process of its own: on the lent H100 the own-process
-floor of one 8 GiB allocation moved 3-6 ms between processes. No GPU here:
+floor measured in a process of its own, whose figure for one large allocation
+moves from one process to the next. No GPU here:
 the cycles run on the host backend beside a stand-in for floor.Paired, and
 the report is fed made-up figures."""
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import report  # noqa: E402
+from benchmarks import run_report as report  # noqa: E402
 
 STAND_IN = textwrap.dedent("""
     import ctypes, json, sys

@@ -1,4 +1,4 @@
-"""benchmarks.multi_gpu's arithmetic and report, from made-up process results
+"""The multi_gpu suite's arithmetic and report, from made-up process results
 (no GPU): the aggregate spans from the first start to the last end, and the
 start skew says how much of that span the processes did not start together."""
 import sys
@@ -33,9 +33,8 @@ def test_start_skew_explains_an_aggregate_below_the_sum():
 
 def test_report_shows_the_skew_of_each_operation():
     res = [_process(0, (10.0, 11.0), (20.0, 21.0)), _process(1, (10.03, 11.03), (20.002, 21.0))]
-    report = {"device": "Made-up GPU", "gpus": 2, "share_gpu": False, "gib_per_gpu": 1.0, "cycles": 1,
-              "copy_threads_per_process": 2, "cpus": 4, "command": "python -m benchmarks.multi_gpu",
-              "date": "2026-11-25T00:00:00Z", "limits_last": False, "limit_d2h": {"per_gpu": [55, 55], "aggregate": 110},
+    report = {"meta": {"device_name": "Made-up GPU"}, "gpus": 2, "share_gpu": False, "gib_per_gpu": 1.0, "cycles": 1,
+              "copy_threads_per_process": 2, "cpus": 4, "limits_last": False, "limit_d2h": {"per_gpu": [55, 55], "aggregate": 110},
               "rows": [{"config": "mmap_retained", "library": "ours", "exit_codes": [0, 0],
                         "cycles": [multi_gpu._cycle(res, 0)]}]}
     text = multi_gpu._markdown(report)
@@ -73,9 +72,8 @@ def test_host_copy_limit_reads_every_block_of_each_share():
 
 def test_resume_of_a_non_retained_mmap_backup_is_measured_against_the_host_copy_too():
     res = [_process(0, (10.0, 11.0), (20.0, 21.0), nbytes=40 * GB)]
-    report = {"device": "Made-up GPU", "gpus": 1, "share_gpu": False, "gib_per_gpu": 1.0, "cycles": 1,
-              "copy_threads_per_process": 2, "cpus": 4, "command": "python -m benchmarks.multi_gpu",
-              "date": "2026-11-25T00:00:00Z", "limits_last": False,
+    report = {"meta": {"device_name": "Made-up GPU"}, "gpus": 1, "share_gpu": False, "gib_per_gpu": 1.0, "cycles": 1,
+              "copy_threads_per_process": 2, "cpus": 4, "limits_last": False,
               "limit_fill": {"per_gpu": [50], "aggregate": 50}, "limit_copy": {"per_gpu": [44], "aggregate": 44},
               "limit_d2h": {"per_gpu": [55], "aggregate": 55}, "limit_h2d": {"per_gpu": [50], "aggregate": 50},
               "rows": [{"config": config, "library": "ours", "exit_codes": [0], "cycles": [multi_gpu._cycle(res, 0)]}
@@ -96,9 +94,8 @@ def test_resume_of_a_non_retained_mmap_backup_is_measured_against_the_host_copy_
 
 def test_report_names_the_tensor_size():
     res = [_process(0, (10.0, 11.0), (20.0, 21.0))]
-    report = {"device": "Made-up GPU", "gpus": 1, "share_gpu": False, "gib_per_gpu": 4.0, "cycles": 1,
-              "copy_threads_per_process": 2, "cpus": 4, "command": "python -m benchmarks.multi_gpu --tensor-mib 2",
-              "date": "2026-11-25T00:00:00Z", "limits_last": False,
+    report = {"meta": {"device_name": "Made-up GPU"}, "gpus": 1, "share_gpu": False, "gib_per_gpu": 4.0, "cycles": 1,
+              "copy_threads_per_process": 2, "cpus": 4, "limits_last": False,
               "rows": [{"config": "pinned", "library": "ours", "exit_codes": [0], "cycles": [multi_gpu._cycle(res, 0)]}]}
     assert "4.0 GiB per GPU in 2 MiB tensors" in multi_gpu._markdown(dict(report, tensor_mib=2.0))
     assert "4.0 GiB per GPU in 512 MiB tensors" in multi_gpu._markdown(report)  # reports from before the option
@@ -110,7 +107,7 @@ def test_tensor_size_option_reaches_the_workers(monkeypatch, tmp_path):
     monkeypatch.setattr(multi_gpu, "_limits", lambda *a: None)
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Made-up GPU")
-    monkeypatch.setattr(sys, "argv", ["multi_gpu", "--gpus", "1", "--share-gpu", "--configs", "pinned",
-                                      "--tensor-mib", "2", "--out", str(tmp_path)])
-    multi_gpu.main()
+    assert multi_gpu.main(["--gpus", "1", "--share-gpu", "--configs", "pinned", "--tensor-mib", "2",
+                           "--out", str(tmp_path)]) == 0
     assert seen and seen[0][:4] == ("pinned", 24, 3, 2.0)
+    assert (tmp_path / "multi_gpu_Made-up-GPU-1procs-on-1.md").exists()

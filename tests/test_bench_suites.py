@@ -1,0 +1,124 @@
+"""The benchmarks as one tool: `python -m benchmarks <suite> --dry-run` runs every
+suite end to end on the host backend (no GPU), and every suite's report comes
+from the one writer: the same header (device, date, commit, command line), the
+same naming (<suite>_<device>[-<variant>].{md,json}) and an index of the folder."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import report  # noqa: E402
+
+# Each suite's dry run as documented: `python -m benchmarks <suite> --dry-run`.
+DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation"]
+# What each dry run measured, beyond the plumbing: the rows its report names.
+CHECKS = {
+    "run": lambda d: (sorted(d["backup"]) == ["mmap", "mmap_retained", "pinned", "pinned_retained"]
+                      and all(b.get("all_verified") for b in d["backup"].values())
+                      and [len(d["latency"][m]["shapes"]) for m in ("torch", "preload")] == [3, 3]
+                      and sorted(d["disk"]) == ["disk", "tmpfs"]
+                      and {e["where"] for e in d["errors"]} <= {"floor", "report/plots"}),
+    "multi_gpu": lambda d: ([(r["config"], r["exit_codes"], len(r["cycles"])) for r in d["rows"]]
+                            == [("mmap", [0, 0], 3), ("pinned", [0, 0], 3), ("mmap_retained", [0, 0], 3)]
+                            and all(c["verified"] for r in d["rows"] for c in r["cycles"])
+                            and all(f"limit_{k}" in d for k in ("fill", "copy", "d2h", "h2d"))),
+    "alloc_count": lambda d: ([p["allocations"] for p in d["points"]] == [1, 10, 100]
+                              and all(len(p["pause"]) == 8 and len(p["lookup_s"]) == 3 for p in d["points"])),
+    "fragmentation": lambda d: (len(d["rows"]) == 8 and not any("error" in r for r in d["rows"])
+                                and {(r["pattern"], r["hook_mode"]) for r in d["rows"]}
+                                == {(p, m) for p in ("steady", "bursty") for m in ("preload", "torch")}),
+}
+STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend-dry-run-2procs-on-1",
+         "alloc_count": "alloc_count_host-backend-dry-run",
+         "fragmentation": "fragmentation_host-backend-dry-run"}
+
+
+def _bench(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={"TMS_BACKEND": "host", "PATH": "/usr/bin:/bin"})
+
+
+def _header(text):
+    rows = [line for line in text.splitlines()[:10] if line.startswith("| ")]
+    return {c[0]: c[1] for c in ([x.strip() for x in r.strip("|").split("|")] for r in rows)}
+
+
+@pytest.mark.parametrize("suite", DRY_RUNS)
+def test_each_suite_dry_run_writes_its_report_through_the_one_writer(suite, tmp_path):
+    proc = _bench(suite, "--dry-run", "--out", str(tmp_path))
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    stem = STEMS[suite]
+    doc = json.loads((tmp_path / f"{stem}.json").read_text())
+    meta = doc["meta"]
+    assert meta["suite"] == suite and meta["dry_run"] is True
+    assert meta["command"] == f"python -m benchmarks {suite} --dry-run --out {tmp_path}"
+    assert meta["git_commit"] and meta["date"].endswith("Z")
+    assert CHECKS[suite](doc), json.dumps(doc)[-3000:]
+    text = (tmp_path / f"{stem}.md").read_text()
+    assert text.startswith("# ") and "DRY RUN" in text.splitlines()[0]
+    head = _header(text)
+    assert head["device"] == "host backend (dry run)" and head["date (UTC)"] == meta["date"]
+    assert head["commit"].startswith(f"`{meta['git_commit']}`") and head["command"] == f"`{meta['command']}`"
+    index = (tmp_path / "README.md").read_text()
+    assert f"[{stem}.md]({stem}.md)" in index and f"| `{suite}` |" in index
+
+
+def test_alias_entry_points_still_run(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.alloc_count", "--dry-run", "--counts", "2", "--cycles",
+                           "2", "--warmup", "1", "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, env={"TMS_BACKEND": "host", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "alloc_count_host-backend-dry-run.json").read_text())
+    assert [p["allocations"] for p in doc["points"]] == [2]
+
+
+def test_usage_lists_the_suites_and_unknown_ones_are_refused():
+    proc = _bench(timeout=60)
+    assert proc.returncode == 2
+    for suite in report.SUITES:
+        assert f"  {suite} " in proc.stdout
+    proc = _bench("nope", timeout=60)
+    assert proc.returncode == 2 and "unknown suite 'nope'" in proc.stderr
+    proc = _bench("multi-gpu", "--help", timeout=60)
+    assert proc.returncode == 0 and "python -m benchmarks multi_gpu" in proc.stdout
+
+
+def test_a_failing_plot_costs_no_figures_and_the_index_lists_each_report(tmp_path):
+    meta = {"suite": "alloc_count", "device_name": "Made-up GPU 80GB", "date": "2026-11-25T00:00:00Z",
+            "git_commit": "0123456789abcdef", "command": "python -m benchmarks alloc_count"}
+
+    def broken_plots(out, stem):
+        raise RuntimeError("no display")
+
+    def plots(out, stem):
+        (Path(out) / f"{stem}.png").write_bytes(b"png")
+        return {"plot": f"{stem}.png"}
+
+    stem = report.name(meta, "beside5")
+    assert stem == "alloc_count_Made-up-GPU-80GB-beside5"
+    doc = {"meta": meta, "points": [1, 2]}
+    md = report.write(str(tmp_path), stem, doc, "Title", lambda images: f"body {sorted(images)}\n", broken_plots)
+    assert Path(md).read_text().endswith("body []\n")
+    saved = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert saved["points"] == [1, 2] and saved["errors"][0]["error"] == "RuntimeError: no display"
+
+    other = dict(meta, suite="fragmentation")
+    report.write(str(tmp_path), report.name(other), {"meta": other}, "Title", lambda images: "", plots)
+    index = (tmp_path / "README.md").read_text()
+    assert ("| `alloc_count` | Made-up GPU 80GB (beside5) | 2026-11-25T00:00:00Z | `0123456789ab` | "
+            f"[{stem}.md]({stem}.md) | - |") in index
+    assert ("[fragmentation_Made-up-GPU-80GB.md](fragmentation_Made-up-GPU-80GB.md) | "
+            "[plot](fragmentation_Made-up-GPU-80GB.png) |") in index
+
+
+def test_benchmarks_use_the_public_api_but_for_the_interior_lookup():
+    """tms._core only where no public call does the same: the timed
+    allocation_at() of alloc_count."""
+    uses = [(p.name, n) for p in sorted((REPO_ROOT / "benchmarks").glob("*.py"))
+            for n, line in enumerate(p.read_text().splitlines(), 1) if "._core" in line]
+    assert [name for name, _ in uses] == ["alloc_count.py"], uses
