@@ -1,5 +1,6 @@
-/* Inside the core: the allocation record and what the table (core.c), the
- * pause/resume state machine (pause.c) and the chunk operations (chunks.c) share. */
+/* Inside the core: the allocation record and what the table (table.c), tags
+ * (tags.c), statistics (stats.c), allocation (alloc.c), the pause/resume state
+ * machine (pause.c) and the chunk operations (chunks.c) share. */
 #ifndef TMS_CORE_INTERNAL_H
 #define TMS_CORE_INTERNAL_H
 
@@ -7,6 +8,7 @@
 
 #include "backup/backup.h"
 #include "core/core.h"
+#include "core/stats.h"
 #include "platform/driver.h"
 
 struct tms_alloc {
@@ -43,6 +45,55 @@ struct tms_move {
     size_t copied;              /* bytes moved to or from the host by this call */
     struct tms_backup *drop;    /* tms_table_settle: the backup a no longer holds */
 };
+
+/* A tag's slot (tags.c). Its fields are guarded by the table lock. */
+struct tms_tag {
+    const char *name;                                 /* atomic; set when the slot is (re)used */
+    int in_use;
+    uint32_t refs;                                    /* regions and tokens naming it */
+    uint32_t next_free;                               /* free list: slot + 1, 0 ends it */
+    struct tms_alloc *allocs;                         /* the tag's allocations */
+    struct tms_stats per_device[TMS_STATS_DEVICES];
+    uint64_t counted_call[TMS_STATS_DEVICES];         /* last pause/resume call counted in per_device */
+};
+
+/* ---- the table lock (table.c) -----------------------------------------------
+ * Guards the table, the tags and every field of an allocation that is not
+ * moving; never held across a driver call, a copy, host allocation or I/O. */
+void tms_table_lock(void);
+void tms_table_unlock(void);
+/* Waits, with the lock held, until a moving allocation settles. */
+void tms_table_wait_settled(void);
+size_t tms_table_count(void);  /* allocations now (read without the lock) */
+int tms_table_insert_locked(struct tms_alloc *a);
+void tms_table_unlink_locked(struct tms_alloc **link);
+/* The link to the allocation starting at va, or NULL. */
+struct tms_alloc **tms_table_link_locked(tms_va va);
+struct tms_alloc *tms_table_find_locked(tms_va va);
+
+/* ---- tags (tags.c), under the table lock ------------------------------------ */
+int tms_tag_check(const char *tag, struct tms_err *err);
+int tms_tags_intern_locked(const char *tag, int *id, struct tms_err *err);
+/* The id of tag, -1 if it has none. */
+int tms_tags_find_locked(const char *tag);
+/* The tag of id if in use, else NULL; "default" (id 0) always exists. */
+struct tms_tag *tms_tag_locked(int id);
+/* Slots made so far (ids below it), and one of them in use or not. */
+int tms_tags_count(void);
+struct tms_tag *tms_tag_slot_locked(int id);
+
+/* ---- statistics (stats.c), under the table lock ---------------------------- */
+/* An allocation's share of the gauges taken out (sign -1) or put back (+1). */
+void tms_stats_account_locked(const struct tms_alloc *a, int sign);
+/* A pause or resume that changed a: counted once per (tag, device) of call call_seq. */
+void tms_stats_count_change_locked(const struct tms_alloc *a, size_t copied, int is_pause, uint64_t ns,
+                                   uint64_t call_seq);
+
+/* ---- allocations (alloc.c) --------------------------------------------------- */
+void tms_alloc_destroy(struct tms_alloc *a);
+/* The driver side of a free of an allocation already out of the table; if its
+ * memory cannot be unmapped it goes back into the table and the free fails. */
+int tms_alloc_release_detached(const struct tms_driver *drv, struct tms_alloc *a, struct tms_err *err);
 
 /* Waits until no allocation of tag (NULL: every tag) is moving, then marks
  * those in state `from` as moving and returns them: from then on only the

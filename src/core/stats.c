@@ -1,0 +1,89 @@
+/* Statistics per (tag, device): the gauges kept equal to the table, the counters of pauses and resumes. */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "core/core_internal.h"
+#include "core/stats.h"
+
+static int stats_slot(int device) { return device < TMS_STATS_DEVICES ? device : TMS_STATS_DEVICES - 1; }
+
+static struct tms_stats *stats_of_locked(int tag_id, int device)
+{
+    struct tms_tag *t = tms_tag_locked(tag_id);
+    return t ? &t->per_device[stats_slot(device)] : NULL;
+}
+
+/* A backup's bytes count in the gauge of its kind: the fields follow enum tms_backup_kind. */
+_Static_assert(offsetof(struct tms_stats, bytes_backup_mmap) ==
+                       offsetof(struct tms_stats, bytes_backup_pinned) + TMS_BACKUP_MMAP * sizeof(uint64_t) &&
+                   offsetof(struct tms_stats, bytes_backup_disk) ==
+                       offsetof(struct tms_stats, bytes_backup_pinned) + TMS_BACKUP_DISK * sizeof(uint64_t) &&
+                   TMS_BACKUP_PINNED == 0,
+               "bytes_backup_<kind> in the order of enum tms_backup_kind");
+
+/* The one place gauges change: an allocation's share is taken out (sign -1)
+ * before any change to it and put back (+1) after, so gauges always equal
+ * the sum over the table. A moving allocation counts in its settled state. */
+void tms_stats_account_locked(const struct tms_alloc *a, int sign)
+{
+    struct tms_stats *st = stats_of_locked(a->tag_id, a->device);
+    if (!st) return;
+    uint64_t s = (uint64_t)(int64_t)sign;  /* wraps: adding -1 * x subtracts x */
+    st->allocations += s;
+    st->bytes_requested += s * a->size;
+    st->bytes_reserved += s * a->reserved;
+    if (a->state == TMS_ACTIVE) st->bytes_mapped += s * a->reserved;
+    else st->bytes_paused += s * a->reserved;
+    if (a->host_copy) (&st->bytes_backup_pinned)[a->host_copy->kind] += s * a->host_copy->size;
+}
+
+/* A pause or resume that changed an allocation counts once per (tag,
+ * device) it changed, with its duration, plus the bytes it copied. */
+void tms_stats_count_change_locked(const struct tms_alloc *a, size_t copied, int is_pause, uint64_t ns,
+                                   uint64_t call_seq)
+{
+    struct tms_stats *st = stats_of_locked(a->tag_id, a->device);
+    if (!st) return;
+    uint64_t *counted = &tms_tag_locked(a->tag_id)->counted_call[stats_slot(a->device)];
+    if (is_pause) st->bytes_to_host += copied;
+    else st->bytes_to_device += copied;
+    if (*counted == call_seq) return;
+    *counted = call_seq;
+    if (is_pause) st->pauses++, st->pause_ns += ns;
+    else st->resumes++, st->resume_ns += ns;
+}
+
+int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *err)
+{
+    size_t n = 0, cap = 16;
+    struct tms_stats_row *out = malloc(cap * sizeof *out);
+    static const struct tms_stats zero;
+    tms_table_lock();
+    int tags = tms_tags_count();
+    for (int t = 0; out && t < tags; t++) {
+        const struct tms_tag *tag = tms_tag_slot_locked(t);
+        for (int d = 0; d < TMS_STATS_DEVICES; d++) {
+            const struct tms_stats *st = &tag->per_device[d];
+            if (!memcmp(st, &zero, sizeof zero)) continue;
+            if (n == cap) {
+                struct tms_stats_row *grown = realloc(out, 2 * cap * sizeof *out);
+                if (!grown) {
+                    free(out);
+                    out = NULL;
+                    break;
+                }
+                out = grown;
+                cap *= 2;
+            }
+            out[n++] = (struct tms_stats_row){.tag_id = t, .device = d, .stats = *st};
+        }
+    }
+    tms_table_unlock();
+    if (!out) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory copying statistics");
+    *rows = out;
+    *count = n;
+    return TMS_OK;
+}
