@@ -1,6 +1,5 @@
 """What the library holds and did: stats(), memory_summary(), pause/resume log lines."""
 import logging
-import os
 import threading
 import time
 
@@ -59,31 +58,34 @@ def memory_summary(core) -> str:
     return "\n".join(lines)
 
 
+def _selects(tag, row_tag):
+    """Does tag (None: every tag, a str, or a list of them) select row_tag?"""
+    return tag is None or row_tag == tag or (isinstance(tag, (list, tuple)) and row_tag in tag)
+
+
+def _name(tag):
+    return "<all>" if tag is None else tag if isinstance(tag, str) else ",".join(tag)
+
+
 def _totals(core, tag):
     moved = freed = 0
     for r in core.stats():
-        if tag is None or r["tag"] == tag:
+        if _selects(tag, r["tag"]):
             moved += r["bytes_to_host"] + r["bytes_to_device"]
             freed += r["bytes_mapped"]
     return moved, freed
 
 
-def env_bool(var):
-    """A boolean variable, spelled as the C core and the upstream library accept it."""
-    value = os.environ.get(var)
-    if value is None:
-        return False
-    if value in ("1", "true", "TRUE", "yes", "YES"):
-        return True
-    if value in ("0", "false", "FALSE", "no", "NO"):
-        return False
-    raise ValueError(f"torch_memory_saver: {var}='{value}' is not a boolean "
-                     f"(use 1, true, TRUE, yes, YES or 0, false, FALSE, no, NO)")
-
-
 # Progress lines for long backed-up pauses/resumes: off by default, on with
-# torch_memory_saver.progress = True or TMS_PROGRESS=1.
-progress_enabled = env_bool("TMS_PROGRESS")
+# torch_memory_saver.progress = True or TMS_PROGRESS=1 (read by the core, with
+# every TMS_* variable). None: the variable decides.
+progress_setting = None
+
+
+def progress_enabled(core):
+    return core.defaults()["progress"] if progress_setting is None else progress_setting
+
+
 PROGRESS_AFTER_S = 1.0
 PROGRESS_EVERY_S = 0.5
 
@@ -106,7 +108,7 @@ def _run_with_progress(core, op, tag):
     while worker.is_alive():
         done, total = core.copy_progress()
         if total:
-            logger.info("%s tag=%s: %.0f%% (%s of %s copied, %.1f s)", op, tag if tag is not None else "<all>",
+            logger.info("%s tag=%s: %.0f%% (%s of %s copied, %.1f s)", op, _name(tag),
                         100.0 * done / total, _fmt_bytes(done), _fmt_bytes(total), time.perf_counter() - t0)
         worker.join(PROGRESS_EVERY_S)
     if "error" in outcome:
@@ -114,7 +116,7 @@ def _run_with_progress(core, op, tag):
 
 
 def _run(core, op, tag):
-    if progress_enabled and logger.isEnabledFor(logging.INFO):
+    if logger.isEnabledFor(logging.INFO) and progress_enabled(core):
         _run_with_progress(core, op, tag)
     else:
         getattr(core, op)(tag)
@@ -133,11 +135,11 @@ def logged(core, op, tag):
     moved = moved1 - moved0
     rate = f", {moved / seconds / 1e9:.1f} GB/s" if moved and seconds > 0 else ""
     what = "released" if op == "pause" else "mapped"
-    logger.info("%s tag=%s: %s %s, %s copied in %.1f ms%s", op, tag if tag is not None else "<all>", what,
+    logger.info("%s tag=%s: %s %s, %s copied in %.1f ms%s", op, _name(tag), what,
                 _fmt_bytes(abs(mapped1 - mapped0)), _fmt_bytes(moved), seconds * 1e3, rate)
     if logger.isEnabledFor(logging.DEBUG):
         for a in core.allocations():
-            if tag is None or a["tag"] == tag:
+            if _selects(tag, a["tag"]):
                 logger.debug("  0x%x %s tag=%s device=%d %s backup=%s", a["ptr"], _fmt_bytes(a["size"]), a["tag"],
                              a["device"], a["state"],
                              a["cpu_backup_backend"] if a["has_cpu_backup"] or a["has_disk_backup"] else "none")

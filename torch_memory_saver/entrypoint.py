@@ -11,44 +11,22 @@ from ._errors import DiskBackupDirError
 logger = logging.getLogger("torch_memory_saver")
 
 _TAG_DEFAULT = "default"
-_BACKUP_BACKENDS = ("pinned", "mmap")
 
 
-def _check_tag(tag, *, allow_none=False, what="tag"):
-    if tag is None and allow_none:
-        return
-    if not isinstance(tag, str):
-        raise TypeError(f"torch_memory_saver: {what} must be a str{' or None' if allow_none else ''}, "
-                        f"not {type(tag).__name__}")
-    if not tag:
-        raise ValueError(f"torch_memory_saver: {what} must be a non-empty string")
-    if "\0" in tag:
-        raise ValueError(f"torch_memory_saver: {what} {tag!r} contains a null character")
+def _check_type(value, types, what):
+    """Arguments are converted here; what they mean is checked by the core."""
+    if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+        names = " or ".join("None" if t is type(None) else f"a {t.__name__}" for t in types)
+        raise TypeError(f"torch_memory_saver: {what} must be {names}, not {type(value).__name__}")
 
 
-def _tag_list(tag):
-    """pause/resume's argument as a list: [None] (every tag), or tags. A list
-    or tuple of tags is ours beyond upstream; duplicates are a ValueError."""
-    if isinstance(tag, (list, tuple)):
-        seen = set()
-        for t in tag:
-            _check_tag(t, what="tag in the list")
-            if t in seen:
-                raise ValueError(f"torch_memory_saver: tag {t!r} is listed twice")
-            seen.add(t)
-        return list(tag)
-    if tag is not None and not isinstance(tag, str):
-        raise TypeError(f"torch_memory_saver: tag must be a str, a list of str or None, not {type(tag).__name__}")
-    _check_tag(tag, allow_none=True)
-    return [tag]
-
-
-def _torch_is_rocm() -> bool:
+def _torch_platform():
+    """'hip' or 'cuda': the platform the importable torch was built for, else None."""
     try:
         import torch
     except ImportError:
-        return False
-    return bool(getattr(torch.version, "hip", None))
+        return None
+    return "hip" if getattr(torch.version, "hip", None) else "cuda"
 
 
 def _torch_gpu_platform():
@@ -103,13 +81,14 @@ class TorchMemorySaver:
     def progress(self) -> bool:
         """Log progress lines (INFO, logger "torch_memory_saver") for backed-up
         pauses/resumes that take more than a second. Off by default; TMS_PROGRESS=1."""
-        return _observe.progress_enabled
+        if _observe.progress_setting is not None:
+            return _observe.progress_setting
+        return _library.load(self._hook_mode).defaults()["progress"]
 
     @progress.setter
     def progress(self, value: bool):
-        if not isinstance(value, bool):
-            raise TypeError(f"torch_memory_saver: progress must be a bool, not {type(value).__name__}")
-        _observe.progress_enabled = value
+        _check_type(value, (bool,), "progress")
+        _observe.progress_setting = value
 
     @property
     def memory_margin_bytes(self) -> int:
@@ -160,8 +139,7 @@ class TorchMemorySaver:
         enable_cpu_backup keeps their contents in host memory across a pause;
         enable_disk_backup in a file each, in the disk backup directory (see
         set_disk_backup_dir), with host memory flat. (Upstream's parameter order.)"""
-        _check_tag(tag)
-        kind = self._backup_backend(enable_cpu_backup, cpu_backup_backend, enable_disk_backup)
+        kind = self._check_region(tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup)
         impl = self._ensure_initialized()
         with impl.region(tag, enable_cpu_backup, kind, enable_disk_backup):
             yield
@@ -178,10 +156,9 @@ class TorchMemorySaver:
     def cuda_graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global",
                    tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, cpu_backup_backend: Optional[str] = None):
         """Like `torch.cuda.graph`, with the graph's memory pauseable under `tag`."""
-        _check_tag(tag)
-        kind = self._backup_backend(enable_cpu_backup, cpu_backup_backend)
+        kind = self._check_region(tag, enable_cpu_backup, cpu_backup_backend, False)
         impl = self._ensure_initialized()
-        with impl.cuda_graph(cuda_graph, pool, stream, capture_error_mode, tag, bool(enable_cpu_backup), kind):
+        with impl.cuda_graph(cuda_graph, pool, stream, capture_error_mode, tag, enable_cpu_backup, kind):
             yield
 
     # ---- pause / resume ------------------------------------------------------
@@ -201,7 +178,7 @@ class TorchMemorySaver:
         raise and resume(tag) would map it back). A tag with no allocations, or
         with memory allocated into it after a pause, is not paused. Never raises
         for an unknown tag."""
-        _check_tag(tag)
+        _check_type(tag, (str,), "tag")
         return tag in self.paused_tags()
 
     def paused_tags(self):
@@ -210,21 +187,20 @@ class TorchMemorySaver:
         return sorted(t for t, (mapped, paused) in rows.items() if paused and not mapped)
 
     def _pause_or_resume(self, op, tag):
-        tags = _tag_list(tag)
-        core = self._ensure_initialized().core
-        if len(tags) > 1:
-            # All-or-nothing on state errors: check every tag before changing any.
-            rows = _observe.tag_bytes(core)
-            for t in tags:
-                mapped, paused = rows.get(t, (0, 0))
-                if op == "pause" and paused and not mapped:  # what the core refuses
-                    raise core.Error(f"torch_memory_saver: pause of tag '{t}' (in {tags}): already paused; "
-                                     f"no tag of the list was paused")
-                if op == "resume" and mapped and not paused:
-                    raise core.Error(f"torch_memory_saver: resume of tag '{t}' (in {tags}): not paused; "
-                                     f"no tag of the list was resumed")
-        for t in tags:
-            _observe.logged(core, op, t)
+        # A list or tuple of tags (ours beyond upstream) is all or nothing: the core
+        # decides for all of them under one lock.
+        _library.load(self._hook_mode).check_tags(op, tag)  # before first use: a bad tag starts nothing
+        _observe.logged(self._ensure_initialized().core, op, list(tag) if isinstance(tag, tuple) else tag)
+
+    def _check_region(self, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup):
+        """The CPU backup backend the region gets; the core's policy decides the rest
+        (checked before first use: a bad region starts nothing)."""
+        _check_type(enable_cpu_backup, (bool,), "enable_cpu_backup")
+        _check_type(enable_disk_backup, (bool,), "enable_disk_backup")
+        _check_type(tag, (str,), "tag")
+        _check_type(cpu_backup_backend, (str, type(None)), "cpu_backup_backend")
+        native = _library.load(self._hook_mode)
+        return native.check_region(tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup)
 
     def get_cpu_backup(self, x, zero_copy: bool = False):
         """Host copy of tensor `x` while its allocation is paused with backup (or
@@ -306,6 +282,8 @@ class TorchMemorySaver:
         path = os.fsdecode(os.fspath(path))
         if not path:
             raise ValueError("torch_memory_saver: set_disk_backup_dir needs a non-empty path")
+        if "\0" in path:
+            raise DiskBackupDirError(f"torch_memory_saver: the disk backup directory {path!r} contains a null character")
         core = self._ensure_initialized().core
         try:
             core.set_disk_backup_dir(path)
@@ -337,26 +315,6 @@ class TorchMemorySaver:
         return _preload.configure_subprocess()
 
     # ---- internals -----------------------------------------------------------
-
-    def _backup_backend(self, enable_cpu_backup, cpu_backup_backend, enable_disk_backup=False):
-        if not isinstance(enable_cpu_backup, bool):
-            raise TypeError(f"torch_memory_saver: enable_cpu_backup must be a bool, "
-                            f"not {type(enable_cpu_backup).__name__}")
-        if not isinstance(enable_disk_backup, bool):
-            raise TypeError(f"torch_memory_saver: enable_disk_backup must be a bool, "
-                            f"not {type(enable_disk_backup).__name__}")
-        if enable_disk_backup and enable_cpu_backup:
-            raise ValueError("torch_memory_saver: enable_cpu_backup and enable_disk_backup are mutually exclusive "
-                             "(a region backs up to host memory or to disk)")
-        if cpu_backup_backend is None:
-            return _library.load(self._hook_mode).defaults()["init_cpu_backup_backend"]
-        if cpu_backup_backend not in _BACKUP_BACKENDS:
-            raise ValueError(f"torch_memory_saver: cpu_backup_backend must be 'pinned' or 'mmap', "
-                             f"got {cpu_backup_backend!r}")
-        if not enable_cpu_backup:
-            raise ValueError(f"torch_memory_saver: cpu_backup_backend={cpu_backup_backend!r} needs "
-                             f"enable_cpu_backup=True")
-        return cpu_backup_backend
 
     def _ensure_initialized(self) -> "_Impl":
         """Loads the core for hook_mode (first use); upstream's name, which frameworks call."""
@@ -410,8 +368,9 @@ class _Impl:
         self._on_gpu = None
         self._warm = False
         self.preload_method = None  # set by on_gpu(): "ld_preload" or "relocation"
-        if not os.environ.get("TMS_BACKEND") and self.core.loaded_backend() is None and _torch_is_rocm():
-            self.core.use_backend("hip")  # one build serves both: the platform is chosen here
+        # One build serves CUDA and ROCm: the core picks the backend, told what
+        # torch was built for (TMS_BACKEND and TMS_PLATFORM say first).
+        self.core.set_platform_hint(_torch_platform())
 
     @property
     def _hook_mode(self) -> str:  # upstream's attribute name

@@ -1,4 +1,4 @@
-/* The VMM core: the process's one allocation table and its pause/resume state machine. */
+/* The VMM core's public header: the one allocation table, its pause/resume, and everything the faces (module.c, abi.c) and hooks call. */
 #ifndef TMS_CORE_H
 #define TMS_CORE_H
 
@@ -41,8 +41,8 @@ struct tms_alloc_info {
 int tms_core_tag_id(const char *tag, int *id, struct tms_err *err);
 /* Name of a tag; the string lives for the process. */
 const char *tms_core_tag_name(int id);
-/* Makes tag (checked as above) the calling thread's region tag, holding a
- * reference on it until the thread names another or ends. */
+/* Makes tag (checked as for a region) the calling thread's region tag,
+ * holding a reference on it until the thread names another or ends. */
 int tms_core_set_region_tag(const char *tag, struct tms_err *err);
 /* A reference on a tag held by a copy of a region (expandable segments). */
 void tms_core_tag_ref(int id);
@@ -124,5 +124,71 @@ void tms_core_set_margin(size_t bytes);
 size_t tms_core_margin(void);
 void tms_core_set_retain(int retain);
 int tms_core_retain(void);
+
+/* ---- regions: what the calling thread's allocations get ---------------------
+ * One policy for every face: a region the Python API asks for names a
+ * non-empty UTF-8 tag, and asks for a CPU backup
+ * (pinned or mmap; backend NULL: TMS_INIT_CPU_BACKUP_BACKEND) or a disk backup,
+ * not both; a backend is named only with a CPU backup. Settings made one at a
+ * time (the C ABI) let the disk backup win, as the upstream library does. */
+struct tms_region_request {
+    const char *tag;
+    int cpu_backup;
+    const char *backend;  /* NULL: the default */
+    int disk_backup;
+};
+/* Checks a region a user asks for; *kind gets the CPU backup kind it makes. */
+int tms_core_check_region(const struct tms_region_request *req, int *kind, struct tms_err *err);
+/* Sets the calling thread's region; its tag (checked as above) is
+ * referenced while it stays the thread's. */
+int tms_core_set_region(int active, const char *tag, int backup, int kind, int disk, struct tms_err *err);
+
+/* ---- several tags at once --------------------------------------------------
+ * All or nothing, decided under the table lock: if any tag cannot be paused
+ * (resumed), none is, and the error names it. Tags must differ. */
+int tms_core_pause_tags(const char *const *tags, size_t n, struct tms_err *err);
+/* What pause_tags and resume_tags check first: each tag, none twice (op names the call). */
+int tms_core_check_tags(const char *op, const char *const *tags, size_t n, struct tms_err *err);
+/* A tag as a region or a pause takes it: non-empty UTF-8. */
+int tms_core_check_tag(const char *tag, struct tms_err *err);
+int tms_core_resume_tags(const char *const *tags, size_t n, struct tms_err *err);
+
+/* ---- the process's services, for the faces (facade.c) ---------------------- */
+int tms_core_set_disk_dir(const char *dir, struct tms_err *err);
+void tms_core_disk_dir(char *buf, size_t n);
+/* Chooses the backend before first use ("cuda", "hip", "host"). */
+int tms_core_use_backend(const char *name, struct tms_err *err);
+/* Loads the backend if needed; its name. */
+int tms_core_backend(const char **name, struct tms_err *err);
+/* The loaded backend's name, or NULL. */
+const char *tms_core_loaded_backend(void);
+/* The platform the process's PyTorch was built for ("cuda" or "hip"): the
+ * backend's default when neither TMS_BACKEND nor TMS_PLATFORM says. */
+void tms_core_set_platform_hint(const char *platform);
+/* Free and total bytes of device (loads the backend). */
+int tms_core_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes, struct tms_err *err);
+/* Starts the copy workers and pins their staging now. */
+int tms_core_warm_backups(struct tms_err *err);
+/* Bytes copied so far by the backup copy running now (or the last), and its size. */
+void tms_core_copy_progress(size_t *done, size_t *total);
+/* The bytes a host backup holds (a view of it aliases them), and letting go
+ * of the view's reference. */
+void *tms_core_backup_bytes(const struct tms_backup *b);
+void tms_core_backup_release(struct tms_backup *b);
+/* The message of this thread's last failed hook or C ABI call ("" if none). */
+const char *tms_core_last_error(void);
+void tms_core_keep_error(const struct tms_err *err);
+/* The relocation hooks' record (hooks/reloc.c): objects patched, and those
+ * defining a target themselves. */
+void tms_core_relocation_report(char *patched, size_t patched_n, char *static_runtime, size_t static_n);
+
+/* ---- preload variant only (hooks/hook_preload.c) ---------------------------- */
+/* 1 if this library's cudaMalloc is the one the process resolves; *winner
+ * names the library whose is. */
+int tms_core_preload_active(const char **winner);
+/* Installs the relocation hooks (preload mode without LD_PRELOAD). */
+int tms_core_install_relocation(struct tms_err *err);
+/* "ld_preload", "relocation" or NULL. */
+const char *tms_core_preload_method(void);
 
 #endif

@@ -95,11 +95,13 @@ void tms_alloc_destroy(struct tms_alloc *a);
  * memory cannot be unmapped it goes back into the table and the free fails. */
 int tms_alloc_release_detached(const struct tms_driver *drv, struct tms_alloc *a, struct tms_err *err);
 
-/* Waits until no allocation of tag (NULL: every tag) is moving, then marks
- * those in state `from` as moving and returns them: from then on only the
- * caller touches their memory, handles and backups. *n = 0 with TMS_OK when
- * the tag holds nothing; TMS_E_STATE naming the tag when nothing is in `from`. */
-int tms_table_claim(const char *tag, int from, struct tms_move **moves, size_t *n, struct tms_err *err);
+/* Waits until no allocation of the tags (NULL: every tag) is moving, then
+ * marks those in state `from` as moving and returns them: from then on only
+ * the caller touches their memory, handles and backups. *n = 0 with TMS_OK
+ * when the tags hold nothing; TMS_E_STATE naming a tag that holds allocations
+ * but none in `from`, and then nothing is claimed. */
+int tms_table_claim(const char *const *tags, size_t n_tags, int from, struct tms_move **moves, size_t *n,
+                    struct tms_err *err);
 
 /* Puts claimed allocations back with their new state and backup, counts the
  * call (ns long) in the statistics, wakes whoever waits for them, then drops

@@ -2,6 +2,7 @@
 #include "core/core.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/core_internal.h"
 #include "platform/log.h"
@@ -136,7 +137,7 @@ static void keep_copies(const struct tms_move *m, size_t n, int retain)
         if (m[i].copy) tms_backup_kept(m[i].copy, retain);
 }
 
-int tms_core_pause(const char *tag, struct tms_err *err)
+static int pause_tags(const char *const *tags, size_t n_tags, struct tms_err *err)
 {
     const struct tms_driver *drv;
     int rc = tms_driver_get(&drv, err);
@@ -144,7 +145,7 @@ int tms_core_pause(const char *tag, struct tms_err *err)
     uint64_t start = tms_now_ns();
     struct tms_move *m;
     size_t n;
-    if ((rc = tms_table_claim(tag, TMS_ACTIVE, &m, &n, err)) || n == 0) return rc;
+    if ((rc = tms_table_claim(tags, n_tags, TMS_ACTIVE, &m, &n, err)) || n == 0) return rc;
     rc = synchronize_devices(drv, m, n, err);
     /* All backups first: if one fails, nothing has been unmapped yet. */
     if (!rc) rc = backup_all(drv, m, n, err);
@@ -152,7 +153,8 @@ int tms_core_pause(const char *tag, struct tms_err *err)
     if (tms_core_retain()) keep_copies(m, n, 1);
     uint64_t ns = tms_now_ns() - start;
     tms_table_settle(drv, m, n, 1, ns);
-    TMS_DEBUG("pause %s: %zu allocations, %.3f ms, status %d", tag ? tag : "<all>", n, (double)ns / 1e6, rc);
+    TMS_DEBUG("pause %s%s: %zu allocations, %.3f ms, status %d", tags ? tags[0] : "<all>", n_tags > 1 ? " (and more)" : "",
+              n, (double)ns / 1e6, rc);
     return rc;
 }
 
@@ -174,7 +176,7 @@ static void unrestore(const struct tms_driver *drv, struct tms_move *m, struct t
                    (unsigned long long)a->va, tag, undo_err.msg);
 }
 
-int tms_core_resume(const char *tag, struct tms_err *err)
+static int resume_tags(const char *const *tags, size_t n_tags, struct tms_err *err)
 {
     const struct tms_driver *drv;
     int rc = tms_driver_get(&drv, err);
@@ -182,7 +184,7 @@ int tms_core_resume(const char *tag, struct tms_err *err)
     uint64_t start = tms_now_ns();
     struct tms_move *m;
     size_t n, mapped = 0;
-    if ((rc = tms_table_claim(tag, TMS_PAUSED, &m, &n, err)) || n == 0) return rc;
+    if ((rc = tms_table_claim(tags, n_tags, TMS_PAUSED, &m, &n, err)) || n == 0) return rc;
     struct batcher b = {.drv = drv, .to_host = 0, .items = calloc(n, sizeof *b.items)};
     struct tms_transfer *copies = b.items;
     int retain = tms_core_retain();
@@ -224,6 +226,43 @@ int tms_core_resume(const char *tag, struct tms_err *err)
     free(copies);
     uint64_t ns = tms_now_ns() - start;
     tms_table_settle(drv, m, n, 0, ns);
-    TMS_DEBUG("resume %s: %zu allocations, %.3f ms, status %d", tag ? tag : "<all>", n, (double)ns / 1e6, rc);
+    TMS_DEBUG("resume %s%s: %zu allocations, %.3f ms, status %d", tags ? tags[0] : "<all>", n_tags > 1 ? " (and more)" : "",
+              n, (double)ns / 1e6, rc);
     return rc;
+}
+
+int tms_core_check_tags(const char *op, const char *const *tags, size_t n, struct tms_err *err)
+{
+    if (!tags || !n) return tms_fail(err, TMS_E_ARG, 0, "%s: the list of tags is empty", op);
+    for (size_t i = 0; i < n; i++) {
+        int rc = tms_tag_check(tags[i], err);
+        if (rc) return rc;
+        for (size_t j = 0; j < i; j++)
+            if (!strcmp(tags[i], tags[j])) return tms_fail(err, TMS_E_ARG, 0, "%s: tag '%s' is listed twice", op, tags[i]);
+    }
+    return TMS_OK;
+}
+
+int tms_core_pause(const char *tag, struct tms_err *err)
+{
+    int rc = tag ? tms_tag_check(tag, err) : TMS_OK;
+    return rc ? rc : pause_tags(tag ? &tag : NULL, tag ? 1 : 0, err);
+}
+
+int tms_core_resume(const char *tag, struct tms_err *err)
+{
+    int rc = tag ? tms_tag_check(tag, err) : TMS_OK;
+    return rc ? rc : resume_tags(tag ? &tag : NULL, tag ? 1 : 0, err);
+}
+
+int tms_core_pause_tags(const char *const *tags, size_t n, struct tms_err *err)
+{
+    int rc = tms_core_check_tags("pause", tags, n, err);
+    return rc ? rc : pause_tags(tags, n, err);
+}
+
+int tms_core_resume_tags(const char *const *tags, size_t n, struct tms_err *err)
+{
+    int rc = tms_core_check_tags("resume", tags, n, err);
+    return rc ? rc : resume_tags(tags, n, err);
 }

@@ -237,52 +237,68 @@ static int by_device_and_address(const void *x, const void *y)
     return (a->va > b->va) - (a->va < b->va);
 }
 
-int tms_table_claim(const char *tag, int from, struct tms_move **moves, size_t *n, struct tms_err *err)
+static int state_error(struct tms_err *err, int from, const char *tag, size_t n_tags, size_t other)
+{
+    const char *op = from == TMS_ACTIVE ? "pause" : "resume";
+    const char *why = from == TMS_ACTIVE ? "already paused" : "not paused";
+    const char *which = from == TMS_ACTIVE ? "none active" : "all active";
+    if (!tag) return tms_fail(err, TMS_E_STATE, 0, "%s of all tags: %s (%zu allocations, %s)", op, why, other, which);
+    if (n_tags == 1)
+        return tms_fail(err, TMS_E_STATE, 0, "%s of tag '%s': %s (%zu allocations, %s)", op, tag, why, other, which);
+    return tms_fail(err, TMS_E_STATE, 0, "%s of tag '%s' (one of %zu tags): %s (%zu allocations, %s); no tag of the "
+                    "list was %s", op, tag, n_tags, why, other, which, from == TMS_ACTIVE ? "paused" : "resumed");
+}
+
+int tms_table_claim(const char *const *tags, size_t n_tags, int from, struct tms_move **moves, size_t *n,
+                    struct tms_err *err)
 {
     *moves = NULL;
     *n = 0;
-    int tag_id = -1, rc = TMS_OK;
-    size_t count[2], moving;
+    int rc = TMS_OK;
+    size_t lists = tags ? n_tags : 1, want = 0;
+    int *ids = calloc(lists, sizeof *ids);
+    if (!ids) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory listing %zu tags", lists);
     tms_table_lock();
-    for (;;) {
-        if (tag && (tag_id = tms_tags_find_locked(tag)) < 0) goto out;  /* never used: nothing to do, as upstream */
-        count[TMS_ACTIVE] = count[TMS_PAUSED] = moving = 0;
-        FOR_EACH_OF_TAG(a, tag_id) {
-            if (a->moving) moving++;
-            else count[a->state]++;
+    /* Every tag's allocations settled first, then one decision for all of them. */
+    for (int settled = 0; !settled;) {
+        settled = 1;
+        want = 0;
+        for (size_t t = 0; t < lists && !rc; t++) {
+            ids[t] = tags ? tms_tags_find_locked(tags[t]) : -1;
+            if (tags && ids[t] < 0) continue;  /* never used: nothing to do, as upstream */
+            size_t count[2] = {0, 0}, moving = 0;
+            FOR_EACH_OF_TAG(a, ids[t]) {
+                if (a->moving) moving++;
+                else count[a->state]++;
+            }
+            if (moving) {
+                settled = 0;
+                break;
+            }
+            size_t other = count[from == TMS_ACTIVE ? TMS_PAUSED : TMS_ACTIVE];
+            if (!count[from] && other) rc = state_error(err, from, tags ? tags[t] : NULL, n_tags, other);
+            want += count[from];
         }
-        if (!moving) break;
-        pthread_cond_wait(&table_settled, &table_lock);
+        if (!settled) pthread_cond_wait(&table_settled, &table_lock);
     }
-    size_t want = count[from], other = count[from == TMS_ACTIVE ? TMS_PAUSED : TMS_ACTIVE];
-    if (!want && !other) goto out;
-    if (!want) {
-        rc = from == TMS_ACTIVE
-                 ? tms_fail(err, TMS_E_STATE, 0, "pause of %s%s%s: already paused (%zu allocations, none active)",
-                            tag ? "tag '" : "all tags", tag ? tag : "", tag ? "'" : "", other)
-                 : tms_fail(err, TMS_E_STATE, 0, "resume of %s%s%s: not paused (%zu allocations, all active)",
-                            tag ? "tag '" : "all tags", tag ? tag : "", tag ? "'" : "", other);
-        goto out;
-    }
-    struct tms_move *m = calloc(want, sizeof *m);
-    if (!m) {
-        rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory listing %zu allocations", want);
-        goto out;
-    }
+    struct tms_move *m = !rc && want ? calloc(want, sizeof *m) : NULL;
+    if (!rc && want && !m) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory listing %zu allocations", want);
     size_t i = 0;
-    FOR_EACH_OF_TAG(a, tag_id) {
-        if (a->state != from) continue;
-        a->moving = 1;
-        m[i++] = (struct tms_move){.a = a, .state = from, .copy = a->host_copy};
+    for (size_t t = 0; m && t < lists; t++) {
+        if (tags && ids[t] < 0) continue;
+        FOR_EACH_OF_TAG(a, ids[t]) {
+            if (a->state != from) continue;
+            a->moving = 1;
+            m[i++] = (struct tms_move){.a = a, .state = from, .copy = a->host_copy};
+        }
     }
     *moves = m;
     *n = i;
-out:
     tms_table_unlock();
+    free(ids);
     if (*moves) qsort(*moves, *n, sizeof **moves, by_device_and_address);  /* ours alone now */
     return rc;
 }
-
 
 void tms_table_settle(const struct tms_driver *drv, struct tms_move *m, size_t n, int is_pause, uint64_t ns)
 {

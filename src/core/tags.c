@@ -15,23 +15,22 @@
  * Once more than TAGS_BEFORE_RECLAIM slots are in use, interning a new tag
  * first reclaims the slots nobody references (their statistics go with
  * them), so a process that makes tags without end keeps a bounded table.
- * Names are never freed: a reader may hold one without the lock (Python
- * building a row, a log line), and a reused slot's old id then names the new
- * tag rather than freed memory.
+ * Names are never freed, and each is made once (a pool by text): a reader
+ * may hold one without the lock (Python building a row, a log line), and a
+ * reused slot's old id then names the new tag rather than freed memory. The
+ * pool grows with the distinct names a process ever uses, not with reuse.
  */
 #define TAG_PAGE_SIZE 64
 #define TAG_PAGES 1024
 #define TAGS_BEFORE_RECLAIM 1024
-struct tag_name {
-    struct tag_name *next;  /* every name ever made: reachable for the process's life */
-    char text[];
-};
 static void default_tag_locked(void);
 static struct tms_tag *tag_pages[TAG_PAGES];  /* filled under table_lock */
 static int tag_slots;     /* slots made so far; stored with release once a slot is complete */
 static int tags_in_use;   /* guarded by table_lock */
 static uint32_t tag_free_head;
-static struct tag_name *tag_names;
+/* Every name ever made, by text: open addressing, NULL empty. Guarded by table_lock. */
+static char **name_pool;
+static size_t name_pool_cap, name_pool_used;
 /* name -> slot, open addressing: -1 empty, -2 removed. Guarded by table_lock. */
 static int32_t *tag_index;
 static size_t tag_index_cap, tag_index_used;
@@ -110,6 +109,30 @@ static void reclaim_tags_locked(void)
     }
 }
 
+static char **pool_slot_locked(const char *text)
+{
+    size_t mask = name_pool_cap - 1, i = (size_t)name_hash(text) & mask;
+    while (name_pool[i] && strcmp(name_pool[i], text) != 0) i = (i + 1) & mask;
+    return &name_pool[i];
+}
+
+/* The pooled copy of text, made if new; NULL out of memory. */
+static const char *pooled_name_locked(const char *text)
+{
+    if ((name_pool_used + 1) * 2 > name_pool_cap) {
+        size_t cap = name_pool_cap ? 2 * name_pool_cap : 64, old_cap = name_pool_cap;
+        char **grown = calloc(cap, sizeof *grown), **old = name_pool;
+        if (!grown) return NULL;
+        name_pool = grown, name_pool_cap = cap;
+        for (size_t i = 0; i < old_cap; i++)
+            if (old[i]) *pool_slot_locked(old[i]) = old[i];
+        free(old);
+    }
+    char **at = pool_slot_locked(text);
+    if (!*at && (*at = strdup(text))) name_pool_used++;
+    return *at;
+}
+
 int tms_tags_intern_locked(const char *tag, int *id, struct tms_err *err)
 {
     if (tags_published() == 0 && strcmp(tag, "default") != 0) {
@@ -122,29 +145,20 @@ int tms_tags_intern_locked(const char *tag, int *id, struct tms_err *err)
     if (tags_in_use >= TAGS_BEFORE_RECLAIM) reclaim_tags_locked();
     if ((tag_index_used + 1) * 2 > tag_index_cap && index_grow_locked())
         return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
-    size_t len = strlen(tag);
-    struct tag_name *name = malloc(sizeof *name + len + 1);
-    if (!name) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
     int n = tag_free_head ? (int)tag_free_head - 1 : tags_published();
-    if (n == TAG_PAGE_SIZE * TAG_PAGES) {
-        free(name);
+    if (n == TAG_PAGE_SIZE * TAG_PAGES)
         return tms_fail(err, TMS_E_ARG, 0, "too many tags in use (%d, each with allocations or a region): cannot "
-                        "add '%s'", n, tag);
-    }
+                        "add '%.64s'", n, tag);
     struct tms_tag **page = &tag_pages[n / TAG_PAGE_SIZE];
-    if (!*page && !(*page = calloc(TAG_PAGE_SIZE, sizeof **page))) {
-        free(name);
-        return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%s'", tag);
-    }
-    memcpy(name->text, tag, len + 1);
-    name->next = tag_names;
-    tag_names = name;
+    const char *name = pooled_name_locked(tag);
+    if (!name || (!*page && !(*page = calloc(TAG_PAGE_SIZE, sizeof **page))))
+        return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory interning tag '%.64s'", tag);
     struct tms_tag *t = tag_at(n);
     if (tag_free_head) tag_free_head = t->next_free;
     t->in_use = 1;
     t->refs = 0;
     t->allocs = NULL;
-    __atomic_store_n(&t->name, name->text, __ATOMIC_RELEASE);
+    __atomic_store_n(&t->name, name, __ATOMIC_RELEASE);
     int32_t *at = index_slot_locked(tag, 1);
     if (*at == -1) tag_index_used++;
     *at = n;
@@ -171,6 +185,8 @@ int tms_tag_check(const char *tag, struct tms_err *err)
                         (unsigned)(unsigned char)tag[bad], bad);
     return TMS_OK;
 }
+
+int tms_core_check_tag(const char *tag, struct tms_err *err) { return tms_tag_check(tag, err); }
 
 int tms_core_tag_id(const char *tag, int *id, struct tms_err *err)
 {

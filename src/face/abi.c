@@ -3,10 +3,8 @@
 
 #include <stdint.h>
 
-#include "platform/config.h"
 #include "core/core.h"
-#include "backup/files.h"
-#include "hooks/hook.h"
+#include "platform/config.h"
 
 _Static_assert(TMS_STATUS_OK == TMS_OK && TMS_STATUS_OOM == TMS_E_OOM && TMS_STATUS_HOST_OOM == TMS_E_HOST_OOM &&
                    TMS_STATUS_DRIVER == TMS_E_DRIVER && TMS_STATUS_NO_DRIVER == TMS_E_NO_DRIVER &&
@@ -20,7 +18,7 @@ _Static_assert(TMS_STATUS_OK == TMS_OK && TMS_STATUS_OOM == TMS_E_OOM && TMS_STA
 /* Returns rc, keeping err's message for tms_get_last_error on failure. */
 static int answer(int rc, const struct tms_err *err)
 {
-    if (rc != TMS_OK) tms_hook_keep_error(err);
+    if (rc != TMS_OK) tms_core_keep_error(err);
     return rc;
 }
 
@@ -76,7 +74,7 @@ TMS_EXPORT_ABI bool tms_get_enable_disk_backup(void) { return tms_region_current
 TMS_EXPORT_ABI int tms_set_disk_backup_dir(const char *dir)
 {
     struct tms_err err = {0};
-    return answer(tms_disk_set_dir(dir, &err), &err);
+    return answer(tms_core_set_disk_dir(dir, &err), &err);
 }
 
 TMS_EXPORT_ABI int set_memory_margin_bytes(uint64_t bytes)
@@ -120,9 +118,9 @@ TMS_EXPORT_ABI uint8_t *tms_get_cpu_backup_pointer(const uint8_t *ptr, uint64_t 
     size_t offset = 0;
     if (answer(tms_core_backup_of((uint64_t)(uintptr_t)ptr, (size_t)size, &b, &offset, &err), &err)) return NULL;
     if (!b) return NULL;
-    uint8_t *host = (uint8_t *)b->host + offset;
-    tms_backup_unref(b);  /* the allocation keeps its own reference */
+    uint8_t *host = (uint8_t *)tms_core_backup_bytes(b) + offset;
+    tms_core_backup_release(b);  /* the allocation keeps its own reference */
     return host;
 }
 
-TMS_EXPORT_ABI const char *tms_get_last_error(void) { return tms_hook_last_error(); }
+TMS_EXPORT_ABI const char *tms_get_last_error(void) { return tms_core_last_error(); }

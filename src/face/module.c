@@ -10,14 +10,9 @@
 #include <limits.h>
 #include <string.h>
 
-#include "platform/config.h"
 #include "core/core.h"
-#include "backup/files.h"
-#include "platform/driver.h"
-#include "hooks/hook.h"
-#include "hooks/reloc.h"
-#include "backup/transfer.h"
 #include "face/py_weak.h"
+#include "platform/config.h"
 
 #ifndef TMS_VARIANT
 #error "TMS_VARIANT must be defined (preload or torch)"
@@ -31,11 +26,7 @@
 #define TMS_IS_torch 0
 #define TMS_VARIANT_IS_PRELOAD TMS_CAT(TMS_IS_, TMS_VARIANT)
 
-#if TMS_VARIANT_IS_PRELOAD
-int tms_preload_is_interposed(const char **winner);  /* hook_preload.c */
-int tms_preload_install_relocation(struct tms_err *err);
-const char *tms_preload_method(void);
-#endif
+#define TMS_EXPORT __attribute__((visibility("default")))
 
 /* Module state: Python objects only. */
 typedef struct {
@@ -87,6 +78,26 @@ static PyObject *raise_err(PyObject *module, const struct tms_err *err)
     return NULL;
 }
 
+/* The UTF-8 bytes of a str tag (what C checks), or NULL with an exception
+ * naming the tag: a str the codec cannot encode (a lone surrogate), or one
+ * holding a NUL that C would cut it at. */
+static const char *tag_bytes(PyObject *obj, const char *what)
+{
+    if (!PyUnicode_Check(obj)) return type_error(what, "a str", obj), NULL;
+    Py_ssize_t len = 0;
+    const char *tag = PyUnicode_AsUTF8AndSize(obj, &len);
+    if (!tag) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s %R is not valid UTF-8", what, obj);
+        return NULL;
+    }
+    if ((size_t)len != strlen(tag)) {
+        PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s %R contains a null character", what, obj);
+        return NULL;
+    }
+    return tag;
+}
+
 /* ---- region settings (thread-local in C) ----------------------------------- */
 
 PyDoc_STRVAR(set_region_doc,
@@ -97,24 +108,43 @@ PyDoc_STRVAR(set_region_doc,
 static PyObject *py_set_region(PyObject *module, PyObject *args)
 {
     int active, backup, disk = 0;
-    const char *tag, *kind_name;
-    if (!PyArg_ParseTuple(args, "psps|p:set_region", &active, &tag, &backup, &kind_name, &disk)) return NULL;
-    int kind;
-    if (tms_backup_kind_parse(kind_name, &kind) != TMS_OK)
-        return PyErr_Format(PyExc_ValueError,
-                            "cpu_backup_backend must be 'pinned' or 'mmap', got '%s'", kind_name);
+    PyObject *tag_obj;
+    const char *kind_name;
+    if (!PyArg_ParseTuple(args, "pOps|p:set_region", &active, &tag_obj, &backup, &kind_name, &disk)) return NULL;
+    const char *tag = tag_bytes(tag_obj, "set_region: tag");
+    if (!tag) return NULL;
     struct tms_err err = {0};
-    int rc;
-    Py_BEGIN_ALLOW_THREADS  /* the table lock: no C lock is awaited holding the GIL */
-    rc = tms_core_set_region_tag(tag, &err);
-    Py_END_ALLOW_THREADS
+    int kind, rc = TMS_E_ARG;
+    if (tms_backup_kind_parse(kind_name, &kind) != TMS_OK) {
+        tms_fail(&err, TMS_E_ARG, 0, "cpu_backup_backend must be 'pinned' or 'mmap', got '%.64s'", kind_name);
+    } else {
+        Py_BEGIN_ALLOW_THREADS  /* the table lock: no C lock is awaited holding the GIL */
+        rc = tms_core_set_region(active, tag, backup, kind, disk, &err);
+        Py_END_ALLOW_THREADS
+    }
     if (rc) return raise_err(module, &err);
-    struct tms_region *r = tms_region_current();
-    r->active = active;
-    r->backup = backup;
-    r->backup_kind = kind;
-    r->disk_backup = disk;
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(check_region_doc,
+"check_region($module, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup, /)\n--\n\n"
+"The CPU backup backend a region asked for this way gets (cpu_backup_backend None: the\n"
+"default), or ValueError naming what is wrong with the request.");
+
+static PyObject *py_check_region(PyObject *module, PyObject *args)
+{
+    PyObject *tag_obj, *backend_obj;
+    int backup, disk;
+    if (!PyArg_ParseTuple(args, "OpOp:check_region", &tag_obj, &backup, &backend_obj, &disk)) return NULL;
+    const char *tag = tag_bytes(tag_obj, "tag");
+    if (!tag) return NULL;
+    const char *backend = NULL;
+    if (backend_obj != Py_None && !(backend = tag_bytes(backend_obj, "cpu_backup_backend"))) return NULL;
+    struct tms_region_request req = {.tag = tag, .cpu_backup = backup, .backend = backend, .disk_backup = disk};
+    struct tms_err err = {0};
+    int kind = 0;
+    if (tms_core_check_region(&req, &kind, &err)) return raise_err(module, &err);
+    return PyUnicode_FromString(tms_backup_kind_name(kind));
 }
 
 PyDoc_STRVAR(get_region_doc,
@@ -133,37 +163,92 @@ static PyObject *py_get_region(PyObject *module, PyObject *unused)
 /* ---- pause / resume ---------------------------------------------------------- */
 
 typedef int (*tag_op)(const char *, struct tms_err *);
+typedef int (*tags_op)(const char *const *, size_t, struct tms_err *);
 
-static PyObject *run_tag_op(PyObject *module, PyObject *arg, tag_op op, const char *name)
+/* pause/resume's tag argument in C: None (every tag: *n 0, *tags NULL), a
+ * str (*n 1), or a list or tuple of them. *seq holds the bytes alive (caller
+ * drops it and frees *tags). -1 with an exception set. */
+static int tags_of(PyObject *arg, const char *name, PyObject **seq, const char ***tags, Py_ssize_t *n)
 {
-    const char *tag = NULL;
-    if (arg != Py_None) {
-        if (!PyUnicode_Check(arg)) {
-            char what[64];
-            snprintf(what, sizeof what, "%s: tag", name);
-            return type_error(what, "a str or None", arg);
-        }
-        Py_ssize_t len = 0;
-        tag = PyUnicode_AsUTF8AndSize(arg, &len);
-        if (!tag) return NULL;
-        if (!*tag) return PyErr_Format(PyExc_ValueError, "%s: tag must be a non-empty string", name);
-        if ((size_t)len != strlen(tag))  /* C sees the tag up to its first NUL only */
-            return PyErr_Format(PyExc_ValueError, "%s: tag %R contains a null character", name, arg);
-    }
+    char what[64];
+    snprintf(what, sizeof what, "%s: tag", name);
+    *tags = NULL, *n = 0;
+    int list = PyList_Check(arg) || PyTuple_Check(arg);
+    if (arg != Py_None && !PyUnicode_Check(arg) && !list) return type_error(what, "a str, a list of str or None", arg), -1;
+    if (arg == Py_None) return *seq = NULL, 0;
+    /* A tuple: a list may change under us once the GIL goes. */
+    if (!(*seq = list ? PySequence_Tuple(arg) : PyTuple_Pack(1, arg))) return -1;
+    *n = PyTuple_Size(*seq);
+    if (!(*tags = PyMem_Calloc(*n ? (size_t)*n : 1, sizeof **tags))) return PyErr_NoMemory(), -1;
+    if (list) snprintf(what, sizeof what, "%s: tag in the list", name);
+    for (Py_ssize_t i = 0; i < *n; i++)
+        if (!((*tags)[i] = tag_bytes(PyTuple_GetItem(*seq, i), what))) return -1;
+    return 0;
+}
+
+/* tag: None (every tag), a str, or a list or tuple of them (all or nothing). */
+static PyObject *run_tag_op(PyObject *module, PyObject *arg, tag_op one, tags_op many, const char *name)
+{
+    PyObject *seq = NULL;
+    const char **tags = NULL;
+    Py_ssize_t n = 0;
     struct tms_err err = {0};
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = op(tag, &err);
-    Py_END_ALLOW_THREADS
+    int rc = TMS_OK, list = PyList_Check(arg) || PyTuple_Check(arg);
+    if (tags_of(arg, name, &seq, &tags, &n) < 0) {
+        PyMem_Free(tags);
+        Py_XDECREF(seq);
+        return NULL;
+    }
+    if (!list || n > 0) {  /* an empty list: nothing to do, as a tag with no allocations */
+        Py_BEGIN_ALLOW_THREADS
+        rc = list ? many(tags, (size_t)n, &err) : one(tags ? tags[0] : NULL, &err);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(tags);
+    Py_XDECREF(seq);
     if (rc) return raise_err(module, &err);
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(pause_doc, "pause($module, tag, /)\n--\n\nRelease the memory of tag (None: all tags).");
-static PyObject *py_pause(PyObject *module, PyObject *tag) { return run_tag_op(module, tag, tms_core_pause, "pause"); }
+PyDoc_STRVAR(check_tags_doc,
+"check_tags($module, op, tag, /)\n--\n\n"
+"Raise as op ('pause' or 'resume') would for tag (None, a str or a list of them),\n"
+"without touching the table.");
+static PyObject *py_check_tags(PyObject *module, PyObject *args)
+{
+    const char *op;
+    PyObject *arg, *seq = NULL;
+    if (!PyArg_ParseTuple(args, "sO:check_tags", &op, &arg)) return NULL;
+    const char **tags = NULL;
+    Py_ssize_t n = 0;
+    struct tms_err err = {0};
+    int rc = TMS_OK;
+    if (tags_of(arg, op, &seq, &tags, &n) < 0) {
+        PyMem_Free(tags);
+        Py_XDECREF(seq);
+        return NULL;
+    }
+    if (PyList_Check(arg) || PyTuple_Check(arg)) rc = n ? tms_core_check_tags(op, tags, (size_t)n, &err) : TMS_OK;
+    else if (tags) rc = tms_core_check_tag(tags[0], &err);
+    PyMem_Free(tags);
+    Py_XDECREF(seq);
+    if (rc) return raise_err(module, &err);
+    Py_RETURN_NONE;
+}
 
-PyDoc_STRVAR(resume_doc, "resume($module, tag, /)\n--\n\nMap tag's memory back at the same addresses.");
-static PyObject *py_resume(PyObject *module, PyObject *tag) { return run_tag_op(module, tag, tms_core_resume, "resume"); }
+PyDoc_STRVAR(pause_doc,
+"pause($module, tag, /)\n--\n\nRelease the memory of tag (None: all tags; a list: all of them or none).");
+static PyObject *py_pause(PyObject *module, PyObject *tag)
+{
+    return run_tag_op(module, tag, tms_core_pause, tms_core_pause_tags, "pause");
+}
+
+PyDoc_STRVAR(resume_doc,
+"resume($module, tag, /)\n--\n\nMap tag's memory back at the same addresses (a list: all of them or none).");
+static PyObject *py_resume(PyObject *module, PyObject *tag)
+{
+    return run_tag_op(module, tag, tms_core_resume, tms_core_resume_tags, "resume");
+}
 
 /* ---- direct allocation (host backend, tests) --------------------------------- */
 
@@ -235,7 +320,7 @@ typedef struct {
 static void view_dealloc(PyObject *self)
 {
     PyTypeObject *type = Py_TYPE(self);
-    tms_backup_unref(((backup_keeper *)self)->backup);
+    tms_core_backup_release(((backup_keeper *)self)->backup);
     freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
     tp_free(self);
     Py_DECREF(type);
@@ -281,16 +366,16 @@ static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
     if (!b) Py_RETURN_NONE;
     module_state *st = state_of(module);
     if (!st->make_view) {
-        tms_backup_unref(b);
+        tms_core_backup_release(b);
         return PyErr_Format(PyExc_ImportError, "get_cpu_backup needs torch_memory_saver._backup_view");
     }
     backup_keeper *keeper = PyObject_New(backup_keeper, st->view_type);
     if (!keeper) {
-        tms_backup_unref(b);
+        tms_core_backup_release(b);
         return NULL;
     }
     keeper->backup = b;
-    return PyObject_CallFunction(st->make_view, "NnN", PyLong_FromVoidPtr((char *)b->host + offset), nbytes,
+    return PyObject_CallFunction(st->make_view, "NnN", PyLong_FromVoidPtr((char *)tms_core_backup_bytes(b) + offset), nbytes,
                                  (PyObject *)keeper);
 }
 
@@ -462,7 +547,7 @@ static PyObject *py_use_backend(PyObject *module, PyObject *arg)
     struct tms_err err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS  /* the driver lock is held while a backend loads */
-    rc = tms_driver_select(name, &err);
+    rc = tms_core_use_backend(name, &err);
     Py_END_ALLOW_THREADS
     if (rc) return raise_err(module, &err);
     Py_RETURN_NONE;
@@ -472,14 +557,14 @@ PyDoc_STRVAR(backend_doc, "backend($module, /)\n--\n\nLoad the backend if needed
 static PyObject *py_backend(PyObject *module, PyObject *unused)
 {
     (void)unused;
-    const struct tms_driver *drv;
+    const char *name = NULL;
     struct tms_err err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = tms_driver_get(&drv, &err);
+    rc = tms_core_backend(&name, &err);
     Py_END_ALLOW_THREADS
     if (rc) return raise_err(module, &err);
-    return PyUnicode_FromString(drv->name);
+    return PyUnicode_FromString(name);
 }
 
 PyDoc_STRVAR(warm_backups_doc,
@@ -489,12 +574,10 @@ PyDoc_STRVAR(warm_backups_doc,
 static PyObject *py_warm_backups(PyObject *module, PyObject *unused)
 {
     (void)unused;
-    const struct tms_driver *drv;
     struct tms_err err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = tms_driver_get(&drv, &err);
-    if (!rc) rc = tms_transfer_warm(drv, &err);
+    rc = tms_core_warm_backups(&err);
     Py_END_ALLOW_THREADS
     if (rc) return raise_err(module, &err);
     Py_RETURN_NONE;
@@ -506,15 +589,31 @@ static PyObject *py_copy_progress(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     size_t done, total;
-    tms_transfer_progress(&done, &total);
+    tms_core_copy_progress(&done, &total);
     return Py_BuildValue("(nn)", (Py_ssize_t)done, (Py_ssize_t)total);
+}
+
+PyDoc_STRVAR(set_platform_hint_doc,
+"set_platform_hint($module, platform, /)\n--\n\n"
+"The platform PyTorch was built for ('cuda' or 'hip'; None: unknown): the backend\n"
+"chosen when TMS_BACKEND and TMS_PLATFORM say nothing.");
+static PyObject *py_set_platform_hint(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    const char *platform = NULL;
+    if (arg != Py_None && !(platform = PyUnicode_Check(arg) ? PyUnicode_AsUTF8AndSize(arg, NULL) : NULL)) {
+        if (!PyErr_Occurred()) return type_error("set_platform_hint: platform", "a str or None", arg);
+        return NULL;
+    }
+    tms_core_set_platform_hint(platform);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(loaded_backend_doc, "loaded_backend($module, /)\n--\n\nName of the loaded backend, or None.");
 static PyObject *py_loaded_backend(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
-    const char *name = tms_driver_loaded_name();
+    const char *name = tms_core_loaded_backend();
     if (!name) Py_RETURN_NONE;
     return PyUnicode_FromString(name);
 }
@@ -527,19 +626,11 @@ static PyObject *py_mem_get_info(PyObject *module, PyObject *args)
     int device;
     if (!PyArg_ParseTuple(args, "i:mem_get_info", &device)) return NULL;
     if (device < 0) return PyErr_Format(PyExc_ValueError, "mem_get_info: device must be >= 0, got %d", device);
-    const struct tms_driver *drv;
     struct tms_err err = {0};
     size_t free_bytes = 0, total = 0;
-    int rc, count = 0;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = tms_driver_get(&drv, &err);
-    if (!rc && (rc = drv->device_count(&count)))
-        rc = tms_fail(&err, TMS_E_DRIVER, rc, "device count failed: %s (%d)", drv->code_name(rc), rc);
-    else if (!rc && device >= count)
-        rc = tms_fail(&err, TMS_E_ARG, 0, "device %d does not exist (%d devices)", device, count);
-    else if (!rc && (rc = drv->mem_get_info(device, &free_bytes, &total)))
-        rc = tms_fail(&err, TMS_E_DRIVER, rc, "mem_get_info on device %d failed: %s (%d)", device,
-                      drv->code_name(rc), rc);
+    rc = tms_core_mem_get_info(device, &free_bytes, &total, &err);
     Py_END_ALLOW_THREADS
     if (rc) return raise_err(module, &err);
     return Py_BuildValue("(nn)", (Py_ssize_t)free_bytes, (Py_ssize_t)total);
@@ -555,7 +646,7 @@ static PyObject *py_preload_active(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const char *winner = NULL;
-    int active = tms_preload_is_interposed(&winner);
+    int active = tms_core_preload_active(&winner);
     if (!winner) return Py_BuildValue("(NO)", PyBool_FromLong(active), Py_None);
     return Py_BuildValue("(Ns)", PyBool_FromLong(active), winner);
 }
@@ -571,7 +662,7 @@ static PyObject *py_install_relocation_hooks(PyObject *module, PyObject *unused)
     struct tms_err err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS  /* walks every object's relocations */
-    rc = tms_preload_install_relocation(&err);
+    rc = tms_core_install_relocation(&err);
     Py_END_ALLOW_THREADS
     if (rc) return raise_err(module, &err);
     Py_RETURN_NONE;
@@ -585,7 +676,7 @@ static PyObject *py_relocation_report(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     char patched[8192], statics[4096];
-    tms_reloc_report(patched, sizeof patched, statics, sizeof statics);
+    tms_core_relocation_report(patched, sizeof patched, statics, sizeof statics);
     return Py_BuildValue("(ss)", patched, statics);
 }
 
@@ -595,7 +686,7 @@ PyDoc_STRVAR(preload_method_doc,
 static PyObject *py_preload_method(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
-    const char *method = tms_preload_method();
+    const char *method = tms_core_preload_method();
     if (!method) Py_RETURN_NONE;
     return PyUnicode_FromString(method);
 }
@@ -615,7 +706,7 @@ PyDoc_STRVAR(last_hook_error_doc, "last_hook_error($module, /)\n--\n\nMessage of
 static PyObject *py_last_hook_error(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
-    return PyUnicode_FromString(tms_hook_last_error());
+    return PyUnicode_FromString(tms_core_last_error());
 }
 
 PyDoc_STRVAR(defaults_doc, "defaults($module, /)\n--\n\nProcess defaults read from TMS_* environment variables.");
@@ -623,12 +714,13 @@ static PyObject *py_defaults(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const struct tms_defaults *d = tms_defaults();
-    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n}", "init_enable", d->init_enable ? Py_True : Py_False,
+    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
                          "init_enable_cpu_backup", d->init_backup ? Py_True : Py_False,
                          "init_cpu_backup_backend", tms_backup_kind_name(d->init_backup_kind),
                          "init_enable_disk_backup", d->init_disk_backup ? Py_True : Py_False,
                          "retain_cpu_backup", d->retain_backup ? Py_True : Py_False, "chunk_bytes",
-                         (Py_ssize_t)d->chunk_bytes, "disk_backup_chunk_bytes", (Py_ssize_t)d->disk_block_bytes);
+                         (Py_ssize_t)d->chunk_bytes, "disk_backup_chunk_bytes", (Py_ssize_t)d->disk_block_bytes,
+                         "progress", d->progress ? Py_True : Py_False);
 }
 
 PyDoc_STRVAR(set_disk_backup_dir_doc,
@@ -646,7 +738,7 @@ static PyObject *py_set_disk_backup_dir(PyObject *module, PyObject *arg)
         tms_fail(&err, TMS_E_ARG, 0, "disk backup directory contains a null character");
     } else if (path) {
         Py_BEGIN_ALLOW_THREADS  /* mkdir, locks and a directory sweep */
-        rc = tms_disk_set_dir(path, &err);
+        rc = tms_core_set_disk_dir(path, &err);
         Py_END_ALLOW_THREADS
     }
     Py_DECREF(bytes);
@@ -661,13 +753,16 @@ static PyObject *py_disk_backup_dir(PyObject *module, PyObject *unused)
     (void)module, (void)unused;
     char dir[4096];
     Py_BEGIN_ALLOW_THREADS
-    tms_disk_get_dir(dir, sizeof dir);
+    tms_core_disk_dir(dir, sizeof dir);
     Py_END_ALLOW_THREADS
     return PyUnicode_DecodeFSDefault(dir);
 }
 
 static PyMethodDef module_methods[] = {
     {"set_region", py_set_region, METH_VARARGS, set_region_doc},
+    {"check_region", py_check_region, METH_VARARGS, check_region_doc},
+    {"check_tags", py_check_tags, METH_VARARGS, check_tags_doc},
+    {"set_platform_hint", py_set_platform_hint, METH_O, set_platform_hint_doc},
     {"get_region", py_get_region, METH_NOARGS, get_region_doc},
     {"pause", py_pause, METH_O, pause_doc},
     {"resume", py_resume, METH_O, resume_doc},

@@ -56,6 +56,12 @@
 #pragma weak PyObject_IsTrue
 #pragma weak PyObject_RichCompareBool
 #pragma weak PyTuple_Pack
+#pragma weak PySequence_Tuple
+#pragma weak PyTuple_Size
+#pragma weak PyTuple_GetItem
+#pragma weak PyMem_Calloc
+#pragma weak PyMem_Free
+#pragma weak PyErr_NoMemory
 #pragma weak PyType_FromModuleAndSpec
 #pragma weak PyType_GenericAlloc
 #pragma weak PyType_GetFlags

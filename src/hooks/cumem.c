@@ -137,7 +137,7 @@ static tms_CUresult wrap_create(tms_CUmemHandle *h, size_t size, const tms_CUmem
     struct tms_err err = {0};
     int margin = tms_core_check_margin(prop->location.id, size, r->tag_id, &err);
     if (margin == TMS_E_OOM) {
-        tms_hook_keep_error(&err);
+        tms_core_keep_error(&err);
         return TMS_CUDA_ERROR_OUT_OF_MEMORY;  /* PyTorch frees its cache and retries, as for cudaMalloc */
     }
     if (margin) tms_log_warn("expandable segments: memory margin not checked: %s", err.msg);

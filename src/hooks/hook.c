@@ -1,23 +1,12 @@
 /* What both hook variants share: routing an allocator call into the core. */
 #include "hooks/hook.h"
 
-#include <string.h>
-
 #include "core/core.h"
-
-/* Per thread, so a failure is read back by the thread that caused it. */
-static _Thread_local char last_error[384];
-
-void tms_hook_keep_error(const struct tms_err *err)
-{
-    memcpy(last_error, err->msg, sizeof last_error);
-    last_error[sizeof last_error - 1] = '\0';
-}
 
 static int answer(const struct tms_err *err, int rc)
 {
     if (rc == TMS_OK) return TMS_CUDA_SUCCESS_RT;
-    tms_hook_keep_error(err);
+    tms_core_keep_error(err);
     if (rc == TMS_E_OOM) return TMS_CUDA_ERROR_MEMORY_ALLOCATION;
     if (rc == TMS_E_NO_DRIVER) return TMS_CUDA_ERROR_INITIALIZATION;
     return TMS_CUDA_ERROR_UNKNOWN;
@@ -27,7 +16,7 @@ int tms_hook_alloc(void **ptr, size_t size, int device)
 {
     struct tms_err err = {0};
     if (!ptr) {  /* the runtime's answer: nothing allocated, nothing in the table */
-        tms_hook_keep_error(&(struct tms_err){.status = TMS_E_ARG, .msg = "cudaMalloc: the result pointer is NULL"});
+        tms_core_keep_error(&(struct tms_err){.status = TMS_E_ARG, .msg = "cudaMalloc: the result pointer is NULL"});
         return TMS_CUDA_ERROR_INVALID_VALUE_RT;
     }
     return answer(&err, tms_core_alloc(size, device, tms_region_current(), ptr, &err));
@@ -39,4 +28,3 @@ int tms_hook_free(void *ptr)
     return answer(&err, tms_core_free(ptr, &err));
 }
 
-const char *tms_hook_last_error(void) { return last_error; }

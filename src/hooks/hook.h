@@ -17,17 +17,11 @@ enum {
 
 /* Serves an allocation through the core with the calling thread's region
  * settings; returns a cudaError_t. On failure the message is kept for
- * tms_hook_last_error() on this thread. */
+ * tms_core_last_error() on this thread. */
 int tms_hook_alloc(void **ptr, size_t size, int device);
 
 /* Frees a pointer the core owns; returns a cudaError_t. */
 int tms_hook_free(void *ptr);
 
-/* Message of this thread's last failed hook or C ABI call ("" if none). */
-const char *tms_hook_last_error(void);
-
-struct tms_err;
-/* Keeps err's message as this thread's last error. */
-void tms_hook_keep_error(const struct tms_err *err);
 
 #endif

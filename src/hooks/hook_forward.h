@@ -5,6 +5,8 @@
 #include <dlfcn.h>
 #include <stddef.h>
 
+#include "hooks/hook_preload.h"
+
 /*
  * Each interposed function forwards to a router (the preload library's
  * region check) with a resolver of "the next definition": dlsym(RTLD_NEXT)
@@ -14,8 +16,6 @@
  * but the library it needs comes after the executable's own dependencies,
  * libcudart among them for a C program linked with it (issue 10).
  */
-typedef void *(*tms_next_fn)(const void *caller);
-
 /* When the hooks were installed by relocation (reloc.c) rather than
  * LD_PRELOAD, the library was loaded RTLD_LOCAL and RTLD_NEXT does not see
  * the runtime: the GOT entries it replaced name the definition, one for each
@@ -99,9 +99,5 @@ static inline void *tms_next_for_caller(const char *name, const void *caller, co
         return route(symbol, fn, rc, caller);                                                            \
     }
 
-/* The routers the preload library exports for its shims. */
-int tms_preload_malloc(void **ptr, size_t size, tms_next_fn next, const void *caller);
-int tms_preload_free(void *ptr, tms_next_fn next, const void *caller);
-int tms_preload_entry_point(const char *symbol, void **fn, int status, const void *caller);
 
 #endif

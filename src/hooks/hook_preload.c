@@ -8,6 +8,7 @@
 #include "hooks/cumem.h"
 #include "hooks/hook.h"
 #include "hooks/hook_forward.h"
+#include "hooks/hook_preload.h"
 #include "hooks/reloc.h"
 
 typedef int (*malloc_fn)(void **, size_t);
@@ -79,11 +80,11 @@ extern int tms_own_entry_point_by_version(const char *symbol, void **fn, unsigne
 extern int tms_own_preload_malloc(void **ptr, size_t size, tms_next_fn next, const void *caller)
     __attribute__((alias("tms_preload_malloc"), visibility("hidden")));
 
-/* For the Python layer: 1 if the cudaMalloc the process resolves is this
- * library's, or a shim's that routes into this library (an upstream-named
- * file on LD_PRELOAD); 0 if none or another is; *winner names the library
- * that defines the one that wins, if any. */
-int tms_preload_is_interposed(const char **winner)
+/* 1 if the cudaMalloc the process resolves is this library's, or a shim's
+ * that routes into this library (an upstream-named file on LD_PRELOAD); 0 if
+ * none or another is; *winner names the library that defines the one that
+ * wins, if any. */
+int tms_core_preload_active(const char **winner)
 {
     /* The main program's handle searches the global scope only, which is
      * what PyTorch's references resolve against first; RTLD_DEFAULT from
@@ -102,7 +103,7 @@ int tms_preload_is_interposed(const char **winner)
     return router == (void *)tms_own_preload_malloc;
 }
 
-int tms_preload_install_relocation(struct tms_err *err)
+int tms_core_install_relocation(struct tms_err *err)
 {
     const struct tms_reloc_target hooks[] = {
         {"cudaMalloc", (void *)tms_own_cuda_malloc}, {"cudaFree", (void *)tms_own_cuda_free},
@@ -113,9 +114,9 @@ int tms_preload_install_relocation(struct tms_err *err)
     return tms_reloc_install(hooks, sizeof hooks / sizeof *hooks, err);
 }
 
-const char *tms_preload_method(void)
+const char *tms_core_preload_method(void)
 {
     const char *winner;
-    if (tms_preload_is_interposed(&winner)) return "ld_preload";
+    if (tms_core_preload_active(&winner)) return "ld_preload";
     return tms_reloc_installed() ? "relocation" : NULL;
 }

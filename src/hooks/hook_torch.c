@@ -17,5 +17,5 @@ TMS_EXPORT void *tms_torch_malloc(ssize_t size, int device, void *stream)
 TMS_EXPORT void tms_torch_free(void *ptr, ssize_t size, int device, void *stream)
 {
     (void)size, (void)device, (void)stream;
-    (void)tms_hook_free(ptr);  /* errors are kept for tms_hook_last_error */
+    (void)tms_hook_free(ptr);  /* errors are kept for tms_core_last_error */
 }

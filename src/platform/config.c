@@ -76,6 +76,7 @@ static void load_defaults(void)
     defaults.reloc_hooks = 1;
     env_bool("TMS_RELOC_HOOKS", &defaults.reloc_hooks);
     env_bool("TMS_DISK_BACKUP_TRUST_DIR", &defaults.disk_trust_dir);
+    env_bool("TMS_PROGRESS", &defaults.progress);
     env_disk_block();
     const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
     if (kind && *kind && tms_backup_kind_parse(kind, &defaults.init_backup_kind) != TMS_OK &&

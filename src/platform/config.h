@@ -35,6 +35,7 @@ struct tms_defaults {
     size_t disk_block_bytes;     /* TMS_DISK_BACKUP_CHUNK_MB: largest file I/O (default 256 MiB) */
     int reloc_hooks;             /* TMS_RELOC_HOOKS (default 1): preload mode may patch GOT entries */
     int disk_trust_dir;          /* TMS_DISK_BACKUP_TRUST_DIR: the user vouches for the disk backup directory */
+    int progress;                /* TMS_PROGRESS: the Python layer logs progress lines for long copies */
     int retain_backup;           /* TMS_RETAIN_CPU_BACKUP */
     size_t chunk_bytes;          /* TMS_CHUNK_BYTES (<= TMS_CHUNK_BYTES_MAX); 0 = one handle per allocation */
     int chunk_bytes_set;         /* else the backend's default applies */

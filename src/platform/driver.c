@@ -8,6 +8,7 @@
 static pthread_mutex_t driver_lock = PTHREAD_MUTEX_INITIALIZER;
 static const struct tms_driver *driver_chosen;  /* guarded by driver_lock */
 static const struct tms_driver *driver_ready;   /* loaded; written once under the lock */
+static const struct tms_driver *platform_hint;  /* guarded by driver_lock */
 static pthread_once_t fork_handlers_once = PTHREAD_ONCE_INIT;
 
 /* A fork while another thread loads the backend waits for the load, so the
@@ -63,7 +64,8 @@ int tms_driver_get(const struct tms_driver **out, struct tms_err *err)
             const char *platform = getenv("TMS_PLATFORM");
             if (env && *env) d = driver_by_name(env);
             else if (platform && (!strcmp(platform, "rocm") || !strcmp(platform, "hip"))) d = &tms_driver_hip;
-            else d = &tms_driver_cuda;
+            else if (platform && !strcmp(platform, "cuda")) d = &tms_driver_cuda;
+            else d = platform_hint ? platform_hint : &tms_driver_cuda;
             if (!d)
                 rc = tms_fail(err, TMS_E_ARG, 0,
                               "TMS_BACKEND='%s' is not a backend (expected 'cuda', 'hip' or 'host')", env);
@@ -81,6 +83,13 @@ int tms_driver_get(const struct tms_driver **out, struct tms_err *err)
         *out = driver_ready;
     pthread_mutex_unlock(&driver_lock);
     return rc;
+}
+
+void tms_driver_set_platform_hint(const char *platform)
+{
+    lock_driver();
+    platform_hint = platform && !strcmp(platform, "hip") ? &tms_driver_hip : platform && !strcmp(platform, "cuda") ? &tms_driver_cuda : NULL;
+    pthread_mutex_unlock(&driver_lock);
 }
 
 const char *tms_driver_loaded_name(void)

@@ -90,12 +90,17 @@ extern const struct tms_driver tms_driver_hip;
 extern const struct tms_driver tms_driver_host;
 
 /* The process's backend, loaded on first use: the one selected, else
- * TMS_BACKEND (cuda, hip, host), else TMS_PLATFORM=rocm -> hip, else cuda.
- * Returns TMS_OK and sets *out, or fills err. Thread-safe. */
+ * TMS_BACKEND (cuda, hip, host), else TMS_PLATFORM (rocm or hip -> hip,
+ * cuda), else the platform hint, else cuda. Returns TMS_OK and sets *out, or
+ * fills err. Thread-safe. */
 int tms_driver_get(const struct tms_driver **out, struct tms_err *err);
 
 /* Chooses the backend before first use; TMS_E_STATE if another is loaded. */
 int tms_driver_select(const char *name, struct tms_err *err);
+
+/* The platform the process's PyTorch was built for ("cuda" or "hip"; NULL or
+ * another: none), the default when the environment names no backend. */
+void tms_driver_set_platform_hint(const char *platform);
 
 /* Name of the loaded backend, or NULL if none is loaded yet. */
 const char *tms_driver_loaded_name(void);

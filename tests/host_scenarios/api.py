@@ -58,7 +58,7 @@ def settings_before_first_use():
 def native_argument_errors():
     """The native module checks its own arguments; a failed set_region changes nothing."""
     native = core()
-    expect(TypeError, native.pause, 1, match="tag must be a str or None, not int")
+    expect(TypeError, native.pause, 1, match="tag must be a str, a list of str or None, not int")
     expect(ValueError, native.resume, "", match="tag must be a non-empty string")
     expect(ValueError, native.set_region, True, "t", True, "disk", match="'disk'")
     expect(ValueError, native.set_region, True, "", False, "mmap", match="non-empty")

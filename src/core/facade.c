@@ -1,0 +1,67 @@
+/* The faces' way to the services below the core (files, backends, copy workers, hooks' records): each a forward, no policy. */
+#include <stdio.h>
+#include <string.h>
+
+#include "backup/files.h"
+#include "backup/transfer.h"
+#include "core/core.h"
+#include "hooks/reloc.h"
+#include "platform/driver.h"
+
+int tms_core_set_disk_dir(const char *dir, struct tms_err *err) { return tms_disk_set_dir(dir, err); }
+
+void tms_core_disk_dir(char *buf, size_t n) { tms_disk_get_dir(buf, n); }
+
+int tms_core_use_backend(const char *name, struct tms_err *err) { return tms_driver_select(name, err); }
+
+int tms_core_backend(const char **name, struct tms_err *err)
+{
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    if (!rc) *name = drv->name;
+    return rc;
+}
+
+const char *tms_core_loaded_backend(void) { return tms_driver_loaded_name(); }
+
+void tms_core_set_platform_hint(const char *platform) { tms_driver_set_platform_hint(platform); }
+
+int tms_core_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes, struct tms_err *err)
+{
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err), count = 0;
+    if (rc) return rc;
+    if (device < 0) return tms_fail(err, TMS_E_ARG, 0, "device must be >= 0, got %d", device);
+    if ((rc = drv->device_count(&count)))
+        return tms_fail(err, TMS_E_DRIVER, rc, "device count failed: %s (%d)", drv->code_name(rc), rc);
+    if (device >= count) return tms_fail(err, TMS_E_ARG, 0, "device %d does not exist (%d devices)", device, count);
+    if ((rc = drv->mem_get_info(device, free_bytes, total_bytes)))
+        return tms_fail(err, TMS_E_DRIVER, rc, "mem_get_info on device %d failed: %s (%d)", device, drv->code_name(rc),
+                        rc);
+    return TMS_OK;
+}
+
+int tms_core_warm_backups(struct tms_err *err)
+{
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    return rc ? rc : tms_transfer_warm(drv, err);
+}
+
+void tms_core_copy_progress(size_t *done, size_t *total) { tms_transfer_progress(done, total); }
+
+void *tms_core_backup_bytes(const struct tms_backup *b) { return tms_backup_host(b); }
+
+void tms_core_backup_release(struct tms_backup *b) { tms_backup_unref(b); }
+
+/* Per thread, so a failure is read back by the thread that caused it. */
+static _Thread_local char last_error[sizeof ((struct tms_err *)0)->msg];
+
+void tms_core_keep_error(const struct tms_err *err) { snprintf(last_error, sizeof last_error, "%s", err->msg); }
+
+const char *tms_core_last_error(void) { return last_error; }
+
+void tms_core_relocation_report(char *patched, size_t patched_n, char *static_runtime, size_t static_n)
+{
+    tms_reloc_report(patched, patched_n, static_runtime, static_n);
+}
