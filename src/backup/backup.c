@@ -16,7 +16,11 @@ const struct tms_backup_ops *tms_backup_ops_of(int kind)
     }
 }
 
-int tms_backup_kind_is_host(int kind) { return tms_backup_ops_of(kind)->host_memory; }
+int tms_backup_kind_is_host(int kind) { return kind >= 0 && kind < TMS_BACKUP_KINDS && tms_backup_ops_of(kind)->host_memory; }
+
+const char *tms_backup_kind_name(int kind) { return tms_backup_ops_of(kind)->name; }
+
+int tms_backup_kind_of_region(int cpu_kind, int disk) { return disk ? TMS_BACKUP_DISK : cpu_kind; }
 
 int tms_backup_new(const struct tms_driver *drv, int kind, int device, size_t size, uint64_t va,
                    struct tms_backup **out, struct tms_err *err)

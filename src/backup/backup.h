@@ -126,5 +126,10 @@ void tms_backup_release_restored(void *backup);
 
 /* Does kind keep a host copy (a CPU backup), rather than a file? */
 int tms_backup_kind_is_host(int kind);
+/* The name of kind: "pinned", "mmap" or "disk". */
+const char *tms_backup_kind_name(int kind);
+/* The kind a region's allocations are backed up as: a disk backup wins over a
+ * CPU one of cpu_kind (the upstream library's rule for settings made one at a time). */
+int tms_backup_kind_of_region(int cpu_kind, int disk);
 
 #endif

@@ -91,7 +91,7 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     a->tag_id = r->tag_id;
     a->state = TMS_ACTIVE;
     a->backup = r->backup || r->disk_backup;
-    a->backup_kind = r->disk_backup ? TMS_BACKUP_DISK : r->backup_kind;
+    a->backup_kind = tms_backup_kind_of_region(r->backup_kind, r->disk_backup);
     a->handles = a->n_chunks == 1 ? &a->one_handle : calloc(n_chunks, sizeof *a->handles);
     if (!a->handles) {
         free(a);
@@ -226,7 +226,7 @@ int tms_core_adopt(uint64_t va, size_t size, int device, tms_phys handle, uint64
     *a = (struct tms_alloc){
         .va = va, .size = size, .reserved = size, .chunk = size, .n_chunks = 1, .device = device,
         .tag_id = r->tag_id, .state = TMS_ACTIVE, .backup = r->backup || r->disk_backup,
-        .backup_kind = r->disk_backup ? TMS_BACKUP_DISK : r->backup_kind, .adopted = 1,
+        .backup_kind = tms_backup_kind_of_region(r->backup_kind, r->disk_backup), .adopted = 1,
         .owner_handle = owner_handle, .handle_types = handle_types, .one_handle = handle,
     };
     a->handles = &a->one_handle;

@@ -33,6 +33,7 @@ struct tms_alloc_info {
     int host_copy_pinned; /* ... and it is page-locked (pinned, or a retained one pinned since) */
     int n_chunks;
     int adopted;         /* mapped by its owner (tms_core_adopt), not allocated by the core */
+    int backup_to_file;  /* backed up to a file (a disk backup), not host memory */
 };
 
 /* Interns tag (a non-empty UTF-8 string, else TMS_E_ARG) and returns its

@@ -24,7 +24,7 @@ int tms_core_check_region(const struct tms_region_request *req, int *kind, struc
 
 int tms_core_set_region(int active, const char *tag, int backup, int kind, int disk, struct tms_err *err)
 {
-    if (kind != TMS_BACKUP_PINNED && kind != TMS_BACKUP_MMAP)
+    if (!tms_backup_kind_is_host(kind))
         return tms_fail(err, TMS_E_ARG, 0, "a region's CPU backup is 'pinned' or 'mmap', not kind %d", kind);
     int rc = tms_core_set_region_tag(tag, err);
     if (rc) return rc;

@@ -16,13 +16,13 @@ static struct tms_stats *stats_of_locked(int tag_id, int device)
     return t ? &t->per_device[stats_slot(device)] : NULL;
 }
 
-/* A backup's bytes count in the gauge of its kind: the fields follow enum tms_backup_kind. */
+/* A backup's bytes count in the gauge of its kind: bytes_backup_* follow one
+ * another in the order of the kinds (stats.h). */
 _Static_assert(offsetof(struct tms_stats, bytes_backup_mmap) ==
-                       offsetof(struct tms_stats, bytes_backup_pinned) + TMS_BACKUP_MMAP * sizeof(uint64_t) &&
+                       offsetof(struct tms_stats, bytes_backup_pinned) + sizeof(uint64_t) &&
                    offsetof(struct tms_stats, bytes_backup_disk) ==
-                       offsetof(struct tms_stats, bytes_backup_pinned) + TMS_BACKUP_DISK * sizeof(uint64_t) &&
-                   TMS_BACKUP_PINNED == 0,
-               "bytes_backup_<kind> in the order of enum tms_backup_kind");
+                       offsetof(struct tms_stats, bytes_backup_pinned) + 2 * sizeof(uint64_t),
+               "the bytes_backup_* gauges follow one another");
 
 /* The one place gauges change: an allocation's share is taken out (sign -1)
  * before any change to it and put back (+1) after, so gauges always equal
@@ -37,7 +37,7 @@ void tms_stats_account_locked(const struct tms_alloc *a, int sign)
     st->bytes_reserved += s * a->reserved;
     if (a->state == TMS_ACTIVE) st->bytes_mapped += s * a->reserved;
     else st->bytes_paused += s * a->reserved;
-    if (a->host_copy) (&st->bytes_backup_pinned)[a->host_copy->kind] += s * a->host_copy->size;
+    if (a->host_copy) (&st->bytes_backup_pinned)[a->host_copy->kind] += s * a->host_copy->size;  /* kind: 0, 1, 2 */
 }
 
 /* A pause or resume that changed an allocation counts once per (tag,

@@ -13,6 +13,7 @@
     X(bytes_reserved, gauge, "virtual bytes reserved (rounded to the granularity)") \
     X(bytes_mapped, gauge, "bytes backed by device memory now")                     \
     X(bytes_paused, gauge, "reserved bytes whose device memory is released")        \
+    /* the three backup gauges in the order of enum tms_backup_kind */           \
     X(bytes_backup_pinned, gauge, "host bytes held in pinned-backend backups")      \
     X(bytes_backup_mmap, gauge, "host bytes held in mmap-backend backups")          \
     X(bytes_backup_disk, gauge, "bytes held in backup files on disk")               \

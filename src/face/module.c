@@ -416,7 +416,7 @@ static const char *state_name(int state)
 static PyObject *alloc_row_dict(const void *row)
 {
     const struct tms_alloc_info *r = row;
-    int disk = r->backup && r->backup_kind == TMS_BACKUP_DISK;
+    int disk = r->backup_to_file;
     return Py_BuildValue(
         "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:i,s:O,s:O}", "ptr", (unsigned long long)r->ptr, "size",
         (Py_ssize_t)r->size, "reserved", (Py_ssize_t)r->reserved, "device", r->device, "tag",

@@ -24,10 +24,6 @@ int tms_backup_kind_parse(const char *name, int *kind)
     return TMS_OK;
 }
 
-const char *tms_backup_kind_name(int kind)
-{
-    return kind == TMS_BACKUP_PINNED ? "pinned" : kind == TMS_BACKUP_DISK ? "disk" : "mmap";
-}
 
 static void env_bool(const char *var, int *out)
 {

@@ -9,7 +9,8 @@
 enum tms_backup_kind {
     TMS_BACKUP_PINNED = 0,  /* page-locked host memory */
     TMS_BACKUP_MMAP = 1,    /* pageable anonymous memory, returned to the OS on resume */
-    TMS_BACKUP_DISK = 2,    /* a file in the disk backup directory (disk.h); never a CPU backup backend */
+    TMS_BACKUP_DISK = 2,    /* a file in the disk backup directory (backup/disk.c); never a CPU backup backend */
+    TMS_BACKUP_KINDS
 };
 /* mmap is the default: it reaches link speed without keeping memory pinned
  * between cycles (issue 4); pinning 8 GiB alone costs ~3 s (DESIGN). */
@@ -80,7 +81,7 @@ int tms_env_check(struct tms_err *err);
 /* The calling thread's settings, initialised from the defaults on first use. */
 struct tms_region *tms_region_current(void);
 
+/* A CPU backup backend's name ("pinned" or "mmap") as its kind. */
 int tms_backup_kind_parse(const char *name, int *kind);
-const char *tms_backup_kind_name(int kind);
 
 #endif
