@@ -2,6 +2,7 @@
 import contextlib
 import logging
 import os
+import sys
 import threading
 from typing import Optional
 
@@ -21,12 +22,16 @@ def _check_type(value, types, what):
 
 
 def _torch_platform():
-    """'hip' or 'cuda': the platform the importable torch was built for, else None."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    return "hip" if getattr(torch.version, "hip", None) else "cuda"
+    """'hip' or 'cuda': the platform the importable torch was built for, else None.
+    torch is imported only where the environment leaves the core nothing else to
+    go by (importing it takes seconds)."""
+    torch = sys.modules.get("torch")
+    if torch is None and not (os.environ.get("TMS_BACKEND") or os.environ.get("TMS_PLATFORM")):
+        try:
+            import torch
+        except ImportError:
+            return None
+    return None if torch is None else "hip" if getattr(torch.version, "hip", None) else "cuda"
 
 
 def _torch_gpu_platform():
