@@ -1,4 +1,4 @@
-"""disable()'s pools: ordinary memory, given back to the driver when the block ends (issue 10)."""
+"""disable()'s pools: ordinary memory, given back to the driver when the block ends."""
 import ctypes
 import threading
 

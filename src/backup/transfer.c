@@ -270,7 +270,7 @@ int tms_transfer_allowed_cpus(void)
 
 /* One per core the process may run on: a launcher that pins each rank to
  * its share of the host's cores (one process per GPU) gets that many, not
- * one per core of the host competing with the other ranks' (issue 16). A
+ * one per core of the host competing with the other ranks'. A
  * process free to run anywhere on a host of several GPUs takes the share of
  * the GPUs it sees. */
 int tms_transfer_default_workers(int allowed_cpus, int online_cpus, int host_gpus, int visible_gpus)

@@ -14,8 +14,8 @@
  * table_lock guards the table, the tags' statistics and every field of an
  * allocation that is not moving. It is held only to read or change those:
  * never across a driver call, a copy, a host allocation or I/O, so a pause
- * in progress delays no other caller (issue 12: a pass-through free waited
- * 3.2 s behind a 2 GiB pause when the lock spanned the whole pause).
+ * in progress delays no other caller (a lock spanning a backed-up pause
+ * would hold a pass-through free for as long as the copy).
  *
  * A pause or resume marks the allocations it works on as moving
  * (tms_table_claim) and does its driver work with the lock released; only
@@ -219,17 +219,15 @@ static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fo
 
 /* The allocations of tag_id (a plain variable; -1: every tag): its own list,
  * so a pause of a small tag beside many allocations of others does not walk
- * them all (pause + resume of 1 allocation beside 6,000 of another tag: 54
- * against 12 us on the host backend when it did). As in FOR_EACH_ALLOC,
+ * them all. As in FOR_EACH_ALLOC,
  * `break` leaves only the inner loop: with tag_id -1, one bucket. */
 #define FOR_EACH_OF_TAG(a, tag_id)                                                   \
     for (size_t bucket_ = 0; bucket_ < ((tag_id) < 0 ? bucket_count : 1); bucket_++) \
         for (struct tms_alloc *a = (tag_id) < 0 ? buckets[bucket_] : tms_tag_slot_locked(tag_id)->allocs; a; \
              a = (tag_id) < 0 ? a->next : a->tag_next)
 
-/* Moves run in address order: the driver's unmap and map cost grows with a
- * scattered order (hash order: 61 vs 45 us per allocation at 10,000,
- * benchmarks/alloc_count.py on the lent H100). */
+/* Moves run in address order: the driver's unmap and map cost per
+ * allocation grows with a scattered order (docs/performance.md). */
 static int by_device_and_address(const void *x, const void *y)
 {
     const struct tms_alloc *a = ((const struct tms_move *)x)->a, *b = ((const struct tms_move *)y)->a;

@@ -1,4 +1,4 @@
-/* PyTorch's expandable segments: the cuMem* calls its allocator makes itself, adopted by the core (issue 15). */
+/* PyTorch's expandable segments: the cuMem* calls its allocator makes itself, adopted by the core. */
 #ifndef TMS_CUMEM_H
 #define TMS_CUMEM_H
 

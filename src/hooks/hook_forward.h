@@ -14,7 +14,7 @@
  * defines cudaMalloc resolves its own next. That matters for the shims: a
  * shim on LD_PRELOAD comes right after the executable in the search order,
  * but the library it needs comes after the executable's own dependencies,
- * libcudart among them for a C program linked with it (issue 10).
+ * libcudart among them for a C program linked with it.
  */
 /* When the hooks were installed by relocation (reloc.c) rather than
  * LD_PRELOAD, the library was loaded RTLD_LOCAL and RTLD_NEXT does not see

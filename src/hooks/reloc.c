@@ -18,7 +18,7 @@
 #include "platform/log.h"
 
 /*
- * Why (issue 14): a worker started without LD_PRELOAD (a launcher that
+ * Why: a worker started without LD_PRELOAD (a launcher that
  * rewrites the variable, a child that was not configured) would otherwise
  * have unpauseable memory. PyTorch's libraries call cudaMalloc through their
  * GOT; pointing those entries at our hooks is what LD_PRELOAD's symbol

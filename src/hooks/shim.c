@@ -3,7 +3,7 @@
  * A shim holds no state: it needs the real library of its variant beside the
  * package (rpath $ORIGIN/torch_memory_saver), so whichever name a process
  * preloads or dlopens, the loader maps the one real file and Python's import,
- * ctypes and the hooks share one core (issue 10). A preload shim also defines
+ * ctypes and the hooks share one core. A preload shim also defines
  * the interposed functions, forwarding to the real library's routers: on
  * LD_PRELOAD it sits before the executable's own dependencies (libcudart of a
  * C program), where the library it needs does not.

@@ -13,7 +13,7 @@ enum tms_backup_kind {
     TMS_BACKUP_KINDS
 };
 /* mmap is the default: it reaches link speed without keeping memory pinned
- * between cycles (issue 4); pinning 8 GiB alone costs ~3 s (DESIGN). */
+ * between cycles; pinning a large backup fresh costs seconds (docs/performance.md). */
 #define TMS_BACKUP_DEFAULT TMS_BACKUP_MMAP
 
 #define TMS_TAG_DEFAULT_ID 0  /* the tag "default", interned first */

@@ -1,5 +1,5 @@
 /* The slice of the CUDA driver ABI the cuda backend calls, declared here so
- * the build needs no CUDA headers and links no CUDA library (DESIGN req. 3).
+ * the build needs no CUDA headers and links no CUDA library (one build serves CUDA 12 and 13).
  * tests/c/test_cuda_abi.c checks every layout and constant against cuda.h. */
 #ifndef TMS_CUDA_ABI_H
 #define TMS_CUDA_ABI_H

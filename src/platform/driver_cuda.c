@@ -9,7 +9,7 @@
 #include "platform/topology.h"
 
 /* Every entry is requested at the ABI of CUDA 12.0, which CUDA 12 and 13
- * drivers both serve, so one build runs on either (DESIGN req. 3). */
+ * drivers both serve, so one build runs on either. */
 #define CUDA_ABI_VERSION 12000
 #define CUDA_MAX_DEVICES 64
 

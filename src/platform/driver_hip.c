@@ -139,7 +139,7 @@ static int hip_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes)
     WITH_DEVICE(device, hip.hipMemGetInfo(free_bytes, total_bytes));
 }
 
-/* Large single physical allocations misbehave on ROCm 6.x (DESIGN): there the
+/* Large single physical allocations misbehave on ROCm 6.x: there the
  * core backs each allocation with chunks of this size unless told otherwise. */
 static size_t hip_default_chunk_bytes(void) { return hip_chunk_bytes; }
 

@@ -12,7 +12,7 @@
 #include "platform/config.h"
 #include "platform/driver.h"
 
-/* 2 MiB like the H100's granularity, so rounding behaves as on the GPU. */
+/* 2 MiB, the granularity of current NVIDIA GPUs, so rounding behaves as on one. */
 #define HOST_GRANULARITY ((size_t)2 << 20)
 #define HOST_MAX_DEVICES TMS_HOST_MAX_DEVICES
 

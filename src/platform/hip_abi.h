@@ -1,5 +1,5 @@
 /* The slice of the HIP runtime ABI the hip backend calls, declared here so the
- * build needs no ROCm headers and links no ROCm library (issue 6). Layouts
+ * build needs no ROCm headers and links no ROCm library. Layouts
  * follow hip_runtime_api.h of ROCm 6 and 7, which match CUDA's. */
 #ifndef TMS_HIP_ABI_H
 #define TMS_HIP_ABI_H
