@@ -9,11 +9,20 @@ BUILD_DIR ?= build/cmake
 build:
 	TMS_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace
 
-# The development loop: an editable install into the current environment (offline,
-# with the environment's setuptools).
-reinstall:
-	$(PYTHON) -m pip uninstall -y torch_memory_saver >/dev/null 2>&1 || true
-	TMS_WERROR=1 $(PYTHON) -m pip install -q --no-build-isolation -e .
+# An editable install of this tree into the current environment (offline, with the
+# environment's setuptools). Once this tree is installed editable, the in-place build
+# is what the install runs, so only changed sources are compiled again.
+reinstall: build
+	@cd / && $(PYTHON) -c "$$EDITABLE_HERE" "$(CURDIR)" 2>/dev/null || { \
+	  $(PYTHON) -m pip uninstall -y torch_memory_saver >/dev/null 2>&1 || true; \
+	  TMS_WERROR=1 $(PYTHON) -m pip install -q --no-build-isolation -e .; }
+
+define EDITABLE_HERE
+import importlib.metadata as m, json, sys
+url = json.loads(m.distribution("torch_memory_saver").read_text("direct_url.json") or "{}")
+sys.exit(0 if url.get("dir_info", {}).get("editable") and url.get("url") == "file://" + sys.argv[1] else 1)
+endef
+export EDITABLE_HERE
 
 # torch and pytest only if missing: `pip install torch==2.13.0` takes the CPU
 # wheel from disk on CI machines; GPU machines already have their torch.

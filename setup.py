@@ -136,4 +136,4 @@ if bdist_wheel is not None:
 
     COMMANDS["bdist_wheel"] = BdistWheel
 
-setup(ext_modules=[ENV_MODULE] + [_variant(v) for v in VARIANTS], cmdclass=COMMANDS)
+setup(license="MIT", ext_modules=[ENV_MODULE] + [_variant(v) for v in VARIANTS], cmdclass=COMMANDS)

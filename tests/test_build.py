@@ -285,3 +285,13 @@ def test_sdist_builds_the_same_wheel_and_holds_no_build_output(tmp_path):
     assert [w.name.split("-", 2)[2] for w in (tmp_path / "w").glob("*.whl")] == [
         f"cp310-abi3-manylinux_2_28_{__import__('platform').machine()}.whl"]
 
+
+
+def test_reading_the_project_metadata_warns_about_nothing():
+    # Every build reads pyproject.toml and setup.py's metadata; a deprecation there
+    # prints a screenful into each user's install.
+    proc = subprocess.run([sys.executable, "setup.py", "--version", "--license"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0.1.0", "MIT"], proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr

@@ -1,5 +1,6 @@
 """Issue 7 on the host backend: stats() arithmetic, memory_summary(), pause/resume
 log lines, progress lines and the command line."""
+import os
 import subprocess
 import sys
 
@@ -66,3 +67,40 @@ def test_cli_info_preload_path_and_run():
     missing = subprocess.run([sys.executable, "-m", "torch_memory_saver", "run", "--", "/no/such/program"],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 127 and "cannot run '/no/such/program'" in missing.stderr
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "torch_memory_saver", *args], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=60, **kw)
+
+
+def test_cli_version_help_and_missing_command():
+    version = _cli("--version")
+    assert version.returncode == 0 and version.stdout == "torch_memory_saver 0.1.0\n"
+    helptext = _cli("--help").stdout
+    assert "release the GPU memory" in helptext and "--version" in helptext and "run -- CMD" in helptext
+    demo_help = _cli("demo", "--help").stdout
+    assert "Default: preload" in " ".join(demo_help.split())
+    missing = _cli("run", "--", "no_such_program_here")
+    assert missing.returncode == 127
+    assert missing.stderr == "torch_memory_saver run: cannot run 'no_such_program_here': No such file or directory\n"
+
+
+def test_cli_info_into_a_closed_pipe_is_quiet():
+    # The reader is gone before the first line is written: no BrokenPipeError traceback.
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "torch_memory_saver", "info"], cwd=REPO, env=child_env(),
+                              stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_demo_on_the_host_backend_times_every_step():
+    proc = _cli("demo")
+    assert proc.returncode == 0, proc.stderr
+    rows = [l for l in proc.stdout.splitlines() if l.startswith("| allocate")]
+    assert len(rows) == 1 and float(rows[0].rsplit("|", 2)[1]) > 0, proc.stdout
+    assert "weights restored exactly: True" in proc.stdout

@@ -21,7 +21,7 @@ def _cmd_run(args):
     try:
         os.execvpe(command[0], command, env)
     except OSError as e:
-        print(f"torch_memory_saver run: cannot run {command[0]!r}: {e}", file=sys.stderr)
+        print(f"torch_memory_saver run: cannot run {command[0]!r}: {e.strerror or e}", file=sys.stderr)
         return 127
 
 
@@ -69,19 +69,45 @@ def _prog():
     return name if name and name != "__main__.py" else "python -m torch_memory_saver"
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog=_prog())
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="pause/resume a few GiB and print free memory and timings")
-    demo.add_argument("--hook-mode", choices=_library.HOOK_MODES, default="torch")
+def _parser():
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=_prog(),
+        description="torch_memory_saver: release the GPU memory behind chosen tensors and give it back later "
+                    "at the same addresses. These commands show what the library does and how it is installed.")
+    parser.add_argument("--version", action="version", version=f"torch_memory_saver {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{demo,info,preload-path,run}")
+    demo = sub.add_parser("demo", help="pause/resume a few GiB and print free memory and timings "
+                                       "(the host backend's RSS where there is no GPU)")
+    demo.add_argument("--hook-mode", choices=_library.HOOK_MODES, default="preload",
+                      help="how allocations reach the library: 'preload' (LD_PRELOAD interposition of cudaMalloc, "
+                           "the library's default; the demo restarts itself under it) or 'torch' (a PyTorch "
+                           "pluggable allocator). Default: %(default)s")
     demo.set_defaults(fn=_cmd_demo)
-    sub.add_parser("info", help="version, libraries, backend").set_defaults(fn=_cmd_info)
+    sub.add_parser("info", help="version, libraries, backend, defaults").set_defaults(fn=_cmd_info)
     sub.add_parser("preload-path", help="print the preload library's path").set_defaults(fn=_cmd_preload_path)
-    run = sub.add_parser("run", help="run a command with the preload library on LD_PRELOAD")
-    run.add_argument("command", nargs=argparse.REMAINDER)
+    run = sub.add_parser("run", help="run a command with the preload library on LD_PRELOAD: run -- CMD [ARGS...]",
+                         description="Run CMD with the preload library added to LD_PRELOAD. Put -- before the "
+                                     "command so that its own options are not read as ours.")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(fn=_cmd_run)
-    args = parser.parse_args(argv)
-    return args.fn(args)
+    return parser
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    try:
+        rc = args.fn(args)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        # A reader that stops early (`info | head`) is not an error of ours; point
+        # stdout at /dev/null so that the interpreter's final flush stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
 
 
 if __name__ == "__main__":

@@ -122,6 +122,18 @@ def progress_needs_a_bool():
         assert "progress must be a bool" in str(e)
     else:
         raise AssertionError("no TypeError")
+    # Set on the module as on the singleton: both name the same setting.
+    import torch_memory_saver as module
+    module.progress = True
+    assert tms.progress is True and module.progress is True
+    module.progress = False
+    assert tms.progress is False
+    try:
+        module.progress = 1
+    except TypeError as e:
+        assert "progress must be a bool" in str(e)
+    else:
+        raise AssertionError("no TypeError on the module")
 
 
 if __name__ == "__main__":
