@@ -19,7 +19,7 @@ allocations = torch_memory_saver.allocations
 
 # Settings a user may assign on the module as on the singleton; a plain module
 # attribute would be set and silently ignored.
-_SINGLETON_SETTINGS = ("progress", "hook_mode", "memory_margin_bytes", "retain_cpu_backup")
+_SINGLETON_SETTINGS = ("progress", "hook_mode", "memory_margin_bytes", "retain_cpu_backup", "backup_live_only")
 
 
 class _Module(types.ModuleType):

@@ -67,15 +67,6 @@ def _name(tag):
     return "<all>" if tag is None else tag if isinstance(tag, str) else ",".join(tag)
 
 
-def _totals(core, tag):
-    moved = freed = 0
-    for r in core.stats():
-        if _selects(tag, r["tag"]):
-            moved += r["bytes_to_host"] + r["bytes_to_device"]
-            freed += r["bytes_mapped"]
-    return moved, freed
-
-
 # Progress lines for long backed-up pauses/resumes: off by default, on with
 # torch_memory_saver.progress = True or TMS_PROGRESS=1 (read by the core, with
 # every TMS_* variable). None: the variable decides.
@@ -90,18 +81,18 @@ PROGRESS_AFTER_S = 1.0
 PROGRESS_EVERY_S = 0.5
 
 
-def _run_with_progress(core, op, tag):
-    """Runs the call in a thread (it releases the GIL) and, once it has taken
-    PROGRESS_AFTER_S, logs the copy progress every PROGRESS_EVERY_S."""
+def _run_with_progress(core, call, op, tag):
+    """Runs call() in a thread (the core releases the GIL) and, once it has
+    taken PROGRESS_AFTER_S, logs the copy progress every PROGRESS_EVERY_S."""
     outcome = {}
 
-    def call():
+    def run():
         try:
-            getattr(core, op)(tag)
+            outcome["result"] = call()
         except BaseException as e:  # re-raised in the caller's thread
             outcome["error"] = e
 
-    worker = threading.Thread(target=call, name=f"tms-{op}")
+    worker = threading.Thread(target=run, name=f"tms-{op}")
     t0 = time.perf_counter()
     worker.start()
     worker.join(PROGRESS_AFTER_S)
@@ -113,33 +104,29 @@ def _run_with_progress(core, op, tag):
         worker.join(PROGRESS_EVERY_S)
     if "error" in outcome:
         raise outcome["error"]
+    return outcome["result"]
 
 
-def _run(core, op, tag):
-    if logger.isEnabledFor(logging.INFO) and progress_enabled(core):
-        _run_with_progress(core, op, tag)
-    else:
-        getattr(core, op)(tag)
-
-
-def logged(core, op, tag):
-    """Runs core.pause/resume(tag), logging a summary at INFO and the
-    allocations at DEBUG, only when those levels are enabled."""
+def logged(core, call, op, tag, report):
+    """Runs call() (the core's pause or resume of tag) and returns
+    report(its result), logging a summary at INFO and the allocations at
+    DEBUG, only when those levels are enabled."""
     if not logger.isEnabledFor(logging.INFO):
-        return getattr(core, op)(tag)
-    moved0, mapped0 = _totals(core, tag)
-    t0 = time.perf_counter()
-    _run(core, op, tag)
-    seconds = time.perf_counter() - t0
-    moved1, mapped1 = _totals(core, tag)
-    moved = moved1 - moved0
+        return report(call())
+    if progress_enabled(core):
+        out = report(_run_with_progress(core, call, op, tag))
+    else:
+        out = report(call())
+    moved, seconds = out.copied_bytes, out.seconds
     rate = f", {moved / seconds / 1e9:.1f} GB/s" if moved and seconds > 0 else ""
+    skipped = f", {_fmt_bytes(out.skipped_bytes)} skipped as free" if out.skipped_bytes else ""
     what = "released" if op == "pause" else "mapped"
-    logger.info("%s tag=%s: %s %s, %s copied in %.1f ms%s", op, _name(tag), what,
-                _fmt_bytes(abs(mapped1 - mapped0)), _fmt_bytes(moved), seconds * 1e3, rate)
+    logger.info("%s tag=%s: %s %s, %s copied in %.1f ms%s%s", op, _name(tag), what,
+                _fmt_bytes(out.released_bytes), _fmt_bytes(moved), seconds * 1e3, rate, skipped)
     if logger.isEnabledFor(logging.DEBUG):
         for a in core.allocations():
             if _selects(tag, a["tag"]):
                 logger.debug("  0x%x %s tag=%s device=%d %s backup=%s", a["ptr"], _fmt_bytes(a["size"]), a["tag"],
                              a["device"], a["state"],
                              a["cpu_backup_backend"] if a["has_cpu_backup"] or a["has_disk_backup"] else "none")
+    return out

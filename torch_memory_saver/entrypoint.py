@@ -6,7 +6,7 @@ import sys
 import threading
 from typing import Optional
 
-from . import _abi, _library, _observe, _preload, _scratch
+from . import _abi, _library, _live, _observe, _preload, _report, _scratch
 from ._errors import DiskBackupDirError
 
 logger = logging.getLogger("torch_memory_saver")
@@ -53,6 +53,7 @@ class TorchMemorySaver:
         self._impl: Optional[_Impl] = None
         self._init_lock = threading.Lock()
         self._pending_margin = 0
+        self._live_only = None
         self._pending_retain = None
 
     # ---- configuration -------------------------------------------------------
@@ -94,6 +95,22 @@ class TorchMemorySaver:
     def progress(self, value: bool):
         _check_type(value, (bool,), "progress")
         _observe.progress_setting = value
+
+    @property
+    def backup_live_only(self) -> bool:
+        """Backed-up pauses called from Python copy only the bytes of blocks
+        PyTorch's caching allocator holds live (allocated, or freed but pending
+        on a stream); free blocks come back with undefined contents, as newly
+        allocated memory. Memory PyTorch did not hand out is copied whole. On by
+        default; TMS_BACKUP_LIVE_ONLY=0 turns it off."""
+        if self._live_only is not None:
+            return self._live_only
+        return _library.load(self._hook_mode).defaults()["backup_live_only"]
+
+    @backup_live_only.setter
+    def backup_live_only(self, value: bool):
+        _check_type(value, (bool,), "backup_live_only")
+        self._live_only = value
 
     @property
     def memory_margin_bytes(self) -> int:
@@ -170,13 +187,14 @@ class TorchMemorySaver:
 
     def pause(self, tag=None):
         """Release the memory of `tag` (a tag, a list of tags, or None: every tag);
-        backed-up tags copy to host first."""
-        self._pause_or_resume("pause", tag)
+        backed-up tags copy to host first (only PyTorch's live blocks, see
+        backup_live_only). Returns a Report of what it did."""
+        return self._pause_or_resume("pause", tag)
 
     def resume(self, tag=None):
         """Map the memory of `tag` (a tag, a list of tags, or None: every tag) back at
-        the same addresses; backed-up contents are restored."""
-        self._pause_or_resume("resume", tag)
+        the same addresses; backed-up contents are restored. Returns a Report."""
+        return self._pause_or_resume("resume", tag)
 
     def is_paused(self, tag: str) -> bool:
         """True if `tag` holds paused memory and nothing active (so pause(tag) would
@@ -195,7 +213,13 @@ class TorchMemorySaver:
         # A list or tuple of tags (ours beyond upstream) is all or nothing: the core
         # decides for all of them under one lock.
         _library.load(self._hook_mode).check_tags(op, tag)  # before first use: a bad tag starts nothing
-        _observe.logged(self._ensure_initialized().core, op, list(tag) if isinstance(tag, tuple) else tag)
+        impl = self._ensure_initialized()
+        core, tag = impl.core, list(tag) if isinstance(tag, tuple) else tag
+        skip = None
+        if op == "pause" and self.backup_live_only and impl.on_gpu() and core.selects_backup(tag):
+            skip = _live.free_spans()
+        call = (lambda: core.pause(tag, skip)) if op == "pause" else (lambda: core.resume(tag))
+        return _observe.logged(core, call, op, tag, lambda raw: _report.Report(op, raw))
 
     def _check_region(self, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup):
         """The CPU backup backend the region gets; the core's policy decides the rest

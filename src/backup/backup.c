@@ -82,7 +82,29 @@ void tms_backup_unref(struct tms_backup *b)
 {
     if (!b || __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
     b->ops->release(b);
+    free(b->ranges);
     free(b);
+}
+
+size_t tms_backup_granule(int kind)
+{
+    size_t g = tms_backup_ops_of(kind)->granule;
+    return g ? g : TMS_BACKUP_GRANULE;
+}
+
+void tms_backup_set_ranges(struct tms_backup *b, struct tms_range *ranges, size_t n_ranges)
+{
+    free(b->ranges);
+    b->ranges = ranges;
+    b->n_ranges = ranges ? n_ranges : 0;
+}
+
+size_t tms_backup_held(const struct tms_backup *b)
+{
+    if (!b->ranges) return b->size;
+    size_t n = 0;
+    for (size_t i = 0; i < b->n_ranges; i++) n += b->ranges[i].len;
+    return n;
 }
 
 void tms_backup_release_restored(void *backup)
@@ -94,4 +116,10 @@ void tms_backup_release_restored(void *backup)
     if (!b->ops->host_memory || __atomic_load_n(&b->refs, __ATOMIC_ACQUIRE) != 1) return;
     b->ops->release(b);
     TMS_DEBUG("backup of %zu bytes restored and released by its copy worker", b->size);
+}
+
+void tms_backup_part_restored(void *backup)
+{
+    struct tms_backup *b = backup;
+    if (__atomic_sub_fetch(&b->parts_left, 1, __ATOMIC_ACQ_REL) == 0) tms_backup_release_restored(b);
 }

@@ -16,6 +16,10 @@
  * (platform/config.h).
  */
 
+/* The granule of a kind's partial copies unless it names its own: a huge
+ * page, so that a range left out leaves whole pages of a backup untouched. */
+#define TMS_BACKUP_GRANULE ((size_t)2 << 20)
+
 /* How the copy workers move a backup's blocks, chosen when a copy is planned. */
 enum tms_backup_path {
     TMS_PATH_STAGED,    /* through the workers' pinned staging: write_block / read_block */
@@ -32,8 +36,16 @@ struct tms_block_sizes {
 
 struct tms_backup;
 
+/* Bytes [off, off + len) of a backup (offsets from its allocation's start). */
+struct tms_range {
+    size_t off, len;
+};
+
 struct tms_backup_ops {
     const char *name;
+    /* A pause that copies part of an allocation copies ranges that start and
+     * end on multiples of this (or at the allocation's end). */
+    size_t granule;
     int host_memory;     /* its bytes are host memory a CPU view may alias (get_cpu_backup) */
     int open_limit;      /* at most this many open at once in one copy (descriptors), 0: no limit */
     int interleave;      /* a copy takes its backups' blocks in turns (I/O in flight on several at once) */
@@ -44,7 +56,8 @@ struct tms_backup_ops {
     /* Around a copy's blocks (NULL: nothing to do). close after writes makes them durable. */
     int (*open)(struct tms_backup *b, struct tms_err *err);
     int (*close)(struct tms_backup *b, int wrote, struct tms_err *err);
-    enum tms_backup_path (*path)(const struct tms_backup *b, int to_host);
+    /* How the bytes [off, off+len) move (a range a copy takes as one item). */
+    enum tms_backup_path (*path)(const struct tms_backup *b, int to_host, size_t off, size_t len);
     /* The length of the block at off on path, at most left. */
     size_t (*block_len)(const struct tms_backup *b, enum tms_backup_path path, size_t off, size_t left,
                         const struct tms_block_sizes *sizes);
@@ -87,6 +100,11 @@ struct tms_backup {
     struct tms_backup *pin_next;     /* in the queue of backups to page-lock (retained.c) */
     /* Other kinds' own state (disk.c: its file). */
     void *kind_state;
+    /* What its last pause wrote: n_ranges ranges, or every byte if ranges is
+     * NULL. Set by the core while it owns the allocation (moving). */
+    struct tms_range *ranges;
+    size_t n_ranges;
+    int parts_left;                  /* atomic: a resume's items still copying (tms_backup_part_restored) */
 };
 
 /* The kind of an allocation's backup, by enum tms_backup_kind. */
@@ -123,6 +141,15 @@ void tms_backup_unref(struct tms_backup *b);
  * copies still run, unless a zero-copy view still holds it. The record stays
  * until the last reference. */
 void tms_backup_release_restored(void *backup);
+/* As tms_backup_release_restored once the last of parts_left items is restored. */
+void tms_backup_part_restored(void *backup);
+
+/* The granule of kind's partial copies. */
+size_t tms_backup_granule(int kind);
+/* b holds ranges (taken, NULL: every byte) from now on. */
+void tms_backup_set_ranges(struct tms_backup *b, struct tms_range *ranges, size_t n_ranges);
+/* Bytes its ranges hold. */
+size_t tms_backup_held(const struct tms_backup *b);
 
 /* Does kind keep a host copy (a CPU backup), rather than a file? */
 int tms_backup_kind_is_host(int kind);

@@ -35,9 +35,9 @@ static int close_file(struct tms_backup *b, int wrote, struct tms_err *err)
     return rc;
 }
 
-static enum tms_backup_path path(const struct tms_backup *b, int to_host)
+static enum tms_backup_path path(const struct tms_backup *b, int to_host, size_t off, size_t len)
 {
-    (void)b, (void)to_host;
+    (void)b, (void)to_host, (void)off, (void)len;
     return TMS_PATH_STAGED;
 }
 

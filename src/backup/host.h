@@ -10,8 +10,11 @@
  * unregistered as one range; a direct copy block never crosses a piece's end. */
 #define TMS_PIN_PIECE_BYTES ((size_t)64 << 20)
 
+/* A piece's entry in a backup's map of pieces. */
+enum { TMS_PIECE_UNLOCKED = 0, TMS_PIECE_LOCKED = 1, TMS_PIECE_REFUSED = 2 };
+
 size_t tms_host_pieces(size_t size);
-/* A zeroed per-piece map (1 = registered), or NULL out of memory. */
+/* A zeroed per-piece map (TMS_PIECE_*), or NULL out of memory. */
 unsigned char *tms_host_piece_map(size_t size);
 
 /* Fresh pages for a backup of device's memory, placed (once touched) on the

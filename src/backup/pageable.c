@@ -19,9 +19,9 @@ static int reusable(const struct tms_backup *b)
 }
 
 /* Page-locked once a retained backup's background locking is done (retained.c). */
-static enum tms_backup_path path(const struct tms_backup *b, int to_host)
+static enum tms_backup_path path(const struct tms_backup *b, int to_host, size_t off, size_t len)
 {
-    (void)to_host;
+    (void)to_host, (void)off, (void)len;
     return tms_host_page_locked(b) ? TMS_PATH_DIRECT : TMS_PATH_STAGED;
 }
 

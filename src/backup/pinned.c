@@ -33,10 +33,24 @@ static int first_copy(const struct tms_backup *b)
     return b->locked && __atomic_load_n(&b->pinning, __ATOMIC_ACQUIRE) == TMS_PIN_NONE;
 }
 
-static enum tms_backup_path path(const struct tms_backup *b, int to_host)
+/* Are the pieces under [off, off+len) all page-locked? */
+static int range_locked(const struct tms_backup *b, size_t off, size_t len)
 {
-    if (to_host && first_copy(b)) return TMS_PATH_PREPARED;
-    return tms_host_page_locked(b) ? TMS_PATH_DIRECT : TMS_PATH_STAGED;
+    if (!b->locked || !len) return 0;
+    for (size_t k = off / TMS_PIN_PIECE_BYTES; k <= (off + len - 1) / TMS_PIN_PIECE_BYTES; k++)
+        if (b->locked[k] != TMS_PIECE_LOCKED) return 0;
+    return 1;
+}
+
+/* Until every piece is locked (copies of part of it lock only their
+ * pieces), a copy to it locks what it still needs and one from it goes
+ * direct where its pieces are locked. */
+static enum tms_backup_path path(const struct tms_backup *b, int to_host, size_t off, size_t len)
+{
+    if (tms_host_page_locked(b)) return TMS_PATH_DIRECT;
+    if (!first_copy(b)) return TMS_PATH_STAGED;
+    if (to_host) return TMS_PATH_PREPARED;
+    return range_locked(b, off, len) ? TMS_PATH_DIRECT : TMS_PATH_STAGED;
 }
 
 /* Page-locks the piece that is [off, off+len), faulting its fresh pages in
@@ -46,32 +60,39 @@ static enum tms_backup_path path(const struct tms_backup *b, int to_host)
  * lacking the memory to lock it fails the copy. */
 static int prepare_block(struct tms_backup *b, size_t off, size_t len, struct tms_err *err)
 {
+    unsigned char *piece = &b->locked[off / TMS_PIN_PIECE_BYTES];
+    if (*piece) return *piece == TMS_PIECE_LOCKED;  /* by an earlier copy of part of the backup */
     volatile char *p = (char *)b->host + off;
     for (size_t at = 0; at < len; at += 4096) p[at] = 0;
     int rc = b->drv->host_register((char *)b->host + off, len);
     if (rc == 0) {
-        b->locked[off / TMS_PIN_PIECE_BYTES] = 1;
+        *piece = TMS_PIECE_LOCKED;
         return 1;
     }
-    if (!b->drv->is_oom(rc)) return 0;
+    if (!b->drv->is_oom(rc)) return *piece = TMS_PIECE_REFUSED, 0;
     tms_fail(err, TMS_E_HOST_OOM, rc,
              "cannot pin %zu bytes of host memory for a pinned backup of %zu bytes (offset %zu): %s (%d)", len,
              b->size, off, b->drv->code_name(rc), rc);
     return -TMS_E_HOST_OOM;
 }
 
-/* The first copy succeeded: page-locked from now on if it locked every
- * piece; else it stays pageable, the pieces it did lock unlocked (they
- * would only hold memory: copies of it stage). */
+/* A copy succeeded: page-locked from now on once every piece is; pieces a
+ * copy of part of it left alone are locked by a later copy that needs them.
+ * If the driver refused a piece it stays pageable, the pieces locked so far
+ * unlocked (they would only hold memory: copies of it stage). */
 static void copied(struct tms_backup *b)
 {
     if (!first_copy(b)) return;
-    size_t locked = 0, pieces = tms_host_pieces(b->size);
-    for (size_t k = 0; k < pieces; k++) locked += b->locked[k];
+    size_t locked = 0, refused = 0, pieces = tms_host_pieces(b->size);
+    for (size_t k = 0; k < pieces; k++) {
+        locked += b->locked[k] == TMS_PIECE_LOCKED;
+        refused += b->locked[k] == TMS_PIECE_REFUSED;
+    }
     if (locked == pieces) {
         __atomic_store_n(&b->pinning, TMS_PIN_DONE, __ATOMIC_RELEASE);
         return;
     }
+    if (!refused) return;
     tms_host_unlock_pieces(b);
     __atomic_store_n(&b->pinning, TMS_PIN_FAILED, __ATOMIC_RELEASE);
     TMS_DEBUG("pinned backup of %zu bytes stays pageable: the driver locked %zu of its %zu pieces", b->size, locked,
@@ -86,6 +107,7 @@ static int kept_while_active(const struct tms_backup *b, int retain)
 
 const struct tms_backup_ops tms_backup_ops_pinned = {
     .name = "pinned",
+    .granule = TMS_PIN_PIECE_BYTES,  /* a first copy locks whole pieces */
     .host_memory = 1,
     .create = create,
     .reusable = reusable,

@@ -76,7 +76,7 @@ static int register_in_pieces(struct tms_backup *b)
         size_t piece = b->size - off < TMS_PIN_PIECE_BYTES ? b->size - off : TMS_PIN_PIECE_BYTES;
         int rc = b->drv->host_register((char *)b->host + off, piece);
         if (rc) return rc;
-        b->locked[k] = 1;
+        b->locked[k] = TMS_PIECE_LOCKED;
     }
     return 0;
 }

@@ -382,7 +382,7 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
     size_t total = 0, n_blocks = 0;
     for (size_t i = 0; i < count; i++) {
         items[i].done = 0;
-        items[i].path = items[i].backup->ops->path(items[i].backup, to_host);
+        items[i].path = items[i].backup->ops->path(items[i].backup, to_host, items[i].offset, items[i].n);
         total += items[i].n;
     }
     if (total == 0) return TMS_OK;

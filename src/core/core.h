@@ -34,6 +34,8 @@ struct tms_alloc_info {
     int n_chunks;
     int adopted;         /* mapped by its owner (tms_core_adopt), not allocated by the core */
     int backup_to_file;  /* backed up to a file (a disk backup), not host memory */
+    size_t backup_bytes; /* bytes its backup holds now (its last pause copied), 0 without one */
+    size_t skipped_bytes; /* bytes that pause left out: free in the caller's cache */
 };
 
 /* Interns tag (a non-empty UTF-8 string, else TMS_E_ARG) and returns its
@@ -71,6 +73,48 @@ int tms_core_owns(const void *ptr);
  * Allocations made while a pause runs are not part of it. */
 int tms_core_pause(const char *tag, struct tms_err *err);
 int tms_core_resume(const char *tag, struct tms_err *err);
+
+/* ---- what a pause may skip, and what each call did -------------------------- */
+/* [start, start + len) of device memory. */
+struct tms_free_span {
+    uint64_t start, len;
+};
+
+#define TMS_REPORT_DEVICES 16
+
+/* One device's part of a pause or resume. */
+struct tms_op_device {
+    int device;
+    size_t allocations;   /* paused (resumed) by the call */
+    size_t released;      /* bytes unmapped by a pause, or mapped by a resume */
+    size_t copied;        /* bytes moved to (from) backups */
+    size_t skipped;       /* bytes of backed-up allocations not copied: free in the caller's cache */
+    size_t free_before, free_after;  /* the driver's free bytes around the call (0 if it could not say) */
+};
+
+struct tms_op_report {
+    uint64_t ns;
+    size_t n_devices;     /* devices beyond TMS_REPORT_DEVICES are left out */
+    struct tms_op_device devices[TMS_REPORT_DEVICES];
+};
+
+/* How one pause or resume runs; every field optional (zeroed: as tms_core_pause). */
+struct tms_op_args {
+    /* Pause only: device ranges whose bytes nobody will read (blocks free in
+     * PyTorch's cache), sorted by start and disjoint. Backups copy the rest of
+     * each allocation; a skipped range comes back with undefined contents. */
+    const struct tms_free_span *skip;
+    size_t n_skip;
+    struct tms_op_report *report;  /* filled on success and on failure */
+};
+
+/* Would a pause of the tags (NULL: every tag) back up anything: does one of
+ * them hold an active allocation with a backup? */
+int tms_core_selects_backup(const char *const *tags, size_t n_tags);
+
+/* tags NULL with n_tags 0: every tag; else all or nothing, as tms_core_pause_tags. */
+int tms_core_pause_ex(const char *const *tags, size_t n_tags, const struct tms_op_args *args, struct tms_err *err);
+int tms_core_resume_ex(const char *const *tags, size_t n_tags, const struct tms_op_args *args, struct tms_err *err);
 
 /* The host backup covering [ptr, ptr+n): *out gets a new reference (caller
  * unrefs) and *offset the position of ptr in it; *out = NULL if ptr is in no

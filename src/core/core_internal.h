@@ -43,7 +43,13 @@ struct tms_move {
     int state;                  /* the state it settles in */
     struct tms_backup *copy;    /* what a->host_copy becomes */
     size_t copied;              /* bytes moved to or from the host by this call */
+    size_t skipped;             /* bytes of its backup this call left out (free in the caller's cache) */
     struct tms_backup *drop;    /* tms_table_settle: the backup a no longer holds */
+    /* The mover's own: the ranges a pause copies (tms_live_plan), and the
+     * items of its copy. */
+    struct tms_range *ranges;
+    size_t n_ranges;
+    size_t first_item, n_items;
 };
 
 /* A tag's slot (tags.c). Its fields are guarded by the table lock. */
@@ -86,8 +92,8 @@ struct tms_tag *tms_tag_slot_locked(int id);
 /* An allocation's share of the gauges taken out (sign -1) or put back (+1). */
 void tms_stats_account_locked(const struct tms_alloc *a, int sign);
 /* A pause or resume that changed a: counted once per (tag, device) of call call_seq. */
-void tms_stats_count_change_locked(const struct tms_alloc *a, size_t copied, int is_pause, uint64_t ns,
-                                   uint64_t call_seq);
+void tms_stats_count_change_locked(const struct tms_alloc *a, size_t copied, size_t skipped, int is_pause,
+                                   uint64_t ns, uint64_t call_seq);
 
 /* ---- allocations (alloc.c) --------------------------------------------------- */
 void tms_alloc_destroy(struct tms_alloc *a);
@@ -119,6 +125,13 @@ int tms_chunks_unmap(const struct tms_driver *drv, struct tms_alloc *a, const ch
 /* Releases the handles of an unmapped allocation. A failure leaks a handle
  * and changes nothing else: it is reported, not undone. */
 int tms_chunks_release(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
+
+/* The ranges (offsets) of the allocation [va, va+size) a pause backing it up
+ * as kind copies: those outside skip (sorted by start, disjoint), each skip
+ * first shrunk to whole granules of the kind. *ranges NULL: every byte; else
+ * n_ranges ranges (maybe none) in an array the caller owns. TMS_E_HOST_OOM. */
+int tms_live_plan(int kind, uint64_t va, size_t size, const struct tms_free_span *skip, size_t n_skip,
+                  struct tms_range **ranges, size_t *n_ranges, struct tms_err *err);
 
 uint64_t tms_now_ns(void);
 

@@ -22,7 +22,8 @@
     X(pause_ns, counter, "time spent in those pause calls")                         \
     X(resume_ns, counter, "time spent in those resume calls")                       \
     X(bytes_to_host, counter, "bytes copied to host backups")                       \
-    X(bytes_to_device, counter, "bytes restored from host backups")
+    X(bytes_to_device, counter, "bytes restored from host backups")                 \
+    X(bytes_skipped, counter, "bytes of backed-up allocations left out as free in PyTorch's cache")
 
 struct tms_stats {
 #define TMS_STAT_DECLARE(name, kind, doc) uint64_t name;

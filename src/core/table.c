@@ -298,6 +298,24 @@ int tms_table_claim(const char *const *tags, size_t n_tags, int from, struct tms
     return rc;
 }
 
+int tms_core_selects_backup(const char *const *tags, size_t n_tags)
+{
+    int found = 0;
+    tms_table_lock();
+    for (size_t t = 0; t < (tags ? n_tags : 1) && !found; t++) {
+        int id = tags ? tms_tags_find_locked(tags[t]) : -1;
+        if (tags && id < 0) continue;
+        FOR_EACH_OF_TAG(a, id) {
+            if (a->backup && a->state == TMS_ACTIVE) {
+                found = 1;
+                break;
+            }
+        }
+    }
+    tms_table_unlock();
+    return found;
+}
+
 void tms_table_settle(const struct tms_driver *drv, struct tms_move *m, size_t n, int is_pause, uint64_t ns)
 {
     tms_table_lock();
@@ -314,7 +332,7 @@ void tms_table_settle(const struct tms_driver *drv, struct tms_move *m, size_t n
         a->state = m[i].state;
         tms_stats_account_locked(a, +1);
         a->moving = 0;
-        if (changed) tms_stats_count_change_locked(a, m[i].copied, is_pause, ns, call_seq);
+        if (changed) tms_stats_count_change_locked(a, m[i].copied, m[i].skipped, is_pause, ns, call_seq);
         if (a->free_requested) tms_table_unlink_locked(tms_table_link_locked(a->va));
         else m[i].a = NULL;  /* what is left in m[].a: frees to finish */
     }
@@ -379,7 +397,11 @@ static struct tms_alloc_info info_of_locked(const struct tms_alloc *a)
 {
     int state = a->state;
     if (a->moving) state = a->state == TMS_ACTIVE ? TMS_PAUSING : TMS_RESUMING;
+    /* A moving allocation's backup is its mover's: its ranges may change. */
+    int counted = a->host_copy && !a->moving;
+    size_t held = counted ? tms_backup_held(a->host_copy) : 0;
     return (struct tms_alloc_info){
+        .backup_bytes = held, .skipped_bytes = counted ? a->size - held : 0,
         .ptr = a->va, .size = a->size, .reserved = a->reserved, .device = a->device,
         .tag_id = a->tag_id, .state = state, .backup = a->backup, .backup_kind = a->backup_kind,
         .has_host_copy = a->host_copy != NULL, .n_chunks = a->n_chunks, .adopted = a->adopted,

@@ -162,8 +162,6 @@ static PyObject *py_get_region(PyObject *module, PyObject *unused)
 
 /* ---- pause / resume ---------------------------------------------------------- */
 
-typedef int (*tag_op)(const char *, struct tms_err *);
-typedef int (*tags_op)(const char *const *, size_t, struct tms_err *);
 
 /* pause/resume's tag argument in C: None (every tag: *n 0, *tags NULL), a
  * str (*n 1), or a list or tuple of them. *seq holds the bytes alive (caller
@@ -186,28 +184,95 @@ static int tags_of(PyObject *arg, const char *name, PyObject **seq, const char *
     return 0;
 }
 
-/* tag: None (every tag), a str, or a list or tuple of them (all or nothing). */
-static PyObject *run_tag_op(PyObject *module, PyObject *arg, tag_op one, tags_op many, const char *name)
+/* The skip argument of pause: None, or bytes of (start, length) pairs of
+ * native uint64, sorted and disjoint (the core checks). -1 with an exception. */
+static int skip_of(PyObject *arg, struct tms_free_span **spans, size_t *n)
+{
+    *spans = NULL, *n = 0;
+    if (arg == Py_None) return 0;
+    if (!PyBytes_Check(arg)) return type_error("pause: skip", "bytes of (start, length) uint64 pairs or None", arg), -1;
+    const char *data = PyBytes_AsString(arg);
+    Py_ssize_t len = PyBytes_Size(arg);
+    if (!data || len < 0) return -1;
+    if (len % (Py_ssize_t)sizeof **spans) {
+        PyErr_Format(PyExc_ValueError, "torch_memory_saver: pause: skip is %zd bytes, not whole (start, length) pairs "
+                     "of 16 bytes", len);
+        return -1;
+    }
+    if (!len) return 0;
+    if (!(*spans = PyMem_Malloc((size_t)len))) return PyErr_NoMemory(), -1;
+    memcpy(*spans, data, (size_t)len);  /* aligned, and ours while the GIL is away */
+    *n = (size_t)len / sizeof **spans;
+    return 0;
+}
+
+static PyObject *list_of_dicts(const void *rows, size_t n, size_t row_size, PyObject *(*to_dict)(const void *));
+
+static PyObject *device_report_dict(const void *row)
+{
+    const struct tms_op_device *d = row;
+    return Py_BuildValue("{s:i,s:n,s:n,s:n,s:n,s:n,s:n}", "device", d->device, "allocations", (Py_ssize_t)d->allocations,
+                         "released", (Py_ssize_t)d->released, "copied", (Py_ssize_t)d->copied, "skipped",
+                         (Py_ssize_t)d->skipped, "free_before", (Py_ssize_t)d->free_before, "free_after",
+                         (Py_ssize_t)d->free_after);
+}
+
+static PyObject *report_dict(const struct tms_op_report *r)
+{
+    PyObject *devices = list_of_dicts(r->devices, r->n_devices, sizeof *r->devices, device_report_dict);
+    return devices ? Py_BuildValue("{s:K,s:N}", "ns", (unsigned long long)r->ns, "devices", devices) : NULL;
+}
+
+/* tag: None (every tag), a str, or a list or tuple of them (all or nothing).
+ * Returns what the call did (report_dict). */
+static PyObject *run_tag_op(PyObject *module, PyObject *arg, PyObject *skip_arg, int pause, const char *name)
 {
     PyObject *seq = NULL;
     const char **tags = NULL;
     Py_ssize_t n = 0;
     struct tms_err err = {0};
+    struct tms_op_report report = {0};
+    struct tms_op_args args = {.report = &report};
+    struct tms_free_span *skip = NULL;
     int rc = TMS_OK, list = PyList_Check(arg) || PyTuple_Check(arg);
-    if (tags_of(arg, name, &seq, &tags, &n) < 0) {
+    if (tags_of(arg, name, &seq, &tags, &n) < 0 || skip_of(skip_arg, &skip, &args.n_skip) < 0) {
         PyMem_Free(tags);
         Py_XDECREF(seq);
         return NULL;
     }
+    args.skip = skip;
     if (!list || n > 0) {  /* an empty list: nothing to do, as a tag with no allocations */
+        size_t n_tags = tags ? (size_t)n : 0;
         Py_BEGIN_ALLOW_THREADS
-        rc = list ? many(tags, (size_t)n, &err) : one(tags ? tags[0] : NULL, &err);
+        rc = pause ? tms_core_pause_ex(tags, n_tags, &args, &err) : tms_core_resume_ex(tags, n_tags, &args, &err);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(skip);
+    PyMem_Free(tags);
+    Py_XDECREF(seq);
+    if (rc) return raise_err(module, &err);
+    return report_dict(&report);
+}
+
+PyDoc_STRVAR(selects_backup_doc,
+"selects_backup($module, tag, /)\n--\n\n"
+"True if a pause of tag (None, a str or a list of them) would back up an allocation.");
+static PyObject *py_selects_backup(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    PyObject *seq = NULL;
+    const char **tags = NULL;
+    Py_ssize_t n = 0;
+    int found = 0;
+    if (tags_of(arg, "selects_backup", &seq, &tags, &n) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        found = tms_core_selects_backup(tags, tags ? (size_t)n : 0);
         Py_END_ALLOW_THREADS
     }
     PyMem_Free(tags);
     Py_XDECREF(seq);
-    if (rc) return raise_err(module, &err);
-    Py_RETURN_NONE;
+    if (PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(found);
 }
 
 PyDoc_STRVAR(check_tags_doc,
@@ -237,17 +302,24 @@ static PyObject *py_check_tags(PyObject *module, PyObject *args)
 }
 
 PyDoc_STRVAR(pause_doc,
-"pause($module, tag, /)\n--\n\nRelease the memory of tag (None: all tags; a list: all of them or none).");
-static PyObject *py_pause(PyObject *module, PyObject *tag)
+"pause($module, tag, skip=None, /)\n--\n\n"
+"Release the memory of tag (None: all tags; a list: all of them or none). skip: bytes of\n"
+"native uint64 (start, length) pairs, sorted and disjoint, of device memory whose contents\n"
+"need no backup. Returns {'ns', 'devices': [{device, allocations, released, copied,\n"
+"skipped, free_before, free_after}]}.");
+static PyObject *py_pause(PyObject *module, PyObject *args)
 {
-    return run_tag_op(module, tag, tms_core_pause, tms_core_pause_tags, "pause");
+    PyObject *tag, *skip = Py_None;
+    if (!PyArg_UnpackTuple(args, "pause", 1, 2, &tag, &skip)) return NULL;
+    return run_tag_op(module, tag, skip, 1, "pause");
 }
 
 PyDoc_STRVAR(resume_doc,
-"resume($module, tag, /)\n--\n\nMap tag's memory back at the same addresses (a list: all of them or none).");
+"resume($module, tag, /)\n--\n\nMap tag's memory back at the same addresses (a list: all of them or none).\n"
+"Returns a report as pause does.");
 static PyObject *py_resume(PyObject *module, PyObject *tag)
 {
-    return run_tag_op(module, tag, tms_core_resume, tms_core_resume_tags, "resume");
+    return run_tag_op(module, tag, Py_None, 0, "resume");
 }
 
 /* ---- direct allocation (host backend, tests) --------------------------------- */
@@ -418,13 +490,14 @@ static PyObject *alloc_row_dict(const void *row)
     const struct tms_alloc_info *r = row;
     int disk = r->backup_to_file;
     return Py_BuildValue(
-        "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:i,s:O,s:O}", "ptr", (unsigned long long)r->ptr, "size",
+        "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:i,s:O,s:O,s:n,s:n}", "ptr", (unsigned long long)r->ptr, "size",
         (Py_ssize_t)r->size, "reserved", (Py_ssize_t)r->reserved, "device", r->device, "tag",
         tms_core_tag_name(r->tag_id), "state", state_name(r->state), "cpu_backup",
         r->backup && !disk ? Py_True : Py_False, "cpu_backup_backend", tms_backup_kind_name(r->backup_kind),
         "has_cpu_backup", r->has_host_copy && !disk ? Py_True : Py_False, "disk_backup", disk ? Py_True : Py_False,
         "has_disk_backup", r->has_host_copy && disk ? Py_True : Py_False, "chunks", r->n_chunks, "adopted",
-        r->adopted ? Py_True : Py_False, "cpu_backup_page_locked", r->host_copy_pinned ? Py_True : Py_False);
+        r->adopted ? Py_True : Py_False, "cpu_backup_page_locked", r->host_copy_pinned ? Py_True : Py_False,
+        "backup_bytes", (Py_ssize_t)r->backup_bytes, "skipped_bytes", (Py_ssize_t)r->skipped_bytes);
 }
 
 static PyObject *py_allocations(PyObject *module, PyObject *unused)
@@ -714,13 +787,14 @@ static PyObject *py_defaults(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const struct tms_defaults *d = tms_defaults();
-    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
+    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
                          "init_enable_cpu_backup", d->init_backup ? Py_True : Py_False,
                          "init_cpu_backup_backend", tms_backup_kind_name(d->init_backup_kind),
                          "init_enable_disk_backup", d->init_disk_backup ? Py_True : Py_False,
                          "retain_cpu_backup", d->retain_backup ? Py_True : Py_False, "chunk_bytes",
                          (Py_ssize_t)d->chunk_bytes, "disk_backup_chunk_bytes", (Py_ssize_t)d->disk_block_bytes,
-                         "progress", d->progress ? Py_True : Py_False);
+                         "progress", d->progress ? Py_True : Py_False, "backup_live_only",
+                         d->backup_live_only ? Py_True : Py_False);
 }
 
 PyDoc_STRVAR(set_disk_backup_dir_doc,
@@ -764,7 +838,8 @@ static PyMethodDef module_methods[] = {
     {"check_tags", py_check_tags, METH_VARARGS, check_tags_doc},
     {"set_platform_hint", py_set_platform_hint, METH_O, set_platform_hint_doc},
     {"get_region", py_get_region, METH_NOARGS, get_region_doc},
-    {"pause", py_pause, METH_O, pause_doc},
+    {"pause", py_pause, METH_VARARGS, pause_doc},
+    {"selects_backup", py_selects_backup, METH_O, selects_backup_doc},
     {"resume", py_resume, METH_O, resume_doc},
     {"malloc", py_malloc, METH_VARARGS, malloc_doc},
     {"free", py_free, METH_O, free_doc},

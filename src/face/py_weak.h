@@ -9,6 +9,7 @@
 
 #pragma weak PyArg_ParseTuple
 #pragma weak PyArg_ParseTupleAndKeywords
+#pragma weak PyArg_UnpackTuple
 #pragma weak PyBool_FromLong
 #pragma weak PyBuffer_FillInfo
 #pragma weak PyBytes_AsString
@@ -61,6 +62,7 @@
 #pragma weak PyTuple_GetItem
 #pragma weak PyMem_Calloc
 #pragma weak PyMem_Free
+#pragma weak PyMem_Malloc
 #pragma weak PyErr_NoMemory
 #pragma weak PyType_FromModuleAndSpec
 #pragma weak PyType_GenericAlloc

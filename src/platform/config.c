@@ -73,6 +73,8 @@ static void load_defaults(void)
     env_bool("TMS_RELOC_HOOKS", &defaults.reloc_hooks);
     env_bool("TMS_DISK_BACKUP_TRUST_DIR", &defaults.disk_trust_dir);
     env_bool("TMS_PROGRESS", &defaults.progress);
+    defaults.backup_live_only = 1;
+    env_bool("TMS_BACKUP_LIVE_ONLY", &defaults.backup_live_only);
     env_disk_block();
     const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
     if (kind && *kind && tms_backup_kind_parse(kind, &defaults.init_backup_kind) != TMS_OK &&

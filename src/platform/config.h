@@ -37,6 +37,7 @@ struct tms_defaults {
     int reloc_hooks;             /* TMS_RELOC_HOOKS (default 1): preload mode may patch GOT entries */
     int disk_trust_dir;          /* TMS_DISK_BACKUP_TRUST_DIR: the user vouches for the disk backup directory */
     int progress;                /* TMS_PROGRESS: the Python layer logs progress lines for long copies */
+    int backup_live_only;        /* TMS_BACKUP_LIVE_ONLY (default 1): the Python layer skips blocks free in PyTorch's cache */
     int retain_backup;           /* TMS_RETAIN_CPU_BACKUP */
     size_t chunk_bytes;          /* TMS_CHUNK_BYTES (<= TMS_CHUNK_BYTES_MAX); 0 = one handle per allocation */
     int chunk_bytes_set;         /* else the backend's default applies */

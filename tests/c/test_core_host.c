@@ -1269,7 +1269,7 @@ static void test_lock_on_copy(void)
         struct tms_backup *b = new_recorded_backup(size, TMS_BACKUP_PINNED);
         if (!b) break;
         char *host = b->host;
-        CHECK(b->ops->path(b, 1) == TMS_PATH_PREPARED && b->locked && !tms_backup_pinned(b) && pieces == 0);  /* nothing locked before the copy */
+        CHECK(b->ops->path(b, 1, 0, b->size) == TMS_PATH_PREPARED && b->locked && !tms_backup_pinned(b) && pieces == 0);  /* nothing locked before the copy */
         recording_drv.copy_async = record_copy;
         dma_base = host;
         dma_span = size;
@@ -1306,7 +1306,7 @@ static void test_lock_on_copy(void)
         CHECK(straight == (unlockable ? 0 : round == 1 ? size - TMS_PIN_PIECE_BYTES : size));
         CHECK(straight + staged == size);
         tms_backup_copied(b);
-        CHECK(b->ops->path(b, 1) != TMS_PATH_PREPARED);  /* later copies lock nothing more */
+        CHECK(b->ops->path(b, 1, 0, b->size) != TMS_PATH_PREPARED);  /* later copies lock nothing more */
         if (unlockable) {  /* stays pageable */
             CHECK(!tms_backup_pinned(b) && pieces == 0 && unregistered == 0);
             tms_backup_unref(b);

@@ -154,7 +154,8 @@ def init_backup_and_retain_env():
     assert native.defaults() == {"init_enable": True, "init_enable_cpu_backup": True,
                                  "init_cpu_backup_backend": "pinned", "init_enable_disk_backup": False,
                                  "retain_cpu_backup": True, "chunk_bytes": 0,
-                                 "disk_backup_chunk_bytes": 256 * MiB, "progress": False}, native.defaults()
+                                 "disk_backup_chunk_bytes": 256 * MiB, "progress": False,
+                                 "backup_live_only": True}, native.defaults()
     got = {}
 
     def fresh():

@@ -1,0 +1,85 @@
+"""What a pause or resume did: the object pause() and resume() return."""
+
+
+class DeviceReport:
+    """One device's part of a pause or resume. Bytes are exact counts from the
+    core; free_before/free_after are the driver's free memory around the call
+    (0 where it could not say)."""
+
+    __slots__ = ("device", "allocations", "released_bytes", "copied_bytes", "skipped_bytes", "seconds",
+                 "free_before", "free_after")
+
+    def __init__(self, row, seconds):
+        self.device = row["device"]
+        self.allocations = row["allocations"]
+        self.released_bytes = row["released"]
+        self.copied_bytes = row["copied"]
+        self.skipped_bytes = row["skipped"]
+        self.seconds = seconds
+        self.free_before = row["free_before"]
+        self.free_after = row["free_after"]
+
+    @property
+    def gb_per_s(self):
+        """Bytes copied per second, in GB/s (0.0 when nothing was copied)."""
+        return self.copied_bytes / self.seconds / 1e9 if self.copied_bytes and self.seconds > 0 else 0.0
+
+    def as_dict(self):
+        out = {k: getattr(self, k) for k in self.__slots__}
+        out["gb_per_s"] = self.gb_per_s
+        return out
+
+    def __repr__(self):
+        return (f"DeviceReport(device={self.device}, allocations={self.allocations}, "
+                f"released_bytes={self.released_bytes}, copied_bytes={self.copied_bytes}, "
+                f"skipped_bytes={self.skipped_bytes}, seconds={self.seconds:.6f}, "
+                f"free_before={self.free_before}, free_after={self.free_after})")
+
+
+class Report:
+    """What one pause() or resume() did: `devices` maps each device it touched
+    to a DeviceReport; the totals sum them. A call that found nothing to do has
+    no devices and zero totals."""
+
+    __slots__ = ("op", "seconds", "devices")
+
+    def __init__(self, op, raw):
+        self.op = op
+        self.seconds = raw["ns"] / 1e9
+        self.devices = {row["device"]: DeviceReport(row, self.seconds) for row in raw["devices"]}
+
+    def _sum(self, field):
+        return sum(getattr(d, field) for d in self.devices.values())
+
+    @property
+    def allocations(self):
+        return self._sum("allocations")
+
+    @property
+    def released_bytes(self):
+        """Bytes of device memory unmapped (pause) or mapped (resume)."""
+        return self._sum("released_bytes")
+
+    @property
+    def copied_bytes(self):
+        """Bytes copied to (pause) or from (resume) backups."""
+        return self._sum("copied_bytes")
+
+    @property
+    def skipped_bytes(self):
+        """Bytes of backed-up allocations not copied: free blocks of PyTorch's cache."""
+        return self._sum("skipped_bytes")
+
+    @property
+    def gb_per_s(self):
+        return self.copied_bytes / self.seconds / 1e9 if self.copied_bytes and self.seconds > 0 else 0.0
+
+    def as_dict(self):
+        return {"op": self.op, "seconds": self.seconds, "released_bytes": self.released_bytes,
+                "copied_bytes": self.copied_bytes, "skipped_bytes": self.skipped_bytes,
+                "devices": {d: r.as_dict() for d, r in self.devices.items()}}
+
+    def __repr__(self):
+        return (f"Report(op={self.op!r}, seconds={self.seconds:.6f}, released_bytes={self.released_bytes}, "
+                f"copied_bytes={self.copied_bytes}, skipped_bytes={self.skipped_bytes}, "
+                f"devices={sorted(self.devices)})")
