@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import HOOK_MODES, HOST_SCENARIOS, REPO, check_ok, child_env, installed_env
+from conftest import HOOK_MODES, HOST_SCENARIOS, REPO, cc, check_ok, child_env, installed_env
 
 UPSTREAM_NAMES = [f"torch_memory_saver_hook_mode_{mode}{suffix}.abi3.so"
                   for mode in HOOK_MODES for suffix in ("", "_cu12", "_cu13")]
@@ -120,6 +120,17 @@ def test_get_binary_path_from_package(installed, tmp_path):
 @pytest.mark.parametrize("mode", HOOK_MODES)
 def test_abi_through_the_binary_wrapper(run_scenario, mode):
     out = check_ok(run_scenario("compat", "abi_through_the_binary_wrapper", mode))
+    assert out == "done\n"
+
+
+def test_runtime_functions_resolve_through_cdll(run_scenario, tmp_path):
+    src = tmp_path / "fake_cudart.c"
+    src.write_text("int cudaGetLastError(void) { return 42; }\n"
+                   "int cudaHostGetFlags(unsigned *flags, void *p) { *flags = 7u | (unsigned)(unsigned long)p;"
+                   " return 0; }\n")
+    lib = tmp_path / "libcudart.so.13"
+    cc("-shared", "-fPIC", "-o", lib, src)
+    out = check_ok(run_scenario("compat", "runtime_functions_through_cdll", lib))
     assert out == "done\n"
 
 

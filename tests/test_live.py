@@ -25,6 +25,10 @@ def test_pause_and_resume_return_reports(run_scenario):
     assert check_ok(run_scenario("live", "reports_of_the_public_calls")) == "done\n"
 
 
+def test_memory_report_attributes_each_device(run_scenario):
+    assert check_ok(run_scenario("live", "memory_report_attributes_the_device")) == "done\n"
+
+
 @pytest.mark.parametrize("env", [None, "0", "1"])
 def test_live_only_is_on_by_default_and_can_be_turned_off(run_scenario, env):
     assert check_ok(run_scenario("live", "live_only_setting", env={"TMS_BACKUP_LIVE_ONLY": env})) == "done\n"

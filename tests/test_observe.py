@@ -98,6 +98,13 @@ def test_cli_info_into_a_closed_pipe_is_quiet():
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
 
 
+def test_cli_memory_report():
+    proc = _cli("memory-report")
+    assert proc.returncode == 0, proc.stderr
+    head, row = proc.stdout.splitlines()
+    assert head.split()[:4] == ["device", "total", "used", "ours_active"] and row.split()[:3] == ["0", "16.000", "GiB"]
+
+
 def test_demo_on_the_host_backend_times_every_step():
     proc = _cli("demo")
     assert proc.returncode == 0, proc.stderr

@@ -16,6 +16,7 @@ torch_memory_saver = TorchMemorySaver()
 stats = torch_memory_saver.stats
 memory_summary = torch_memory_saver.memory_summary
 allocations = torch_memory_saver.allocations
+memory_report = torch_memory_saver.memory_report
 
 # Settings a user may assign on the module as on the singleton; a plain module
 # attribute would be set and silently ignored.
@@ -35,4 +36,4 @@ sys.modules[__name__].__class__ = _Module
 del _name
 
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "stats", "memory_summary",
-           "allocations", "Error", "OutOfMemoryError", "DiskBackupDirError", "__version__"]
+           "allocations", "memory_report", "Error", "OutOfMemoryError", "DiskBackupDirError", "__version__"]

@@ -46,6 +46,20 @@ def _cmd_info(args):
     return 0
 
 
+def _cmd_memory_report(args):
+    from . import _demo, _report, torch_memory_saver as tms
+
+    if args.hook_mode:
+        tms.hook_mode = args.hook_mode
+    devices = [0]
+    if _demo.gpu_available():
+        import torch
+
+        devices = range(torch.cuda.device_count())
+    print(_report.format_memory_report(tms.memory_report(devices)))
+    return 0
+
+
 def _cmd_demo(args):
     from . import _demo
 
@@ -77,7 +91,7 @@ def _parser():
         description="torch_memory_saver: release the GPU memory behind chosen tensors and give it back later "
                     "at the same addresses. These commands show what the library does and how it is installed.")
     parser.add_argument("--version", action="version", version=f"torch_memory_saver {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{demo,info,preload-path,run}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{demo,info,memory-report,preload-path,run}")
     demo = sub.add_parser("demo", help="pause/resume a few GiB and print free memory and timings "
                                        "(the host backend's RSS where there is no GPU)")
     demo.add_argument("--hook-mode", choices=_library.HOOK_MODES, default="preload",
@@ -87,6 +101,10 @@ def _parser():
     demo.set_defaults(fn=_cmd_demo)
     sub.add_parser("info", help="version, libraries, backend, defaults").set_defaults(fn=_cmd_info)
     sub.add_parser("preload-path", help="print the preload library's path").set_defaults(fn=_cmd_preload_path)
+    report = sub.add_parser("memory-report", help="each device's memory as the driver counts it, and who holds it "
+                                                  "(in a program: torch_memory_saver.memory_report())")
+    report.add_argument("--hook-mode", choices=_library.HOOK_MODES, default=None, help=argparse.SUPPRESS)
+    report.set_defaults(fn=_cmd_memory_report)
     run = sub.add_parser("run", help="run a command with the preload library on LD_PRELOAD: run -- CMD [ARGS...]",
                          description="Run CMD with the preload library added to LD_PRELOAD. Put -- before the "
                                      "command so that its own options are not read as ours.")

@@ -83,3 +83,49 @@ class Report:
         return (f"Report(op={self.op!r}, seconds={self.seconds:.6f}, released_bytes={self.released_bytes}, "
                 f"copied_bytes={self.copied_bytes}, skipped_bytes={self.skipped_bytes}, "
                 f"devices={sorted(self.devices)})")
+
+
+def memory_report(core, use_torch, devices=()):
+    """{device: {...}}: the device's memory as the driver counts it (total,
+    free, used), and who holds the used part: this library's active
+    allocations (ours_active), PyTorch's caching allocator outside them
+    (torch_outside, of which torch_outside_free is cached free blocks), and the
+    rest (other: CUDA context, NCCL, cuBLAS workspaces, other processes).
+    ours_paused is reserved address space whose memory is released. Every
+    device holding an allocation or a PyTorch segment, and devices."""
+    out = {}
+
+    def device(d):
+        if d not in out:
+            free, total = core.mem_get_info(d)
+            out[d] = {"total": total, "free": free, "used": total - free, "ours_active": 0, "ours_paused": 0,
+                      "torch_outside": 0, "torch_outside_free": 0, "other": 0}
+        return out[d]
+
+    for d in devices:
+        device(d)
+    for row in core.allocations():
+        d = device(row["device"])
+        d["ours_paused" if row["state"] in ("paused", "resuming") else "ours_active"] += row["reserved"]
+    if use_torch:
+        import torch
+
+        if torch.cuda.is_initialized():
+            for seg in torch.cuda.memory_snapshot():
+                if core.allocation_at(seg["address"]) is not None:
+                    continue  # ours: counted above
+                d = device(seg["device"])
+                d["torch_outside"] += seg["total_size"]
+                d["torch_outside_free"] += sum(b["size"] for b in seg["blocks"] if b["state"] == "inactive")
+    for d in out.values():
+        d["other"] = max(0, d["used"] - d["ours_active"] - d["torch_outside"])
+    return out
+
+
+def format_memory_report(report):
+    GiB = float(1 << 30)
+    cols = ("total", "used", "ours_active", "ours_paused", "torch_outside", "torch_outside_free", "other")
+    lines = ["device " + " ".join(f"{c:>18}" for c in cols)]
+    for dev in sorted(report):
+        lines.append(f"{dev:>6} " + " ".join(f"{report[dev][c] / GiB:>14.3f} GiB" for c in cols))
+    return "\n".join(lines)

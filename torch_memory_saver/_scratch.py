@@ -1,4 +1,5 @@
 """disable()'s pools: ordinary memory, given back to the driver when the block ends."""
+import contextlib
 import ctypes
 import threading
 
@@ -6,13 +7,16 @@ import threading
 class ScratchPools:
     """Default-allocator MemPools, one per device for each disable() block.
 
-    Giving their memory back is the delicate part. Dropping a MemPool runs
-    PyTorch's emptyCache(pool), which asserts, and so aborts the process,
-    while any thread routes allocations to a pool (a region, a graph capture):
-    measured with torch 2.11, disable() inside region(). Instead, when the block
-    ends, the pool's own reference is released (a pool nobody uses is
-    "freeable") and torch.cuda.empty_cache() frees the cached segments of
-    freeable pools, which it also does while captures are underway.
+    Giving their memory back, and only theirs, is the delicate part. Dropping
+    a MemPool runs PyTorch's emptyCache(pool), which asserts, and so aborts the
+    process, while any thread routes allocations to a pool (a region, a graph
+    capture). Instead, when the block ends, the pool's own reference is
+    released (a pool nobody uses is "freeable") and torch.cuda.empty_cache()
+    frees the cached segments of freeable pools, which it also does while
+    captures are underway. While a thread routes allocations to a pool it
+    leaves the default pools' cache alone, so this thread routes to an empty
+    guard pool on each device meanwhile: the default cache (which holds paused
+    allocations in preload mode) and the cache of every pool in use stay.
 
     Having been released once, a MemPool object must never be destroyed (its
     destructor would release the pool again), so every object made here lives
@@ -25,6 +29,7 @@ class ScratchPools:
         self._lock = threading.Lock()
         self._idle = {}      # device -> [MemPool] PyTorch has forgotten: reusable
         self._kept = []      # every MemPool made here, for the process's life
+        self._guards = {}    # device -> MemPool never allocated from (see give_back)
 
     def take(self, device):
         """(pool, fresh) for one block on device; fresh: its object holds a reference."""
@@ -48,11 +53,28 @@ class ScratchPools:
         for device, pool, fresh in taken:
             if fresh:
                 torch._C._cuda_releasePool(device, pool.id)
-        torch.cuda.empty_cache()
+        with contextlib.ExitStack() as stack:
+            for device, _, _ in taken:
+                stack.enter_context(torch.cuda.use_mem_pool(self._guard(device), device=device))
+            torch.cuda.empty_cache()
         for device, pool, _ in taken:
             if _forgotten(pool):
                 with self._lock:
                     self._idle.setdefault(device, []).append(pool)
+
+
+    def _guard(self, device):
+        import torch
+
+        with self._lock:
+            guard = self._guards.get(device)
+        if guard is None:
+            with torch.cuda.device(device):
+                guard = torch.cuda.MemPool()
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(guard))  # as the scratch pools: never destroyed
+            with self._lock:
+                guard = self._guards.setdefault(device, guard)
+        return guard
 
 
 def _forgotten(pool):

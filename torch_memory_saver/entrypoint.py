@@ -274,6 +274,18 @@ class TorchMemorySaver:
         copy: it does not change under you."""
         return self._ensure_initialized().core.allocations()
 
+    def memory_report(self, devices=()):
+        """{device: {field: bytes}}: each device's memory as the driver counts it
+        (total, free, used) and who holds the used part: this library's active
+        allocations (ours_active), PyTorch's cache outside them (torch_outside,
+        of which torch_outside_free is free blocks), and the rest (other: CUDA
+        context, NCCL, cuBLAS workspaces, other processes). ours_paused: bytes
+        reserved whose memory is released. Asks the driver and, with torch,
+        takes one allocator snapshot: not for every step. Devices with nothing
+        of ours or PyTorch's appear only if listed in `devices`."""
+        impl = self._ensure_initialized()
+        return _report.memory_report(impl.core, impl.on_gpu(), devices)
+
     def memory_summary(self) -> str:
         """A readable table of stats(), like torch.cuda.memory_summary()."""
         return _observe.memory_summary(self._ensure_initialized().core)

@@ -156,6 +156,27 @@ def abi_through_the_binary_wrapper(mode):
     print("done")
 
 
+def runtime_functions_through_cdll(fake_runtime):
+    """cdll.cudaGetLastError and cdll.cudaHostGetFlags, as upstream's tests call them,
+    resolve in the CUDA runtime loaded in the process (fake_runtime, a library named
+    like it); with none loaded, an AttributeError says so."""
+    tms._ensure_initialized()
+    cdll = tms._impl._binary_wrapper.cdll
+    e = expect(AttributeError, getattr, cdll, "cudaGetLastError", match="no CUDA or HIP runtime is loaded")
+    assert "cudaGetLastError" in str(e)
+    runtime = ctypes.CDLL(fake_runtime)                # RTLD_LOCAL, as torch loads it
+    flags = ctypes.c_uint(0)
+    fn = cdll.cudaHostGetFlags
+    fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_uint), ctypes.c_void_p], ctypes.c_int
+    assert fn(ctypes.byref(flags), 0x1000) == 0 and flags.value == 0x1007
+    assert cdll.cudaGetLastError() == 42
+    assert ctypes.cast(cdll.cudaGetLastError, ctypes.c_void_p).value == \
+        ctypes.cast(runtime.cudaGetLastError, ctypes.c_void_p).value
+    expect(AttributeError, getattr, cdll, "cudaNoSuchFunction", match="nor of the loaded runtime")
+    assert cdll.tms_get_interesting_region() is False   # the library's own functions first
+    print("done")
+
+
 def default(key):
     """Prints defaults()[key], as the environment set it."""
     print(core().defaults()[key])

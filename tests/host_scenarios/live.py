@@ -136,6 +136,27 @@ def reports_of_the_public_calls():
     print("done")
 
 
+def memory_report_attributes_the_device():
+    """memory_report(): the driver's total/free/used per device and who holds it;
+    ours active and paused follow a pause."""
+    with tms.region("w"):
+        a = tms.malloc(6 * MiB)
+    with tms.region("kv"):
+        tms.malloc(4 * MiB)
+    r = torch_memory_saver.memory_report()
+    assert sorted(r) == [0], r
+    d = r[0]
+    free, total = core().mem_get_info(0)
+    assert (d["total"], d["free"], d["used"]) == (total, free, total - free), d
+    assert (d["ours_active"], d["ours_paused"], d["torch_outside"]) == (10 * MiB, 0, 0), d
+    assert d["other"] == d["used"] - d["ours_active"], d
+    tms.pause("w")
+    d = torch_memory_saver.memory_report(devices=[1])
+    assert (d[0]["ours_active"], d[0]["ours_paused"]) == (4 * MiB, 6 * MiB) and d[1]["ours_active"] == 0, d
+    assert d[0]["used"] == d[0]["total"] - d[0]["free"] and a
+    print("done")
+
+
 def live_only_setting():
     """backup_live_only: on by default, TMS_BACKUP_LIVE_ONLY=0 turns it off, the
     attribute (on the singleton or the module) overrides, a bool only."""
