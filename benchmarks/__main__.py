@@ -11,6 +11,7 @@ ABOUT = {
     "multi_gpu": "every GPU of the host pausing and resuming together, one process per GPU",
     "alloc_count": "pause/resume of 1 to 10,000 allocations against the raw driver loop",
     "fragmentation": "one region's churn with and without expandable segments, both hook modes",
+    "live": "live-only backups against whole ones: a training engine, a transformer step, the snapshot's cost",
 }
 
 

@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks import report  # noqa: E402
 
 # Each suite's dry run as documented: `python -m benchmarks <suite> --dry-run`.
-DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation"]
+DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live"]
 # What each dry run measured, beyond the plumbing: the rows its report names.
 CHECKS = {
     "run": lambda d: (sorted(d["backup"]) == ["mmap", "mmap_retained", "pinned", "pinned_retained"]
@@ -32,10 +32,13 @@ CHECKS = {
     "fragmentation": lambda d: (len(d["rows"]) == 8 and not any("error" in r for r in d["rows"])
                                 and {(r["pattern"], r["hook_mode"]) for r in d["rows"]}
                                 == {(p, m) for p in ("steady", "bursty") for m in ("preload", "torch")}),
+    "live": lambda d: (len(d["shapes"]) == 4 and [r["blocks"] for r in d["costs"]] == [10, 1000, 10000]
+                       and all(c["exact"] and (c["copied"] < r["reserved"]) == c["live_only"]
+                               for r in d["shapes"] + d["costs"] for c in r["cycles"])),
 }
 STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend-dry-run-2procs-on-1",
          "alloc_count": "alloc_count_host-backend-dry-run",
-         "fragmentation": "fragmentation_host-backend-dry-run"}
+         "fragmentation": "fragmentation_host-backend-dry-run", "live": "live_host-backend-dry-run"}
 
 
 def _bench(*args, timeout=240):
@@ -118,7 +121,11 @@ def test_a_failing_plot_costs_no_figures_and_the_index_lists_each_report(tmp_pat
 
 def test_benchmarks_use_the_public_api_but_for_the_interior_lookup():
     """tms._core only where no public call does the same: the timed
-    allocation_at() of alloc_count."""
+    allocation_at() of alloc_count, and the free ranges the live suite's dry
+    run names by hand (on a GPU they come from PyTorch's allocator)."""
     uses = [(p.name, n) for p in sorted((REPO_ROOT / "benchmarks").glob("*.py"))
             for n, line in enumerate(p.read_text().splitlines(), 1) if "._core" in line]
-    assert [name for name, _ in uses] == ["alloc_count.py"], uses
+    assert sorted({name for name, _ in uses}) == ["alloc_count.py", "live.py"], uses
+    assert all("_core.pause" in line or "_core.resume" in line
+               for p in [REPO_ROOT / "benchmarks" / "live.py"] for line in p.read_text().splitlines()
+               if "._core" in line)

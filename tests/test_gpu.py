@@ -152,6 +152,13 @@ def check_passed(proc, empty_stderr=False):
         assert proc.stderr.strip() == "", f"stderr not empty\n{report}"
 
 
+@pytest.mark.parametrize("case", ["engine", "transformer", "disable", "cdll"])
+@pytest.mark.parametrize("hook_mode,where", [("preload", "region"), ("torch", "region"), ("preload", "init")])
+def test_live_only(case, hook_mode, where):
+    env = {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"} if where == "init" else None
+    check_passed(run_scenario("live_only", hook_mode, case, where, env=env))
+
+
 @pytest.mark.parametrize("hook_mode", GPU_MODES)
 @pytest.mark.parametrize("scenario", [
     "pause_frees",
