@@ -1,0 +1,204 @@
+"""The documents stay usable: README.md short and for users, every relative link in it
+and in docs/*.md leading somewhere, README linking only to what the sdist ships, and
+docs/performance.md answering where the code points to it. Reads files only: no
+build, no GPU, no import of the package."""
+import fnmatch
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+MAX_README_LINES = 300
+
+# [text](target) and ![alt](target); the target ends at whitespace or ")".
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def _prose(path):
+    """The file's text outside fenced code blocks (links in code are not links)."""
+    out, in_code = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if FENCE.match(line.strip()):
+            in_code = not in_code
+            continue
+        if not in_code:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _links(path):
+    """Relative links of a Markdown file: (target path or "", anchor or "")."""
+    found = []
+    for target in LINK.findall(_prose(path)):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        found.append((file_part, anchor))
+    return found
+
+
+def _slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"`|\*\*|\*|_(?=\w)|(?<=\w)_", "", heading.strip()).lower()
+    text = re.sub(r"[^\w\- ]", "", text, flags=re.UNICODE)
+    return text.replace(" ", "-")
+
+
+def _anchors(path):
+    slugs, seen = set(), {}
+    for line in _prose(path).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = _slug(m.group(1))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        slugs.add(slug if n == 0 else f"{slug}-{n}")
+    return slugs
+
+
+def _documents():
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def test_readme_is_short():
+    lines = README.read_text(encoding="utf-8").count("\n")
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines; at most {MAX_README_LINES} (move detail to docs/)"
+
+
+def test_design_and_performance_exist_and_readme_links_both():
+    for name in ("design.md", "performance.md"):
+        assert (DOCS / name).is_file(), f"docs/{name} is missing"
+    targets = {t for t, _ in _links(README)}
+    assert {"docs/design.md", "docs/performance.md"} <= targets, sorted(targets)
+
+
+@pytest.mark.parametrize("doc", _documents(), ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(doc):
+    broken = []
+    for target, anchor in _links(doc):
+        dest = (doc.parent / target).resolve() if target else doc
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{target}#{anchor}: no such heading in {dest.relative_to(REPO)}")
+    assert not broken, f"{doc.relative_to(REPO)}: " + "; ".join(broken)
+
+
+# ---- what the sdist ships ------------------------------------------------------------
+
+def _manifest_rules():
+    rules = []
+    for line in (REPO / "MANIFEST.in").read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if words:
+            rules.append((words[0], words[1:]))
+    return rules
+
+
+def _repo_files():
+    skip = {".git", "build", "dist", "__pycache__"}
+    return [p.relative_to(REPO).as_posix() for p in REPO.rglob("*")
+            if p.is_file() and not skip.intersection(p.relative_to(REPO).parts)]
+
+
+def sdist_files():
+    """What `python -m build --sdist` puts in, roughly: setuptools' defaults (the
+    project files, the README, the license, the package's modules and stubs), then
+    MANIFEST.in's commands in order."""
+    files = _repo_files()
+    shipped = {f for f in files if f in ("README.md", "LICENSE", "pyproject.toml", "setup.py", "MANIFEST.in")
+               or re.fullmatch(r"torch_memory_saver/[^/]+\.(py|pyi)|torch_memory_saver/py\.typed", f)}
+
+    def under(d):
+        d = d.strip("/") + "/"
+        return [f for f in files if f.startswith(d)]
+
+    for cmd, args in _manifest_rules():
+        if cmd in ("include", "exclude"):
+            hit = [f for f in files if any(fnmatch.fnmatchcase(f, a) for a in args)]
+        elif cmd in ("recursive-include", "recursive-exclude"):
+            hit = [f for f in under(args[0]) if any(fnmatch.fnmatchcase(f.rsplit("/", 1)[-1], a) for a in args[1:])]
+        elif cmd in ("global-include", "global-exclude"):
+            hit = [f for f in files if any(fnmatch.fnmatchcase(f.rsplit("/", 1)[-1], a) for a in args)]
+        elif cmd in ("graft", "prune"):
+            hit = [f for a in args for f in under(a)]
+        else:
+            continue
+        if cmd in ("include", "recursive-include", "global-include", "graft"):
+            shipped.update(hit)
+        else:
+            shipped.difference_update(hit)
+    return shipped
+
+
+def test_readme_links_only_to_what_the_sdist_ships():
+    shipped = sdist_files()
+    outside = sorted({t for t, _ in _links(README) if t and (README.parent / t).resolve().is_file()
+                      and (README.parent / t).resolve().relative_to(REPO).as_posix() not in shipped})
+    if outside and all(t.startswith("docs/") for t in outside) and not any(
+            args and args[0].strip("/") == "docs" for _, args in _manifest_rules()):
+        pytest.xfail(f"MANIFEST.in does not ship docs/ yet (add `graft docs`); README links to {outside}")
+    assert not outside, f"README.md links to files the sdist leaves out: {outside} (see MANIFEST.in)"
+
+
+def test_sdist_model_matches_manifest():
+    """The rough model above agrees with MANIFEST.in on what it must: sources in,
+    tests and benchmarks out."""
+    shipped = sdist_files()
+    assert "src/build.txt" in shipped and "include/torch_memory_saver.h" in shipped
+    assert "src/core/pause.c" in shipped and "README.md" in shipped
+    assert not any(f.startswith(("tests/", "benchmarks/")) for f in shipped)
+
+
+# ---- no history in the README --------------------------------------------------------
+
+HISTORY = [
+    (re.compile(r"\bissues?\s*#?\d+", re.I), "an issue number"),
+    (re.compile(r"(?<![\w/&])#\d+\b"), "an issue reference"),
+    (re.compile(r"(?<![0-9A-Za-z_x])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])"),
+     "a commit hash"),
+    (re.compile(r"\b(until|before|since|after) commit\b", re.I), "a commit in history"),
+    (re.compile(r"\bused to (be|run|take|have|go)\b", re.I), "history"),
+]
+
+
+def test_readme_holds_no_history():
+    text = README.read_text(encoding="utf-8")
+    found = [f"{what}: {m.group(0)!r}" for rx, what in HISTORY for m in rx.finditer(text)]
+    assert not found, "README.md is for users; history lives in git: " + "; ".join(found)
+
+
+def test_history_patterns_catch_what_they_should():
+    samples = ["fixed in issue 12", "see #42", "at commit 5e4d491 it", "until commit abc", "it used to take 3 s"]
+    for s in samples:
+        assert any(rx.search(s) for rx, _ in HISTORY), s
+    for s in ["manylinux_2_28", "abi3", "kv=0x7f0ee8000000", "#hook-modes", "2026-11-25", "deadbeef cafe"]:
+        assert not any(rx.search(s) for rx, _ in HISTORY), s
+
+
+# ---- the code's pointers into performance.md -----------------------------------------
+
+def test_every_source_that_cites_performance_md_has_its_section():
+    text = (DOCS / "performance.md").read_text(encoding="utf-8")
+    citing = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "src").rglob("*.[ch]")
+                    if "docs/performance.md" in p.read_text(encoding="utf-8", errors="replace"))
+    assert citing, "no source cites docs/performance.md: is this test still needed?"
+    missing = [f for f in citing if f not in text]
+    assert not missing, f"docs/performance.md has no section naming {missing}, which cite it"
+
+
+def test_link_checker_catches_a_broken_link(tmp_path):
+    doc = tmp_path / "x.md"
+    (tmp_path / "there.md").write_text("# A heading\n")
+    doc.write_text("[ok](there.md) [ok](there.md#a-heading) [bad](missing.md) [bad](there.md#nope)\n"
+                   "```\n[in code](ignored.md)\n```\n[web](https://example.com/x.md)\n")
+    links = _links(doc)
+    assert ("ignored.md", "") not in links and len(links) == 4
+    broken = [(t, a) for t, a in links
+              if not (tmp_path / t).exists() or (a and a not in _anchors(tmp_path / t))]
+    assert broken == [("missing.md", ""), ("there.md", "nope")]
