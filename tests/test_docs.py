@@ -140,9 +140,6 @@ def test_readme_links_only_to_what_the_sdist_ships():
     shipped = sdist_files()
     outside = sorted({t for t, _ in _links(README) if t and (README.parent / t).resolve().is_file()
                       and (README.parent / t).resolve().relative_to(REPO).as_posix() not in shipped})
-    if outside and all(t.startswith("docs/") for t in outside) and not any(
-            args and args[0].strip("/") == "docs" for _, args in _manifest_rules()):
-        pytest.xfail(f"MANIFEST.in does not ship docs/ yet (add `graft docs`); README links to {outside}")
     assert not outside, f"README.md links to files the sdist leaves out: {outside} (see MANIFEST.in)"
 
 
