@@ -43,17 +43,19 @@ def tag_of(where, tag):
     return tag if where == "region" else None  # init: every allocation is ours, in the default tag
 
 
-def check_report(r, what):
+def check_report(r, what, strict=True):
     check(r.devices, f"{what}: the report names no device")
     for d in r.devices.values():
         change = d.free_after - d.free_before if r.op == "pause" else d.free_before - d.free_after
         say(f"  {what}: released {mib(d.released_bytes)}, copied {mib(d.copied_bytes)}, skipped "
             f"{mib(d.skipped_bytes)}, driver's free memory changed by {mib(change)}, {d.seconds * 1e3:.1f} ms")
-        check(abs(change - d.released_bytes) <= SLACK_REPORT,
+        # A process's first backed-up copy also starts the copy workers' streams,
+        # which take device memory of their own: only later calls compare.
+        check(not strict or abs(change - d.released_bytes) <= SLACK_REPORT,
               f"{what}: report says {d.released_bytes} bytes, the driver's free memory changed by {change}")
 
 
-def cycle(tms, tag, live_only, tensors, what):
+def cycle(tms, tag, live_only, tensors, what, strict=True):
     """A pause and resume with live-only on or off: (wall seconds of the pause,
     its report, host RSS growth over the pause); every tensor exact after."""
     expected = [t.cpu() for t in tensors]
@@ -64,9 +66,9 @@ def cycle(tms, tag, live_only, tensors, what):
     r = tms.pause(tag)
     seconds = time.perf_counter() - t0
     rss1 = rss_bytes()
-    check_report(r, f"{what} pause (live-only {'on' if live_only else 'off'})")
+    check_report(r, f"{what} pause (live-only {'on' if live_only else 'off'})", strict)
     back = tms.resume(tag)
-    check_report(back, f"{what} resume")
+    check_report(back, f"{what} resume", strict)
     check(back.copied_bytes == r.copied_bytes, f"{what}: resume copied {back.copied_bytes}, pause {r.copied_bytes}")
     for i, (t, e) in enumerate(zip(tensors, expected)):
         check(torch.equal(t.cpu(), e), f"{what}: live tensor {i} differs after resume (live-only {live_only})")
@@ -76,7 +78,7 @@ def cycle(tms, tag, live_only, tensors, what):
 
 
 def compare(tms, tag, tensors, live, what):
-    cycle(tms, tag, True, tensors, what + " (warm-up)")  # backups' first use, allocator snapshot code paths
+    cycle(tms, tag, True, tensors, what + " (warm-up)", strict=False)  # first copies, snapshot code paths
     on_s, on, on_rss = cycle(tms, tag, True, tensors, what)
     off_s, off, off_rss = cycle(tms, tag, False, tensors, what)
     say(f"{what}: live {mib(live)}; copied {mib(on.copied_bytes)} vs {mib(off.copied_bytes)}; pause "
