@@ -162,6 +162,12 @@ _MALFORMED = [
     ("TMS_CHUNK_BYTES", "18446744073709551615"),   # wrapped to 0 when rounded: SIGFPE at first allocation
     ("TMS_CHUNK_BYTES", "2048GiB"),                # above the 1 TiB bound
     ("TMS_PROGRESS", "on"),
+    ("TMS_HOST_BACKUP_LIMIT", "0"),
+    ("TMS_HOST_BACKUP_LIMIT", "101%"),
+    ("TMS_HOST_BACKUP_LIMIT", "lots"),
+    ("TMS_HOST_BACKUP_LIMIT_NAME", "../etc"),
+    ("TMS_HOST_BACKUP_LIMIT_NAME", "a" * 65),
+    ("TMS_SPILL_TO_DISK", "maybe"),
 ]
 
 

@@ -184,7 +184,8 @@ def test_env_booleans_accept_exactly_upstreams_spellings(run_scenario, var, key)
         assert out == f"{value in _TRUE}\n", (var, value)
 
 
-@pytest.mark.parametrize("var,key", _BOOL_VARS + [("TMS_PROGRESS", None), ("TMS_BACKUP_LIVE_ONLY", None)])
+@pytest.mark.parametrize("var,key", _BOOL_VARS + [("TMS_PROGRESS", None), ("TMS_BACKUP_LIVE_ONLY", None),
+                                                ("TMS_SPILL_TO_DISK", None), ("TMS_HOST_MEMORY_SAFETY", None)])
 @pytest.mark.parametrize("value", _REJECTED)
 def test_env_booleans_reject_anything_else(run_scenario, var, key, value):
     proc = run_scenario("import_env", "pause_every_tag", env={var: value})

@@ -17,10 +17,12 @@ stats = torch_memory_saver.stats
 memory_summary = torch_memory_saver.memory_summary
 allocations = torch_memory_saver.allocations
 memory_report = torch_memory_saver.memory_report
+host_budget = torch_memory_saver.host_budget
 
 # Settings a user may assign on the module as on the singleton; a plain module
 # attribute would be set and silently ignored.
-_SINGLETON_SETTINGS = ("progress", "hook_mode", "memory_margin_bytes", "retain_cpu_backup", "backup_live_only")
+_SINGLETON_SETTINGS = ("progress", "hook_mode", "memory_margin_bytes", "retain_cpu_backup", "backup_live_only",
+                       "spill_to_disk")
 
 
 class _Module(types.ModuleType):
@@ -36,4 +38,4 @@ sys.modules[__name__].__class__ = _Module
 del _name
 
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "stats", "memory_summary",
-           "allocations", "memory_report", "Error", "OutOfMemoryError", "DiskBackupDirError", "__version__"]
+           "allocations", "memory_report", "host_budget", "Error", "OutOfMemoryError", "DiskBackupDirError", "__version__"]

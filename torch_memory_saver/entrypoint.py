@@ -54,6 +54,7 @@ class TorchMemorySaver:
         self._init_lock = threading.Lock()
         self._pending_margin = 0
         self._live_only = None
+        self._pending_spill = None
         self._pending_retain = None
 
     # ---- configuration -------------------------------------------------------
@@ -151,6 +152,33 @@ class TorchMemorySaver:
             self._impl.core.set_retain_cpu_backup(value)
         else:
             self._pending_retain = value
+
+    @property
+    def spill_to_disk(self) -> bool:
+        """When a backed-up pause would exceed the host backup budget
+        (TMS_HOST_BACKUP_LIMIT, or 5 % of the host's memory kept available), the
+        largest allocations that do not fit are backed up to disk (the disk backup
+        directory) instead of raising. TMS_SPILL_TO_DISK gives the default."""
+        if self._impl:
+            return self._impl.core.get_spill_to_disk()
+        if self._pending_spill is not None:
+            return self._pending_spill
+        return _library.load(self._hook_mode).defaults()["spill_to_disk"]
+
+    @spill_to_disk.setter
+    def spill_to_disk(self, value: bool):
+        _check_type(value, (bool,), "spill_to_disk")
+        if self._impl:
+            self._impl.core.set_spill_to_disk(value)
+        else:
+            self._pending_spill = value
+
+    def host_budget(self):
+        """The host backup budget this process shares: name, limit (0: none),
+        reserved (by every process of the ledger), mine, free, the host's
+        mem_total and mem_available, safety (5 % kept available without a
+        limit), spill_to_disk."""
+        return self._ensure_initialized().core.host_budget()
 
     # ---- regions -------------------------------------------------------------
 
@@ -366,6 +394,8 @@ class TorchMemorySaver:
                     impl.core.set_memory_margin_bytes(self._pending_margin)
                     if self._pending_retain is not None:
                         impl.core.set_retain_cpu_backup(self._pending_retain)
+                    if self._pending_spill is not None:
+                        impl.core.set_spill_to_disk(self._pending_spill)
                     self._impl = impl
         return self._impl
 

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <stdlib.h>
 
+#include "backup/ledger.h"
 #include "platform/config.h"
 #include "platform/log.h"
 
@@ -82,6 +83,7 @@ void tms_backup_unref(struct tms_backup *b)
 {
     if (!b || __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
     b->ops->release(b);
+    tms_ledger_release(b->reserved);
     free(b->ranges);
     free(b);
 }
@@ -115,6 +117,8 @@ void tms_backup_release_restored(void *backup)
      * the core's backup_of waits while the allocation moves. */
     if (!b->ops->host_memory || __atomic_load_n(&b->refs, __ATOMIC_ACQUIRE) != 1) return;
     b->ops->release(b);
+    tms_ledger_release(b->reserved);
+    b->reserved = 0;
     TMS_DEBUG("backup of %zu bytes restored and released by its copy worker", b->size);
 }
 

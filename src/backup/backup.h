@@ -105,6 +105,7 @@ struct tms_backup {
     struct tms_range *ranges;
     size_t n_ranges;
     int parts_left;                  /* atomic: a resume's items still copying (tms_backup_part_restored) */
+    size_t reserved;                 /* bytes of the host backup budget it holds (backup/ledger.h) */
 };
 
 /* The kind of an allocation's backup, by enum tms_backup_kind. */

@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "backup/backup.h"
+#include "backup/ledger.h"
 #include "platform/driver.h"
 #include "platform/config.h"
 #include "platform/error.h"
@@ -169,6 +170,11 @@ void tms_core_set_margin(size_t bytes);
 size_t tms_core_margin(void);
 void tms_core_set_retain(int retain);
 int tms_core_retain(void);
+/* The host backup budget and this process's share (backup/ledger.h). */
+int tms_core_host_budget(struct tms_ledger_info *info, struct tms_err *err);
+/* Host backups that do not fit the host backup budget go to disk instead. */
+void tms_core_set_spill(int spill);
+int tms_core_spill(void);
 
 /* ---- regions: what the calling thread's allocations get ---------------------
  * One policy for every face: a region the Python API asks for names a

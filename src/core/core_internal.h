@@ -50,6 +50,8 @@ struct tms_move {
     struct tms_range *ranges;
     size_t n_ranges;
     size_t first_item, n_items;
+    size_t need;                /* host backup bytes its pause needs from the budget */
+    int spill;                  /* backed up to disk by this pause: the budget had no room */
 };
 
 /* A tag's slot (tags.c). Its fields are guarded by the table lock. */

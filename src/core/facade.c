@@ -8,6 +8,8 @@
 #include "hooks/reloc.h"
 #include "platform/driver.h"
 
+int tms_core_host_budget(struct tms_ledger_info *info, struct tms_err *err) { return tms_ledger_info(info, err); }
+
 int tms_core_set_disk_dir(const char *dir, struct tms_err *err) { return tms_disk_set_dir(dir, err); }
 
 void tms_core_disk_dir(char *buf, size_t n) { tms_disk_get_dir(buf, n); }

@@ -6,6 +6,7 @@
 
 #include "core/core_internal.h"
 #include "platform/log.h"
+#include "backup/ledger.h"
 #include "backup/transfer.h"
 
 /* Copies run in batches holding at most a kind's open limit of open
@@ -132,6 +133,78 @@ static int plan_all(struct tms_move *m, size_t n, const struct tms_op_args *args
     return TMS_OK;
 }
 
+static size_t planned_bytes(const struct tms_move *m)
+{
+    if (!m->ranges) return m->a->size;
+    size_t n = 0;
+    for (size_t r = 0; r < m->n_ranges; r++) n += m->ranges[r].len;
+    return n;
+}
+
+/* The budget an allocation's host backup holds now, if this pause reuses it. */
+static size_t held_now(const struct tms_alloc *a)
+{
+    return a->host_copy && a->host_copy->kind == a->backup_kind ? a->host_copy->reserved : 0;
+}
+
+static int by_need_desc(const void *x, const void *y)
+{
+    const struct tms_move *a = *(struct tms_move *const *)x, *b = *(struct tms_move *const *)y;
+    return (a->need < b->need) - (a->need > b->need);
+}
+
+/* Reserves from the host backup budget what this pause's host backups need
+ * beyond what those it reuses hold (*reserved). Where the budget has no room
+ * and spilling is on, the largest go to disk instead until the rest fits;
+ * else the error names the budget, and nothing has changed. */
+static int reserve_all(struct tms_move *m, size_t n, size_t *reserved, struct tms_err *err)
+{
+    size_t need = 0, room = 0, candidates = 0;
+    *reserved = 0;
+    for (size_t i = 0; i < n; i++) {
+        m[i].need = 0;
+        if (!m[i].a->backup || !tms_backup_kind_is_host(m[i].a->backup_kind)) continue;
+        m[i].need = planned_bytes(&m[i]);
+        size_t have = held_now(m[i].a);
+        if (m[i].need > have) need += m[i].need - have, candidates++;
+    }
+    struct tms_err why = {0};
+    int rc = tms_ledger_reserve(need, &room, &why);
+    if (rc == TMS_OK) {
+        *reserved = need;
+        return TMS_OK;
+    }
+    if (rc != TMS_E_HOST_OOM || !tms_core_spill()) {
+        if (err) *err = why;
+        return rc;
+    }
+    struct tms_move **order = calloc(candidates ? candidates : 1, sizeof *order);
+    if (!order) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", candidates);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (m[i].need > held_now(m[i].a)) order[k++] = &m[i];
+    qsort(order, k, sizeof *order, by_need_desc);
+    for (size_t i = 0; i < k && need > room; i++) {
+        order[i]->spill = 1;
+        need -= order[i]->need - held_now(order[i]->a);
+    }
+    free(order);
+    if ((rc = tms_ledger_reserve(need, NULL, err)) == TMS_OK) *reserved = need;
+    return rc;
+}
+
+/* After a pause's copies: each host backup holds what it needs from the
+ * budget (reserved covered the growth); what a reused one held beyond goes back. */
+static void settle_budget(struct tms_move *m, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        struct tms_backup *b = m[i].copy;
+        if (!b || !tms_backup_kind_is_host(b->kind)) continue;
+        if (b->reserved > m[i].need) tms_ledger_release(b->reserved - m[i].need);
+        b->reserved = m[i].need;
+    }
+}
+
 static void forget_plans(struct tms_move *m, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
@@ -146,10 +219,11 @@ static void forget_plans(struct tms_move *m, size_t n)
 static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n, const struct tms_op_args *args,
                       struct tms_err *err)
 {
-    size_t n_items, n_backups;
+    size_t n_items, n_backups, reserved = 0;
     struct batcher b;
     int rc = plan_all(m, n, args, &n_items, &n_backups, err);
-    if (!rc && n_backups) rc = batch_start(&b, drv, 1, n_items, n_backups, err);
+    if (!rc && n_backups) rc = reserve_all(m, n, &reserved, err);
+    if (!rc && n_backups && (rc = batch_start(&b, drv, 1, n_items, n_backups, err))) tms_ledger_release(reserved);
     if (rc || !n_backups) {
         forget_plans(m, n);
         return rc;
@@ -158,7 +232,8 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
         const struct tms_alloc *a = m[i].a;
         if (!a->backup) continue;
         /* Settle drops the old backup if this is another one. */
-        rc = tms_backup_for_pause(drv, a->backup_kind, a->device, a->size, a->va, &m[i].copy, err);
+        int kind = m[i].spill ? TMS_BACKUP_DISK : a->backup_kind;
+        rc = tms_backup_for_pause(drv, kind, a->device, a->size, a->va, &m[i].copy, err);
         if (!rc) batch_add(&b, &m[i], m[i].ranges, m[i].n_ranges);
     }
     if (rc) batch_close(&b, 0);
@@ -178,8 +253,12 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
     }
     batch_end(&b);
     forget_plans(m, n);
-    if (rc)
+    if (rc) {
+        tms_ledger_release(reserved);  /* no backup of this call keeps it */
         for (size_t i = 0; i < n; i++) discard_copy(&m[i]);
+    } else {
+        settle_budget(m, n);
+    }
     return rc;
 }
 

@@ -611,6 +611,45 @@ static PyObject *py_get_retain(PyObject *module, PyObject *unused)
     return PyBool_FromLong(tms_core_retain());
 }
 
+PyDoc_STRVAR(set_spill_doc, "set_spill_to_disk($module, spill, /)\n--\n\nBackups past the host budget go to disk.");
+static PyObject *py_set_spill(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    int v = PyObject_IsTrue(arg);
+    if (v < 0) return NULL;
+    tms_core_set_spill(v);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(get_spill_doc, "get_spill_to_disk($module, /)\n--\n\n");
+static PyObject *py_get_spill(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    return PyBool_FromLong(tms_core_spill());
+}
+
+PyDoc_STRVAR(host_budget_doc,
+"host_budget($module, /)\n--\n\n"
+"The host backup budget: {'name', 'limit' (0: none), 'reserved' (every process of the ledger),\n"
+"'mine' (this process), 'free', 'mem_total', 'mem_available', 'safety', 'spill_to_disk'}.");
+static PyObject *py_host_budget(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    struct tms_ledger_info info;
+    struct tms_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_core_host_budget(&info, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
+    size_t free_bytes = info.limit > info.reserved ? info.limit - info.reserved : 0;
+    return Py_BuildValue("{s:s,s:n,s:n,s:n,s:n,s:n,s:n,s:O,s:O}", "name", info.name, "limit", (Py_ssize_t)info.limit,
+                         "reserved", (Py_ssize_t)info.reserved, "mine", (Py_ssize_t)info.mine, "free",
+                         (Py_ssize_t)free_bytes, "mem_total", (Py_ssize_t)info.mem_total, "mem_available",
+                         (Py_ssize_t)info.mem_available, "safety", info.safety ? Py_True : Py_False,
+                         "spill_to_disk", tms_core_spill() ? Py_True : Py_False);
+}
+
 PyDoc_STRVAR(use_backend_doc, "use_backend($module, name, /)\n--\n\nChoose 'cuda', 'hip' or 'host' before first use.");
 static PyObject *py_use_backend(PyObject *module, PyObject *arg)
 {
@@ -787,14 +826,14 @@ static PyObject *py_defaults(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const struct tms_defaults *d = tms_defaults();
-    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
+    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
                          "init_enable_cpu_backup", d->init_backup ? Py_True : Py_False,
                          "init_cpu_backup_backend", tms_backup_kind_name(d->init_backup_kind),
                          "init_enable_disk_backup", d->init_disk_backup ? Py_True : Py_False,
                          "retain_cpu_backup", d->retain_backup ? Py_True : Py_False, "chunk_bytes",
                          (Py_ssize_t)d->chunk_bytes, "disk_backup_chunk_bytes", (Py_ssize_t)d->disk_block_bytes,
                          "progress", d->progress ? Py_True : Py_False, "backup_live_only",
-                         d->backup_live_only ? Py_True : Py_False);
+                         d->backup_live_only ? Py_True : Py_False, "spill_to_disk", d->spill_to_disk ? Py_True : Py_False);
 }
 
 PyDoc_STRVAR(set_disk_backup_dir_doc,
@@ -851,6 +890,9 @@ static PyMethodDef module_methods[] = {
     {"get_memory_margin_bytes", py_get_margin, METH_NOARGS, get_margin_doc},
     {"set_retain_cpu_backup", py_set_retain, METH_O, set_retain_doc},
     {"get_retain_cpu_backup", py_get_retain, METH_NOARGS, get_retain_doc},
+    {"set_spill_to_disk", py_set_spill, METH_O, set_spill_doc},
+    {"get_spill_to_disk", py_get_spill, METH_NOARGS, get_spill_doc},
+    {"host_budget", py_host_budget, METH_NOARGS, host_budget_doc},
     {"use_backend", py_use_backend, METH_O, use_backend_doc},
     {"backend", py_backend, METH_NOARGS, backend_doc},
     {"loaded_backend", py_loaded_backend, METH_NOARGS, loaded_backend_doc},

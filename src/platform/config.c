@@ -46,6 +46,40 @@ static void env_threads(void)
     defaults.backup_threads = (int)n;
 }
 
+/* A size with units, or a whole percentage of the host's memory ("40%"). */
+static void env_host_limit(void)
+{
+    const char *s = getenv("TMS_HOST_BACKUP_LIMIT");
+    if (s && *s) {
+        size_t len = strlen(s);
+        unsigned long long pct;
+        char digits[8];
+        if (s[len - 1] == '%' && len >= 2 && len - 1 < sizeof digits) {
+            memcpy(digits, s, len - 1);
+            digits[len - 1] = 0;
+            if (tms_parse_uint(digits, 100, &pct) == TMS_OK && pct >= 1) defaults.host_limit_percent = (unsigned)pct;
+        } else if (tms_parse_bytes(s, &defaults.host_limit_bytes) != TMS_OK) {
+            defaults.host_limit_bytes = 0;
+        }
+        if (!defaults.host_limit_percent && !defaults.host_limit_bytes && !defaults.parse_error.status)
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                     "TMS_HOST_BACKUP_LIMIT='%s' is not a positive size (e.g. 64GiB) or a percentage from 1%% to 100%%", s);
+    }
+    const char *name = getenv("TMS_HOST_BACKUP_LIMIT_NAME");
+    strcpy(defaults.host_limit_name, "host");
+    if (!name || !*name) return;
+    size_t n = strlen(name);
+    int ok = n <= 64 && name[0] != '.';
+    for (size_t i = 0; ok && i < n; i++)
+        ok = (name[i] >= 'a' && name[i] <= 'z') || (name[i] >= 'A' && name[i] <= 'Z') ||
+             (name[i] >= '0' && name[i] <= '9') || name[i] == '_' || name[i] == '-' || name[i] == '.';
+    if (ok) memcpy(defaults.host_limit_name, name, n + 1);
+    else if (!defaults.parse_error.status)
+        tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                 "TMS_HOST_BACKUP_LIMIT_NAME='%s' is not a name of 1 to 64 letters, digits, '_', '-' or '.' "
+                 "(not starting with '.')", name);
+}
+
 /* Upstream's spelling: whole MiB. */
 static void env_disk_block(void)
 {
@@ -75,6 +109,10 @@ static void load_defaults(void)
     env_bool("TMS_PROGRESS", &defaults.progress);
     defaults.backup_live_only = 1;
     env_bool("TMS_BACKUP_LIVE_ONLY", &defaults.backup_live_only);
+    env_bool("TMS_SPILL_TO_DISK", &defaults.spill_to_disk);
+    defaults.host_memory_safety = 1;
+    env_bool("TMS_HOST_MEMORY_SAFETY", &defaults.host_memory_safety);
+    env_host_limit();
     env_disk_block();
     const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
     if (kind && *kind && tms_backup_kind_parse(kind, &defaults.init_backup_kind) != TMS_OK &&

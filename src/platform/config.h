@@ -38,6 +38,11 @@ struct tms_defaults {
     int disk_trust_dir;          /* TMS_DISK_BACKUP_TRUST_DIR: the user vouches for the disk backup directory */
     int progress;                /* TMS_PROGRESS: the Python layer logs progress lines for long copies */
     int backup_live_only;        /* TMS_BACKUP_LIVE_ONLY (default 1): the Python layer skips blocks free in PyTorch's cache */
+    size_t host_limit_bytes;     /* TMS_HOST_BACKUP_LIMIT in bytes (0: none) ... */
+    unsigned host_limit_percent; /* ... or as a percentage of the host's memory (0: given in bytes) */
+    char host_limit_name[65];    /* TMS_HOST_BACKUP_LIMIT_NAME: the ledger processes share (default "host") */
+    int spill_to_disk;           /* TMS_SPILL_TO_DISK: what does not fit the budget goes to disk */
+    int host_memory_safety;      /* TMS_HOST_MEMORY_SAFETY (default 1): no limit, yet keep 5 % of the host available */
     int retain_backup;           /* TMS_RETAIN_CPU_BACKUP */
     size_t chunk_bytes;          /* TMS_CHUNK_BYTES (<= TMS_CHUNK_BYTES_MAX); 0 = one handle per allocation */
     int chunk_bytes_set;         /* else the backend's default applies */

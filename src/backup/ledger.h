@@ -1,0 +1,30 @@
+/* The host-wide budget of host backups: one ledger the processes of a user share, by name. */
+#ifndef TMS_LEDGER_H
+#define TMS_LEDGER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "platform/error.h"
+
+struct tms_ledger_info {
+    size_t limit;          /* the budget in bytes, 0 without one */
+    size_t reserved;       /* reserved by every live process of the ledger (this one included) */
+    size_t mine;           /* reserved by this process */
+    size_t mem_total, mem_available;  /* the host's, from /proc/meminfo (0 if unreadable) */
+    int safety;            /* without a budget: pauses keep 5 % of the host's memory available */
+    char name[65];
+};
+
+/* Reserves bytes of host backups for this process. With a budget
+ * (TMS_HOST_BACKUP_LIMIT), the ledger's live reservations plus bytes must fit
+ * it; without one, unless TMS_HOST_MEMORY_SAFETY=0, the host must keep 5 % of
+ * its memory available after them. Else TMS_E_HOST_OOM naming the budget, the
+ * bytes asked for and the bytes free; *free_bytes (may be NULL) gets those. */
+int tms_ledger_reserve(size_t bytes, size_t *free_bytes, struct tms_err *err);
+/* Gives back bytes reserved earlier. */
+void tms_ledger_release(size_t bytes);
+/* The budget now (reads the ledger: a file lock and a read). */
+int tms_ledger_info(struct tms_ledger_info *info, struct tms_err *err);
+
+#endif

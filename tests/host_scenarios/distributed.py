@@ -1,0 +1,227 @@
+# Tests the native module too: get_cpu_backup on raw pointers (a paused allocation's backup).
+"""Group pause and resume (torch_memory_saver.distributed) across host-backend
+processes joined by gloo (tests/test_distributed.py). Every rank runs the same
+case: the test starts WORLD_SIZE processes with RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set, and TMS_FAULT on the rank a fault is injected into; each rank
+prints "rank R: ..." lines the test checks and exits 0. By hand, from the
+repository root:
+
+    for r in 0 1 2 3; do RANK=$r WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \\
+        PYTHONPATH=. TMS_BACKEND=host python tests/host_scenarios/distributed.py pause_and_resume & done; wait
+"""
+import datetime
+import sys
+
+import torch.distributed as dist
+
+import torch_memory_saver
+from _prelude import MiB, core, expect, fill, read, run_cases, tms
+from torch_memory_saver import distributed as tmsd
+
+KiB = 1 << 10
+
+
+def join():
+    """(rank, world size) of this process, once the gloo group is up. The group's
+    timeout is short: a rank left waiting fails the case rather than the test's clock."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def leave(rank, line):
+    """Prints this rank's last line once every rank got there, and leaves the group."""
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: {line}")
+
+
+def allocate(tag, rank):
+    """Two backed-up allocations under tag, of sizes that differ by rank (each one
+    copy block either way), filled with random bytes: [(ptr, size, bytes)]."""
+    out = []
+    with tms.region(tag, enable_cpu_backup=True):
+        for n in (MiB + rank * 256 * KiB + 4 * KiB, 3 * MiB - 1):
+            p = tms.malloc(n)
+            out.append((p, n, fill(p, n)))
+    return out
+
+
+def reserved(allocs):
+    rows = {r["ptr"]: r for r in tms.allocations()}
+    return sum(rows[p]["reserved"] for p, _, _ in allocs)
+
+
+def state_of(allocs):
+    """The one state all of allocs are in (asserts they agree)."""
+    rows = {r["ptr"]: r for r in tms.allocations()}
+    states = {rows[p]["state"] for p, _, _ in allocs}
+    assert len(states) == 1, [rows[p] for p, _, _ in allocs]
+    return states.pop()
+
+
+def check_bytes(allocs):
+    """Every allocation active, its bytes those filled."""
+    assert state_of(allocs) == "active"
+    for p, n, data in allocs:
+        assert read(p, n) == data, hex(p)
+
+
+def check_backups(allocs):
+    """Every allocation paused, its backup holding the bytes filled."""
+    assert state_of(allocs) == "paused"
+    for p, n, data in allocs:
+        assert core().get_cpu_backup(p, n).tobytes() == data, hex(p)
+
+
+def check_reports(reports, op, want):
+    """reports: one dict per rank, in rank order, each of op, released bytes as want[rank]."""
+    assert len(reports) == len(want), reports
+    for rank, (report, n) in enumerate(zip(reports, want)):
+        assert report["op"] == op and report["released_bytes"] == n, (rank, report, n)
+
+
+def gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def check_same_error(e, rank):
+    """The GroupError is one error, raised alike on every rank."""
+    assert isinstance(e, torch_memory_saver.Error) and isinstance(e, RuntimeError), type(e).__mro__
+    seen = gather((str(e), e.failures, [r is None for r in e.reports], e.stage))
+    assert all(s == seen[0] for s in seen), seen
+    return str(e)
+
+
+def pause_and_resume():
+    """Group pause, then resume, of a tag, by name, list and None: every rank's
+    report comes back in rank order with the bytes each rank reserved; in
+    between, every rank's allocations are paused with their backups; after, the
+    bytes are exact. Then a subgroup of two ranks, reports by group rank."""
+    rank, world = join()
+    w = allocate("w", rank)
+    sizes = gather(reserved(w))
+    copied = gather(sum(n for _, n, _ in w))
+    assert len(set(sizes)) > 1, sizes                  # the ranks differ: a report in the wrong place shows
+    for tags_pause, tags_resume in (("w", ["w"]), (None, None)):
+        reports = tmsd.pause(tags_pause)
+        check_reports(reports, "pause", sizes)
+        assert [r["copied_bytes"] for r in reports] == copied, reports
+        check_backups(w)
+        reports = tmsd.resume(tags_resume)
+        check_reports(reports, "resume", sizes)
+        check_bytes(w)
+    pair = dist.new_group([1, 3])                       # every rank makes it; only its members use it
+    if rank in (1, 3):
+        check_reports(tmsd.pause(["w"], group=pair), "pause", [sizes[1], sizes[3]])
+        assert state_of(w) == "paused"
+        check_reports(tmsd.resume("w", group=pair), "resume", [sizes[1], sizes[3]])
+    check_bytes(w)
+    leave(rank, f"{world} reports each way, bytes exact")
+
+
+def pause_fault(failing):
+    """A fault in one rank's pause: every rank raises the same GroupError naming
+    it; every rank's allocations are active again with their bytes; the next
+    group pause and resume work."""
+    failing = int(failing)
+    rank, world = join()
+    w = allocate("w", rank)
+    e = expect(tmsd.GroupError, tmsd.pause, ["w"])
+    msg = check_same_error(e, rank)
+    want = f"torch_memory_saver: pause of ['w'] failed on rank {failing} of {world}: Error: "
+    assert msg.startswith(want), msg
+    assert list(e.failures) == [failing] and e.op == "pause" and e.tags == ["w"], (e.failures, e.op, e.tags)
+    assert [r is None for r in e.reports] == [r == failing for r in range(world)], e.reports
+    check_bytes(w)
+    print(f"rank {rank}: {msg.split('; ')[-1]}")
+    tmsd.pause("w")                                     # each fault fires once
+    assert state_of(w) == "paused"
+    tmsd.resume("w")
+    check_bytes(w)
+    leave(rank, "rolled back, then paused and resumed")
+
+
+def resume_fault(failing):
+    """A fault in one rank's resume: every rank raises the same GroupError naming
+    it; every rank's allocations are paused again, backups intact; the next
+    group resume works and the bytes are exact."""
+    failing = int(failing)
+    rank, world = join()
+    w = allocate("w", rank)
+    tmsd.pause("w")
+    e = expect(tmsd.GroupError, tmsd.resume, "w")
+    msg = check_same_error(e, rank)
+    want = f"torch_memory_saver: resume of 'w' failed on rank {failing} of {world}: Error: "
+    assert msg.startswith(want) and "restore copy" in msg, msg
+    assert list(e.failures) == [failing], e.failures
+    check_backups(w)
+    print(f"rank {rank}: {msg.split('; ')[-1]}")
+    tmsd.resume("w")
+    check_bytes(w)
+    leave(rank, "paused again, then resumed")
+
+
+def staged_resume(failing):
+    """resume(stages=[["w"], ["kv"]]) returns a list of reports per stage; a second
+    one, failing in stage 2 on one rank, leaves both tags paused on every rank
+    with their backups; a retry resumes both."""
+    failing = int(failing)
+    rank, world = join()
+    w, kv = allocate("w", rank), allocate("kv", rank)
+    sizes = {"w": gather(reserved(w)), "kv": gather(reserved(kv))}
+    stages = [["w"], ["kv"]]
+    tmsd.pause(["w", "kv"])
+    reports = tmsd.resume(stages=stages)
+    assert len(reports) == 2, reports
+    check_reports(reports[0], "resume", sizes["w"])
+    check_reports(reports[1], "resume", sizes["kv"])
+    check_bytes(w + kv)
+    tmsd.pause(["w", "kv"])
+    e = expect(tmsd.GroupError, tmsd.resume, stages=stages)
+    msg = check_same_error(e, rank)
+    want = f"torch_memory_saver: resume of stage 2 of 2 (['kv']) failed on rank {failing} of {world}: Error: "
+    assert msg.startswith(want), msg
+    assert e.stage == 1 and e.tags == ["kv"] and list(e.failures) == [failing], (e.stage, e.tags, e.failures)
+    check_backups(w)
+    check_backups(kv)
+    print(f"rank {rank}: {msg.split('; ')[-1]}")
+    reports = tmsd.resume(stages=stages)
+    check_reports(reports[1], "resume", sizes["kv"])
+    check_bytes(w + kv)
+    leave(rank, "both stages paused again, then resumed")
+
+
+def bad_arguments():
+    """Bad arguments raise on the rank that passed them, before any collective:
+    only rank 0 makes these calls, so one that waited for the group would hang.
+    Ranks that called with different arguments all raise, releasing nothing."""
+    expect(RuntimeError, tmsd.pause, "w", match="torch.distributed is not initialized")
+    rank, world = join()
+    w = allocate("w", rank)
+    if rank == 0:
+        expect(TypeError, tmsd.pause, 3, match="tags must be None, a str or a list of str, not int")
+        expect(TypeError, tmsd.resume, ["w", b"kv"], match="not a list holding a bytes")
+        expect(ValueError, tmsd.pause, "", match="non-empty")
+        expect(ValueError, tmsd.pause, ["w", "w"], match="listed twice")
+        expect(TypeError, tmsd.resume, "w", stages=[["w"]], match="tags or stages, not both")
+        expect(ValueError, tmsd.resume, stages=[], match="stages must be a non-empty list")
+        expect(TypeError, tmsd.resume, stages="w", match="stages must be a non-empty list")
+        expect(ValueError, tmsd.resume, stages=[["w"], []], match="stages[1] is empty")
+        expect(TypeError, tmsd.resume, stages=[["w"], "kv"], match="stages[1] must be a list of str")
+        expect(ValueError, tmsd.resume, stages=[["w"], ["kv", "w"]], match="'w' is in stages[0] and stages[1]")
+    alone = dist.new_group([1])
+    if rank == 0:
+        expect(RuntimeError, tmsd.pause, "w", group=alone, match="not a member of the group")
+    else:
+        check_reports(tmsd.pause("w", group=alone), "pause", [reserved(w)])
+        tmsd.resume("w", group=alone)
+    e = expect(ValueError, tmsd.pause, ["w"] if rank == 0 else ["w", "kv"], match="different arguments")
+    assert "rank 0: pause(['w']); rank 1: pause(['w', 'kv'])" in str(e), str(e)
+    check_bytes(w)
+    leave(rank, "raised before any collective")
+
+
+if __name__ == "__main__":
+    run_cases(globals(), sys.argv)
