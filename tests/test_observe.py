@@ -17,8 +17,9 @@ def test_memory_summary_lists_every_tag(run_scenario):
     lines = out.splitlines()
     assert lines[0] == "torch_memory_saver memory summary"
     assert lines[1].split()[:3] == ["device", "tag", "allocs"]
-    rows = {line.split()[1]: line for line in lines[3:]}
+    rows = {line.split()[1]: line for line in lines[3:-1]}
     assert set(rows) == {"kv_cache", "weights"}
+    assert lines[-1] == "host backups: 5.00 MiB by this process, no budget (5 % of host memory kept available)"
     assert "4.00 MiB" in rows["kv_cache"] and rows["kv_cache"].rstrip().endswith("0        0")
     # weights: reserved 6 MiB, mapped 0, paused 6 MiB, backup (mmap) 5 MiB, (disk) 0, 1 pause
     assert rows["weights"].split()[3:] == ["6.00", "MiB", "0", "B", "6.00", "MiB", "0", "B", "5.00", "MiB", "0", "B",

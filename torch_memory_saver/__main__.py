@@ -43,6 +43,9 @@ def _cmd_info(args):
     print(f"backend           {backend}")
     print(f"preload active    {core.preload_active()[0]}")
     print(f"defaults          {core.defaults()}")
+    from ._observe import budget_line
+
+    print(f"budget            {budget_line(core.host_budget())}")
     return 0
 
 

@@ -55,7 +55,17 @@ def memory_summary(core) -> str:
             lines.append("  ".join("-" * w for w in widths))
     if len(table) == 1:
         lines.append("(no allocations yet)")
+    lines.append(budget_line(core.host_budget()))
     return "\n".join(lines)
+
+
+def budget_line(b):
+    """One line on the host backup budget (host_budget())."""
+    if b["limit"]:
+        return (f"host backup budget '{b['name']}': {_fmt_bytes(b['limit'])}, {_fmt_bytes(b['reserved'])} reserved "
+                f"({_fmt_bytes(b['mine'])} by this process), spill to disk {'on' if b['spill_to_disk'] else 'off'}")
+    keep = "5 % of host memory kept available" if b["safety"] else "no check"
+    return f"host backups: {_fmt_bytes(b['mine'])} by this process, no budget ({keep})"
 
 
 def _selects(tag, row_tag):
