@@ -12,6 +12,7 @@ ABOUT = {
     "alloc_count": "pause/resume of 1 to 10,000 allocations against the raw driver loop",
     "fragmentation": "one region's churn with and without expandable segments, both hook modes",
     "live": "live-only backups against whole ones: a training engine, a transformer step, the snapshot's cost",
+    "budget": "a pause under the host backup budget that spills half to disk, beside all in RAM and all on disk",
 }
 
 

@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks import report  # noqa: E402
 
 # Each suite's dry run as documented: `python -m benchmarks <suite> --dry-run`.
-DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live"]
+DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget"]
 # What each dry run measured, beyond the plumbing: the rows its report names.
 CHECKS = {
     "run": lambda d: (sorted(d["backup"]) == ["mmap", "mmap_retained", "pinned", "pinned_retained"]
@@ -35,10 +35,14 @@ CHECKS = {
     "live": lambda d: (len(d["shapes"]) == 4 and [r["blocks"] for r in d["costs"]] == [10, 1000, 10000]
                        and all(c["exact"] and (c["copied"] < r["reserved"]) == c["live_only"]
                                for r in d["shapes"] + d["costs"] for c in r["cycles"])),
+    "budget": lambda d: ([(r["case"], r["disk_bytes"]) for r in d["rows"]]
+                         == [("ram", 0), ("half", d["total"] // 2), ("disk", d["total"])]
+                         and all(r["exact"] for r in d["rows"])),
 }
 STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend-dry-run-2procs-on-1",
          "alloc_count": "alloc_count_host-backend-dry-run",
-         "fragmentation": "fragmentation_host-backend-dry-run", "live": "live_host-backend-dry-run"}
+         "fragmentation": "fragmentation_host-backend-dry-run", "live": "live_host-backend-dry-run",
+         "budget": "budget_host-backend-dry-run"}
 
 
 def _bench(*args, timeout=240):

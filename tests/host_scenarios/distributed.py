@@ -1,21 +1,27 @@
 # Tests the native module too: get_cpu_backup on raw pointers (a paused allocation's backup).
 """Group pause and resume (torch_memory_saver.distributed) across host-backend
-processes joined by gloo (tests/test_distributed.py). Every rank runs the same
-case: the test starts WORLD_SIZE processes with RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT set, and TMS_FAULT on the rank a fault is injected into; each rank
-prints "rank R: ..." lines the test checks and exits 0. By hand, from the
-repository root:
+processes joined by gloo (tests/test_distributed.py). The scenario process imports
+torch once and forks one process per rank (--world, default 4), each with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and TMS_FAULT where --fault RANK=SPEC
+names it (set before the rank's core loads). Every rank runs the case, prints
+"rank R: ..." lines the test checks, and exits 0; a rank that fails stops the
+others. By hand, from the repository root:
 
-    for r in 0 1 2 3; do RANK=$r WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \\
-        PYTHONPATH=. TMS_BACKEND=host python tests/host_scenarios/distributed.py pause_and_resume & done; wait
+    PYTHONPATH=. TMS_BACKEND=host python tests/host_scenarios/distributed.py pause_fault 2 --fault 2=copy_to_host:1
 """
+import ctypes
 import datetime
+import os
+import signal
+import socket
 import sys
+import time
 
 import torch.distributed as dist
+import torch.multiprocessing
 
 import torch_memory_saver
-from _prelude import MiB, core, expect, fill, read, run_cases, tms
+from _prelude import MiB, core, expect, fill, read, tms
 from torch_memory_saver import distributed as tmsd
 
 KiB = 1 << 10
@@ -35,12 +41,13 @@ def leave(rank, line):
     print(f"rank {rank}: {line}")
 
 
-def allocate(tag, rank):
+def allocate(tag, rank, extra=0):
     """Two backed-up allocations under tag, of sizes that differ by rank (each one
-    copy block either way), filled with random bytes: [(ptr, size, bytes)]."""
+    copy block either way), and `extra` more of 1 MiB, filled with random bytes:
+    [(ptr, size, bytes)]."""
     out = []
     with tms.region(tag, enable_cpu_backup=True):
-        for n in (MiB + rank * 256 * KiB + 4 * KiB, 3 * MiB - 1):
+        for n in (MiB + rank * 256 * KiB + 4 * KiB, 3 * MiB - 1) + (MiB,) * extra:
             p = tms.malloc(n)
             out.append((p, n, fill(p, n)))
     return out
@@ -100,7 +107,7 @@ def pause_and_resume():
     between, every rank's allocations are paused with their backups; after, the
     bytes are exact. Then a subgroup of two ranks, reports by group rank."""
     rank, world = join()
-    w = allocate("w", rank)
+    w = allocate("w", rank, extra=rank)
     sizes = gather(reserved(w))
     copied = gather(sum(n for _, n, _ in w))
     assert len(set(sizes)) > 1, sizes                  # the ranks differ: a report in the wrong place shows
@@ -223,5 +230,43 @@ def bad_arguments():
     leave(rank, "raised before any collective")
 
 
+def rank_main(rank, world, port, faults, case, args):
+    """One rank: its environment, then the case (in a process forked by main)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the launcher
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    if rank in faults:
+        os.environ["TMS_FAULT"] = faults[rank]
+    globals()[case](*args)
+    sys.stdout.flush()
+
+
+def main(argv, timeout=40):
+    """distributed.py CASE [ARG...] [--world N] [--fault RANK=SPEC]...: forks the
+    ranks (after torch's import, which they share) and waits for them all."""
+    world, faults, rest = 4, {}, []
+    it = iter(argv[1:])
+    for a in it:
+        if a == "--world":
+            world = int(next(it))
+        elif a == "--fault":
+            r, spec = next(it).split("=", 1)
+            faults[int(r)] = spec
+        else:
+            rest.append(a)
+    case, *args = rest
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = torch.multiprocessing.start_processes(rank_main, args=(world, port, faults, case, args), nprocs=world,
+                                                  join=False, start_method="fork")
+    deadline = time.monotonic() + timeout
+    while not ranks.join(timeout=0.2):  # raises, having stopped the others, once a rank fails
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            sys.exit(f"ranks still running after {timeout} s")
+
+
 if __name__ == "__main__":
-    run_cases(globals(), sys.argv)
+    main(sys.argv)
