@@ -159,6 +159,11 @@ def test_live_only(case, hook_mode, where):
     check_passed(run_scenario("live_only", hook_mode, case, where, env=env))
 
 
+@pytest.mark.parametrize("hook_mode", ["torch", "preload"])
+def test_budget_two_processes_as_a_group(hook_mode):
+    check_passed(run_scenario("budget_group", hook_mode))
+
+
 @pytest.mark.parametrize("hook_mode", GPU_MODES)
 @pytest.mark.parametrize("scenario", [
     "pause_frees",

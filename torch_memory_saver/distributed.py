@@ -232,7 +232,7 @@ def _run(op, stages, staged, group):
             out.append(reports)
             continue
         failures = {o["rank"]: o["error"] for o in outcomes if not o["ok"]}
-        allowed = None if tags is None else [t for s in stages[:k + 1] for t in ([s] if isinstance(s, str) else s)]
+        allowed = None if tags is None else [t for s in stages[k:k + 1] for t in ([s] if isinstance(s, str) else s)]
         undo = _undo(op, before, allowed, rank)
         undos = _gather(dist, group, size, undo)
         undo_failures = {u["rank"]: u["error"] for u in undos if u["error"]}

@@ -3,7 +3,7 @@
 processes joined by gloo (tests/test_distributed.py). The scenario process imports
 torch once and forks one process per rank (--world, default 4), each with RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and TMS_FAULT where --fault RANK=SPEC
-names it (set before the rank's core loads). Every rank runs the case, prints
+names it (set before the rank's core loads). Every rank runs the case, writes
 "rank R: ..." lines the test checks, and exits 0; a rank that fails stops the
 others. By hand, from the repository root:
 
@@ -34,11 +34,16 @@ def join():
     return dist.get_rank(), dist.get_world_size()
 
 
+def say(rank, line):
+    """One line of this rank's, in one write: the ranks share the launcher's stdout."""
+    os.write(1, f"rank {rank}: {line}\n".encode())
+
+
 def leave(rank, line):
-    """Prints this rank's last line once every rank got there, and leaves the group."""
+    """Says this rank's last line once every rank got there, and leaves the group."""
     dist.barrier()
     dist.destroy_process_group()
-    print(f"rank {rank}: {line}")
+    say(rank, line)
 
 
 def allocate(tag, rank, extra=0):
@@ -142,7 +147,7 @@ def pause_fault(failing):
     assert list(e.failures) == [failing] and e.op == "pause" and e.tags == ["w"], (e.failures, e.op, e.tags)
     assert [r is None for r in e.reports] == [r == failing for r in range(world)], e.reports
     check_bytes(w)
-    print(f"rank {rank}: {msg.split('; ')[-1]}")
+    say(rank, msg.split("; ")[-1])
     tmsd.pause("w")                                     # each fault fires once
     assert state_of(w) == "paused"
     tmsd.resume("w")
@@ -164,7 +169,7 @@ def resume_fault(failing):
     assert msg.startswith(want) and "restore copy" in msg, msg
     assert list(e.failures) == [failing], e.failures
     check_backups(w)
-    print(f"rank {rank}: {msg.split('; ')[-1]}")
+    say(rank, msg.split("; ")[-1])
     tmsd.resume("w")
     check_bytes(w)
     leave(rank, "paused again, then resumed")
@@ -193,7 +198,7 @@ def staged_resume(failing):
     assert e.stage == 1 and e.tags == ["kv"] and list(e.failures) == [failing], (e.stage, e.tags, e.failures)
     check_backups(w)
     check_backups(kv)
-    print(f"rank {rank}: {msg.split('; ')[-1]}")
+    say(rank, msg.split("; ")[-1])
     reports = tmsd.resume(stages=stages)
     check_reports(reports[1], "resume", sizes["kv"])
     check_bytes(w + kv)
@@ -238,7 +243,6 @@ def rank_main(rank, world, port, faults, case, args):
     if rank in faults:
         os.environ["TMS_FAULT"] = faults[rank]
     globals()[case](*args)
-    sys.stdout.flush()
 
 
 def main(argv, timeout=40):
