@@ -43,10 +43,16 @@ def test_every_rank_pauses_and_resumes_with_every_report(run_scenario):
 @pytest.mark.parametrize("fault,undone", [
     ("copy_to_host:1", "ranks 0, 1, 3 resumed what they had paused"),
     ("unmap:2", "ranks 0, 1, 2, 3 resumed what they had paused"),
-])
+], ids=["copy_to_host", "unmap"])
 def test_a_pause_fault_on_one_rank_rolls_every_rank_back(run_scenario, fault, undone):
     out = run_ranks(run_scenario, "pause_fault", 2, faults={2: fault})
     assert out == every_rank("rank {r}: " + undone, "rank {r}: rolled back, then paused and resumed")
+
+
+# Rank 2's backup copy fails; rank 0's undo (a resume) fails at its first restore copy.
+def test_a_failed_undo_is_in_every_rank_s_error(run_scenario):
+    out = run_ranks(run_scenario, "undo_fault", 2, 0, faults={2: "copy_to_host:1", 0: "copy_to_device:1"})
+    assert out == every_rank("rank {r}: the failed undo named; resumed on its own")
 
 
 # The 2nd restore copy (of two allocations, one block each) fails: the failing

@@ -104,10 +104,12 @@ def _check_tags(op, tags):
     before any collective."""
     if isinstance(tags, tuple):
         tags = list(tags)
-    if not (tags is None or isinstance(tags, str) or
-            (isinstance(tags, list) and all(isinstance(t, str) for t in tags))):
-        what = type(tags).__name__ if not isinstance(tags, list) else "a list holding a " + next(
-            type(t).__name__ for t in tags if not isinstance(t, str))
+    if isinstance(tags, list):
+        bad = [type(t).__name__ for t in tags if not isinstance(t, str)]
+        what = bad and f"a list holding a {bad[0]}"
+    else:
+        what = not (tags is None or isinstance(tags, str)) and type(tags).__name__
+    if what:
         raise TypeError(f"torch_memory_saver.distributed.{op}: tags must be None, a str or a list of str, not {what}")
     _native().check_tags(op, tags)
     return tags
@@ -218,40 +220,41 @@ def _run(op, stages, staged, group):
     local = saver.pause if op == "pause" else saver.resume
     before, out = None, []
     for k, tags in enumerate(stages):
-        outcome = {"rank": rank, "ok": True, "error": None, "report": None}
+        outcome, cause = {"rank": rank, "ok": True, "error": None, "report": None}, None
         try:
             if before is None:
                 before = _states()
             outcome["report"] = local(tags).as_dict()
-        except Exception as e:  # every failure is reported to the group; what is not an Exception ends the process
+        except Exception as e:  # told to the group; a KeyboardInterrupt is not, and leaves the others waiting
             outcome.update(ok=False, error=_describe(e))
             cause = e
         outcomes = _gather(dist, group, size, outcome)
-        reports = [o["report"] for o in outcomes]
         if all(o["ok"] for o in outcomes):
-            out.append(reports)
+            out.append([o["report"] for o in outcomes])
             continue
-        failures = {o["rank"]: o["error"] for o in outcomes if not o["ok"]}
-        allowed = None if tags is None else [t for s in stages[k:k + 1] for t in ([s] if isinstance(s, str) else s)]
-        undo = _undo(op, before, allowed, rank)
-        undos = _gather(dist, group, size, undo)
-        undo_failures = {u["rank"]: u["error"] for u in undos if u["error"]}
-        what = f"{op} of {_name(tags)}"
-        if staged:
-            what = f"{op} of stage {k + 1} of {len(stages)} ({tags!r})"
-        message = f"torch_memory_saver: {what} failed on {_failed_on(failures, size)}"
-        undone = [u["rank"] for u in undos if u["undone"] and not u["error"]]
-        if undone:
-            message += f"; {_ranks(undone)} " + _DONE[op].format("it" if len(undone) == 1 else "they")
-        else:
-            message += f"; no rank had {'paused' if op == 'pause' else 'resumed'} anything to undo"
-        if undo_failures:
-            message += f"; undoing it failed on {_failed_on(undo_failures, size)} ({_STAYS[op]})"
-        error = GroupError(message, op, tags, failures, reports, undo_failures, k if staged else None)
-        if not outcome["ok"]:
-            raise error from cause
-        raise error
+        allowed = None if tags is None else [t for s in stages[:k + 1] for t in ([s] if isinstance(s, str) else s)]
+        undos = _gather(dist, group, size, _undo(op, before, allowed, rank))
+        error = _group_error(op, tags, k if staged else None, len(stages), outcomes, undos)
+        raise error from cause
     return out
+
+
+def _group_error(op, tags, stage, stages, outcomes, undos):
+    """The GroupError every rank raises, made from what every rank said."""
+    failures = {o["rank"]: o["error"] for o in outcomes if not o["ok"]}
+    undo_failures = {u["rank"]: u["error"] for u in undos if u["error"]}
+    undone = [u["rank"] for u in undos if u["undone"] and not u["error"]]
+    size = len(outcomes)
+    what = f"{op} of {_name(tags)}" if stage is None else f"{op} of stage {stage + 1} of {stages} ({tags!r})"
+    message = f"torch_memory_saver: {what} failed on {_failed_on(failures, size)}"
+    if undone:
+        message += f"; {_ranks(undone)} " + _DONE[op].format("it" if len(undone) == 1 else "they")
+    elif not undo_failures:
+        message += f"; no rank had {'paused' if op == 'pause' else 'resumed'} anything to undo"
+    if undo_failures:
+        message += f"; undoing it failed on {_failed_on(undo_failures, size)} ({_STAYS[op]})"
+    reports = [o["report"] for o in outcomes]
+    return GroupError(message, op, tags, failures, reports, undo_failures, stage)
 
 
 def _undo(op, before, allowed, rank):

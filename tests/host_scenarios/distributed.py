@@ -124,6 +124,11 @@ def pause_and_resume():
         reports = tmsd.resume(tags_resume)
         check_reports(reports, "resume", sizes)
         check_bytes(w)
+    e = expect(tmsd.GroupError, tmsd.resume, "w")        # a state error on every rank: nothing to undo
+    msg = check_same_error(e, rank)
+    assert msg.startswith(f"torch_memory_saver: resume of 'w' failed on {world} of {world} ranks: rank 0: Error: "), msg
+    assert msg.endswith("; no rank had resumed anything to undo") and sorted(e.failures) == list(range(world)), msg
+    check_bytes(w)
     pair = dist.new_group([1, 3])                       # every rank makes it; only its members use it
     if rank in (1, 3):
         check_reports(tmsd.pause(["w"], group=pair), "pause", [sizes[1], sizes[3]])
@@ -173,6 +178,29 @@ def resume_fault(failing):
     tmsd.resume("w")
     check_bytes(w)
     leave(rank, "paused again, then resumed")
+
+
+def undo_fault(failing, undoing):
+    """A pause fails on one rank, and undoing it (a resume) fails on another: every
+    rank raises the same GroupError naming both; what that rank could not resume
+    stays paused with its backup, and a local resume brings it back."""
+    failing, undoing = int(failing), int(undoing)
+    rank, world = join()
+    w = allocate("w", rank)
+    e = expect(tmsd.GroupError, tmsd.pause, "w")
+    msg = check_same_error(e, rank)
+    assert list(e.failures) == [failing] and list(e.undo_failures) == [undoing], (e.failures, e.undo_failures)
+    others = ", ".join(str(r) for r in range(world) if r not in (failing, undoing))
+    want = f"; ranks {others} resumed what they had paused; undoing it failed on rank {undoing} of {world}: Error: "
+    assert want in msg and msg.endswith(" (what it could not resume stays paused)"), msg
+    if rank == undoing:
+        rows = {r["ptr"]: r for r in tms.allocations()}
+        paused = [a for a in w if rows[a[0]]["state"] == "paused"]
+        assert paused, rows
+        check_backups(paused)
+        tms.resume("w")                                 # the rank's own call: the others are whole
+    check_bytes(w)
+    leave(rank, "the failed undo named; resumed on its own")
 
 
 def staged_resume(failing):
