@@ -17,6 +17,8 @@ const struct tms_backup_ops *tms_backup_ops_of(int kind)
     }
 }
 
+int tms_backup_spill_kind(void) { return TMS_BACKUP_DISK; }
+
 int tms_backup_kind_is_host(int kind) { return kind >= 0 && kind < TMS_BACKUP_KINDS && tms_backup_ops_of(kind)->host_memory; }
 
 const char *tms_backup_kind_name(int kind) { return tms_backup_ops_of(kind)->name; }

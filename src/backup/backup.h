@@ -152,6 +152,8 @@ void tms_backup_set_ranges(struct tms_backup *b, struct tms_range *ranges, size_
 /* Bytes its ranges hold. */
 size_t tms_backup_held(const struct tms_backup *b);
 
+/* The kind a host backup is made as when the host backup budget has no room for it. */
+int tms_backup_spill_kind(void);
 /* Does kind keep a host copy (a CPU backup), rather than a file? */
 int tms_backup_kind_is_host(int kind);
 /* The name of kind: "pinned", "mmap" or "disk". */

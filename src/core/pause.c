@@ -232,7 +232,7 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
         const struct tms_alloc *a = m[i].a;
         if (!a->backup) continue;
         /* Settle drops the old backup if this is another one. */
-        int kind = m[i].spill ? TMS_BACKUP_DISK : a->backup_kind;
+        int kind = m[i].spill ? tms_backup_spill_kind() : a->backup_kind;
         rc = tms_backup_for_pause(drv, kind, a->device, a->size, a->va, &m[i].copy, err);
         if (!rc) batch_add(&b, &m[i], m[i].ranges, m[i].n_ranges);
     }
