@@ -87,28 +87,32 @@ static size_t limit_bytes(size_t mem_total)
     return d->host_limit_percent ? mem_total * d->host_limit_percent / 100 : d->host_limit_bytes;  /* < 2^57 bytes: no overflow */
 }
 
+/* statx, not stat/fstat: those are GLIBC_2.33 symbols, the wheel targets 2.28. */
+static int stat_path(const char *path, struct statx *st) { return statx(AT_FDCWD, path, 0, STATX_BASIC_STATS, st); }
+static int stat_fd(int fd, struct statx *st) { return statx(fd, "", AT_EMPTY_PATH, STATX_BASIC_STATS, st); }
+
 static int open_ledger_locked(struct tms_err *err)
 {
     if (ledger_fd >= 0) return TMS_OK;
     char dir[128], name[96];
-    struct stat st;
-    const char *base = stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) ? "/dev/shm" : "/tmp";
+    struct statx st;
+    const char *base = stat_path("/dev/shm", &st) == 0 && S_ISDIR(st.stx_mode) ? "/dev/shm" : "/tmp";
     snprintf(dir, sizeof dir, "%s/tms-ledger-%u", base, (unsigned)geteuid());
     if (mkdir(dir, 0700) != 0 && errno != EEXIST)
         return tms_fail(err, TMS_E_IO, errno, "cannot make the host backup ledger directory %s: %s", dir, strerror(errno));
     int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (dfd < 0) return tms_fail(err, TMS_E_IO, errno, "cannot open the ledger directory %s: %s", dir, strerror(errno));
-    if (fstat(dfd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077)) {
+    if (stat_fd(dfd, &st) != 0 || st.stx_uid != geteuid() || (st.stx_mode & 077)) {
         close(dfd);
         return tms_fail(err, TMS_E_IO, EPERM, "the ledger directory %s is not this user's alone (owner %u, mode %o)",
-                        dir, (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777));
+                        dir, (unsigned)st.stx_uid, (unsigned)(st.stx_mode & 07777));
     }
     snprintf(name, sizeof name, "%s.ledger", tms_defaults()->host_limit_name);
     int fd = openat(dfd, name, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
     int e = errno;
     close(dfd);
     if (fd < 0) return tms_fail(err, TMS_E_IO, e, "cannot open the ledger %s/%s: %s", dir, name, strerror(e));
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+    if (stat_fd(fd, &st) != 0 || !S_ISREG(st.stx_mode) || st.stx_uid != geteuid()) {
         close(fd);
         return tms_fail(err, TMS_E_IO, EPERM, "the ledger %s/%s is not a file of this user", dir, name);
     }
