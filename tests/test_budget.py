@@ -30,6 +30,11 @@ class Holder:
         assert err == "", err
         return out
 
+    def resume_and_stay(self):
+        self.proc.stdin.write("resume\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline() == "done\n", self.proc.stderr.read()
+
     def kill(self):
         self.proc.send_signal(signal.SIGKILL)
         self.proc.communicate(timeout=60)
@@ -76,6 +81,16 @@ def test_a_killed_process_gives_its_reservation_back(tmp_path):
     after = Holder(env)
     assert after.state["error"] is None and after.state["budget"]["reserved"] == 32 * MiB, after.state
     assert after.finish() == "done\n"
+
+
+def test_a_resume_gives_the_reservation_back_while_the_process_lives(tmp_path):
+    env = _env(tmp_path, TMS_HOST_BACKUP_LIMIT="48MiB")
+    first = Holder(env)
+    first.resume_and_stay()                           # alive, its backups released
+    second = Holder(env)                              # needs 32 MiB: fits only if the first's record says 0
+    assert second.state["error"] is None and second.state["budget"]["reserved"] == 32 * MiB, second.state
+    assert second.finish() == "done\n"
+    assert first.finish("") == ""
 
 
 def _meminfo(tmp_path, total_gib, available_gib):

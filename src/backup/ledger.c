@@ -34,6 +34,8 @@ struct record {
 static pthread_mutex_t ledger_lock = PTHREAD_MUTEX_INITIALIZER;
 static int ledger_fd = -1;        /* guarded by ledger_lock; -1 until first use with a budget */
 static size_t mine;               /* guarded by ledger_lock */
+static size_t my_slot = SIZE_MAX; /* guarded by ledger_lock: where this process's record is while it holds bytes */
+static uint64_t my_start;         /* guarded by ledger_lock: this process's start time, 0 until read */
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
 /* A child has no reservation of its own, and its own open file description:
@@ -45,6 +47,8 @@ static void ledger_fork_child(void)
     if (ledger_fd >= 0) close(ledger_fd);
     ledger_fd = -1;
     mine = 0;
+    my_slot = SIZE_MAX;
+    my_start = 0;
     pthread_mutex_unlock(&ledger_lock);
 }
 static void fork_setup(void) { (void)pthread_atfork(ledger_fork_prepare, ledger_fork_parent, ledger_fork_child); }
@@ -123,6 +127,14 @@ static int open_ledger_locked(struct tms_err *err)
 /* Under the file lock: the live reservations of the other processes, and the
  * slot of this process's record (a free one if it has none). Clears the
  * records of processes that are gone. */
+static uint64_t my_start_locked(void)
+{
+    if (!my_start) my_start = process_start(getpid());
+    return my_start;
+}
+
+static size_t add_saturating(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
+
 static int scan_locked(size_t *others, size_t *slot, struct tms_err *err)
 {
     static struct record recs[MAX_RECORDS];  /* guarded by ledger_lock */
@@ -130,16 +142,16 @@ static int scan_locked(size_t *others, size_t *slot, struct tms_err *err)
     if (got < 0) return tms_fail(err, TMS_E_IO, errno, "cannot read the host backup ledger: %s", strerror(errno));
     size_t n = (size_t)got / sizeof *recs, free_slot = SIZE_MAX, own = SIZE_MAX;
     pid_t me = getpid();
-    uint64_t my_start = process_start(me);
+    uint64_t start = my_start_locked();
     *others = 0;
     for (size_t i = 0; i < n; i++) {
         struct record *r = &recs[i];
-        if (r->pid == me && r->start == my_start) {
+        if (r->pid == me && r->start == start) {
             own = i;
             continue;
         }
         if (r->pid > 0 && r->bytes && process_start(r->pid) == r->start) {
-            *others += r->bytes;
+            *others = add_saturating(*others, (size_t)r->bytes);  /* a corrupt record must not wrap the sum */
             continue;
         }
         if (r->pid || r->bytes) {  /* its process is gone: its reservation with it */
@@ -154,13 +166,14 @@ static int scan_locked(size_t *others, size_t *slot, struct tms_err *err)
     return TMS_OK;
 }
 
+/* A record of 0 bytes frees the slot: another process may take it next. */
 static int write_mine_locked(size_t slot, size_t bytes, struct tms_err *err)
 {
-    pid_t me = getpid();
-    struct record r = {.pid = me, .start = process_start(me), .bytes = bytes};
+    struct record r = {.pid = getpid(), .start = my_start_locked(), .bytes = bytes};
     if (!bytes) r = (struct record){0};
     if (pwrite(ledger_fd, &r, sizeof r, (off_t)(slot * sizeof r)) != (ssize_t)sizeof r)
         return tms_fail(err, TMS_E_IO, errno, "cannot write the host backup ledger: %s", strerror(errno));
+    my_slot = bytes ? slot : SIZE_MAX;
     return TMS_OK;
 }
 
@@ -207,7 +220,7 @@ int tms_ledger_reserve(size_t bytes, size_t *free_bytes, struct tms_err *err)
         pthread_mutex_unlock(&ledger_lock);
         return rc;
     }
-    size_t used = others + mine, room = limit > used ? limit - used : 0;
+    size_t used = add_saturating(others, mine), room = limit > used ? limit - used : 0;
     if (free_bytes) *free_bytes = room;
     if (bytes > room)
         rc = tms_fail(err, TMS_E_HOST_OOM, ENOMEM,
@@ -227,10 +240,11 @@ void tms_ledger_release(size_t bytes)
     if (!bytes) return;
     pthread_mutex_lock(&ledger_lock);
     mine = bytes < mine ? mine - bytes : 0;
-    size_t others, slot;
-    struct tms_err err = {0};
-    if (ledger_fd >= 0 && with_ledger(&others, &slot, &err) == TMS_OK) {
-        (void)write_mine_locked(slot, mine, &err);
+    /* Only this process's own record changes: no scan of the others (a resume
+     * releases each allocation's backup on the copy workers). */
+    if (ledger_fd >= 0 && my_slot != SIZE_MAX && flock(ledger_fd, LOCK_EX) == 0) {
+        struct tms_err err = {0};
+        (void)write_mine_locked(my_slot, mine, &err);
         (void)flock(ledger_fd, LOCK_UN);
     }
     pthread_mutex_unlock(&ledger_lock);
@@ -248,7 +262,7 @@ int tms_ledger_info(struct tms_ledger_info *info, struct tms_err *err)
     int rc = TMS_OK;
     size_t others = 0, slot;
     if (info->limit && (rc = with_ledger(&others, &slot, err)) == TMS_OK) (void)flock(ledger_fd, LOCK_UN);
-    info->reserved = others + mine;
+    info->reserved = add_saturating(others, mine);
     pthread_mutex_unlock(&ledger_lock);
     return rc;
 }

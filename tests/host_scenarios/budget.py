@@ -5,8 +5,8 @@ errors that change nothing, and the 5 % of host memory kept available without on
 hold <count> <mib>: allocates count allocations of mib MiB with CPU backup, fills them
 with random bytes, pauses, prints one JSON line (pause error or not, where each backup
 went, host_budget()), then waits for a line on stdin: "resume" resumes and checks
-every byte (all of them, or those of a pause that failed: nothing moved), then prints
-"done"; "stay" exits at once, paused."""
+every byte (all of them, or those of a pause that failed: nothing moved), prints
+"done" and waits for one more line; "stay" exits at once, paused."""
 import json
 import sys
 import tempfile
@@ -38,6 +38,7 @@ def hold(count, mib):
     assert all(read(p, size) == d for p, d in zip(ptrs, data)), "bytes differ after resume"
     assert torch_memory_saver.host_budget()["mine"] == 0
     print("done", flush=True)
+    sys.stdin.readline()  # alive until told: its record must say it holds nothing now
 
 
 if __name__ == "__main__":
