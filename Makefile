@@ -10,11 +10,15 @@ build:
 	TMS_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace
 
 # An editable install of this tree into the current environment (offline, with the
-# environment's setuptools). Once this tree is installed editable, the in-place build
-# is what the install runs, so only changed sources are compiled again.
+# environment's setuptools), from any state: nothing installed, a regular install or
+# an editable one of another tree. pip builds before it removes what was installed, so
+# a failed build leaves the old install in place. Once this tree is installed
+# editable, the in-place build is what the install runs and only changed sources
+# are compiled again.
 reinstall: build
-	@cd / && $(PYTHON) -c "$$EDITABLE_HERE" "$(CURDIR)" 2>/dev/null || { \
-	  $(PYTHON) -m pip uninstall -y torch_memory_saver >/dev/null 2>&1 || true; \
+	@$(PYTHON) -I -c "$$EDITABLE_HERE" "$(CURDIR)" 2>/dev/null || { \
+	  $(PYTHON) -c "import setuptools.command.bdist_wheel" 2>/dev/null || $(PYTHON) -c "import wheel" 2>/dev/null \
+	    || $(PYTHON) -m pip install -q wheel; \
 	  TMS_WERROR=1 $(PYTHON) -m pip install -q --no-build-isolation -e .; }
 
 define EDITABLE_HERE
@@ -24,14 +28,17 @@ sys.exit(0 if url.get("dir_info", {}).get("editable") and url.get("url") == "fil
 endef
 export EDITABLE_HERE
 
-# torch and pytest only if missing: `pip install torch==2.13.0` takes the CPU
-# wheel from disk on CI machines; GPU machines already have their torch.
-# auditwheel checks the wheel's manylinux tag; where it cannot be had (no
-# network, as on the lent GPU machines) that one test skips.
-# pytest-xdist runs the suite on two workers; without it (no network) the
-# suite runs on one.
+# Each only if missing: `pip install torch==2.13.0` takes the CPU wheel from
+# disk on CI machines; GPU machines already have their torch, which must not be
+# replaced. numpy: the torch wheel does not pull it in, and without it torch warns
+# on every import. auditwheel checks the wheel's manylinux tag; where it cannot be
+# had (no network, as on the lent GPU machines) that one test skips.
+# pytest-xdist runs the suite on two workers; without it (no network) the suite
+# runs on one.
 deps:
-	@$(PYTHON) -c "import torch, pytest" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0 pytest
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
+	@$(PYTHON) -c "import numpy" 2>/dev/null || $(PYTHON) -m pip install -q numpy
+	@$(PYTHON) -c "import pytest" 2>/dev/null || $(PYTHON) -m pip install -q pytest
 	@$(PYTHON) -c "import xdist" 2>/dev/null || $(PYTHON) -m pip install -q pytest-xdist 2>/dev/null || true
 	@$(PYTHON) -c "import auditwheel" 2>/dev/null || $(PYTHON) -m pip install -q auditwheel 2>/dev/null || true
 
@@ -120,5 +127,6 @@ fuzz:
 	$(BUILD_DIR)-fuzz/fuzz_core_libfuzzer -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=30 build/fuzz-corpus
 
 clean:
-	rm -rf build dist *.egg-info torch_memory_saver/_tms_*.so torch_memory_saver_hook_mode_*.abi3.so
+	rm -rf build dist *.egg-info torch_memory_saver/_tms_*.so torch_memory_saver_hook_mode_*.abi3.so \
+	    torch_memory_saver/include
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -10,6 +10,7 @@ import os
 import platform
 import shlex
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -91,6 +92,53 @@ ENV_MODULE = Extension(f"{NAME}._tms_env", sources=src(BUILD["env"]), depends=HE
                        py_limited_api=True)
 
 
+def _depfile_inputs(path):
+    """The files a `-MMD` dependency file lists (the source and every header it read)."""
+    text = path.read_text().replace("\\\n", " ")
+    return text.split(":", 1)[1].split() if ":" in text else []
+
+
+def _up_to_date(obj, command):
+    """True if obj was compiled by this very command and no input it read changed since."""
+    obj = Path(obj)
+    stamp, deps = obj.with_suffix(".cmd"), obj.with_suffix(".d")
+    try:
+        if stamp.read_text() != command:
+            return False
+        built = obj.stat().st_mtime_ns
+        return all(Path(f).stat().st_mtime_ns <= built for f in _depfile_inputs(deps))
+    except OSError:
+        return False
+
+
+def _incremental_parallel(compiler):
+    """Makes `compiler.compile` skip objects whose inputs did not change (a dependency
+    file per object, written by the compiler) and compile the others in parallel:
+    setuptools alone recompiles every source of an extension when one changes."""
+
+    def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=0, extra_preargs=None,
+                extra_postargs=None, depends=None):
+        macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+            output_dir, macros, include_dirs, sources, depends, extra_postargs)
+        cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+
+        def one(obj):
+            src, ext = build[obj]
+            command = shlex.join(compiler.compiler_so + cc_args + extra_postargs + [src])
+            if _up_to_date(obj, command):
+                return
+            Path(obj).with_suffix(".cmd").unlink(missing_ok=True)
+            deps = ["-MMD", "-MF", str(Path(obj).with_suffix(".d"))]
+            compiler._compile(obj, src, ext, cc_args, extra_postargs + deps, pp_opts)
+            Path(obj).with_suffix(".cmd").write_text(command)
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(one, [obj for obj in objects if obj in build]))
+        return objects
+
+    compiler.compile = compile
+
+
 class BuildExt(build_ext):
     """The extensions, then the shims beside the package and the public header in it."""
 
@@ -98,7 +146,18 @@ class BuildExt(build_ext):
         # The interpreter's own link flags may carry an rpath to its build tree
         # (pyenv, conda): no path of the build machine goes into the libraries.
         self.compiler.linker_so = [a for a in self.compiler.linker_so if not a.startswith("-Wl,-rpath")]
+        _incremental_parallel(self.compiler)
         super().build_extensions()
+
+    def build_extension(self, ext):
+        # The two variants compile the same sources with different macros: each
+        # keeps its objects in a folder of its own.
+        shared_temp = self.build_temp
+        self.build_temp = os.path.join(shared_temp, ext.name.rsplit(".", 1)[-1])
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = shared_temp
 
     def run(self):
         super().run()
@@ -112,7 +171,8 @@ class BuildExt(build_ext):
         shutil.copyfile(ROOT / "include" / "torch_memory_saver.h", header)
 
     def _link_shim(self, variant, library, out):
-        objects = self.compiler.compile([str(ROOT / "src" / BUILD["shim"][0])], output_dir=self.build_temp,
+        objects = self.compiler.compile([str(ROOT / "src" / BUILD["shim"][0])],
+                                        output_dir=os.path.join(self.build_temp, f"shim_{variant}"),
                                         macros=[(f"TMS_SHIM_{variant.upper()}", None)],
                                         extra_postargs=_compile_flags(sanitized=False))
         # --no-as-needed first: the shim references nothing in the library, and

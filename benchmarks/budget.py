@@ -85,9 +85,9 @@ def run_row(case, share, args, total):
     if share is not None:
         env["TMS_HOST_BACKUP_LIMIT"] = str(max(1, int(total * share)))  # 1 byte: nothing fits
         env["TMS_SPILL_TO_DISK"] = "1"
-    disk_dir = tempfile.mkdtemp(prefix="tms-bench-budget-", dir=os.environ.get("TMS_BENCH_DISK_DIR"))
-    wargs = {"case": case, "total": total, "tensors": 16, "disk_dir": disk_dir, "dry_run": args.dry_run}
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+    with tempfile.TemporaryDirectory(prefix="tms-bench-budget-", dir=os.environ.get("TMS_BENCH_DISK_DIR")) as disk_dir, \
+            tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        wargs = {"case": case, "total": total, "tensors": 16, "disk_dir": disk_dir, "dry_run": args.dry_run}
         doc, rc, timed_out, tail = run_worker("budget", wargs, out.name, env, timeout=600)
     if rc != 0:
         why = "killed after 600 s" if timed_out else f"exit {rc}"

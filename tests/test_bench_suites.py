@@ -45,9 +45,12 @@ STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend
          "budget": "budget_host-backend-dry-run"}
 
 
-def _bench(*args, timeout=240):
+def _bench(*args, timeout=240, tmpdir=None):
+    env = {"TMS_BACKEND": "host", "PATH": "/usr/bin:/bin"}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={"TMS_BACKEND": "host", "PATH": "/usr/bin:/bin"})
+                          text=True, timeout=timeout, env=env)
 
 
 def _header(text):
@@ -57,8 +60,11 @@ def _header(text):
 
 @pytest.mark.parametrize("suite", DRY_RUNS)
 def test_each_suite_dry_run_writes_its_report_through_the_one_writer(suite, tmp_path):
-    proc = _bench(suite, "--dry-run", "--out", str(tmp_path))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = _bench(suite, "--dry-run", "--out", str(tmp_path), tmpdir=scratch)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert not any(scratch.iterdir()), f"the {suite} suite left {sorted(p.name for p in scratch.iterdir())} behind"
     stem = STEMS[suite]
     doc = json.loads((tmp_path / f"{stem}.json").read_text())
     meta = doc["meta"]

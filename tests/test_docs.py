@@ -199,3 +199,48 @@ def test_link_checker_catches_a_broken_link(tmp_path):
     broken = [(t, a) for t, a in links
               if not (tmp_path / t).exists() or (a and a not in _anchors(tmp_path / t))]
     assert broken == [("missing.md", ""), ("there.md", "nope")]
+
+
+# ---- what the docs list is what there is -----------------------------------------------
+
+NUMBERS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
+
+
+def _benchmark_suites():
+    """The suites `python -m benchmarks --help` lists (it imports no torch)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    return re.findall(r"^  (\w+)\s", out.split("suites:", 1)[1], re.M)
+
+
+def _section(path, heading):
+    """The text of `path` from the heading `heading` to the next heading of its level or above."""
+    text = path.read_text(encoding="utf-8")
+    m = re.search(rf"^(#+) {re.escape(heading)}\s*$", text, re.M)
+    assert m, f"{path.name} has no heading {heading!r}"
+    end = re.search(rf"^#{{1,{len(m.group(1))}}} ", text[m.end():], re.M)
+    return text[m.end():m.end() + end.start()] if end else text[m.end():]
+
+
+def test_the_docs_list_every_benchmark_suite():
+    suites = _benchmark_suites()
+    assert len(suites) >= 6 and "run" in suites and "budget" in suites, suites
+    for path, heading in ((DOCS / "design.md", "Benchmarks"), (DOCS / "performance.md", "Running the benchmarks")):
+        text = _section(path, heading)
+        missing = [s for s in suites if f"`{s}`" not in text]
+        assert not missing, f"{path.name}, section {heading!r}, does not name the suites {missing}"
+        for word in re.findall(r"\b(\w+) suites\b", text):
+            if word in NUMBERS.values():
+                assert word == NUMBERS.get(len(suites)), f"{path.name} says {word} suites; there are {len(suites)}"
+
+
+def test_design_source_map_names_every_source_file():
+    block = next(b for b in re.findall(r"```\n(.*?)```", (DOCS / "design.md").read_text(encoding="utf-8"), re.S)
+                 if "include/torch_memory_saver.h" in b)
+    named = set(re.findall(r"[\w.]+\.(?:c|h|py)\b", block))
+    sources = [*(REPO / "src").rglob("*.[ch]"), *(REPO / "torch_memory_saver").glob("*.py")]
+    missing = sorted(p.relative_to(REPO).as_posix() for p in sources if p.name not in named)
+    assert not missing, f"docs/design.md's source map leaves out {missing}"

@@ -1,4 +1,4 @@
-"""Command line: `python -m torch_memory_saver {demo,info,preload-path,run}`."""
+"""Command line: `python -m torch_memory_saver {demo,info,memory-report,preload-path,run}`."""
 import argparse
 import os
 import sys
@@ -117,6 +117,8 @@ def _parser():
 
 
 def main(argv=None):
+    from ._errors import Error
+
     args = _parser().parse_args(argv)
     try:
         rc = args.fn(args)
@@ -129,6 +131,10 @@ def main(argv=None):
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 0
+    except (Error, OSError, ValueError) as e:
+        # What the library says is the whole message: no GPU, a bad setting, a path.
+        print(f"{_prog()} {args.cmd}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

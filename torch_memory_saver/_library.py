@@ -27,6 +27,26 @@ def check_environment():
     importlib.import_module("torch_memory_saver._tms_env")
 
 
+def warn_unknown_variables():
+    """A TMS_* variable the library does not read is most likely a misspelt one:
+    a RuntimeWarning names it and the variable it is close to; one close to none
+    (another program's) is named only at TMS_LOG=debug."""
+    import difflib
+    import sys
+    import warnings
+
+    env = importlib.import_module("torch_memory_saver._tms_env")
+    known = env.names()
+    for name in sorted(n for n in os.environ if n.startswith("TMS_") and not env.is_known(n)):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if close:
+            warnings.warn(f"torch_memory_saver: {name} is not a variable of this library and is ignored; "
+                          f"did you mean {close[0]}?", RuntimeWarning, stacklevel=3)
+        elif os.environ.get("TMS_LOG") == "debug":
+            print(f"[torch_memory_saver {os.getpid()}] {name} is not a variable of this library; ignored",
+                  file=sys.stderr)
+
+
 def path(hook_mode: str) -> str:
     """Absolute path of a variant's shared library, without importing it."""
     spec = importlib.util.find_spec(module_name(hook_mode))

@@ -49,7 +49,7 @@ class GroupError(Error):
     op: "pause" or "resume"; tags: the tags of the failed call (of the failed
     stage in a staged resume); stage: the index into `stages` of the failed stage,
     None for an unstaged call; failures: {group rank: "ExceptionType: message"};
-    reports: per group rank, the report dict of its call, None where it failed;
+    reports: per group rank, the Report of its call, None where it failed;
     undo_failures: {group rank: error} of the undos that failed in turn."""
 
     def __init__(self, message, op=None, tags=None, failures=None, reports=None, undo_failures=None, stage=None):
@@ -66,16 +66,16 @@ class GroupError(Error):
 
 def pause(tags=None, group=None):
     """Pauses `tags` (a tag, a list of tags, or None: every tag) on every rank of
-    `group` (None: the default group), all or nothing. Returns the report dicts
-    (Report.as_dict()) of every rank, indexed by group rank; raises GroupError,
-    the same on every rank, after undoing, if any rank failed."""
+    `group` (None: the default group), all or nothing. Returns every rank's
+    Report (as torch_memory_saver.pause returns), indexed by group rank; raises
+    GroupError, the same on every rank, after undoing, if any rank failed."""
     tags = _check_tags("pause", tags)
     return _run("pause", [tags], False, group)[0]
 
 
 def resume(tags=None, group=None, *, stages=None):
     """Resumes `tags` (as pause) on every rank of `group`, all or nothing. Returns
-    every rank's report dict, indexed by group rank.
+    every rank's Report, indexed by group rank.
 
     stages=[[...], [...]] resumes stage after stage, the ranks agreeing after
     each; returns one list of reports per stage. A failure at any stage pauses
@@ -106,7 +106,7 @@ def _check_tags(op, tags):
         tags = list(tags)
     if isinstance(tags, list):
         bad = [type(t).__name__ for t in tags if not isinstance(t, str)]
-        what = bad and f"a list holding a {bad[0]}"
+        what = bad and f"a list holding {'an' if bad[0][:1] in 'aeiou' else 'a'} {bad[0]}"
     else:
         what = not (tags is None or isinstance(tags, str)) and type(tags).__name__
     if what:
@@ -224,7 +224,7 @@ def _run(op, stages, staged, group):
         try:
             if before is None:
                 before = _states()
-            outcome["report"] = local(tags).as_dict()
+            outcome["report"] = local(tags)
         except Exception as e:  # told to the group; a KeyboardInterrupt is not, and leaves the others waiting
             outcome.update(ok=False, error=_describe(e))
             cause = e

@@ -14,10 +14,14 @@ logger = logging.getLogger("torch_memory_saver")
 _TAG_DEFAULT = "default"
 
 
+def _article(noun):
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
+
+
 def _check_type(value, types, what):
     """Arguments are converted here; what they mean is checked by the core."""
     if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
-        names = " or ".join("None" if t is type(None) else f"a {t.__name__}" for t in types)
+        names = " or ".join("None" if t is type(None) else _article(t.__name__) for t in types)
         raise TypeError(f"torch_memory_saver: {what} must be {names}, not {type(value).__name__}")
 
 
@@ -311,6 +315,12 @@ class TorchMemorySaver:
         reserved whose memory is released. Asks the driver and, with torch,
         takes one allocator snapshot: not for every step. Devices with nothing
         of ours or PyTorch's appear only if listed in `devices`."""
+        if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+            raise TypeError(f"torch_memory_saver: memory_report(devices=...) takes device indices (a list of ints), "
+                            f"not {type(devices).__name__}")
+        devices = list(devices)
+        for d in devices:
+            _check_type(d, (int,), f"memory_report(devices=...): device {d!r}")
         impl = self._ensure_initialized()
         return _report.memory_report(impl.core, impl.on_gpu(), devices)
 
@@ -330,7 +340,11 @@ class TorchMemorySaver:
             raise TypeError(f"torch_memory_saver: device must be an int or None, not {type(device).__name__}")
         if device is not None and device < 0:
             raise ValueError(f"torch_memory_saver: device must be >= 0 (or None: the current one), got {device}")
-        core = self._ensure_initialized().core
+        impl = self._ensure_initialized()
+        if impl.disabled_here() and not impl.core.get_region()[0]:  # a region inside disable() allocates
+            raise ValueError(f"torch_memory_saver: malloc of {nbytes} bytes inside disable(): memory allocated "
+                             f"there is ordinary, not the library's; call malloc() outside disable()")
+        core = impl.core
         return core.malloc(nbytes) if device is None else core.malloc(nbytes, device)
 
     def free(self, ptr: int) -> None:
@@ -435,6 +449,7 @@ class _Impl:
         self._pools = {}
         self._pools_lock = threading.Lock()
         self._scratch = _scratch.ScratchPools()
+        self._disabled = threading.local()  # depth of this thread's disable() blocks
         self._allocator = None
         self._on_gpu = None
         self._warm = False
@@ -512,8 +527,21 @@ class _Impl:
             with self._thread_region(True, tag, backup, kind, disk):
                 yield
 
+    def disabled_here(self) -> bool:
+        """True inside a disable() block of this thread."""
+        return getattr(self._disabled, "depth", 0) > 0
+
     @contextlib.contextmanager
     def disable(self):
+        self._disabled.depth = getattr(self._disabled, "depth", 0) + 1
+        try:
+            with self._disable():
+                yield
+        finally:
+            self._disabled.depth -= 1
+
+    @contextlib.contextmanager
+    def _disable(self):
         _, tag, backup, kind, disk = self.core.get_region()
         if not self.on_gpu():
             with self._thread_region(False, tag, backup, kind, disk):

@@ -737,7 +737,7 @@ static PyObject *py_mem_get_info(PyObject *module, PyObject *args)
 {
     int device;
     if (!PyArg_ParseTuple(args, "i:mem_get_info", &device)) return NULL;
-    if (device < 0) return PyErr_Format(PyExc_ValueError, "mem_get_info: device must be >= 0, got %d", device);
+    if (device < 0) return PyErr_Format(PyExc_ValueError, "torch_memory_saver: device must be >= 0, got %d", device);
     struct tms_err err = {0};
     size_t free_bytes = 0, total = 0;
     int rc;

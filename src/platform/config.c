@@ -263,6 +263,35 @@ int tms_env_check(struct tms_err *err)
     return first->status;
 }
 
+static const char *const env_names[] = {
+    /* the process defaults and the host backend, above */
+    "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "TMS_INIT_ENABLE_DISK_BACKUP", "TMS_INIT_CPU_BACKUP_BACKEND",
+    "TMS_RETAIN_CPU_BACKUP", "TMS_RELOC_HOOKS", "TMS_DISK_BACKUP_TRUST_DIR", "TMS_DISK_BACKUP_CHUNK_MB",
+    "TMS_PROGRESS", "TMS_BACKUP_LIVE_ONLY", "TMS_SPILL_TO_DISK", "TMS_HOST_MEMORY_SAFETY",
+    "TMS_HOST_BACKUP_LIMIT", "TMS_HOST_BACKUP_LIMIT_NAME", "TMS_BACKUP_THREADS", "TMS_BACKUP_BLOCK_BYTES",
+    "TMS_CHUNK_BYTES", "TMS_LOG", "TMS_PLATFORM", "TMS_BACKEND", "TMS_HOST_DEVICE_BYTES", "TMS_HOST_DEVICES",
+    "TMS_HOST_NUMA_NODE", "TMS_FAULT", "TMS_HOST_COPY_GATE",
+    /* read where they are used: the disk directory, the ledger's and ROCm's test seams */
+    "TMS_DISK_BACKUP_DIR", "TMS_HOST_MEMINFO", "TMS_HIP_LIBRARY",
+    /* the command line's and the build's */
+    "TMS_DEMO_REEXEC", "TMS_WERROR", "TMS_EXTRA_CFLAGS",
+};
+
+const char *tms_env_name(size_t i)
+{
+    return i < sizeof env_names / sizeof *env_names ? env_names[i] : NULL;
+}
+
+int tms_env_known(const char *name)
+{
+    static const char *const families[] = {"TMS_BENCH_", "TMS_TEST_", "TMS_FUZZ_"};
+    for (size_t i = 0; tms_env_name(i); i++)
+        if (strcmp(name, env_names[i]) == 0) return 1;
+    for (size_t i = 0; i < sizeof families / sizeof *families; i++)
+        if (strncmp(name, families[i], strlen(families[i])) == 0) return 1;
+    return 0;
+}
+
 const struct tms_defaults *tms_defaults(void)
 {
     pthread_once(&defaults_once, load_all);

@@ -84,6 +84,13 @@ const struct tms_host_env *tms_host_env(void);
  * torch_memory_saver` to raise (module_env.c): TMS_OK if none. */
 int tms_env_check(struct tms_err *err);
 
+/* 1 if the library, its command line or its build reads the variable `name`
+ * (a TMS_* name; the TMS_BENCH_, TMS_TEST_ and TMS_FUZZ_ families belong to the
+ * project's benchmarks and tests), else 0: what a misspelt variable is told by. */
+int tms_env_known(const char *name);
+/* The i-th of the variables tms_env_known names one by one, NULL past the last. */
+const char *tms_env_name(size_t i);
+
 /* The calling thread's settings, initialised from the defaults on first use. */
 struct tms_region *tms_region_current(void);
 

@@ -4,6 +4,7 @@ settings around first use, argument errors of the native module, the environment
 sizes and booleans as parsed, the one public exception type, public malloc/free, and
 the command line's usage line, and no CUDA driver (tests/test_build.py)."""
 import ast
+import os
 import sys
 
 import torch_memory_saver
@@ -169,6 +170,60 @@ def no_driver():
             assert type(e) is torch_memory_saver.Error, type(e)
         else:
             raise AssertionError("pause() without a driver succeeded")
+    print("done")
+
+
+def module_level_calls(names):
+    """Every member README lists (names, comma-separated) is on the module, and the
+    module's calls act on the singleton: a region entered on the module, a pause
+    and resume through it, a setting assigned on it."""
+    import torch_memory_saver as m
+
+    for name in names.split(","):
+        assert hasattr(m, name), f"torch_memory_saver.{name} is missing"
+        assert hasattr(tms, name), f"torch_memory_saver.torch_memory_saver.{name} is missing"
+    with m.region("w", enable_cpu_backup=True):
+        p = m.malloc(2 * MiB)
+    data = fill(p, 2 * MiB)
+    assert m.pause("w").released_bytes == 2 * MiB and m.is_paused("w") and m.paused_tags() == ["w"]
+    assert tms.is_paused("w")                          # one state: the singleton's
+    m.resume("w")
+    assert read(p, 2 * MiB) == data and not m.is_paused("w")
+    m.progress = True
+    assert tms.progress is True and m.progress is True
+    assert m.enabled is True and m.disk_backup_dir == tms.disk_backup_dir
+    expect(AttributeError, setattr, m, "enabled", False)
+    with m.disable():
+        expect(ValueError, m.malloc, MiB, match="inside disable()")
+    m.free(p)
+    print("done")
+
+
+def disk_dir_with_missing_parents(base):
+    """set_disk_backup_dir of a path whose parents are missing makes each of them,
+    mode 0700 and owned by this user, as upstream makes the whole tree."""
+    import stat
+
+    target = os.path.join(base, "a", "b", "c")
+    tms.set_disk_backup_dir(target)
+    assert tms.disk_backup_dir == target, tms.disk_backup_dir
+    for d in (os.path.join(base, "a"), os.path.join(base, "a", "b"), target):
+        st = os.stat(d)
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid(), (d, oct(st.st_mode), st.st_uid)
+    print("done")
+
+
+def memory_report_arguments():
+    """memory_report(devices=...) takes a list of ints; anything else says so."""
+    for bad, kind, text in (("0", TypeError, "takes device indices (a list of ints), not str"),
+                            (5, TypeError, "not int"),
+                            ([1.5], TypeError, "device 1.5 must be an int, not float"),
+                            ([True], TypeError, "must be an int, not bool"),
+                            ([-1], ValueError, "device must be >= 0, got -1"),
+                            ([99], ValueError, "device 99 does not exist")):
+        e = expect(kind, tms.memory_report, bad, match=text)
+        assert str(e).startswith("torch_memory_saver: "), str(e)
+    assert sorted(tms.memory_report([0, 1])) == [0, 1]
     print("done")
 
 

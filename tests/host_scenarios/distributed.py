@@ -22,7 +22,7 @@ import torch.multiprocessing
 
 import torch_memory_saver
 from _prelude import MiB, core, expect, fill, read, tms
-from torch_memory_saver import distributed as tmsd
+from torch_memory_saver import Report, distributed as tmsd
 
 KiB = 1 << 10
 
@@ -86,10 +86,12 @@ def check_backups(allocs):
 
 
 def check_reports(reports, op, want):
-    """reports: one dict per rank, in rank order, each of op, released bytes as want[rank]."""
+    """reports: one Report per rank, in rank order, each of op, released bytes as want[rank]."""
     assert len(reports) == len(want), reports
     for rank, (report, n) in enumerate(zip(reports, want)):
-        assert report["op"] == op and report["released_bytes"] == n, (rank, report, n)
+        assert isinstance(report, Report), (rank, report)
+        assert report.op == op and report.released_bytes == n, (rank, report, n)
+        assert report.as_dict()["released_bytes"] == n and sum(d.released_bytes for d in report.devices.values()) == n
 
 
 def gather(obj):
@@ -119,7 +121,7 @@ def pause_and_resume():
     for tags_pause, tags_resume in (("w", ["w"]), (None, None)):
         reports = tmsd.pause(tags_pause)
         check_reports(reports, "pause", sizes)
-        assert [r["copied_bytes"] for r in reports] == copied, reports
+        assert [r.copied_bytes for r in reports] == copied, reports
         check_backups(w)
         reports = tmsd.resume(tags_resume)
         check_reports(reports, "resume", sizes)

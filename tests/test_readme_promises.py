@@ -1,0 +1,198 @@
+"""What README tells a new user holds: every member it lists exists on the module as
+on the singleton, its calls are shown as they are used, the command line answers in
+one line, a misspelt variable is named, and the Makefile's commands do what they say."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, check_ok, child_env, libcuda_present
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def readme_members():
+    """The names in the first column of README's table of the singleton's members."""
+    table = README.split("| member of `torch_memory_saver.torch_memory_saver` |", 1)[1].split("\n\n", 1)[0]
+    names = []
+    for line in table.splitlines()[2:]:
+        cell = line.replace("\\|", "/").split("|")[1]
+        names += re.findall(r"`([a-z_]+)(?=[(` =])", cell)
+    return sorted(set(names))
+
+
+def test_readme_member_table_is_read():
+    members = readme_members()
+    assert {"region", "pause", "resume", "is_paused", "paused_tags", "disable", "cuda_graph", "hook_mode",
+            "preload_method", "get_cpu_backup", "set_disk_backup_dir", "disk_backup_dir", "malloc", "free",
+            "memory_report", "host_budget", "stats"} <= set(members), members
+
+
+def test_every_member_readme_lists_is_on_the_module_and_acts_on_the_singleton(run_scenario):
+    out = check_ok(run_scenario("api", "module_level_calls", ",".join(readme_members())))
+    assert out == "done\n"
+
+
+def test_module_level_names_readme_promises_exist():
+    import torch_memory_saver
+
+    said = README.split("Module level:", 1)[1].split("\n\n", 1)[0]
+    said = re.sub(r"\([^()]{2,}\)", "", said)                        # what each is, in parentheses
+    names = re.findall(r"`(?:with )?([A-Za-z_][A-Za-z_0-9]*)(?:\(\):?)?`", said)
+    assert {"configure_subprocess", "Error", "Report"} <= set(names), names
+    for name in names:
+        assert hasattr(torch_memory_saver, name), f"README promises torch_memory_saver.{name}"
+
+
+def test_readme_shows_configure_subprocess_as_the_context_manager_it_is():
+    import torch_memory_saver
+
+    with torch_memory_saver.configure_subprocess():
+        assert "_tms_preload" in os.environ["LD_PRELOAD"]
+    shown = re.findall(r"(.{0,5})`?configure_subprocess\(\)", README)
+    assert shown and all(before.endswith("with ") for before in shown), shown
+
+
+def test_disk_backup_dir_is_made_with_its_missing_parents_as_readme_says(run_scenario, tmp_path):
+    check_ok(run_scenario("api", "disk_dir_with_missing_parents", tmp_path))
+    assert "created with missing parents, mode 0700" in README
+
+
+def test_memory_report_names_what_is_wrong_with_devices(run_scenario):
+    assert check_ok(run_scenario("api", "memory_report_arguments")) == "done\n"
+
+
+# ---- the command line -------------------------------------------------------------------
+
+
+def _cli(*args, env=None, backend=None):
+    return subprocess.run([sys.executable, "-m", "torch_memory_saver", *args], cwd="/", capture_output=True,
+                          text=True, timeout=120, env=child_env(env, backend=backend))
+
+
+@pytest.mark.skipif(libcuda_present(), reason="a CUDA driver is here: memory-report has a GPU to report")
+def test_memory_report_without_a_gpu_is_one_line():
+    proc = _cli("memory-report")
+    assert proc.returncode == 1 and proc.stdout == "", proc
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "CUDA driver not found" in lines[0] and "TMS_BACKEND=host" in lines[0], proc.stderr
+    assert lines[0].startswith("python -m torch_memory_saver memory-report: "), lines
+
+
+@pytest.mark.parametrize("command", ["info", "preload-path", "memory-report", "demo"])
+def test_a_malformed_variable_is_one_line_for_every_command(command):
+    proc = _cli(command, env={"TMS_BACKUP_THREADS": "lots"}, backend="host")
+    assert proc.returncode == 1 and proc.stdout == "", proc
+    assert proc.stderr == "torch_memory_saver: TMS_BACKUP_THREADS='lots' is not a number from 1 to 32\n", proc.stderr
+
+
+def test_a_program_importing_the_package_still_gets_the_value_error(run_py):
+    proc = run_py("import torch_memory_saver", prelude=False, env={"TMS_BACKUP_THREADS": "lots"})
+    assert proc.returncode == 1 and "ValueError: torch_memory_saver: TMS_BACKUP_THREADS='lots'" in proc.stderr
+
+
+def test_a_misspelt_variable_is_named_with_the_one_it_is_close_to(run_py):
+    proc = run_py("import torch_memory_saver", prelude=False, env={"TMS_BACKUP_THREAD": "4", "TMS_OTHER_TOOL": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert ("RuntimeWarning: torch_memory_saver: TMS_BACKUP_THREAD is not a variable of this library and is "
+            "ignored; did you mean TMS_BACKUP_THREADS?") in proc.stderr, proc.stderr
+    assert "TMS_OTHER_TOOL" not in proc.stderr                       # another program's: not ours to judge
+    proc = run_py("import torch_memory_saver", prelude=False, env={"TMS_OTHER_TOOL": "1", "TMS_LOG": "debug"})
+    assert proc.returncode == 0 and "TMS_OTHER_TOOL is not a variable of this library; ignored" in proc.stderr
+
+
+def test_every_variable_readme_documents_is_known(run_py):
+    documented = sorted(set(re.findall(r"`(TMS_[A-Z0-9_]+)", README)) - {"TMS_STATUS_"})  # a C constant's prefix
+    proc = run_py(f"""
+        import torch_memory_saver._tms_env as env
+        unknown = [n for n in {documented!r} if not env.is_known(n)]
+        assert not unknown, unknown
+        assert set({documented!r}) <= set(env.names())
+        """, prelude=False)
+    check_ok(proc)
+
+
+# ---- the Makefile -----------------------------------------------------------------------
+
+
+def test_make_clean_removes_every_build_output(tmp_path):
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    outputs = ["build/temp/x.o", "dist/x.whl", "torch_memory_saver/_tms_preload.abi3.so",
+               "torch_memory_saver_hook_mode_preload.abi3.so", "torch_memory_saver/include/torch_memory_saver.h",
+               "torch_memory_saver.egg-info/PKG-INFO", "torch_memory_saver/__pycache__/x.pyc"]
+    kept = ["torch_memory_saver/__init__.py", "src/core/pause.c", "include/torch_memory_saver.h"]
+    for f in outputs + kept:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("x")
+    subprocess.run(["make", "-s", "clean"], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    assert [f for f in outputs if (tmp_path / f).exists()] == []
+    assert [f for f in kept if not (tmp_path / f).exists()] == []
+
+
+def _tree_copy(dest):
+    """The tracked files of this tree (what a fresh clone has), copied to dest."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in files.decode().split("\0"):
+        if name and (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
+def _compiled(output):
+    """The C files a verbose build compiled."""
+    return sorted(m for line in output.splitlines() if line.startswith(("gcc", "cc")) and " -c " in line
+                  for m in re.findall(r"(src/\S+\.c)\b", line.split(" -o ")[0]))
+
+
+@pytest.mark.slow
+def test_a_build_compiles_again_only_what_changed(tmp_path):
+    tree = _tree_copy(tmp_path / "tree")
+
+    def build():
+        proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, capture_output=True,
+                              text=True, timeout=600, env=dict(os.environ, TMS_WERROR="1"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return _compiled(proc.stdout + proc.stderr)
+
+    assert len(build()) > 40
+    assert build() == []
+    os.utime(tree / "src" / "core" / "tags.c")
+    assert build() == ["src/core/tags.c", "src/core/tags.c"]          # once per variant, and nothing else
+    os.utime(tree / "src" / "core" / "stats.h")
+    again = build()
+    assert "src/core/stats.c" in again and "src/platform/parse.c" not in again, again
+
+
+@pytest.mark.slow
+def test_make_reinstall_works_from_any_state(tmp_path):
+    """Nothing installed, a regular install, an editable one: make reinstall leaves this
+    tree installed editable, and the package importable from anywhere, every time."""
+    tree = _tree_copy(tmp_path / "tree")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+    def installed():
+        code = ("import importlib.metadata as m, json, torch_memory_saver as t; d = m.distribution('torch_memory_saver');"
+                "print(t.__file__, json.loads(d.read_text('direct_url.json') or '{}').get('dir_info', {}))")
+        proc = subprocess.run([python, "-c", code], cwd="/", capture_output=True, text=True, timeout=120, env=env)
+        return proc.stdout.strip() if proc.returncode == 0 else f"not importable: {proc.stderr[-500:]}"
+
+    def reinstall():
+        proc = subprocess.run(["make", "-s", "reinstall", f"PYTHON={python}"], cwd=tree, capture_output=True,
+                              text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert installed() == f"{tree}/torch_memory_saver/__init__.py {{'editable': True}}"
+
+    reinstall()                                                      # from nothing
+    reinstall()                                                      # from itself
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", str(tree)], check=True,
+                   env=env, capture_output=True, timeout=600)
+    assert installed().endswith("{}") and "site-packages" in installed()  # a regular install
+    reinstall()
