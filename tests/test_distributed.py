@@ -26,8 +26,8 @@ def every_rank(*lines_of_rank, world=WORLD):
     return [[line.format(r=r) for line in lines_of_rank] for r in range(world)]
 
 
-def run_ranks(run_scenario, case, *args, world=WORLD, faults=None):
-    flags = ["--world", world]
+def run_ranks(run_scenario, case, *args, world=WORLD, faults=None, dies=None):
+    flags = ["--world", world] + (["--dies", dies] if dies is not None else [])
     for rank, spec in (faults or {}).items():
         flags += ["--fault", f"{rank}={spec}"]
     return lines(check_ok(run_scenario("distributed", case, *args, *flags, timeout=50)))
@@ -74,3 +74,12 @@ def test_a_staged_resume_is_all_or_nothing(run_scenario):
 def test_bad_arguments_raise_before_any_collective(run_scenario):
     out = run_ranks(run_scenario, "bad_arguments", world=2)
     assert out == every_rank("rank {r}: raised before any collective", world=2)
+
+
+# A rank killed before the call or inside its own pause: the others raise a
+# GroupError of a broken group that names it and says what they keep paused.
+@pytest.mark.parametrize("when", ["call", "pause"])
+def test_a_rank_lost_mid_call_is_named_on_every_survivor(run_scenario, when):
+    out = run_ranks(run_scenario, "rank_dies", 2, when, dies=2)
+    want = every_rank("rank {r}: rank 2 lost at the " + when + ": named, nothing undone")
+    assert out == want[:2] + want[3:]

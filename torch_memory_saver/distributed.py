@@ -29,8 +29,12 @@ What this does not cover:
   call (memory allocated into it after a pause), the undo moves the whole tag.
   An undone pause of a tag without backup gives memory back with undefined
   contents, as any resume of such a tag does.
-- If the group itself fails (a rank dies, a timeout), its error propagates and
-  each rank keeps what its own call did; nothing is undone.
+- If the group itself fails (a rank dies, a timeout), each surviving rank raises a
+  GroupError with `broken` set: it names the ranks that did not reach the step
+  where the group failed (`lost`, read from markers each rank leaves in the
+  group's store before each exchange) and what this rank's call did, which it
+  keeps: nothing is undone. With NCCL, a dead peer may instead leave the
+  collective waiting until NCCL's own watchdog ends the process.
 """
 from . import _library
 from ._errors import Error
@@ -50,18 +54,25 @@ class GroupError(Error):
     stage in a staged resume); stage: the index into `stages` of the failed stage,
     None for an unstaged call; failures: {group rank: "ExceptionType: message"};
     reports: per group rank, the Report of its call, None where it failed;
-    undo_failures: {group rank: error} of the undos that failed in turn."""
+    undo_failures: {group rank: error} of the undos that failed in turn.
 
-    def __init__(self, message, op=None, tags=None, failures=None, reports=None, undo_failures=None, stage=None):
+    When the group itself broke (a rank died, a timeout), only the surviving
+    ranks raise it, each its own: broken is True, lost the group ranks that did
+    not reach the exchange where it broke (empty if none could be told), moved
+    the tags this rank's call moved and keeps moved; nothing was undone."""
+
+    def __init__(self, message, op=None, tags=None, failures=None, reports=None, undo_failures=None, stage=None,
+                 broken=False, lost=None, moved=None):
         super().__init__(message)
         self.op, self.tags, self.stage = op, tags, stage
         self.failures = dict(failures or {})
         self.reports = list(reports or [])
         self.undo_failures = dict(undo_failures or {})
+        self.broken, self.lost, self.moved = broken, list(lost or []), list(moved or [])
 
     def __reduce__(self):
         return (type(self), (str(self), self.op, self.tags, self.failures, self.reports, self.undo_failures,
-                             self.stage))
+                             self.stage, self.broken, self.lost, self.moved))
 
 
 def pause(tags=None, group=None):
@@ -156,10 +167,60 @@ def _group_of(group):
     return dist, group, rank, dist.get_world_size(group)
 
 
-def _gather(dist, group, size, obj):
-    out = [None] * size
-    dist.all_gather_object(out, obj, group=group)
-    return out
+class _Exchange:
+    """The ranks' exchanges of one call. Before each, a rank leaves a marker in
+    the group's store, so that when the group breaks the survivors can tell which
+    ranks never reached the exchange where it broke."""
+
+    _calls = 0  # calls made by this process: the same count on every rank of a group
+
+    def __init__(self, dist, group, rank, size):
+        self.dist, self.group, self.rank, self.size = dist, group, rank, size
+        _Exchange._calls += 1
+        ranks = dist.get_process_group_ranks(group) if hasattr(dist, "get_process_group_ranks") else range(size)
+        self.prefix = f"torch_memory_saver/{_Exchange._calls}/{'-'.join(map(str, ranks))}"
+        self.store = self._store()
+        self.keys = []
+
+    def _store(self):
+        try:
+            from torch.distributed import distributed_c10d
+
+            return distributed_c10d._get_default_store()
+        except Exception:  # an older or newer torch without it: the lost ranks go unnamed
+            return None
+
+    def gather(self, step, obj, broken):
+        """Every rank's obj, in rank order; broken(step, lost, error) makes the
+        exception raised when the group fails here."""
+        key = f"{self.prefix}/{step}"
+        try:
+            if self.store is not None:
+                self.store.set(f"{key}/{self.rank}", "1")
+                self.keys.append(f"{key}/{self.rank}")
+            out = [None] * self.size
+            self.dist.all_gather_object(out, obj, group=self.group)
+            return out
+        except Exception as e:  # the group failed: a KeyboardInterrupt is not the group's
+            raise broken(step, self._missing(key), e) from e
+
+    def _missing(self, key):
+        """Group ranks whose marker for this exchange is not in the store, or None if
+        the store cannot say (it lives on a rank that may be the one lost)."""
+        if self.store is None:
+            return None
+        try:
+            return [r for r in range(self.size) if not self.store.check([f"{key}/{r}"])]
+        except Exception:
+            return None
+
+    def done(self):
+        """The call succeeded on every rank: its markers go (best effort)."""
+        for key in self.keys:
+            try:
+                self.store.delete_key(key)
+            except Exception:
+                return
 
 
 def _states():
@@ -210,15 +271,24 @@ def _run(op, stages, staged, group):
     after each; returns the reports of each stage, or raises GroupError after
     every rank undid what the call changed on it."""
     dist, group, rank, size = _group_of(group)
+    exchange = _Exchange(dist, group, rank, size)
     call = (op, staged, stages)
-    calls = _gather(dist, group, size, call)  # the barrier: nothing is released before every rank is here
+    before, undo = None, None
+
+    def broken(step, lost, error):
+        stage = (step[1] if isinstance(step, tuple) else 0) if staged else None
+        moved = _changed_tags(op, before, None) if before is not None else []
+        return _broken_error(op, stages, stage, step, rank, size, lost, error, moved, undo)
+
+    # The barrier: nothing is released before every rank is here.
+    calls = exchange.gather("call", call, broken)
     if any(c != call for c in calls):
         raise ValueError("torch_memory_saver.distributed: the ranks of the group called with different arguments: "
                          + "; ".join(f"rank {r}: {_signature(*c)}" for r, c in enumerate(calls)))
     from . import torch_memory_saver as saver
 
     local = saver.pause if op == "pause" else saver.resume
-    before, out = None, []
+    out = []
     for k, tags in enumerate(stages):
         outcome, cause = {"rank": rank, "ok": True, "error": None, "report": None}, None
         try:
@@ -228,15 +298,50 @@ def _run(op, stages, staged, group):
         except Exception as e:  # told to the group; a KeyboardInterrupt is not, and leaves the others waiting
             outcome.update(ok=False, error=_describe(e))
             cause = e
-        outcomes = _gather(dist, group, size, outcome)
+        outcomes = exchange.gather(("outcome", k), outcome, broken)
         if all(o["ok"] for o in outcomes):
             out.append([o["report"] for o in outcomes])
             continue
         allowed = None if tags is None else [t for s in stages[:k + 1] for t in ([s] if isinstance(s, str) else s)]
-        undos = _gather(dist, group, size, _undo(op, before, allowed, rank))
+        undo = _undo(op, before, allowed, rank)
+        undos = exchange.gather(("undo", k), undo, broken)
         error = _group_error(op, tags, k if staged else None, len(stages), outcomes, undos)
         raise error from cause
+    exchange.done()
     return out
+
+
+_STEPS = {"call": "while the ranks agreed on the call, before any rank {did} anything",
+          "outcome": "while the ranks exchanged their outcomes",
+          "undo": "while the ranks exchanged what they undid"}
+
+
+def _broken_error(op, stages, stage, step, rank, size, lost, error, moved, undo):
+    """The GroupError a surviving rank raises when the group broke at `step`:
+    which ranks did not get there, and what this rank's call left moved."""
+    name = step if isinstance(step, str) else step[0]
+    done = "paused" if op == "pause" else "resumed"
+    what = f"{op} of {_name(stages[0])}" if stage is None else \
+        f"{op} of stage {stage + 1} of {len(stages)} ({stages[stage]!r})"
+    if lost:
+        who = f"{_ranks(lost)} of {size} did not reach it (lost)"
+    elif lost is None:
+        who = "the group's store cannot say which rank was lost (the rank holding it may be the one)"
+    else:
+        who = "every rank had reached it (a timeout, or a rank lost during the exchange)"
+    mine = f"this rank (rank {rank}) "
+    if undo is not None:
+        mine += f"had undone its part ({undo['error']})" if undo["error"] else "had undone its part"
+        if moved:
+            mine += f" but {moved!r} stay{'s' if len(moved) == 1 else ''} {done}"
+    elif moved:
+        mine += f"{done} {moved!r} and keeps {'them' if len(moved) > 1 else 'it'} {done}"
+    else:
+        mine += f"had {done} nothing"
+    message = (f"torch_memory_saver: {what}: the group broke {_STEPS[name].format(did=done)} "
+               f"({_describe(error)}); {who}; {mine}; nothing was undone by the group")
+    return GroupError(message, op, stages[0] if stage is None else stages[stage], stage=stage, broken=True,
+                      lost=lost or [], moved=moved)
 
 
 def _group_error(op, tags, stage, stages, outcomes, undos):

@@ -265,6 +265,37 @@ def bad_arguments():
     leave(rank, "raised before any collective")
 
 
+def rank_dies(dying, when):
+    """Rank `dying` is killed (SIGKILL) inside the group pause: before the call
+    (when="call") or in its own pause (when="pause"). The others raise a GroupError
+    of a broken group naming it as lost and what each of them keeps paused, their
+    backups whole; a local resume brings their bytes back."""
+    dying = int(dying)
+    rank, world = join()
+    w = allocate("w", rank)
+    if rank == dying:
+        if when == "call":
+            os.kill(os.getpid(), signal.SIGKILL)
+        tms.pause = lambda tags: os.kill(os.getpid(), signal.SIGKILL)   # the group pause's local call
+    e = expect(tmsd.GroupError, tmsd.pause, "w")
+    msg = str(e)
+    assert e.broken and e.lost == [dying] and e.op == "pause", (e.broken, e.lost, msg)
+    assert f"rank {dying} of {world} did not reach it (lost)" in msg and "nothing was undone by the group" in msg, msg
+    if when == "call":
+        assert "the group broke while the ranks agreed on the call" in msg and e.moved == [], msg
+        assert f"this rank (rank {rank}) had paused nothing" in msg, msg
+        check_bytes(w)
+    else:
+        assert "the group broke while the ranks exchanged their outcomes" in msg and e.moved == ["w"], msg
+        assert f"this rank (rank {rank}) paused ['w'] and keeps it paused" in msg, msg
+        check_backups(w)
+        tms.resume("w")
+        check_bytes(w)
+    say(rank, f"rank {dying} lost at the {when}: named, nothing undone")
+    sys.stdout.flush()
+    os._exit(0)                                        # the group is broken: no orderly leave
+
+
 def rank_main(rank, world, port, faults, case, args):
     """One rank: its environment, then the case (in a process forked by main)."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the launcher
@@ -278,11 +309,13 @@ def rank_main(rank, world, port, faults, case, args):
 def main(argv, timeout=40):
     """distributed.py CASE [ARG...] [--world N] [--fault RANK=SPEC]...: forks the
     ranks (after torch's import, which they share) and waits for them all."""
-    world, faults, rest = 4, {}, []
+    world, faults, rest, dies = 4, {}, [], None
     it = iter(argv[1:])
     for a in it:
         if a == "--world":
             world = int(next(it))
+        elif a == "--dies":                            # this rank is to end by SIGKILL, the others by exit 0
+            dies = int(next(it))
         elif a == "--fault":
             r, spec = next(it).split("=", 1)
             faults[int(r)] = spec
@@ -295,6 +328,14 @@ def main(argv, timeout=40):
     ranks = torch.multiprocessing.start_processes(rank_main, args=(world, port, faults, case, args), nprocs=world,
                                                   join=False, start_method="fork")
     deadline = time.monotonic() + timeout
+    if dies is not None:
+        for r, p in enumerate(ranks.processes):
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.exitcode != (-signal.SIGKILL if r == dies else 0):
+                for q in ranks.processes:
+                    q.kill()
+                sys.exit(f"rank {r} ended with {p.exitcode}")
+        return
     while not ranks.join(timeout=0.2):  # raises, having stopped the others, once a rank fails
         if time.monotonic() > deadline:
             for p in ranks.processes:
