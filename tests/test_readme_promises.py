@@ -106,7 +106,8 @@ def test_a_misspelt_variable_is_named_with_the_one_it_is_close_to(run_py):
 
 
 def test_every_variable_readme_documents_is_known(run_py):
-    documented = sorted(set(re.findall(r"`(TMS_[A-Z0-9_]+)", README)) - {"TMS_STATUS_"})  # a C constant's prefix
+    # Less a C constant's prefix and the example of a misspelling.
+    documented = sorted(set(re.findall(r"`(TMS_[A-Z0-9_]+)", README)) - {"TMS_STATUS_", "TMS_BACKUP_THREAD"})
     proc = run_py(f"""
         import torch_memory_saver._tms_env as env
         unknown = [n for n in {documented!r} if not env.is_known(n)]
