@@ -505,12 +505,22 @@ class _Impl:
         finally:
             self.core.set_region(*previous)
 
+    def devices_in_use(self):
+        """The devices a region or disable() block routes to its pools: the current
+        one and every other this process already uses (an active context). A pool
+        on any other device would make PyTorch create a context there, about half
+        a GiB of a GPU the process never uses."""
+        import torch
+
+        current = torch.cuda.current_device()
+        return [d for d in range(torch.cuda.device_count()) if d == current or self.core.device_active(d)]
+
     @contextlib.contextmanager
-    def _pools_on_all_devices(self, make_pool):
+    def _pools_on(self, devices, make_pool):
         import torch
 
         with contextlib.ExitStack() as stack:
-            for device in range(torch.cuda.device_count()):
+            for device in devices:
                 stack.enter_context(torch.cuda.use_mem_pool(make_pool(device), device=device))
             yield
 
@@ -523,7 +533,7 @@ class _Impl:
             with self._thread_region(True, tag, backup, kind, disk):
                 yield
             return
-        with self._pools_on_all_devices(lambda device: self._pool(tag, backup, kind, device, disk)):
+        with self._pools_on(self.devices_in_use(), lambda device: self._pool(tag, backup, kind, device, disk)):
             with self._thread_region(True, tag, backup, kind, disk):
                 yield
 
@@ -547,13 +557,12 @@ class _Impl:
             with self._thread_region(False, tag, backup, kind, disk):
                 yield
             return
-        import torch
-
         # Ordinary memory in pools of its own, apart from region segments, given
         # back to the driver when the block ends (_scratch.py says how).
-        taken = [(device, *self._scratch.take(device)) for device in range(torch.cuda.device_count())]
+        taken = [(device, *self._scratch.take(device)) for device in self.devices_in_use()]
+        pools = {device: pool for device, pool, _ in taken}
         try:
-            with self._pools_on_all_devices(lambda device: taken[device][1]):
+            with self._pools_on(pools, pools.__getitem__):
                 with self._thread_region(False, tag, backup, kind, disk):
                     yield
         finally:

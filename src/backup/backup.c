@@ -30,7 +30,8 @@ int tms_backup_new(const struct tms_driver *drv, int kind, int device, size_t si
 {
     struct tms_backup *b = calloc(1, sizeof *b);
     if (!b) return tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a backup record");
-    *b = (struct tms_backup){.ops = tms_backup_ops_of(kind), .kind = kind, .size = size, .refs = 1, .drv = drv};
+    *b = (struct tms_backup){.ops = tms_backup_ops_of(kind), .kind = kind, .size = size, .device = device, .refs = 1,
+                             .drv = drv};
     int rc = b->ops->create(b, device, va, err);
     if (rc) {
         free(b);

@@ -91,6 +91,7 @@ struct tms_backup {
     const struct tms_backup_ops *ops;
     int kind;                        /* enum tms_backup_kind */
     size_t size;
+    int device;                      /* the allocation's: host memory calls run in its context */
     int refs;                        /* atomic */
     const struct tms_driver *drv;
     /* Host-memory kinds (host.h): */

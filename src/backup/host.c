@@ -39,7 +39,7 @@ void tms_host_unlock_pieces(struct tms_backup *b)
     if (!b->locked) return;
     for (size_t k = 0; k < tms_host_pieces(b->size); k++)
         if (b->locked[k]) {
-            if (b->locked[k] == TMS_PIECE_LOCKED) (void)b->drv->host_unregister((char *)b->host + k * TMS_PIN_PIECE_BYTES);
+            if (b->locked[k] == TMS_PIECE_LOCKED) (void)b->drv->host_unregister(b->device, (char *)b->host + k * TMS_PIN_PIECE_BYTES);
             b->locked[k] = 0;
         }
 }

@@ -64,7 +64,7 @@ static int prepare_block(struct tms_backup *b, size_t off, size_t len, struct tm
     if (*piece) return *piece == TMS_PIECE_LOCKED;  /* by an earlier copy of part of the backup */
     volatile char *p = (char *)b->host + off;
     for (size_t at = 0; at < len; at += 4096) p[at] = 0;
-    int rc = b->drv->host_register((char *)b->host + off, len);
+    int rc = b->drv->host_register(b->device, (char *)b->host + off, len);
     if (rc == 0) {
         *piece = TMS_PIECE_LOCKED;
         return 1;

@@ -74,7 +74,7 @@ static int register_in_pieces(struct tms_backup *b)
         if (tms_transfer_wait_idle(&pin_stopping)) return -1;
         size_t off = k * TMS_PIN_PIECE_BYTES;
         size_t piece = b->size - off < TMS_PIN_PIECE_BYTES ? b->size - off : TMS_PIN_PIECE_BYTES;
-        int rc = b->drv->host_register((char *)b->host + off, piece);
+        int rc = b->drv->host_register(b->device, (char *)b->host + off, piece);
         if (rc) return rc;
         b->locked[k] = TMS_PIECE_LOCKED;
     }

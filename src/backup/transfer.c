@@ -70,6 +70,7 @@ static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER;   /* one job at a t
 static struct worker *workers;
 static int worker_count;
 static size_t slot_bytes;  /* fixed while the pool lives */
+static int slot_device;    /* the device the staging was pinned in the context of (portable memory) */
 static unsigned long job_seq;
 static struct job *current_job;
 static int workers_busy;
@@ -297,7 +298,7 @@ static void pool_discard_locked(const struct tms_driver *drv)
 {
     for (int i = 0; i < worker_count; i++)
         for (int s = 0; s < 2; s++)
-            if (workers[i].slot[s]) (void)drv->host_free_pinned(workers[i].slot[s], slot_bytes);
+            if (workers[i].slot[s]) (void)drv->host_free_pinned(slot_device, workers[i].slot[s], slot_bytes);
     free(workers);
     workers = NULL;
     worker_count = 0;
@@ -324,7 +325,9 @@ static void pool_forget_in_child(void)
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void register_atfork(void) { (void)pthread_atfork(NULL, NULL, pool_forget_in_child); }
 
-static int pool_start(const struct tms_driver *drv, struct tms_err *err)
+/* device: one the process uses (the first copy's, or the caller's at warm-up);
+ * the staging is pinned in its context and serves every device. */
+static int pool_start(const struct tms_driver *drv, int device, struct tms_err *err)
 {
     pthread_once(&atfork_once, register_atfork);
     pthread_mutex_lock(&pool_lock);
@@ -335,11 +338,12 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
     int n = wanted_workers(drv), rc = TMS_OK;
     size_t fixed = tms_defaults()->backup_block_bytes;
     slot_bytes = fixed ? fixed : SLOT_BYTES;
+    slot_device = device;
     workers = calloc((size_t)n, sizeof *workers);
     if (!workers) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for %d copy workers", n);
     for (int i = 0; !rc && i < n; i++) {
         for (int s = 0; !rc && s < 2; s++) {
-            int drc = drv->host_alloc_pinned(slot_bytes, &workers[i].slot[s]);
+            int drc = drv->host_alloc_pinned(device, slot_bytes, &workers[i].slot[s]);
             if (drc) {
                 workers[i].slot[s] = NULL;
                 rc = tms_fail(err, TMS_E_HOST_OOM, drc, "cannot pin %zu bytes of staging for copy worker %d: %s (%d)",
@@ -360,7 +364,7 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
     } else if (rc) {  /* run with the workers that did start; give back the others' staging */
         for (int i = started; i < worker_count; i++)
             for (int s = 0; s < 2; s++)
-                if (workers[i].slot[s]) (void)drv->host_free_pinned(workers[i].slot[s], slot_bytes);
+                if (workers[i].slot[s]) (void)drv->host_free_pinned(device, workers[i].slot[s], slot_bytes);
         worker_count = started;
     }
     if (worker_count > 0) rc = TMS_OK;
@@ -368,7 +372,10 @@ static int pool_start(const struct tms_driver *drv, struct tms_err *err)
     return rc;
 }
 
-int tms_transfer_warm(const struct tms_driver *drv, struct tms_err *err) { return pool_start(drv, err); }
+int tms_transfer_warm(const struct tms_driver *drv, int device, struct tms_err *err)
+{
+    return pool_start(drv, device, err);
+}
 
 /* The block of item it at off (from the item's start), as its backup's kind cuts it. */
 static size_t block_len(const struct tms_transfer *it, size_t off, const struct tms_block_sizes *sizes)
@@ -386,7 +393,7 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
         total += items[i].n;
     }
     if (total == 0) return TMS_OK;
-    int rc = pool_start(drv, err);  /* sets slot_bytes */
+    int rc = pool_start(drv, items[0].device, err);  /* sets slot_bytes */
     if (rc) return rc;
     size_t fixed = tms_defaults()->backup_block_bytes;  /* a set size is the slots' size too */
     struct tms_block_sizes sizes = {

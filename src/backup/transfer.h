@@ -53,7 +53,8 @@ void tms_transfer_wake_idle_waiters(void);
 void tms_transfer_progress(size_t *done, size_t *total);
 
 /* Starts the workers and their staging buffers ahead of the first pause
- * (pinning them takes long), so that pause runs at link speed. */
-int tms_transfer_warm(const struct tms_driver *drv, struct tms_err *err);
+ * (pinning them takes long), so that pause runs at link speed; the staging
+ * is pinned in the context of device, one the process uses. */
+int tms_transfer_warm(const struct tms_driver *drv, int device, struct tms_err *err);
 
 #endif

@@ -218,8 +218,12 @@ const char *tms_core_loaded_backend(void);
 void tms_core_set_platform_hint(const char *platform);
 /* Free and total bytes of device (loads the backend). */
 int tms_core_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes, struct tms_err *err);
-/* Starts the copy workers and pins their staging now. */
+/* Starts the copy workers and pins their staging now (in the context of the
+ * caller's current device). */
 int tms_core_warm_backups(struct tms_err *err);
+/* *active: 1 if the process already uses device (a context is active on it),
+ * else 0; asks without creating anything on the device. */
+int tms_core_device_active(int device, int *active, struct tms_err *err);
 /* Bytes copied so far by the backup copy running now (or the last), and its size. */
 void tms_core_copy_progress(size_t *done, size_t *total);
 /* The bytes a host backup holds (a view of it aliases them), and letting go

@@ -43,11 +43,30 @@ int tms_core_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes, s
     return TMS_OK;
 }
 
+/* The caller's device: the one its regions' allocations will land on. */
 int tms_core_warm_backups(struct tms_err *err)
 {
     const struct tms_driver *drv;
-    int rc = tms_driver_get(&drv, err);
-    return rc ? rc : tms_transfer_warm(drv, err);
+    int rc = tms_driver_get(&drv, err), device = 0;
+    if (rc) return rc;
+    if ((rc = drv->current_device(&device)))
+        return tms_fail(err, TMS_E_DRIVER, rc, "current device query failed: %s (%d)", drv->code_name(rc), rc);
+    return tms_transfer_warm(drv, device, err);
+}
+
+int tms_core_device_active(int device, int *active, struct tms_err *err)
+{
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err), count = 0;
+    if (rc) return rc;
+    if ((rc = drv->device_count(&count)))
+        return tms_fail(err, TMS_E_DRIVER, rc, "device count failed: %s (%d)", drv->code_name(rc), rc);
+    if (device < 0 || device >= count)
+        return tms_fail(err, TMS_E_ARG, 0, "device %d does not exist (%d devices)", device, count);
+    if ((rc = drv->device_active(device, active)))
+        return tms_fail(err, TMS_E_DRIVER, rc, "primary context state of device %d failed: %s (%d)", device,
+                        drv->code_name(rc), rc);
+    return TMS_OK;
 }
 
 void tms_core_copy_progress(size_t *done, size_t *total) { tms_transfer_progress(done, total); }

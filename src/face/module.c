@@ -730,6 +730,22 @@ static PyObject *py_loaded_backend(PyObject *module, PyObject *unused)
     return PyUnicode_FromString(name);
 }
 
+PyDoc_STRVAR(device_active_doc,
+"device_active($module, device, /)\n--\n\n"
+"True if the process already uses the device (its primary context is active); asking creates nothing there.");
+static PyObject *py_device_active(PyObject *module, PyObject *args)
+{
+    int device, active = 0;
+    if (!PyArg_ParseTuple(args, "i:device_active", &device)) return NULL;
+    struct tms_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_core_device_active(device, &active, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_err(module, &err);
+    return PyBool_FromLong(active);
+}
+
 PyDoc_STRVAR(mem_get_info_doc,
 "mem_get_info($module, device, /)\n--\n\n"
 "(free bytes, total bytes) of a device, as the backend reports them (loads it).");
@@ -899,6 +915,7 @@ static PyMethodDef module_methods[] = {
     {"warm_backups", py_warm_backups, METH_NOARGS, warm_backups_doc},
     {"copy_progress", py_copy_progress, METH_NOARGS, copy_progress_doc},
     {"mem_get_info", py_mem_get_info, METH_VARARGS, mem_get_info_doc},
+    {"device_active", py_device_active, METH_VARARGS, device_active_doc},
 #if TMS_VARIANT_IS_PRELOAD
     {"preload_active", py_preload_active, METH_NOARGS, preload_active_doc},
     {"install_relocation_hooks", py_install_relocation_hooks, METH_NOARGS, install_relocation_hooks_doc},

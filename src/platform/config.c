@@ -196,6 +196,18 @@ static int parse_numa_node(int *out, struct tms_err *err)
     return TMS_OK;
 }
 
+static int parse_current_device(int devices, int *out, struct tms_err *err)
+{
+    const char *s = getenv("TMS_HOST_CURRENT_DEVICE");
+    *out = 0;
+    if (!s || !*s) return TMS_OK;
+    unsigned long long n;
+    if (tms_parse_uint(s, (unsigned long long)devices - 1, &n))
+        return tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_CURRENT_DEVICE='%s' is not a device from 0 to %d", s, devices - 1);
+    *out = (int)n;
+    return TMS_OK;
+}
+
 static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
 {
     static const char *const names[TMS_FAULT_OPS] = {
@@ -233,6 +245,7 @@ static void load_host_env(void)
     if (parse_size_env("TMS_HOST_DEVICE_BYTES", (size_t)16 << 30, &host_env.device_bytes, err)) return;
     if (parse_device_count(&host_env.devices, err)) return;
     if (parse_numa_node(&host_env.numa_node, err)) return;
+    if (parse_current_device(host_env.devices, &host_env.current_device, err)) return;
     if (parse_faults(host_env.fault_at, err)) return;
     const char *gate = getenv("TMS_HOST_COPY_GATE");
     if (gate && strlen(gate) >= sizeof host_env.copy_gate) {
@@ -270,7 +283,7 @@ static const char *const env_names[] = {
     "TMS_PROGRESS", "TMS_BACKUP_LIVE_ONLY", "TMS_SPILL_TO_DISK", "TMS_HOST_MEMORY_SAFETY",
     "TMS_HOST_BACKUP_LIMIT", "TMS_HOST_BACKUP_LIMIT_NAME", "TMS_BACKUP_THREADS", "TMS_BACKUP_BLOCK_BYTES",
     "TMS_CHUNK_BYTES", "TMS_LOG", "TMS_PLATFORM", "TMS_BACKEND", "TMS_HOST_DEVICE_BYTES", "TMS_HOST_DEVICES",
-    "TMS_HOST_NUMA_NODE", "TMS_FAULT", "TMS_HOST_COPY_GATE",
+    "TMS_HOST_NUMA_NODE", "TMS_HOST_CURRENT_DEVICE", "TMS_FAULT", "TMS_HOST_COPY_GATE",
     /* read where they are used: the disk directory, the ledger's and ROCm's test seams */
     "TMS_DISK_BACKUP_DIR", "TMS_HOST_MEMINFO", "TMS_HIP_LIBRARY",
     /* the command line's and the build's */

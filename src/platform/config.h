@@ -74,6 +74,7 @@ struct tms_host_env {
     size_t device_bytes;
     int devices;
     int numa_node;                 /* -1: unknown */
+    int current_device;            /* TMS_HOST_CURRENT_DEVICE: the device allocations go to by default */
     long fault_at[TMS_FAULT_OPS];  /* 0 = never */
     char copy_gate[256];           /* TMS_HOST_COPY_GATE: a FIFO the first device->host copy waits on; "" = none */
     struct tms_err error;          /* status != 0: one was malformed, the host backend does not load */

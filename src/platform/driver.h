@@ -73,13 +73,20 @@ struct tms_driver {
     /* Waits for every copy queued on stream. */
     int (*stream_wait)(int device, tms_stream stream);
 
-    /* Page-locked host memory (plain memory on the host backend). */
-    int (*host_alloc_pinned)(size_t size, void **ptr);
-    int (*host_free_pinned)(void *ptr, size_t size);
+    /* Page-locked host memory (plain memory on the host backend), made and
+     * freed in device's context: the device whose copies it serves, so that a
+     * process never touches a device it does not use. Portable: any device the
+     * process uses may copy to and from it. */
+    int (*host_alloc_pinned)(int device, size_t size, void **ptr);
+    int (*host_free_pinned)(int device, void *ptr, size_t size);
     /* Page-locks memory the caller mapped and faulted in (faster than
-     * host_alloc_pinned for large sizes: fault in on many threads, then lock). */
-    int (*host_register)(void *ptr, size_t size);
-    int (*host_unregister)(void *ptr);
+     * host_alloc_pinned for large sizes: fault in on many threads, then lock),
+     * in device's context as above. */
+    int (*host_register)(int device, void *ptr, size_t size);
+    int (*host_unregister)(int device, void *ptr);
+    /* *active: 1 if the process already uses device (its primary context is
+     * active), else 0; asking creates nothing on the device. */
+    int (*device_active)(int device, int *active);
     /* NUMA node of the host memory nearest the device (its backups go
      * there), -1 where unknown; NULL where the backend cannot tell. */
     int (*numa_node)(int device);

@@ -19,6 +19,7 @@
     X(cuDeviceGet, (tms_CUdevice *dev, int ordinal)) \
     X(cuDeviceGetPCIBusId, (char *bus_id, int len, tms_CUdevice dev)) \
     X(cuDevicePrimaryCtxRetain, (tms_CUcontext *ctx, tms_CUdevice dev)) \
+    X(cuDevicePrimaryCtxGetState, (tms_CUdevice dev, unsigned *flags, int *active)) \
     X(cuCtxGetCurrent, (tms_CUcontext *ctx)) \
     X(cuCtxGetDevice, (tms_CUdevice *dev)) \
     X(cuCtxPushCurrent, (tms_CUcontext ctx)) \
@@ -303,37 +304,43 @@ static int cuda_stream_wait(int device, tms_stream stream)
     return cu.cuStreamSynchronize((tms_CUstream)stream);
 }
 
-/* Host allocations need a current context; a region's first backup can come
- * before PyTorch has made one current, so borrow device 0's primary one. */
-#define WITH_SOME_CONTEXT(body)                               \
-    do {                                                      \
-        tms_CUcontext current_ = NULL;                        \
-        int rc_ = cu.cuCtxGetCurrent(&current_);              \
-        if (rc_) return rc_;                                  \
-        if (current_) return (body);                          \
-        struct cuda_device *d_;                               \
-        WITH_DEVICE_CONTEXT(0, d_, (body));                   \
-    } while (0)
-
-static int cuda_host_alloc_pinned(size_t size, void **ptr)
+/* Host memory calls need a context. The thread's current one may belong to
+ * no device of the backup (a copy worker has none), so each runs in the
+ * context of the device it serves: borrowing another device's would create
+ * a context there, in a process that never uses that device. */
+static int cuda_host_alloc_pinned(int device, size_t size, void **ptr)
 {
-    /* Portable: the backup may be restored while another device's context
-     * is current. */
-    WITH_SOME_CONTEXT(cu.cuMemHostAlloc(ptr, size, 0x01 /* CU_MEMHOSTALLOC_PORTABLE */));
+    struct cuda_device *d;
+    /* Portable: the backup may be restored while another device's context is current. */
+    WITH_DEVICE_CONTEXT(device, d, cu.cuMemHostAlloc(ptr, size, 0x01 /* CU_MEMHOSTALLOC_PORTABLE */));
 }
 
-static int cuda_host_free_pinned(void *ptr, size_t size)
+static int cuda_host_free_pinned(int device, void *ptr, size_t size)
 {
+    struct cuda_device *d;
     (void)size;
-    WITH_SOME_CONTEXT(cu.cuMemFreeHost(ptr));
+    WITH_DEVICE_CONTEXT(device, d, cu.cuMemFreeHost(ptr));
 }
 
-static int cuda_host_register(void *ptr, size_t size)
+static int cuda_host_register(int device, void *ptr, size_t size)
 {
-    WITH_SOME_CONTEXT(cu.cuMemHostRegister(ptr, size, 0x01 /* CU_MEMHOSTREGISTER_PORTABLE */));
+    struct cuda_device *d;
+    WITH_DEVICE_CONTEXT(device, d, cu.cuMemHostRegister(ptr, size, 0x01 /* CU_MEMHOSTREGISTER_PORTABLE */));
 }
 
-static int cuda_host_unregister(void *ptr) { WITH_SOME_CONTEXT(cu.cuMemHostUnregister(ptr)); }
+static int cuda_host_unregister(int device, void *ptr)
+{
+    struct cuda_device *d;
+    WITH_DEVICE_CONTEXT(device, d, cu.cuMemHostUnregister(ptr));
+}
+
+static int cuda_device_active(int device, int *active)
+{
+    tms_CUdevice dev = 0;
+    unsigned flags = 0;
+    int rc = cu.cuDeviceGet(&dev, device);
+    return rc ? rc : cu.cuDevicePrimaryCtxGetState(dev, &flags, active);
+}
 
 static size_t cuda_default_chunk_bytes(void) { return 0; }
 
@@ -370,4 +377,5 @@ const struct tms_driver tms_driver_cuda = {
     .host_register = cuda_host_register,
     .host_unregister = cuda_host_unregister,
     .numa_node = cuda_numa_node,
+    .device_active = cuda_device_active,
 };

@@ -34,6 +34,7 @@
 typedef const char *(*hip_error_name_fn)(tms_hipError_t);
 typedef tms_hipError_t (*hip_register_fn)(void *, size_t, unsigned);
 typedef tms_hipError_t (*hip_unregister_fn)(void *);
+typedef tms_hipError_t (*hip_ctx_state_fn)(int, unsigned *, int *);
 
 #define HIP_DECLARE_FIELD(name, params) tms_hipError_t (*name) params;
 struct hip_api {
@@ -41,6 +42,7 @@ struct hip_api {
     hip_error_name_fn hipGetErrorName;      /* optional entries: NULL if absent */
     hip_register_fn hipHostRegister;
     hip_unregister_fn hipHostUnregister;
+    hip_ctx_state_fn hipDevicePrimaryCtxGetState;
 };
 
 /* Written once by hip_load (under driver.c's lock), read-only afterwards. */
@@ -78,8 +80,9 @@ static int hip_load(struct tms_err *err)
     }
     HIP_ENTRIES(HIP_RESOLVE)
 #undef HIP_RESOLVE
-    const char *optional[] = {"hipGetErrorName", "hipHostRegister", "hipHostUnregister"};
-    void **slots[] = {(void **)&api.hipGetErrorName, (void **)&api.hipHostRegister, (void **)&api.hipHostUnregister};
+    const char *optional[] = {"hipGetErrorName", "hipHostRegister", "hipHostUnregister", "hipDevicePrimaryCtxGetState"};
+    void **slots[] = {(void **)&api.hipGetErrorName, (void **)&api.hipHostRegister, (void **)&api.hipHostUnregister,
+                      (void **)&api.hipDevicePrimaryCtxGetState};
     for (size_t i = 0; i < sizeof optional / sizeof *optional; i++) {
         void *fn = dlsym(lib, optional[i]);
         memcpy(slots[i], &fn, sizeof fn);
@@ -216,24 +219,41 @@ static int hip_stream_wait(int device, tms_stream stream)
     return hip.hipStreamSynchronize((tms_hipStream_t)stream);
 }
 
-static int hip_host_alloc_pinned(size_t size, void **ptr) { return hip.hipHostMalloc(ptr, size, TMS_hipHostMallocPortable); }
+/* Host memory calls run on the device they serve, as the CUDA backend's: a
+ * copy worker's thread would otherwise use device 0. */
+static int hip_host_alloc_pinned(int device, size_t size, void **ptr)
+{
+    WITH_DEVICE(device, hip.hipHostMalloc(ptr, size, TMS_hipHostMallocPortable));
+}
 
-static int hip_host_free_pinned(void *ptr, size_t size)
+static int hip_host_free_pinned(int device, void *ptr, size_t size)
 {
     (void)size;
-    return hip.hipHostFree(ptr);
+    WITH_DEVICE(device, hip.hipHostFree(ptr));
 }
 
 #define HIP_ERROR_NOT_SUPPORTED 801  /* a pinned backup then stays pageable (transfer.c lock_piece) */
 
-static int hip_host_register(void *ptr, size_t size)
+static int hip_host_register(int device, void *ptr, size_t size)
 {
-    return hip.hipHostRegister ? hip.hipHostRegister(ptr, size, TMS_hipHostMallocPortable) : HIP_ERROR_NOT_SUPPORTED;
+    if (!hip.hipHostRegister) return HIP_ERROR_NOT_SUPPORTED;
+    WITH_DEVICE(device, hip.hipHostRegister(ptr, size, TMS_hipHostMallocPortable));
 }
 
-static int hip_host_unregister(void *ptr)
+static int hip_host_unregister(int device, void *ptr)
 {
-    return hip.hipHostUnregister ? hip.hipHostUnregister(ptr) : HIP_ERROR_NOT_SUPPORTED;
+    if (!hip.hipHostUnregister) return HIP_ERROR_NOT_SUPPORTED;
+    WITH_DEVICE(device, hip.hipHostUnregister(ptr));
+}
+
+/* Without hipDevicePrimaryCtxGetState only the thread's current device counts as used. */
+static int hip_device_active(int device, int *active)
+{
+    unsigned flags = 0;
+    if (hip.hipDevicePrimaryCtxGetState) return hip.hipDevicePrimaryCtxGetState(device, &flags, active);
+    int current = 0, rc = hip.hipGetDevice(&current);
+    if (!rc) *active = current == device;
+    return rc;
 }
 
 const struct tms_driver tms_driver_hip = {
@@ -261,4 +281,5 @@ const struct tms_driver tms_driver_hip = {
     .host_free_pinned = hip_host_free_pinned,
     .host_register = hip_host_register,
     .host_unregister = hip_host_unregister,
+    .device_active = hip_device_active,
 };

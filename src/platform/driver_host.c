@@ -21,6 +21,15 @@
 static size_t host_capacity;                     /* set once in load */
 static int host_device_count;                    /* set once in load */
 static size_t host_used[HOST_MAX_DEVICES];       /* atomic */
+/* A device's "context": made by the first operation that names the device,
+ * as the CUDA backend retains a primary context on its first use, so a test
+ * can tell which devices a process touched. */
+static int host_context[HOST_MAX_DEVICES];       /* atomic */
+
+static void touch(int device)
+{
+    if (device >= 0 && device < HOST_MAX_DEVICES) __atomic_store_n(&host_context[device], 1, __ATOMIC_RELAXED);
+}
 
 /* TMS_FAULT (config.c): the n-th call (1-based) of op fails once. */
 static long fault_at[TMS_FAULT_OPS];             /* set once in load; 0 = never */
@@ -73,21 +82,30 @@ static int host_device_count_fn(int *count)
     return 0;
 }
 
+/* TMS_HOST_CURRENT_DEVICE: the device the emulated runtime allocates on, as
+ * if the process had called cudaSetDevice. */
 static int host_current_device(int *device)
 {
-    *device = 0;
+    *device = tms_host_env()->current_device;
+    return 0;
+}
+
+static int host_device_active(int device, int *active)
+{
+    *active = device >= 0 && device < HOST_MAX_DEVICES && __atomic_load_n(&host_context[device], __ATOMIC_RELAXED);
     return 0;
 }
 
 static int host_granularity(int device, size_t *bytes)
 {
-    (void)device;
+    touch(device);
     *bytes = HOST_GRANULARITY;
     return 0;
 }
 
 static int host_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes)
 {
+    touch(device);
     size_t used = __atomic_load_n(&host_used[device], __ATOMIC_RELAXED);
     *total_bytes = host_capacity;
     *free_bytes = used < host_capacity ? host_capacity - used : 0;
@@ -118,6 +136,7 @@ static int host_unreserve(tms_va va, size_t size)
 /* A handle is a memfd; its size is what was created (fstat gives it back). */
 static int host_create(int device, size_t size, tms_phys *handle)
 {
+    touch(device);
     if (fault_hit(TMS_FAULT_CREATE)) return ENOMEM;
     size_t used = __atomic_add_fetch(&host_used[device], size, __ATOMIC_RELAXED);
     if (used > host_capacity) {
@@ -149,7 +168,7 @@ static int host_release(tms_phys handle)
 
 static int host_map(int device, tms_va va, size_t size, tms_phys handle)
 {
-    (void)device;
+    touch(device);
     if (fault_hit(TMS_FAULT_MAP)) return ENOMEM;
     int fd = (int)(handle & 0xffffffffu);
     void *p = mmap((void *)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
@@ -167,20 +186,21 @@ static int host_unmap(tms_va va, size_t size)
 
 static int host_synchronize(int device)
 {
-    (void)device;
+    touch(device);
     return 0;
 }
 
 static int host_stream_create(int device, tms_stream *stream)
 {
-    (void)device;
+    touch(device);
     *stream = (tms_stream)(uintptr_t)1;  /* copies run at once: a stream is only a token */
     return 0;
 }
 
 static int host_copy_async(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
 {
-    (void)device, (void)stream;
+    (void)stream;
+    touch(device);
     if (fault_hit(to_host ? TMS_FAULT_TO_HOST : TMS_FAULT_TO_DEVICE)) return EIO;
     if (to_host) pthread_once(&gate_once, pass_gate);
     if (to_host) memcpy(host, (const void *)(uintptr_t)dev, n);
@@ -194,8 +214,9 @@ static int host_stream_wait(int device, tms_stream stream)
     return 0;
 }
 
-static int host_alloc_pinned(size_t size, void **ptr)
+static int host_alloc_pinned(int device, size_t size, void **ptr)
 {
+    touch(device);
     if (fault_hit(TMS_FAULT_HOST_ALLOC)) return ENOMEM;
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return errno;
@@ -205,22 +226,25 @@ static int host_alloc_pinned(size_t size, void **ptr)
     return 0;
 }
 
-static int host_free_pinned(void *ptr, size_t size)
+static int host_free_pinned(int device, void *ptr, size_t size)
 {
+    touch(device);
     return munmap(ptr, size) ? errno : 0;
 }
 
 /* Nothing to lock on the host backend; counted as a host allocation so
  * TMS_FAULT=host_alloc:n reaches pinned backups too. */
-static int host_register(void *ptr, size_t size)
+static int host_register(int device, void *ptr, size_t size)
 {
     (void)ptr, (void)size;
+    touch(device);
     return fault_hit(TMS_FAULT_HOST_ALLOC) ? ENOMEM : 0;
 }
 
-static int host_unregister(void *ptr)
+static int host_unregister(int device, void *ptr)
 {
     (void)ptr;
+    touch(device);
     return 0;
 }
 
@@ -229,7 +253,7 @@ static size_t host_default_chunk_bytes(void) { return 0; }
 /* Every emulated device sits on TMS_HOST_NUMA_NODE, if set. */
 static int host_numa_node(int device)
 {
-    (void)device;
+    touch(device);
     return tms_host_env()->numa_node;
 }
 
@@ -259,4 +283,5 @@ const struct tms_driver tms_driver_host = {
     .host_register = host_register,
     .host_unregister = host_unregister,
     .numa_node = host_numa_node,
+    .device_active = host_device_active,
 };

@@ -1128,11 +1128,11 @@ static int pieces, unregistered, register_failed, fail_piece;  /* fail_piece: 1-
 static char *fail_register_at;  /* a piece whose registration fails with fail_register_code */
 static int fail_register_code;
 
-static int record_register(void *p, size_t n)
+static int record_register(int device, void *p, size_t n)
 {
     int rc = fail_piece && pieces + 1 == fail_piece ? 12 /* ENOMEM */
              : fail_register_at == p               ? fail_register_code
-                                                   : drv->host_register(p, n);
+                                                   : drv->host_register(device, p, n);
     pthread_mutex_lock(&pieces_lock);
     if (pieces < PIECES_MAX) piece_at[pieces] = p, piece_len[pieces] = n;
     if (rc == 0) pieces++;
@@ -1141,13 +1141,13 @@ static int record_register(void *p, size_t n)
     return rc;
 }
 
-static int record_unregister(void *p)
+static int record_unregister(int device, void *p)
 {
     pthread_mutex_lock(&pieces_lock);
     if (unregistered < PIECES_MAX) unregistered_at[unregistered] = p;
     unregistered++;
     pthread_mutex_unlock(&pieces_lock);
-    return drv->host_unregister(p);
+    return drv->host_unregister(device, p);
 }
 
 /* Waits until b is no longer being locked and the locking thread has let go
