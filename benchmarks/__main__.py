@@ -13,6 +13,7 @@ ABOUT = {
     "fragmentation": "one region's churn with and without expandable segments, both hook modes",
     "live": "live-only backups against whole ones: a training engine, a transformer step, the snapshot's cost",
     "budget": "a pause under the host backup budget that spills half to disk, beside all in RAM and all on disk",
+    "node": "one process per GPU on every GPU, pausing together over NCCL, against the host's concurrent fill",
 }
 
 

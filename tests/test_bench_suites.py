@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks import report  # noqa: E402
 
 # Each suite's dry run as documented: `python -m benchmarks <suite> --dry-run`.
-DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget"]
+DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget", "node"]
 # What each dry run measured, beyond the plumbing: the rows its report names.
 CHECKS = {
     "run": lambda d: (sorted(d["backup"]) == ["mmap", "mmap_retained", "pinned", "pinned_retained"]
@@ -38,11 +38,17 @@ CHECKS = {
     "budget": lambda d: ([(r["case"], r["disk_bytes"]) for r in d["rows"]]
                          == [("ram", 0), ("half", d["total"] // 2), ("disk", d["total"])]
                          and all(r["exact"] for r in d["rows"])),
+    "node": lambda d: (d["exit_codes"] == [0, 0] and d["alone_exit_codes"] == [0]
+                       and d["together"]["verified"] and d["alone"]["verified"]
+                       and d["together"]["other_contexts"] == {"0": [], "1": []}
+                       and len(d["together"]["first_pause"]["per_gpu"]) == 2
+                       and set(d["ratios"]) == {"first_pause_over_fill", "retained_pause_over_single",
+                                                "resumes_over_single", "retained_resumes_over_single"}),
 }
 STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend-dry-run-2procs-on-1",
          "alloc_count": "alloc_count_host-backend-dry-run",
          "fragmentation": "fragmentation_host-backend-dry-run", "live": "live_host-backend-dry-run",
-         "budget": "budget_host-backend-dry-run"}
+         "budget": "budget_host-backend-dry-run", "node": "node_host-backend-dry-run-x2"}
 
 
 def _bench(*args, timeout=240, tmpdir=None):
@@ -131,11 +137,13 @@ def test_a_failing_plot_costs_no_figures_and_the_index_lists_each_report(tmp_pat
 
 def test_benchmarks_use_the_public_api_but_for_the_interior_lookup():
     """tms._core only where no public call does the same: the timed
-    allocation_at() of alloc_count, and the free ranges the live suite's dry
-    run names by hand (on a GPU they come from PyTorch's allocator)."""
+    allocation_at() of alloc_count, the free ranges the live suite's dry run
+    names by hand (on a GPU they come from PyTorch's allocator), and the
+    emulated devices the node suite's dry run asks the host backend about (on a
+    GPU the driver answers)."""
     uses = [(p.name, n) for p in sorted((REPO_ROOT / "benchmarks").glob("*.py"))
             for n, line in enumerate(p.read_text().splitlines(), 1) if "._core" in line]
-    assert sorted({name for name, _ in uses}) == ["alloc_count.py", "live.py"], uses
+    assert sorted({name for name, _ in uses}) == ["alloc_count.py", "live.py", "node.py"], uses
     assert all("_core.pause" in line or "_core.resume" in line
                for p in [REPO_ROOT / "benchmarks" / "live.py"] for line in p.read_text().splitlines()
                if "._core" in line)

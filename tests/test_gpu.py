@@ -230,6 +230,17 @@ def test_multi_gpu(hook_mode):
     check_passed(run_scenario("multi_gpu", hook_mode))
 
 
+# One process per GPU with every GPU visible, as tensor-parallel ranks run: nothing on
+# a GPU the process does not use, and a group over NCCL that pauses, fails to
+# resume on one rank, stays paused everywhere and resumes on a retry.
+@pytest.mark.parametrize("hook_mode", GPU_MODES)
+@pytest.mark.parametrize("scenario", ["one_device_of_two", "nccl_group"])
+def test_one_process_per_gpu(scenario, hook_mode):
+    if DEVICE_COUNT < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {DEVICE_COUNT}")
+    check_passed(run_scenario(scenario, hook_mode))
+
+
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
 @pytest.mark.parametrize("case", ["active", "paused", "paused_backup", "backup_first_use"])
 def test_exit_states(case, hook_mode):

@@ -271,16 +271,30 @@ int tms_transfer_allowed_cpus(void)
 
 /* One per core the process may run on: a launcher that pins each rank to
  * its share of the host's cores (one process per GPU) gets that many, not
- * one per core of the host competing with the other ranks'. A
- * process free to run anywhere on a host of several GPUs takes the share of
- * the GPUs it sees. */
-int tms_transfer_default_workers(int allowed_cpus, int online_cpus, int host_gpus, int visible_gpus)
+ * one per core of the host competing with the other ranks'. A process free
+ * to run anywhere on a host of several GPUs takes the share of the GPUs it
+ * uses: every rank usually sees every GPU, and eight ranks each taking the
+ * cores of all eight would ask for eight times the host's cores at once. */
+int tms_transfer_default_workers(int allowed_cpus, int online_cpus, int host_gpus, int used_gpus)
 {
     int cpus = allowed_cpus;
-    if (visible_gpus < 1) visible_gpus = 1;
-    if (allowed_cpus >= online_cpus && host_gpus > visible_gpus)
-        cpus = (int)((long long)online_cpus * visible_gpus / host_gpus);
+    if (used_gpus < 1) used_gpus = 1;
+    if (allowed_cpus >= online_cpus && host_gpus > used_gpus)
+        cpus = (int)((long long)online_cpus * used_gpus / host_gpus);
     return cpus < 2 ? 2 : cpus > DEFAULT_MAX_WORKERS ? DEFAULT_MAX_WORKERS : cpus;
+}
+
+/* Devices with a context of this process now (the pool starts at the first
+ * backup or warm-up, when the device the process works on has one). */
+static int used_devices(const struct tms_driver *drv)
+{
+    int count = 0, used = 0;
+    if (drv->device_count(&count) != 0) return 1;
+    for (int d = 0; d < count; d++) {
+        int active = 0;
+        if (drv->device_active(d, &active) == 0 && active) used++;
+    }
+    return used;
 }
 
 static int wanted_workers(const struct tms_driver *drv)
@@ -288,10 +302,8 @@ static int wanted_workers(const struct tms_driver *drv)
     int n = tms_defaults()->backup_threads;
     if (n > 0) return n;
     long online = sysconf(_SC_NPROCESSORS_ONLN);
-    int visible = 1;
-    if (drv->device_count(&visible) != 0) visible = 1;
     return tms_transfer_default_workers(tms_transfer_allowed_cpus(), online > 0 ? (int)online : 1,
-                                        tms_topology_host_gpus(TMS_SYSFS), visible);
+                                        tms_topology_host_gpus(TMS_SYSFS), used_devices(drv));
 }
 
 static void pool_discard_locked(const struct tms_driver *drv)

@@ -40,8 +40,8 @@ int tms_transfer_allowed_cpus(void);
 
 /* The copy workers' count unless TMS_BACKUP_THREADS sets it: one per allowed
  * CPU, or, where the process may run on every online CPU, the share of them
- * of the GPUs it sees among the host's; at least 2 and at most 16. */
-int tms_transfer_default_workers(int allowed_cpus, int online_cpus, int host_gpus, int visible_gpus);
+ * of the GPUs it uses among the host's; at least 2 and at most 16. */
+int tms_transfer_default_workers(int allowed_cpus, int online_cpus, int host_gpus, int used_gpus);
 
 /* Waits until no tms_transfer_run is in progress (one may start next) or
  * *stop is set; returns *stop. */

@@ -1514,6 +1514,7 @@ static void test_topology(void)
     CHECK(tms_transfer_default_workers(32, 32, 2, 1) == 16);
     CHECK(tms_transfer_default_workers(16, 16, 2, 1) == 8);    /* two ranks free on 16 cores: 8 each */
     CHECK(tms_transfer_default_workers(32, 32, 8, 8) == 16);   /* one process driving every GPU */
+    CHECK(tms_transfer_default_workers(64, 64, 8, 1) == 8);    /* eight ranks, each seeing all: 8 cores each */
     CHECK(tms_transfer_default_workers(32, 32, 8, 2) == 8);
     CHECK(tms_transfer_default_workers(24, 96, 8, 1) == 16);   /* pinned to 24 cores: the mask decides */
     CHECK(tms_transfer_default_workers(6, 96, 8, 1) == 6);
