@@ -44,6 +44,7 @@ OPTIONAL_PROTOTYPES = {
     "hipGetErrorName": "const char *hipGetErrorName(tms_hipError_t code);",
     "hipHostRegister": "tms_hipError_t hipHostRegister(void *p, size_t size, unsigned flags);",
     "hipHostUnregister": "tms_hipError_t hipHostUnregister(void *p);",
+    "hipDevicePrimaryCtxGetState": "tms_hipError_t hipDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active);",
 }
 
 

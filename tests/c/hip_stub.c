@@ -78,8 +78,12 @@ static int current_device(void)
     return (int)(intptr_t)pthread_getspecific(device_key);
 }
 
+#define STUB_MAX_DEVICES 64
+static int device_used[STUB_MAX_DEVICES];  /* atomic: made current by some thread */
+
 static void set_current_device(int device)
 {
+    if (device >= 0 && device < STUB_MAX_DEVICES) __atomic_store_n(&device_used[device], 1, __ATOMIC_RELAXED);
     pthread_once(&device_key_once, make_device_key);
     (void)pthread_setspecific(device_key, (void *)(intptr_t)device);
 }
@@ -216,6 +220,16 @@ API tms_hipError_t hipSetDevice(int device)
 {
     if (!valid_device(device)) return TMS_hipErrorInvalidDevice;
     set_current_device(device);
+    return TMS_hipSuccess;
+}
+
+/* A device's context is active once the thread made it current (set_current_device records it). */
+API tms_hipError_t hipDevicePrimaryCtxGetState(int device, unsigned *flags, int *active)
+{
+    if (!flags || !active) return hipErrorInvalidValue;
+    if (!valid_device(device) || device >= STUB_MAX_DEVICES) return TMS_hipErrorInvalidDevice;
+    *flags = 0;
+    *active = __atomic_load_n(&device_used[device], __ATOMIC_RELAXED) || device == current_device();
     return TMS_hipSuccess;
 }
 
