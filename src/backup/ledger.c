@@ -371,9 +371,10 @@ static int take_slot_locked(struct tms_err *err)
     return tms_fail(err, TMS_E_IO, ENOSPC, "the host backup ledger %s is full (%d processes)", ledger_path, MAX_RECORDS);
 }
 
+/* What this process's record should say (its pid is added when written). */
 static struct record wanted_record(void)
 {
-    return (struct record){.reserved = has_budget(tms_defaults()) ? mine : 0, .in_flight = flying, .pid = getpid()};
+    return (struct record){.reserved = has_budget(tms_defaults()) ? mine : 0, .in_flight = flying};
 }
 
 /* Under the guard: this process's record says what it holds now. A process
@@ -386,6 +387,7 @@ static int publish_locked(struct tms_err *err)
         int rc = take_slot_locked(err);
         if (rc) return rc;
     }
+    r.pid = getpid();
     int rc = write_record_locked(my_slot, &r, err);
     if (!rc) my_record = r;
     return rc;
