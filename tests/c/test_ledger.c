@@ -293,14 +293,23 @@ int main(void)
     if (!f || fprintf(f, "MemTotal: %llu kB\nMemAvailable: %llu kB\n", 100ull << 20,
                       (5ull << 20) + (40ull << 10)) < 0 || fclose(f) != 0)
         return 2;
-    int ok = run_case("budget", budget_case, "48MiB", NULL);
-    ok &= run_case("safety", safety_case, NULL, meminfo_path);
-    ok &= run_case("meminfo", meminfo_case, NULL, meminfo_path);
-    ok &= run_case("meminfo_dev_zero", meminfo_not_a_file_case, NULL, "/dev/zero");
-    ok &= run_case("meminfo_fifo", meminfo_not_a_file_case, NULL, fifo);
-    ok &= run_case("removal", removal_case, "48MiB", NULL);
+    const struct {
+        const char *name;
+        void (*fn)(void);
+        const char *limit, *meminfo;
+    } cases[] = {
+        {"budget", budget_case, "48MiB", NULL},
+        {"safety", safety_case, NULL, meminfo_path},
+        {"meminfo", meminfo_case, NULL, meminfo_path},
+        {"meminfo_dev_zero", meminfo_not_a_file_case, NULL, "/dev/zero"},
+        {"meminfo_fifo", meminfo_not_a_file_case, NULL, fifo},
+        {"removal", removal_case, "48MiB", NULL},
+    };
+    int n = (int)(sizeof cases / sizeof *cases), ok = 0;
+    for (int i = 0; i < n; i++) ok += run_case(cases[i].name, cases[i].fn, cases[i].limit, cases[i].meminfo);
     unlink(meminfo_path);
     unlink(fifo);
     rmdir(dir);
-    return ok ? 0 : 1;
+    printf("%d passed, %d failed\n", ok, n - ok);
+    return ok == n ? 0 : 1;
 }
