@@ -3,10 +3,17 @@
 Each process is started, pauses, reports where its backups went and what the
 ledger holds, and waits; the test then resumes (or kills) them in turn."""
 import json
+import os
+import pwd
+import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -14,20 +21,32 @@ from conftest import HOST_SCENARIOS, REPO, MiB, child_env
 
 
 class Holder:
-    """One process of the budget scenario, paused and waiting."""
+    """One process of the budget scenario, paused and waiting. prefix runs it under
+    another command (unshare); as_user = (uid, gid) runs it as that user; wait=False
+    returns before its pause has ended (read_state then waits)."""
 
-    def __init__(self, env, count=2, mib=16):
-        self.proc = subprocess.Popen([sys.executable, str(HOST_SCENARIOS / "budget.py"), "hold", str(count), str(mib)],
-                                     cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    def __init__(self, env, count=2, mib=16, prefix=(), as_user=None, wait=True):
+        case = ["hold_as", *map(str, as_user)] if as_user else ["hold"]
+        self.proc = subprocess.Popen([*prefix, sys.executable, str(HOST_SCENARIOS / "budget.py"), *case, str(count),
+                                      str(mib)], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
+        if wait:
+            self.read_state()
+
+    def read_state(self):
         line = self.proc.stdout.readline()
         assert line, self.proc.stderr.read()
         self.state = json.loads(line)
+        return self.state
 
-    def finish(self, command="resume"):
+    def finish(self, command="resume", stderr=""):
+        """Ends it (resume or stay); its stderr must be `stderr`, or hold it if a list."""
         out, err = self.proc.communicate(command + "\n", timeout=60)
         assert self.proc.returncode == 0, err
-        assert err == "", err
+        if isinstance(stderr, list):
+            assert all(s in err for s in stderr), err
+        else:
+            assert err == stderr, err
         return out
 
     def resume_and_stay(self):
@@ -125,3 +144,232 @@ def test_a_budget_as_a_share_of_the_host(tmp_path):
     assert (b["limit"], b["mine"], b["mem_total"], b["mem_available"]) == (16 << 30, 32 * MiB, 64 << 30, 32 << 30), b
     assert b["name"].startswith("test-") and b["safety"] is True and b["spill_to_disk"] is False
     assert h.finish() == "done\n"
+
+
+# ---- trust: what another user, a container, a zombie or an environment value can do ----
+
+
+def _ledger_dir():
+    """Where the ledger of this (root) user lives: its first place, /dev/shm/tms-ledger-<uid>."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    return Path(base) / f"tms-ledger-{os.geteuid()}"
+
+
+def _home_ledger_dir(home):
+    """The ledger's place in the user's home, for when its first place is taken."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return Path(home) / ".cache" / "torch_memory_saver" / f"ledger-{boot}"
+
+
+def _as(user, *cmd):
+    subprocess.run(cmd, user=user.pw_uid, group=user.pw_gid, extra_groups=[], check=True, timeout=30,
+                   capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def two_users():
+    """A victim and an attacker: two throwaway users (root only), removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("two users need root (useradd) to make them")
+    if not shutil.which("useradd") or not shutil.which("userdel"):
+        pytest.skip("no useradd/userdel to make two users")
+    tag = uuid.uuid4().hex[:6]
+    made = []
+    try:
+        for role in ("v", "a"):
+            name = f"tms{role}{tag}"
+            proc = subprocess.run(["useradd", "-m", "-U", "-s", "/bin/sh", name], capture_output=True, text=True,
+                                  timeout=60)
+            if proc.returncode != 0:
+                pytest.skip(f"useradd is not permitted here: {proc.stderr.strip()}")
+            made.append(name)
+        victim, attacker = (pwd.getpwnam(n) for n in made)
+        yield victim, attacker
+    finally:
+        for name in made:
+            uid = pwd.getpwnam(name).pw_uid
+            for base in ("/dev/shm", "/tmp"):
+                p = Path(base) / f"tms-ledger-{uid}"
+                if p.is_symlink() or p.is_file():
+                    p.unlink()
+                elif p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+            subprocess.run(["userdel", "-r", name], capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def victim_env(two_users, tmp_path):
+    """The victim's environment: a TMPDIR of its own (for disk backups) and a fresh first place."""
+    victim, _ = two_users
+    tmp = Path(tempfile.mkdtemp(prefix="tms-victim-"))
+    os.chown(tmp, victim.pw_uid, victim.pw_gid)
+    taken = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp") / f"tms-ledger-{victim.pw_uid}"
+    yield lambda **extra: child_env({"TMS_HOST_BACKUP_LIMIT_NAME": f"test-{uuid.uuid4().hex[:12]}", "TMPDIR": tmp,
+                                     **extra}), taken
+    shutil.rmtree(tmp, ignore_errors=True)
+    if taken.is_symlink() or taken.is_file():
+        taken.unlink()
+    elif taken.is_dir():
+        shutil.rmtree(taken, ignore_errors=True)
+
+
+@pytest.mark.parametrize("shape", ["their_directory", "a_0777_directory", "a_symlink_to_the_victims_home", "a_file"])
+def test_another_user_cannot_switch_the_budget_off(two_users, victim_env, shape):
+    # The attacker makes the victim's first place (/dev/shm/tms-ledger-<victim uid>) before the victim:
+    # the victim's pauses go on, with a warning, on a ledger in its home.
+    victim, attacker = two_users
+    make_env, taken = victim_env
+    if shape == "their_directory":
+        _as(attacker, "mkdir", "-m", "700", str(taken))
+    elif shape == "a_0777_directory":
+        _as(attacker, "mkdir", "-m", "777", str(taken))
+    elif shape == "a_symlink_to_the_victims_home":
+        _as(attacker, "ln", "-s", victim.pw_dir, str(taken))
+    else:
+        _as(attacker, "touch", str(taken))
+    env = make_env(TMS_HOST_BACKUP_LIMIT="48MiB")
+    h = Holder(env, as_user=(victim.pw_uid, victim.pw_gid))
+    assert h.state["error"] is None and h.state["cpu"] == 2, h.state
+    assert h.state["budget"]["reserved"] == 32 * MiB, h.state
+    ledger = _home_ledger_dir(victim.pw_dir) / f"{env['TMS_HOST_BACKUP_LIMIT_NAME']}.ledger"
+    assert ledger.is_file() and ledger.stat().st_uid == victim.pw_uid
+    assert h.finish(stderr=[f"the host backup ledger skips {taken}: "]) == "done\n"
+
+
+def test_processes_of_one_user_find_one_ledger_whatever_their_environment(two_users, victim_env):
+    # The first place taken, two processes of the victim with different environments share the budget.
+    victim, attacker = two_users
+    make_env, taken = victim_env
+    _as(attacker, "mkdir", "-m", "700", str(taken))
+    env = make_env(TMS_HOST_BACKUP_LIMIT="48MiB")
+    first = Holder({**env, "XDG_RUNTIME_DIR": f"/run/user/{victim.pw_uid}", "HOME": "/nonexistent"},
+                   as_user=(victim.pw_uid, victim.pw_gid))
+    second_env = {k: v for k, v in env.items() if k not in ("XDG_RUNTIME_DIR", "HOME")}
+    second = Holder(second_env, as_user=(victim.pw_uid, victim.pw_gid))
+    assert first.state["error"] is None, first.state
+    assert second.state["error"] is not None and "host backup budget" in second.state["error"], second.state
+    assert second.finish(stderr=["skips"]) == "done\n"
+    assert first.finish(stderr=["skips"]) == "done\n"
+
+
+def _unshare_pid():
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc"]
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare")
+    probe = subprocess.run([*cmd, "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"a PID namespace is not permitted here: {probe.stderr.strip()}")
+    return cmd
+
+
+def test_a_process_in_another_pid_namespace_shares_the_budget(tmp_path):
+    # As a container with --ipc=host: its own PID namespace and /proc, the host's /dev/shm.
+    unshare = _unshare_pid()
+    env = _env(tmp_path, TMS_HOST_BACKUP_LIMIT="48MiB")
+    for first_prefix, second_prefix in ((unshare, ()), ((), unshare)):
+        first = Holder(env, prefix=first_prefix)
+        second = Holder(env, prefix=second_prefix)
+        assert first.state["error"] is None, first.state
+        assert second.state["error"] is not None and "host backup budget" in second.state["error"], second.state
+        assert second.state["budget"]["reserved"] == 32 * MiB, second.state
+        assert second.finish() == "done\n" and first.finish() == "done\n"
+
+
+def test_a_killed_process_not_yet_reaped_gives_its_reservation_back(tmp_path):
+    env = _env(tmp_path, TMS_HOST_BACKUP_LIMIT="48MiB")
+    killed = Holder(env)
+    killed.proc.send_signal(signal.SIGKILL)
+    os.waitid(os.P_PID, killed.proc.pid, os.WEXITED | os.WNOWAIT)   # dead, and a zombie: its /proc entry stays
+    assert Path(f"/proc/{killed.proc.pid}/stat").read_text().split(") ")[1].startswith("Z")
+    after = Holder(env)
+    assert after.state["error"] is None and after.state["budget"]["reserved"] == 32 * MiB, after.state
+    assert after.finish() == "done\n"
+    killed.proc.communicate(timeout=60)
+
+
+def _meminfo_text(tmp_path, text):
+    path = tmp_path / "meminfo"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("hook,value", [("TMS_HOST_MEMINFO", "/dev/zero"), ("TMS_HOST_MEMINFO", "/dev/urandom"),
+                                        ("TMS_HOST_MEMINFO", "fifo"), ("TMS_HOST_COPY_GATE", "fifo")])
+def test_a_test_hook_cannot_hold_a_pause(tmp_path, hook, value):
+    if value == "fifo":
+        value = tmp_path / "fifo"
+        os.mkfifo(value)                                   # nobody ever writes to it
+    env = _env(tmp_path, **{hook: value})
+    proc = subprocess.run([sys.executable, str(HOST_SCENARIOS / "budget.py"), "hold", "2", "16"], cwd=REPO, env=env,
+                          input="resume\n\n", capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    state, done = proc.stdout.splitlines()
+    assert json.loads(state)["error"] is None and done == "done", proc.stdout
+
+
+def test_meminfo_numbers_out_of_range_read_as_unknown(tmp_path):
+    # A negative figure, one past 2^64 and one past 4 PiB: unknown, not wrapped.
+    path = _meminfo_text(tmp_path, "MemTotal: -5 kB\nMemAvailable: 18446744073709551617 kB\n")
+    h = Holder(_env(tmp_path, TMS_HOST_MEMINFO=path))
+    b = h.state["budget"]
+    assert h.state["error"] is None and (b["mem_total"], b["mem_available"]) == (0, 0), h.state
+    assert h.finish() == "done\n"
+    path.write_text("MemTotal: 4503599627370496 kB\nMemAvailable: 1 kB\n")
+    h = Holder(_env(tmp_path, TMS_HOST_MEMINFO=path, TMS_HOST_BACKUP_LIMIT="25%"))
+    err = h.state["error"]                             # a share of an unknown size: the pause says so
+    assert err is not None and "no MemTotal could be read from" in err and h.state["budget"]["mem_total"] == 0, h.state
+    assert h.state["states"] == ["active", "active"]
+    assert h.finish() == "done\n"
+
+
+def _at_gate(proc, gate):
+    """Waits until proc holds the gate open (its pause has reserved and waits at its
+    first copy); False if its pause ended first."""
+    fds = Path(f"/proc/{proc.pid}/fd")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for fd in list(fds.iterdir()) if fds.exists() else []:
+            try:
+                if os.readlink(fd) == str(gate):
+                    return True
+            except OSError:
+                pass
+        if proc.poll() is not None or select.select([proc.stdout], [], [], 0.01)[0]:
+            return False
+    return False
+
+
+def test_without_a_limit_pauses_in_flight_count_against_the_five_percent(tmp_path):
+    # 100 GiB of host memory, 5.04 GiB available: 40 MiB above the 5 % kept. One process's pause of
+    # 32 MiB waits at its first copy; another's of 32 MiB would take the host under 5 %.
+    meminfo = _meminfo_text(tmp_path, f"MemTotal: {100 << 20} kB\nMemAvailable: {int(5.04 * (1 << 20))} kB\n")
+    gate = tmp_path / "gate"
+    gate.write_bytes(b"")
+    env = _env(tmp_path, TMS_HOST_MEMINFO=meminfo)
+    copying = Holder({**env, "TMS_HOST_COPY_GATE": str(gate)}, wait=False)
+    assert _at_gate(copying.proc, gate)
+    other = Holder(env)
+    err = other.state["error"]
+    assert err is not None and "5 %" in err and "pauses still copying have reserved" in err, other.state
+    assert other.state["states"] == ["active", "active"]
+    gate.write_bytes(b"x")
+    assert copying.read_state()["error"] is None
+    again = Holder(env)                                # copied: MemAvailable counts it now, the ledger no more
+    assert again.state["error"] is None, again.state
+    for h in (other, again, copying):
+        assert h.finish() == "done\n"
+
+
+def test_a_run_leaves_no_ledger_file_behind(tmp_path):
+    env = _env(tmp_path, TMS_HOST_BACKUP_LIMIT="80MiB")
+    ledger = _ledger_dir() / f"{env['TMS_HOST_BACKUP_LIMIT_NAME']}.ledger"
+    killed, stays, resumes = Holder(env), Holder(env), Holder(env)
+    assert ledger.is_file()
+    killed.kill()                                      # its record stays behind, dead
+    assert stays.finish("stay") == ""                  # exits paused
+    assert resumes.finish("resume") == "done\n"        # the last one out
+    assert not ledger.exists(), sorted(p.name for p in ledger.parent.iterdir())
+    env = _env(tmp_path)                               # no limit: the 5 % safety's ledger
+    h = Holder(env)
+    assert h.finish() == "done\n"
+    assert not (_ledger_dir() / f"{env['TMS_HOST_BACKUP_LIMIT_NAME']}.ledger").exists()

@@ -28,6 +28,7 @@ CASES = {
                          {"TMS_FAULT": "map:2,host_alloc:1,create:12,unmap:8,copy_to_host:11,copy_to_device:13"}),
     "core_host_faults_chunked": ("test_core_host", [], {"TMS_CHUNK_BYTES": "2MiB",
                                                         "TMS_FAULT": "create:3,map:5,unmap:3"}),
+    "ledger": ("test_ledger", [], {}),
     "fuzz_chunked": ("fuzz_core", ["--runs", "4", "--seed", "1"], {"TMS_CHUNK_BYTES": "4MiB"}),
     "fuzz_faults": ("fuzz_core", ["--runs", "4", "--seed", "3"],
                     {"TMS_FAULT": "create:7,map:9,unmap:5,copy_to_host:4,copy_to_device:6,host_alloc:3"}),

@@ -3,236 +3,529 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
+#include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "platform/config.h"
+#include "platform/log.h"
 
 /*
- * The ledger is an array of records, one per process that reserved: its pid,
- * its start time (so a reused pid is not taken for it) and its bytes. A
- * process changes its own record under an exclusive flock of the file and
- * counts the others' records whose process still runs: a process killed with
- * SIGKILL gives its reservation back the next time anyone reads the ledger.
- * The directory is the user's own (mode 0700 in /dev/shm): a ledger other
- * users could write would let them forge reservations.
+ * The ledger is an array of records, one per process that has written to it:
+ * the bytes it holds against the budget, the bytes its pauses are still
+ * copying, and its pid (for a person reading the file; nothing trusts it).
+ * A record is alive while its process holds an open-file-description lock on
+ * the record's byte of the lock space: the kernel drops it when the process
+ * dies, in whatever PID namespace, before it becomes a zombie. Records are
+ * read and written under the guard lock, and whoever reads a dead record
+ * clears it. docs/design.md says why these locks, and where the file lives.
  */
 struct record {
+    uint64_t reserved;   /* host backups held against the budget (0 in a process without one) */
+    uint64_t in_flight;  /* reserved by pauses still copying: not yet in MemAvailable */
     int32_t pid;
     uint32_t unused;
-    uint64_t start;  /* the process's start time in clock ticks since boot (/proc/PID/stat) */
-    uint64_t bytes;
 };
 
 #define MAX_RECORDS 4096
+/* The lock space, apart from where the records lie: the guard, then a byte
+ * per record. A lock of the whole file is had only while no other process
+ * holds a record or the guard. */
+#define GUARD_BYTE 0
+#define LIVE_BYTE(slot) ((off_t)(slot) + 1)
+#define REOPEN_TRIES 8
+#define CANDIDATES 2
+#define WARN_SAFETY (1u << 8)
+#define WARN_WRITE (1u << 9)
 
 static pthread_mutex_t ledger_lock = PTHREAD_MUTEX_INITIALIZER;
-static int ledger_fd = -1;        /* guarded by ledger_lock; -1 until first use with a budget */
-static size_t mine;               /* guarded by ledger_lock */
-static size_t my_slot = SIZE_MAX; /* guarded by ledger_lock: where this process's record is while it holds bytes */
-static uint64_t my_start;         /* guarded by ledger_lock: this process's start time, 0 until read */
+static int ledger_fd = -1;                  /* guarded by ledger_lock; -1 until first use */
+static char ledger_path[PATH_MAX];          /* guarded by ledger_lock: the file ledger_fd was opened as */
+static struct statx ledger_id;              /* guarded by ledger_lock: its device and inode */
+static size_t mine;                         /* guarded by ledger_lock: reserved by this process */
+static size_t flying;                       /* guarded by ledger_lock: of mine, reserved by pauses still copying */
+static size_t my_slot = SIZE_MAX;           /* guarded by ledger_lock: the record this process holds, first write to exit */
+static struct record my_record;             /* guarded by ledger_lock: what that record says */
+static struct record scanned[MAX_RECORDS];  /* guarded by ledger_lock: the records as the last scan left them */
+static size_t scanned_n;                    /* guarded by ledger_lock */
+static unsigned warned;                     /* guarded by ledger_lock: a bit per warning given once */
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
-/* A child has no reservation of its own, and its own open file description:
- * flock excludes descriptions, not processes. */
+static void drop_ledger_locked(void)
+{
+    if (ledger_fd >= 0) close(ledger_fd);
+    ledger_fd = -1;
+    my_slot = SIZE_MAX;
+    my_record = (struct record){0};
+}
+
+/* A child has no reservation of its own. Closing its copy of the descriptor
+ * leaves the parent's locks alone: they belong to the open file description,
+ * which the parent still holds. */
 static void ledger_fork_prepare(void) { pthread_mutex_lock(&ledger_lock); }
 static void ledger_fork_parent(void) { pthread_mutex_unlock(&ledger_lock); }
 static void ledger_fork_child(void)
 {
-    if (ledger_fd >= 0) close(ledger_fd);
-    ledger_fd = -1;
-    mine = 0;
-    my_slot = SIZE_MAX;
-    my_start = 0;
+    drop_ledger_locked();
+    mine = flying = 0;
     pthread_mutex_unlock(&ledger_lock);
 }
 static void fork_setup(void) { (void)pthread_atfork(ledger_fork_prepare, ledger_fork_parent, ledger_fork_child); }
 
-static uint64_t process_start(pid_t pid)
+/* statx, not stat/fstat: those are GLIBC_2.33 symbols, the wheel targets 2.28. */
+static int stat_path(const char *path, int flags, struct statx *st)
 {
-    char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return 0;
-    buf[n] = 0;
-    const char *p = strrchr(buf, ')');  /* the name may hold spaces and parentheses */
-    if (!p) return 0;
-    /* Field 22 (starttime) is the 20th after the name. */
-    for (int field = 0; field < 20 && p; field++) p = strchr(p + 1, ' ');
-    return p ? strtoull(p + 1, NULL, 10) : 0;
+    return statx(AT_FDCWD, path, flags, STATX_BASIC_STATS, st);
+}
+static int stat_fd(int fd, struct statx *st) { return statx(fd, "", AT_EMPTY_PATH, STATX_BASIC_STATS, st); }
+
+static int same_file(const struct statx *a, const struct statx *b)
+{
+    return a->stx_ino == b->stx_ino && a->stx_dev_major == b->stx_dev_major && a->stx_dev_minor == b->stx_dev_minor;
 }
 
+/* ---- /proc/meminfo ------------------------------------------------------------- */
+
+/* 4 PiB: a larger figure is a corrupt file, and shifting it to bytes would wrap. */
+#define MEMINFO_MAX_KIB ((unsigned long long)1 << 42)
+
+/* The "<key> <digits> kB" line's bytes; 0 if absent or malformed. */
+static size_t meminfo_field(const char *text, const char *key)
+{
+    size_t key_len = strlen(key);
+    for (const char *line = text; *line;) {
+        const char *end = strchr(line, '\n');
+        if (strncmp(line, key, key_len) == 0) {
+            const char *p = line + key_len;
+            unsigned long long kib = 0;
+            int digits = 0;
+            while (*p == ' ' || *p == '\t') p++;
+            for (; *p >= '0' && *p <= '9' && kib <= MEMINFO_MAX_KIB; p++, digits++) kib = kib * 10 + (unsigned)(*p - '0');
+            if (!digits || kib > MEMINFO_MAX_KIB || strncmp(p, " kB", 3) != 0 || (p[3] && p[3] != '\n')) return 0;
+            return (size_t)kib << 10;
+        }
+        if (!end) break;
+        line = end + 1;
+    }
+    return 0;
+}
+
+/* The host's memory, 0 where unknown. TMS_HOST_MEMINFO (tests) names another
+ * file, read as /proc/meminfo is: a regular file only, opened without
+ * blocking or following a link, its first 4 KiB. A FIFO or device reads as
+ * unknown rather than holding a pause. */
 static void meminfo(size_t *total, size_t *available)
 {
     *total = *available = 0;
-    const char *path = getenv("TMS_HOST_MEMINFO");  /* tests: a meminfo of their own */
-    FILE *f = fopen(path && *path ? path : "/proc/meminfo", "re");
-    if (!f) return;
-    char line[256];
-    unsigned long long kib;
-    while (fgets(line, sizeof line, f)) {
-        if (sscanf(line, "MemTotal: %llu kB", &kib) == 1) *total = (size_t)kib << 10;
-        else if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) *available = (size_t)kib << 10;
+    const char *path = tms_defaults()->host_meminfo[0] ? tms_defaults()->host_meminfo : "/proc/meminfo";
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return;
+    char text[4096];
+    size_t len = 0;
+    struct statx st;
+    if (stat_fd(fd, &st) == 0 && S_ISREG(st.stx_mode)) {
+        while (len < sizeof text - 1) {
+            ssize_t got = read(fd, text + len, sizeof text - 1 - len);
+            if (got < 0 && errno == EINTR) continue;
+            if (got <= 0) break;
+            len += (size_t)got;
+        }
     }
-    fclose(f);
+    close(fd);
+    text[len] = 0;
+    *total = meminfo_field(text, "MemTotal:");
+    *available = meminfo_field(text, "MemAvailable:");
 }
+
+static int has_budget(const struct tms_defaults *d) { return d->host_limit_bytes || d->host_limit_percent; }
 
 static size_t limit_bytes(size_t mem_total)
 {
     const struct tms_defaults *d = tms_defaults();
-    return d->host_limit_percent ? mem_total * d->host_limit_percent / 100 : d->host_limit_bytes;  /* < 2^57 bytes: no overflow */
+    /* mem_total < 2^52 (meminfo_field's bound): a percentage of it cannot wrap. */
+    return d->host_limit_percent ? mem_total * d->host_limit_percent / 100 : d->host_limit_bytes;
 }
 
-/* statx, not stat/fstat: those are GLIBC_2.33 symbols, the wheel targets 2.28. */
-static int stat_path(const char *path, struct statx *st) { return statx(AT_FDCWD, path, 0, STATX_BASIC_STATS, st); }
-static int stat_fd(int fd, struct statx *st) { return statx(fd, "", AT_EMPTY_PATH, STATX_BASIC_STATS, st); }
+static size_t add_saturating(size_t a, uint64_t b) { return b > SIZE_MAX - a ? SIZE_MAX : a + (size_t)b; }
+
+/* ---- where the ledger lives ------------------------------------------------------ */
+
+/* The same in every container of a host; another on another host, or after a reboot. */
+static int read_boot_id(char out[37])
+{
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, out, 36);
+    close(fd);
+    if (n != 36) return -1;
+    out[36] = 0;
+    for (int i = 0; i < 36; i++)
+        if (!((out[i] >= '0' && out[i] <= '9') || (out[i] >= 'a' && out[i] <= 'f') || out[i] == '-')) return -1;
+    return 0;
+}
+
+/* Candidate i of the ledger's directory, in the order every process of the
+ * user tries them whatever its environment: 0 and the path, else why none. */
+static int candidate(int i, char *path, size_t size, char *why, size_t why_size)
+{
+    struct statx st;
+    if (i == 0) {
+        const char *base = stat_path("/dev/shm", 0, &st) == 0 && S_ISDIR(st.stx_mode) ? "/dev/shm" : "/tmp";
+        snprintf(path, size, "%s/tms-ledger-%u", base, (unsigned)geteuid());
+        return 0;
+    }
+    struct passwd pw, *found = NULL;
+    char buf[4096], boot[37];
+    if (getpwuid_r(geteuid(), &pw, buf, sizeof buf, &found) != 0 || !found || pw.pw_dir[0] != '/') {
+        snprintf(path, size, "~/.cache/torch_memory_saver");
+        snprintf(why, why_size, "uid %u has no home directory in the user database", (unsigned)geteuid());
+        return -1;
+    }
+    int n = snprintf(path, size, "%s/.cache", pw.pw_dir);
+    if (n < 0 || (size_t)n + 64 >= size) {
+        snprintf(why, why_size, "the home directory's path is too long");
+        return -1;
+    }
+    if (read_boot_id(boot) != 0) {
+        snprintf(why, why_size, "cannot read /proc/sys/kernel/random/boot_id");
+        return -1;
+    }
+    /* The parents follow links (a ~/.cache elsewhere is the user's choice);
+     * a failure shows as the last directory's. */
+    (void)mkdir(path, 0700);
+    snprintf(path + n, size - (size_t)n, "/torch_memory_saver");
+    (void)mkdir(path, 0700);
+    snprintf(path + n, size - (size_t)n, "/torch_memory_saver/ledger-%s", boot);
+    return 0;
+}
+
+/* Opens path, a directory of this user's alone (made if missing): its
+ * descriptor, else -1 and why not. */
+static int open_private_dir(const char *path, char *why, size_t why_size)
+{
+    if (mkdir(path, 0700) != 0 && errno != EEXIST) {
+        snprintf(why, why_size, "cannot make it: %s", strerror(errno));
+        return -1;
+    }
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int e = errno;
+    struct statx st;
+    if (fd < 0 ? stat_path(path, AT_SYMLINK_NOFOLLOW, &st) : stat_fd(fd, &st)) {
+        snprintf(why, why_size, "%s", strerror(fd < 0 ? e : errno));
+    } else if (S_ISLNK(st.stx_mode)) {
+        snprintf(why, why_size, "it is a symbolic link");
+    } else if (!S_ISDIR(st.stx_mode)) {
+        snprintf(why, why_size, "it is not a directory");
+    } else if (st.stx_uid != geteuid() || (st.stx_mode & 077)) {
+        snprintf(why, why_size, "it is not this user's alone (owner uid %u, mode %04o)", (unsigned)st.stx_uid,
+                 (unsigned)(st.stx_mode & 07777));
+    } else if (fd < 0) {
+        snprintf(why, why_size, "%s", strerror(e));
+    } else {
+        return fd;
+    }
+    if (fd >= 0) close(fd);
+    return -1;
+}
 
 static int open_ledger_locked(struct tms_err *err)
 {
     if (ledger_fd >= 0) return TMS_OK;
-    char dir[128], name[96];
-    struct statx st;
-    const char *base = stat_path("/dev/shm", &st) == 0 && S_ISDIR(st.stx_mode) ? "/dev/shm" : "/tmp";
-    snprintf(dir, sizeof dir, "%s/tms-ledger-%u", base, (unsigned)geteuid());
-    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
-        return tms_fail(err, TMS_E_IO, errno, "cannot make the host backup ledger directory %s: %s", dir, strerror(errno));
-    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (dfd < 0) return tms_fail(err, TMS_E_IO, errno, "cannot open the ledger directory %s: %s", dir, strerror(errno));
-    if (stat_fd(dfd, &st) != 0 || st.stx_uid != geteuid() || (st.stx_mode & 077)) {
-        close(dfd);
-        return tms_fail(err, TMS_E_IO, EPERM, "the ledger directory %s is not this user's alone (owner %u, mode %o)",
-                        dir, (unsigned)st.stx_uid, (unsigned)(st.stx_mode & 07777));
+    char dirs[CANDIDATES][512], why[CANDIDATES][160], name[80];
+    int dfd = -1, i;
+    for (i = 0; i < CANDIDATES; i++) {
+        why[i][0] = 0;
+        if (candidate(i, dirs[i], sizeof dirs[i], why[i], sizeof why[i]) == 0 &&
+            (dfd = open_private_dir(dirs[i], why[i], sizeof why[i])) >= 0)
+            break;
+        /* Another user may have taken the name first: the next place is the user's own. */
+        if (i + 1 < CANDIDATES && !(warned & (1u << i))) {
+            warned |= 1u << i;
+            tms_log_warn("the host backup ledger skips %s: %s", dirs[i], why[i]);
+        }
     }
+    if (dfd < 0)
+        return tms_fail(err, TMS_E_IO, EACCES, "no private directory for the host backup ledger: %s: %s; %s: %s",
+                        dirs[0], why[0], dirs[1], why[1]);
     snprintf(name, sizeof name, "%s.ledger", tms_defaults()->host_limit_name);
     int fd = openat(dfd, name, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
     int e = errno;
     close(dfd);
-    if (fd < 0) return tms_fail(err, TMS_E_IO, e, "cannot open the ledger %s/%s: %s", dir, name, strerror(e));
+    if (fd < 0)
+        return tms_fail(err, TMS_E_IO, e, "cannot open the host backup ledger %s/%s: %s", dirs[i], name, strerror(e));
+    struct statx st;
     if (stat_fd(fd, &st) != 0 || !S_ISREG(st.stx_mode) || st.stx_uid != geteuid()) {
         close(fd);
-        return tms_fail(err, TMS_E_IO, EPERM, "the ledger %s/%s is not a file of this user", dir, name);
+        return tms_fail(err, TMS_E_IO, EPERM, "the host backup ledger %s/%s is not a file of this user", dirs[i], name);
     }
+    snprintf(ledger_path, sizeof ledger_path, "%s/%s", dirs[i], name);
+    ledger_id = st;
     ledger_fd = fd;
     return TMS_OK;
 }
 
-/* Under the file lock: the live reservations of the other processes, and the
- * slot of this process's record (a free one if it has none). Clears the
- * records of processes that are gone. */
-static uint64_t my_start_locked(void)
+/* ---- locks and records --------------------------------------------------------- */
+
+/* A lock of len bytes at start (len 0: to the end of the file and beyond),
+ * owned by the open file description: 0, or the errno. */
+static int set_lock(short type, off_t start, off_t len, int wait)
 {
-    if (!my_start) my_start = process_start(getpid());
-    return my_start;
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = start, .l_len = len};
+    int rc;
+    while ((rc = fcntl(ledger_fd, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl)) != 0 && errno == EINTR) {}
+    return rc ? errno : 0;
 }
 
-static size_t add_saturating(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
-
-static int scan_locked(size_t *others, size_t *slot, struct tms_err *err)
+/* Whether another open file description holds the record's byte; when the
+ * kernel cannot say, alive: a reservation is never cleared on a doubt. */
+static int record_alive(size_t slot)
 {
-    static struct record recs[MAX_RECORDS];  /* guarded by ledger_lock */
-    ssize_t got = pread(ledger_fd, recs, sizeof recs, 0);
-    if (got < 0) return tms_fail(err, TMS_E_IO, errno, "cannot read the host backup ledger: %s", strerror(errno));
-    size_t n = (size_t)got / sizeof *recs, free_slot = SIZE_MAX, own = SIZE_MAX;
-    pid_t me = getpid();
-    uint64_t start = my_start_locked();
-    *others = 0;
-    for (size_t i = 0; i < n; i++) {
-        struct record *r = &recs[i];
-        if (r->pid == me && r->start == start) {
-            own = i;
-            continue;
-        }
-        if (r->pid > 0 && r->bytes && process_start(r->pid) == r->start) {
-            *others = add_saturating(*others, (size_t)r->bytes);  /* a corrupt record must not wrap the sum */
-            continue;
-        }
-        if (r->pid || r->bytes) {  /* its process is gone: its reservation with it */
-            static const struct record none;
-            if (pwrite(ledger_fd, &none, sizeof none, (off_t)(i * sizeof none)) != (ssize_t)sizeof none)
-                return tms_fail(err, TMS_E_IO, errno, "cannot write the host backup ledger: %s", strerror(errno));
-        }
-        if (free_slot == SIZE_MAX) free_slot = i;
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = LIVE_BYTE(slot), .l_len = 1};
+    return fcntl(ledger_fd, F_OFD_GETLK, &fl) != 0 || fl.l_type != F_UNLCK;
+}
+
+/* Whether ledger_path still names the open file: the last process to leave removes it. */
+static int still_named(void)
+{
+    struct statx st;
+    return stat_path(ledger_path, AT_SYMLINK_NOFOLLOW, &st) == 0 && same_file(&st, &ledger_id);
+}
+
+/* Opens the ledger if needed and takes its guard. Without a record of its
+ * own, the file this process holds may have been removed by the last one to
+ * leave it since: it then opens the one the path names now. */
+static int guard_locked(struct tms_err *err)
+{
+    for (int tries = 0;; tries++) {
+        int rc = open_ledger_locked(err);
+        if (rc) return rc;
+        if ((rc = set_lock(F_WRLCK, GUARD_BYTE, 1, 1)) != 0)
+            return tms_fail(err, TMS_E_IO, rc, "cannot lock the host backup ledger %s: %s", ledger_path, strerror(rc));
+        if (my_slot != SIZE_MAX || still_named()) return TMS_OK;
+        drop_ledger_locked();
+        if (tries == REOPEN_TRIES)
+            return tms_fail(err, TMS_E_IO, ESTALE, "the host backup ledger %s keeps being removed", ledger_path);
     }
-    *slot = own != SIZE_MAX ? own : free_slot != SIZE_MAX ? free_slot : n;
-    if (*slot >= MAX_RECORDS) return tms_fail(err, TMS_E_IO, ENOSPC, "the host backup ledger is full (%d processes)", MAX_RECORDS);
+}
+
+static void unguard_locked(void) { (void)set_lock(F_UNLCK, GUARD_BYTE, 1, 0); }
+
+static int write_record_locked(size_t slot, const struct record *r, struct tms_err *err)
+{
+    ssize_t put;
+    while ((put = pwrite(ledger_fd, r, sizeof *r, (off_t)(slot * sizeof *r))) < 0 && errno == EINTR) {}
+    if (put == (ssize_t)sizeof *r) return TMS_OK;
+    int e = put < 0 ? errno : EIO;
+    return tms_fail(err, TMS_E_IO, e, "cannot write the host backup ledger %s: %s", ledger_path, strerror(e));
+}
+
+struct sums {
+    size_t reserved, in_flight;
+};
+
+/* Under the guard: what the other live processes hold. Clears the records
+ * of processes that are gone. */
+static int scan_locked(struct sums *others, struct tms_err *err)
+{
+    static const struct record none;
+    ssize_t got;
+    while ((got = pread(ledger_fd, scanned, sizeof scanned, 0)) < 0 && errno == EINTR) {}
+    if (got < 0)
+        return tms_fail(err, TMS_E_IO, errno, "cannot read the host backup ledger %s: %s", ledger_path, strerror(errno));
+    scanned_n = (size_t)got / sizeof *scanned;
+    *others = (struct sums){0};
+    for (size_t i = 0; i < scanned_n; i++) {
+        struct record *r = &scanned[i];
+        if (i == my_slot || (!r->reserved && !r->in_flight)) continue;
+        if (record_alive(i)) {
+            others->reserved = add_saturating(others->reserved, r->reserved);  /* a corrupt record must not wrap the sum */
+            others->in_flight = add_saturating(others->in_flight, r->in_flight);
+            continue;
+        }
+        int rc = write_record_locked(i, &none, err);  /* its process is gone, and its reservation with it */
+        if (rc) return rc;
+        *r = none;
+    }
     return TMS_OK;
 }
 
-/* A record of 0 bytes frees the slot: another process may take it next. */
-static int write_mine_locked(size_t slot, size_t bytes, struct tms_err *err)
+/* Under the guard, after a scan: an empty record nobody holds becomes this process's. */
+static int take_slot_locked(struct tms_err *err)
 {
-    struct record r = {.pid = getpid(), .start = my_start_locked(), .bytes = bytes};
-    if (!bytes) r = (struct record){0};
-    if (pwrite(ledger_fd, &r, sizeof r, (off_t)(slot * sizeof r)) != (ssize_t)sizeof r)
-        return tms_fail(err, TMS_E_IO, errno, "cannot write the host backup ledger: %s", strerror(errno));
-    my_slot = bytes ? slot : SIZE_MAX;
-    return TMS_OK;
+    for (size_t i = 0; i < MAX_RECORDS; i++) {
+        if (i < scanned_n && (scanned[i].reserved || scanned[i].in_flight)) continue;
+        int rc = set_lock(F_WRLCK, LIVE_BYTE(i), 1, 0);
+        if (rc == 0) {
+            my_slot = i;
+            return TMS_OK;
+        }
+        if (rc != EAGAIN && rc != EACCES)
+            return tms_fail(err, TMS_E_IO, rc, "cannot lock a record of the host backup ledger %s: %s", ledger_path,
+                            strerror(rc));
+    }
+    return tms_fail(err, TMS_E_IO, ENOSPC, "the host backup ledger %s is full (%d processes)", ledger_path, MAX_RECORDS);
 }
 
-static double gib(size_t n) { return (double)n / (double)(1u << 30); }
-
-/* Runs with ledger_lock and the file lock held: others = the other processes' bytes. */
-static int with_ledger(size_t *others, size_t *slot, struct tms_err *err)
+/* What this process's record should say (its pid is added when written). */
+static struct record wanted_record(void)
 {
-    int rc = open_ledger_locked(err);
-    if (rc) return rc;
-    if (flock(ledger_fd, LOCK_EX) != 0)
-        return tms_fail(err, TMS_E_IO, errno, "cannot lock the host backup ledger: %s", strerror(errno));
-    rc = scan_locked(others, slot, err);
-    if (rc) (void)flock(ledger_fd, LOCK_UN);
+    return (struct record){.reserved = has_budget(tms_defaults()) ? mine : 0, .in_flight = flying};
+}
+
+/* Under the guard: this process's record says what it holds now. A process
+ * takes a record at its first write and keeps it, empty or not, until exit. */
+static int publish_locked(struct tms_err *err)
+{
+    struct record r = wanted_record();
+    if (my_slot == SIZE_MAX) {
+        if (!r.reserved && !r.in_flight) return TMS_OK;
+        int rc = take_slot_locked(err);
+        if (rc) return rc;
+    }
+    r.pid = getpid();
+    int rc = write_record_locked(my_slot, &r, err);
+    if (!rc) my_record = r;
     return rc;
 }
+
+/* After a change of mine or flying outside a reservation: the record
+ * follows, with no scan (a resume releases each backup on the copy workers). */
+static void republish_locked(void)
+{
+    if (ledger_fd < 0 || my_slot == SIZE_MAX) return;
+    struct record r = wanted_record();
+    if (r.reserved == my_record.reserved && r.in_flight == my_record.in_flight) return;
+    struct tms_err err = {0};
+    int rc = set_lock(F_WRLCK, GUARD_BYTE, 1, 1);
+    if (rc) tms_fail(&err, TMS_E_IO, rc, "cannot lock the host backup ledger %s: %s", ledger_path, strerror(rc));
+    else {
+        (void)publish_locked(&err);
+        unguard_locked();
+    }
+    if (err.status && !(warned & WARN_WRITE)) {
+        warned |= WARN_WRITE;
+        tms_log_warn("%s", err.msg);
+    }
+}
+
+/* At exit the process's record goes, and the last process to leave the
+ * ledger removes the file. */
+__attribute__((destructor)) static void ledger_leave(void)
+{
+    if (pthread_mutex_trylock(&ledger_lock) != 0) return;  /* a thread is in it: the kernel drops the locks anyway */
+    if (ledger_fd >= 0) {
+        static const struct record none;
+        struct tms_err err = {0};
+        if (my_slot != SIZE_MAX && set_lock(F_WRLCK, GUARD_BYTE, 1, 1) == 0)
+            (void)write_record_locked(my_slot, &none, &err);
+        if (set_lock(F_WRLCK, 0, 0, 0) == 0 && still_named()) (void)unlink(ledger_path);
+        drop_ledger_locked();
+    }
+    pthread_mutex_unlock(&ledger_lock);
+}
+
+/* ---- the interface --------------------------------------------------------------- */
+
+static double gib(size_t n) { return (double)n / (double)(1u << 30); }
 
 int tms_ledger_reserve(size_t bytes, size_t *free_bytes, struct tms_err *err)
 {
     if (!bytes) return TMS_OK;
     pthread_once(&fork_once, fork_setup);
+    const struct tms_defaults *d = tms_defaults();
     size_t total, available;
     meminfo(&total, &available);
     size_t limit = limit_bytes(total);
-    const struct tms_defaults *d = tms_defaults();
+    int budget = has_budget(d);
+    if (budget && !limit)
+        return tms_fail(err, TMS_E_IO, 0,
+                        "host backup budget '%s' is %u %% of the host's memory (TMS_HOST_BACKUP_LIMIT), and no MemTotal "
+                        "could be read from %s", d->host_limit_name, d->host_limit_percent,
+                        d->host_meminfo[0] ? d->host_meminfo : "/proc/meminfo");
     pthread_mutex_lock(&ledger_lock);
-    int rc = TMS_OK;
-    if (!limit) {
-        /* No budget: the host keeps 5 % of its memory available. */
-        size_t keep = total / 20, room = available > keep ? available - keep : 0;
-        if (free_bytes) *free_bytes = room;
+    struct sums others = {0};
+    struct tms_err why = {0};
+    int rc = TMS_OK, guarded = 0;
+    if (budget || (d->host_memory_safety && total)) {
+        if ((rc = guard_locked(&why)) == TMS_OK) {
+            guarded = 1;
+            rc = scan_locked(&others, &why);
+        }
+        if (rc && budget) {
+            if (guarded) unguard_locked();
+            pthread_mutex_unlock(&ledger_lock);
+            if (err) *err = why;
+            return rc;
+        }
+        if (rc) {  /* the safety is best effort: without the ledger, this process's pauses alone */
+            if (guarded) unguard_locked();
+            guarded = 0;
+            others = (struct sums){0};
+            rc = TMS_OK;
+            if (!(warned & WARN_SAFETY)) {
+                warned |= WARN_SAFETY;
+                tms_log_warn("%s: the 5 %% kept free counts this process's pauses in flight only", why.msg);
+            }
+        }
+    }
+    size_t room;
+    if (budget) {
+        size_t used = add_saturating(others.reserved, mine);
+        room = limit > used ? limit - used : 0;
+        if (bytes > room)
+            rc = tms_fail(err, TMS_E_HOST_OOM, ENOMEM,
+                          "host backup budget '%s' of %zu bytes (%.2f GiB, TMS_HOST_BACKUP_LIMIT): this pause needs %zu "
+                          "bytes (%.2f GiB), %zu (%.2f GiB) are free; %zu reserved by the processes sharing it, %zu of "
+                          "them by this one", d->host_limit_name, limit, gib(limit), bytes, gib(bytes), room, gib(room),
+                          used, mine);
+    } else {
+        /* MemAvailable counts backups already copied; pauses in flight, of any process, are not in it yet. */
+        size_t keep = total / 20, in_flight = add_saturating(others.in_flight, flying);
+        size_t busy = add_saturating(keep, in_flight);
+        room = available > busy ? available - busy : 0;
         if (d->host_memory_safety && total && bytes > room)
             rc = tms_fail(err, TMS_E_HOST_OOM, ENOMEM,
                           "host memory: this pause needs %zu bytes (%.2f GiB) of host backups, and %zu (%.2f GiB) "
-                          "are available above the 5 %% of the host's %.2f GiB it keeps free (set "
-                          "TMS_HOST_BACKUP_LIMIT for a budget, or TMS_HOST_MEMORY_SAFETY=0 to turn this check off)",
-                          bytes, gib(bytes), room, gib(room), gib(total));
-        else mine += bytes;
-        pthread_mutex_unlock(&ledger_lock);
-        return rc;
+                          "are available above the 5 %% of the host's %.2f GiB it keeps free and the %zu bytes "
+                          "(%.2f GiB) pauses still copying have reserved (set TMS_HOST_BACKUP_LIMIT for a budget, or "
+                          "TMS_HOST_MEMORY_SAFETY=0 to turn this check off)",
+                          bytes, gib(bytes), room, gib(room), gib(total), in_flight, gib(in_flight));
     }
-    size_t others, slot;
-    if ((rc = with_ledger(&others, &slot, err))) {
-        pthread_mutex_unlock(&ledger_lock);
-        return rc;
-    }
-    size_t used = add_saturating(others, mine), room = limit > used ? limit - used : 0;
     if (free_bytes) *free_bytes = room;
-    if (bytes > room)
-        rc = tms_fail(err, TMS_E_HOST_OOM, ENOMEM,
-                      "host backup budget '%s' of %zu bytes (%.2f GiB, TMS_HOST_BACKUP_LIMIT): this pause needs %zu "
-                      "bytes (%.2f GiB), %zu (%.2f GiB) are free; %zu reserved by the processes sharing it, %zu of "
-                      "them by this one", d->host_limit_name, limit, gib(limit), bytes, gib(bytes), room, gib(room),
-                      used, mine);
-    else if (!(rc = write_mine_locked(slot, mine + bytes, err)))
+    if (!rc) {
         mine += bytes;
-    (void)flock(ledger_fd, LOCK_UN);
+        flying += bytes;
+        if (guarded && (rc = publish_locked(&why)) != TMS_OK) {
+            if (budget) {
+                mine -= bytes;
+                flying -= bytes;
+                if (err) *err = why;
+            } else {
+                rc = TMS_OK;
+                if (!(warned & WARN_WRITE)) {
+                    warned |= WARN_WRITE;
+                    tms_log_warn("%s", why.msg);
+                }
+            }
+        }
+    }
+    if (guarded) unguard_locked();
     pthread_mutex_unlock(&ledger_lock);
     return rc;
+}
+
+void tms_ledger_copied(size_t bytes)
+{
+    if (!bytes) return;
+    pthread_mutex_lock(&ledger_lock);
+    flying = bytes < flying ? flying - bytes : 0;
+    republish_locked();
+    pthread_mutex_unlock(&ledger_lock);
 }
 
 void tms_ledger_release(size_t bytes)
@@ -240,18 +533,14 @@ void tms_ledger_release(size_t bytes)
     if (!bytes) return;
     pthread_mutex_lock(&ledger_lock);
     mine = bytes < mine ? mine - bytes : 0;
-    /* Only this process's own record changes: no scan of the others (a resume
-     * releases each allocation's backup on the copy workers). */
-    if (ledger_fd >= 0 && my_slot != SIZE_MAX && flock(ledger_fd, LOCK_EX) == 0) {
-        struct tms_err err = {0};
-        (void)write_mine_locked(my_slot, mine, &err);
-        (void)flock(ledger_fd, LOCK_UN);
-    }
+    if (flying > mine) flying = mine;
+    republish_locked();
     pthread_mutex_unlock(&ledger_lock);
 }
 
 int tms_ledger_info(struct tms_ledger_info *info, struct tms_err *err)
 {
+    pthread_once(&fork_once, fork_setup);
     const struct tms_defaults *d = tms_defaults();
     *info = (struct tms_ledger_info){.safety = d->host_memory_safety};
     meminfo(&info->mem_total, &info->mem_available);
@@ -260,9 +549,12 @@ int tms_ledger_info(struct tms_ledger_info *info, struct tms_err *err)
     pthread_mutex_lock(&ledger_lock);
     info->mine = mine;
     int rc = TMS_OK;
-    size_t others = 0, slot;
-    if (info->limit && (rc = with_ledger(&others, &slot, err)) == TMS_OK) (void)flock(ledger_fd, LOCK_UN);
-    info->reserved = add_saturating(others, mine);
+    struct sums others = {0};
+    if (info->limit && (rc = guard_locked(err)) == TMS_OK) {
+        rc = scan_locked(&others, err);
+        unguard_locked();
+    }
+    info->reserved = add_saturating(others.reserved, mine);
     pthread_mutex_unlock(&ledger_lock);
     return rc;
 }

@@ -223,7 +223,10 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
     struct batcher b;
     int rc = plan_all(m, n, args, &n_items, &n_backups, err);
     if (!rc && n_backups) rc = reserve_all(m, n, &reserved, err);
-    if (!rc && n_backups && (rc = batch_start(&b, drv, 1, n_items, n_backups, err))) tms_ledger_release(reserved);
+    if (!rc && n_backups && (rc = batch_start(&b, drv, 1, n_items, n_backups, err))) {
+        tms_ledger_copied(reserved);
+        tms_ledger_release(reserved);
+    }
     if (rc || !n_backups) {
         forget_plans(m, n);
         return rc;
@@ -253,6 +256,7 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
     }
     batch_end(&b);
     forget_plans(m, n);
+    tms_ledger_copied(reserved);  /* what the backups keep is host memory now: no longer in flight */
     if (rc) {
         tms_ledger_release(reserved);  /* no backup of this call keeps it */
         for (size_t i = 0; i < n; i++) discard_copy(&m[i]);

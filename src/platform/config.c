@@ -96,6 +96,17 @@ static void env_disk_block(void)
     defaults.disk_block_bytes = (size_t)n << 20;
 }
 
+/* A path for a test hook, checked for length only: its reader opens it as a
+ * regular file and bounds what it reads. */
+static void env_path(const char *var, char *out, size_t size)
+{
+    const char *s = getenv(var);
+    if (!s || !*s) return;
+    if (strlen(s) < size) strcpy(out, s);
+    else if (!defaults.parse_error.status)
+        tms_fail(&defaults.parse_error, TMS_E_ARG, 0, "%s is longer than %zu bytes", var, size - 1);
+}
+
 static void load_defaults(void)
 {
     defaults.init_backup_kind = TMS_BACKUP_DEFAULT;
@@ -113,6 +124,7 @@ static void load_defaults(void)
     defaults.host_memory_safety = 1;
     env_bool("TMS_HOST_MEMORY_SAFETY", &defaults.host_memory_safety);
     env_host_limit();
+    env_path("TMS_HOST_MEMINFO", defaults.host_meminfo, sizeof defaults.host_meminfo);
     env_disk_block();
     const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
     if (kind && *kind && tms_backup_kind_parse(kind, &defaults.init_backup_kind) != TMS_OK &&

@@ -48,6 +48,7 @@ struct tms_defaults {
     int chunk_bytes_set;         /* else the backend's default applies */
     int backup_threads;          /* TMS_BACKUP_THREADS; 0 = one per core, at most 16 */
     size_t backup_block_bytes;   /* TMS_BACKUP_BLOCK_BYTES: copy block size both ways; 0 = per direction */
+    char host_meminfo[256];      /* TMS_HOST_MEMINFO (tests): a file read instead of /proc/meminfo; "" = none */
     struct tms_err parse_error;  /* status != 0 if a variable was malformed */
 };
 
@@ -60,7 +61,7 @@ const struct tms_defaults *tms_defaults(void);
  * TMS_HOST_DEVICE_BYTES, TMS_HOST_DEVICES, TMS_HOST_NUMA_NODE (the NUMA node
  * the devices sit on), TMS_FAULT="op:n[,op:n...]", the n-th call of op
  * failing once, and TMS_HOST_COPY_GATE (driver_host.c). Parsed with the
- * defaults. */
+ * defaults; no other backend reads them. */
 #define TMS_HOST_MAX_DEVICES 8
 enum tms_fault_op {
     TMS_FAULT_CREATE, TMS_FAULT_MAP, TMS_FAULT_UNMAP, TMS_FAULT_TO_HOST, TMS_FAULT_TO_DEVICE, TMS_FAULT_HOST_ALLOC,
@@ -76,7 +77,7 @@ struct tms_host_env {
     int numa_node;                 /* -1: unknown */
     int current_device;            /* TMS_HOST_CURRENT_DEVICE: the device allocations go to by default */
     long fault_at[TMS_FAULT_OPS];  /* 0 = never */
-    char copy_gate[256];           /* TMS_HOST_COPY_GATE: a FIFO the first device->host copy waits on; "" = none */
+    char copy_gate[256];           /* TMS_HOST_COPY_GATE: a regular file the first device->host copy waits on; "" = none */
     struct tms_err error;          /* status != 0: one was malformed, the host backend does not load */
 };
 const struct tms_host_env *tms_host_env(void);

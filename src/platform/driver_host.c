@@ -6,11 +6,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <sys/inotify.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "platform/config.h"
 #include "platform/driver.h"
+#include "platform/log.h"
 
 /* 2 MiB, the granularity of current NVIDIA GPUs, so rounding behaves as on one. */
 #define HOST_GRANULARITY ((size_t)2 << 20)
@@ -41,21 +46,56 @@ static int fault_hit(int op)
     return fault_at[op] != 0 && n == fault_at[op];
 }
 
-/* TMS_HOST_COPY_GATE names a FIFO: the first device->host copy waits until a
- * byte can be read from it, so a test holds a pause in the middle of its
- * copies for as long as it needs, whatever the machine's speed. */
+/* TMS_HOST_COPY_GATE names a regular file: the first device->host copy waits
+ * until it holds a byte, so a test holds a pause in the middle of its copies
+ * for as long as it needs, whatever the machine's speed. No file, a FIFO or a
+ * device is no gate, and no wait outlasts GATE_MAX_S: no environment value
+ * holds a pause for good. inotify wakes the wait; without it there is none. */
+#define GATE_MAX_S 60
 static pthread_once_t gate_once = PTHREAD_ONCE_INIT;
+
+/* Whether the gate (open as fd) is still shut: empty and still linked. */
+static int gate_shut(int fd)
+{
+    struct statx st;
+    return statx(fd, "", AT_EMPTY_PATH, STATX_SIZE | STATX_NLINK, &st) == 0 && st.stx_size == 0 && st.stx_nlink > 0;
+}
 
 static void pass_gate(void)
 {
     const char *path = tms_host_env()->copy_gate;
     if (!path[0]) return;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    char byte;
-    if (fd >= 0) {
-        while (read(fd, &byte, 1) < 0 && errno == EINTR) {}
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return;
+    struct statx st;
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_TYPE, &st) != 0 || !S_ISREG(st.stx_mode)) {
+        tms_log_warn("TMS_HOST_COPY_GATE=%s is not a regular file: the copies do not wait", path);
         close(fd);
+        return;
     }
+    /* Watched before the first look: a byte written in between still wakes the wait. */
+    int watch = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+    if (watch >= 0 && inotify_add_watch(watch, path, IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_DONT_FOLLOW) < 0) {
+        close(watch);
+        watch = -1;
+    }
+    struct timespec now, end;
+    clock_gettime(CLOCK_MONOTONIC, &end);
+    end.tv_sec += GATE_MAX_S;
+    while (watch >= 0 && gate_shut(fd)) {
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long long ms = (long long)(end.tv_sec - now.tv_sec) * 1000 + (end.tv_nsec - now.tv_nsec) / 1000000;
+        if (ms <= 0) {
+            tms_log_warn("TMS_HOST_COPY_GATE=%s stayed empty for %d s: the copies go on", path, GATE_MAX_S);
+            break;
+        }
+        struct pollfd p = {.fd = watch, .events = POLLIN};
+        if (poll(&p, 1, (int)ms) < 0 && errno != EINTR) break;
+        char events[4096];
+        while (read(watch, events, sizeof events) > 0) {}  /* what happened does not matter: the file says */
+    }
+    if (watch >= 0) close(watch);
+    close(fd);
 }
 
 /* The variables were parsed (and checked at import) with the defaults. */

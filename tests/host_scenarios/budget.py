@@ -6,13 +6,18 @@ hold <count> <mib>: allocates count allocations of mib MiB with CPU backup, fill
 with random bytes, pauses, prints one JSON line (pause error or not, where each backup
 went, host_budget()), then waits for a line on stdin: "resume" resumes and checks
 every byte (all of them, or those of a pause that failed: nothing moved), prints
-"done" and waits for one more line; "stay" exits at once, paused."""
+"done" and waits for one more line; "stay" exits at once, paused.
+
+hold_as <uid> <gid> <count> <mib>: hold, as another user. Started by root, it loads
+what a pause needs first (the interpreter may lie where that user cannot read), then
+becomes uid:gid for good."""
 import json
+import os
 import sys
 import tempfile
 
 import torch_memory_saver
-from _prelude import MiB, fill, read, run_cases, tms
+from _prelude import MiB, fill, read, run_cases, start, tms
 
 
 def hold(count, mib):
@@ -39,6 +44,20 @@ def hold(count, mib):
     assert torch_memory_saver.host_budget()["mine"] == 0
     print("done", flush=True)
     sys.stdin.readline()  # alive until told: its record must say it holds nothing now
+
+
+def hold_as(uid, gid, count, mib):
+    start()
+    with tms.region("warm-up"):                        # the pause path's imports, with no backup: no ledger
+        p = tms.malloc(MiB)
+    tms.pause("warm-up")
+    tms.resume("warm-up")
+    tms.free(p)
+    tempfile.gettempdir()
+    os.setgroups([])
+    os.setresgid(int(gid), int(gid), int(gid))
+    os.setresuid(int(uid), int(uid), int(uid))
+    hold(count, mib)
 
 
 if __name__ == "__main__":

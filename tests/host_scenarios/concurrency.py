@@ -174,8 +174,7 @@ def nothing_waits_for_a_pause():
     faulthandler.dump_traceback_later(60, exit=True)
     native = core()
     gate_path = os.environ["TMS_HOST_COPY_GATE"]
-    os.mkfifo(gate_path)
-    gate = os.open(gate_path, os.O_RDWR)               # a writer, so the core's open does not block
+    gate = os.open(gate_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)   # empty: shut until a byte is in it
     BIG = 64 * MiB
     with tms.region("big", enable_cpu_backup=True):
         big = tms.malloc(BIG)

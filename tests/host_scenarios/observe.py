@@ -86,8 +86,7 @@ def progress_lines():
 
     faulthandler.dump_traceback_later(60, exit=True)   # no progress line: the pause waits, and fails here
     gate_path = os.environ["TMS_HOST_COPY_GATE"]
-    os.mkfifo(gate_path)
-    gate = os.open(gate_path, os.O_RDWR)               # a writer, so the core's open does not block
+    gate = os.open(gate_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)   # empty: shut until a byte is in it
 
     class OpenGate(logging.Handler):
         def emit(self, record):
