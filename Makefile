@@ -46,17 +46,19 @@ PYTEST_WORKERS ?= 2
 test: deps build
 	$(PYTHON) -m pytest -q $$($(PYTHON) -c "import xdist; print('-n $(PYTEST_WORKERS) --dist loadgroup')" 2>/dev/null) $(PYTEST_ARGS) tests
 
-# What make test's walks and fuzzing do, for minutes rather than seconds, under
+# What make test's walks, fuzzing and races do, for minutes rather than seconds, under
 # AddressSanitizer + UndefinedBehaviorSanitizer: the expandable-segments walk
-# (SOAK_STEPS steps over 20 seeds, then 2,000 race rounds) and the core fuzzer.
+# (SOAK_STEPS steps over 20 seeds, then 2,000 race rounds), the core fuzzer and
+# relocation passes racing dlclose.
 SOAK_STEPS ?= 200000
 SOAK_SECONDS ?= 300
 soak:
 	cmake -S . -B $(BUILD_DIR)-soak -DTMS_SANITIZE=address,undefined -DTMS_PYTHON_MODULES=OFF >/dev/null
-	cmake --build $(BUILD_DIR)-soak -j2 --target test_cumem_host fuzz_core
+	cmake --build $(BUILD_DIR)-soak -j2 --target test_cumem_host fuzz_core test_reloc_race
 	$(BUILD_DIR)-soak/test_cumem_host --steps $(SOAK_STEPS) --walks 20 --seed 100 --race-rounds 2000
 	TMS_CHUNK_BYTES=4MiB $(BUILD_DIR)-soak/fuzz_core --seconds $(SOAK_SECONDS) --seed 100
 	$(BUILD_DIR)-soak/fuzz_core --seconds $(SOAK_SECONDS) --seed 101
+	$(BUILD_DIR)-soak/test_reloc_race --seconds $(SOAK_SECONDS) $(BUILD_DIR)-soak/libreloc_user.so
 
 # Installs the package, then runs the demo from outside the source tree so the
 # installed copy is the one imported.
@@ -113,12 +115,17 @@ sanitize-python:
 	    tests/test_host_backend.py tests/test_observe.py tests/test_teardown.py tests/test_disk_backup.py \
 	    -k "not touching_paused_memory_faults"; rc=$$?; TMS_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --force; exit $$rc
 
-# The threads scenario, the expandable-segments race and the fuzz driver under ThreadSanitizer.
+# The threads scenario, the expandable-segments race, the fuzz driver and relocation
+# passes racing dlclose (RELOC_RACE_SECONDS) under ThreadSanitizer, which is told
+# not to judge the dynamic loader's own memory (tests/c/tsan.supp says why).
+RELOC_RACE_SECONDS ?= 10
 sanitize-thread:
 	cmake -S . -B $(BUILD_DIR)-tsan -DTMS_SANITIZE=thread >/dev/null
-	cmake --build $(BUILD_DIR)-tsan -j2 --target test_core_host test_cumem_host fuzz_core
+	cmake --build $(BUILD_DIR)-tsan -j2 --target test_core_host test_cumem_host fuzz_core test_reloc_race
 	$(BUILD_DIR)-tsan/test_core_host threads && $(BUILD_DIR)-tsan/fuzz_core --runs 5
 	$(BUILD_DIR)-tsan/test_cumem_host --steps 400 --race-rounds 100
+	TSAN_OPTIONS="halt_on_error=1:suppressions=$(CURDIR)/tests/c/tsan.supp" \
+	    $(BUILD_DIR)-tsan/test_reloc_race --seconds $(RELOC_RACE_SECONDS) $(BUILD_DIR)-tsan/libreloc_user.so
 
 # Coverage-guided fuzzing of the core (tests/c/fuzz_core.c) with clang's libFuzzer
 # (Debian: clang, libclang-rt-14-dev); CI runs the same harness as a plain driver.

@@ -79,6 +79,27 @@ def build(program, cc=None, flags=(), defines=()):
     return out
 
 
+def skip_unless_sanitizer_runs(sanitizer, tmp):
+    """Skips the test unless the C compiler builds, and this machine runs, a threaded
+    program under -fsanitize=<sanitizer> (ThreadSanitizer refuses to start on kernels
+    with high mmap entropy)."""
+    cc = compiler()
+    if not cc:
+        pytest.skip("no C compiler (cc, or $CC)")
+    probe = Path(tmp) / f"probe-{sanitizer}.c"
+    probe.write_text("#include <pthread.h>\nstatic void *f(void *a) { return a; }\n"
+                     "int main(void) { pthread_t t; pthread_create(&t, 0, f, 0); return pthread_join(t, 0); }\n")
+    exe = probe.with_suffix("")
+    proc = subprocess.run([*cc, f"-fsanitize={sanitizer}", "-pthread", str(probe), "-o", str(exe)],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        pytest.skip(f"the C compiler cannot build with -fsanitize={sanitizer}: {proc.stderr.strip()[:300]}")
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60,
+                          env=tool_env(ASAN_OPTIONS="detect_leaks=0"))
+    if proc.returncode != 0:
+        pytest.skip(f"-fsanitize={sanitizer} programs do not run here: {proc.stderr.strip()[-300:]}")
+
+
 def run(cmd, timeout, env=None, cwd=None):
     """Runs a test program; returns the CompletedProcess (text, stdout+stderr apart)."""
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,

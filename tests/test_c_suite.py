@@ -65,6 +65,8 @@ def test_ctest(cmake_build):
                  # the hip backend against tests/c/hip_stub.c
                  "core_hip_stub", "core_hip_stub_rocm7", "core_hip_stub_no_register", "core_hip_stub_chunk_4MiB",
                  "core_hip_stub_chunk_5MiB", "hip_stub_rocm6", "hip_stub_rocm7",
+                 # relocation passes racing dlclose on another thread
+                 "reloc_race",
                  # the CUDA ABI mirror (src/cuda_abi.h) against the real cuda.h: our machines
                  # have the headers, so a configure that drops it is a failure, not a skip
                  "cuda_abi"):

@@ -2,9 +2,13 @@
 entries of loaded objects, checked with a stub CUDA runtime and small libraries built
 here: loaded before the patch and dlopen'ed after, with lazy binding, full RELRO and
 -fno-plt; a bare-name dlopen through a patched dlopen keeps the caller's RUNPATH. The
-programs are tests/host_scenarios/reloc.py."""
+programs are tests/host_scenarios/reloc.py, and tests/c/reloc_race.c for passes racing
+a dlclose on another thread."""
+import re
+
 import pytest
 
+import cbuild
 from conftest import REPO, cc, check_ok
 
 C = REPO / "tests" / "c"
@@ -98,3 +102,30 @@ def test_a_tail_call_never_reaches_an_unloaded_runtime(run_scenario, libs):
     # call goes to a runtime still loaded, not into unmapped memory.
     out = check_ok(run_scenario("reloc", "tail_call_after_dlclose", libs))
     assert out == "done\n"
+
+
+# The race under each sanitizer: compiler flags and the options its run needs.
+SANITIZERS = {
+    None: ([], {}),
+    "address": (["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"],
+                {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}),
+    "thread": (["-fsanitize=thread"],
+               {"TSAN_OPTIONS": f"halt_on_error=1:report_signal_unsafe=0:suppressions={cbuild.C_TESTS / 'tsan.supp'}"}),
+}
+
+
+@pytest.mark.parametrize("sanitizer", list(SANITIZERS), ids=lambda s: s or "plain")
+def test_passes_survive_a_dlclose_on_another_thread(libs, tmp_path, sanitizer):
+    # One thread dlopens copies of a library through its patched dlopen, each running a
+    # pass over every loaded object, while another dlcloses them: a pass reads an
+    # object's memory only while the loader keeps it mapped, and every copy is patched
+    # when its dlopen returns, however often it was loaded before. A few seconds.
+    flags, env = SANITIZERS[sanitizer]
+    if sanitizer:
+        cbuild.skip_unless_sanitizer_runs(sanitizer, tmp_path)
+    program = cbuild.build("reloc_race", flags=["-O1", *flags])
+    proc = cbuild.run([program, "--seconds", 3, libs / "libuser_lazy.so"], timeout=120,
+                      env=cbuild.tool_env(TMPDIR=tmp_path, **env))
+    assert proc.returncode == 0, cbuild.detail(proc)
+    assert re.fullmatch(r"reloc_race: [1-9]\d* rounds, ok\n", proc.stdout), cbuild.detail(proc)
+    assert proc.stderr == "", cbuild.detail(proc)

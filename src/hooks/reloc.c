@@ -50,19 +50,35 @@ struct target {
  * loader, so a thread that waits for reloc_lock inside a library constructor
  * (holding the loader's lock) cannot deadlock with it. A patched dlopen runs
  * a whole pass before it returns.
+ *
+ * Another thread may dlclose any object between the listing and the
+ * reference, so an object's memory is read only where it cannot be unmapped:
+ * inside dl_iterate_phdr's callback (glibc unmaps an object and frees its
+ * link map under the lock the iteration holds), or while our reference is
+ * held, once the loader confirmed that the reference is to the very object
+ * listed. The callback copies what the rest of the pass needs (name, base,
+ * dynamic section's address, program headers); it cannot take the reference
+ * itself: dlopen there would wait for the loader's main lock while holding
+ * the iteration's, the reverse of the order dlopen and dlclose take them in.
  */
 
 /* What a patched object's entries held: where its calls go on. Records are
  * appended to pages that never move and are read by the hooks without a
  * lock; a record of an object that was unloaded and loaded again is marked
- * dead, and the newest live record holding an address wins. */
+ * dead, and the newest live record holding an address wins. A dead record is
+ * made live again when the same object comes back at the same place with the
+ * same originals (a process that loads and unloads a library in a loop would
+ * otherwise use up the records); only slot, slot_hook, made and live change. */
 struct patched {
     uintptr_t lo, hi;                 /* its PT_LOAD span */
     uintptr_t dynamic;                /* its identity while loaded */
-    void **slot;                      /* one patched entry: still the hook while the object is the same */
+    /* One patched entry, still the hook while the object is the same, and that
+     * hook; atomic: slot_hook is written before slot, slot is NULL until stored. */
+    void **slot;
     void *slot_hook;
     void *original[MAX_TARGETS];      /* per target; NULL if it has no entry for it */
     uintptr_t original_dynamic[MAX_TARGETS];  /* the object defining each original (0: unknown) */
+    unsigned long made;               /* the epoch it was made live in; under reloc_lock */
     int live;                         /* atomic: its object and the objects its originals are in are loaded */
 };
 #define PATCHED_PAGE 64
@@ -77,6 +93,7 @@ static int installed;  /* atomic */
 static uintptr_t self_base;  /* set once, before target_count is published */
 static char patched_names[8192];
 static char static_names[4096];
+static unsigned long epoch;  /* atomic: counts records made live; incremented under reloc_lock */
 
 static void *reloc_dlopen(const char *file, int mode);
 static int reloc_dlclose(void *handle);
@@ -86,19 +103,27 @@ static int is_loader_hook(const void *hook) { return hook == (void *)reloc_dlope
 
 static struct patched *patched_at(size_t i) { return &patched_pages[i / PATCHED_PAGE][i % PATCHED_PAGE]; }
 
+static const char *shown(const char *name) { return name && *name ? name : "<main program>"; }
+
+/* An object loaded again is patched again: its name is listed once. */
 static void append_name(char *list, size_t cap, const char *name)
 {
+    size_t len = strlen(shown(name));
+    for (const char *line = list, *end; (end = strchr(line, '\n')) != NULL; line = end + 1)
+        if ((size_t)(end - line) == len && strncmp(line, shown(name), len) == 0) return;
     size_t used = strlen(list);
-    snprintf(list + used, cap - used, "%s\n", name && *name ? name : "<main program>");
+    snprintf(list + used, cap - used, "%s\n", shown(name));
 }
 
 /* glibc stores the dynamic section's addresses relocated, the vDSO's not. */
 static uintptr_t dyn_addr(uintptr_t base, ElfW(Addr) value) { return base && value < base ? base + value : value; }
 
+/* A loaded object as the listing saw it: copies, readable after the object is gone. */
 struct object {
     char *name;
     uintptr_t base;
-    const ElfW(Phdr) *phdr;
+    uintptr_t dynamic;  /* its dynamic section: with base, which object this is while it stays loaded */
+    ElfW(Phdr) *phdr;
     int phnum;
 };
 
@@ -107,6 +132,19 @@ static int inside(const struct object *o, uintptr_t p)
     for (int i = 0; i < o->phnum; i++) {
         const ElfW(Phdr) *ph = &o->phdr[i];
         if (ph->p_type == PT_LOAD && p >= o->base + ph->p_vaddr && p < o->base + ph->p_vaddr + ph->p_memsz) return 1;
+    }
+    return 0;
+}
+
+/* 1 if the n bytes at p lie in one readable segment of o. */
+static int readable_in(const struct object *o, uintptr_t p, size_t n)
+{
+    for (int i = 0; i < o->phnum; i++) {
+        const ElfW(Phdr) *ph = &o->phdr[i];
+        uintptr_t lo = o->base + ph->p_vaddr;
+        if (ph->p_type == PT_LOAD && (ph->p_flags & PF_R) && p >= lo && p - lo <= ph->p_memsz &&
+            n <= ph->p_memsz - (p - lo))
+            return 1;
     }
     return 0;
 }
@@ -177,44 +215,68 @@ static int is_hook(void *p)
     return 0;
 }
 
+/* 1 if r's patched entry lies in o and still holds the hook: o is the object
+ * r was made for, not one loaded at its place since. o must be mapped (inside
+ * the listing's callback, or held open); an entry outside o is not read. */
+static int still_patched(const struct patched *r, const struct object *o)
+{
+    void **slot = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
+    if (!slot || !readable_in(o, (uintptr_t)slot, sizeof *slot)) return 0;
+    return __atomic_load_n(slot, __ATOMIC_ACQUIRE) == __atomic_load_n(&r->slot_hook, __ATOMIC_RELAXED);
+}
+
 /* ---- phase one: plan, without our lock ---------------------------------------- */
 
-/* Objects planned before, by dynamic section and name: a pass skips them
- * unless their patched entries no longer lead to the hooks (unloaded and
- * loaded again), so a process that dlopens many small libraries does not
- * read every object's relocations each time. seen_lock is held for lookups
- * and inserts only, never across a call into the loader. */
+/* Objects planned before, by dynamic section and name, with the record the
+ * plan made: a pass skips them while that record is live and its entry still
+ * leads to the hooks (else the object was unloaded and maybe loaded again),
+ * so a process that dlopens many small libraries does not read every
+ * object's relocations each time. Checked inside the listing's callback,
+ * where the object is mapped. seen_lock is held for lookups and changes
+ * only: never across a call into the loader (it is taken under the loader's
+ * lock), and entries of objects no longer loaded are dropped by prune. */
 struct seen {
     uintptr_t dynamic;
     char *name;
+    size_t record;  /* 1 + the index of its record; 0: nothing to patch */
 };
 static pthread_mutex_t seen_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct seen *seen;
 static size_t seen_count;
 
-static int seen_before(uintptr_t dynamic, const char *name)
+static int unchanged_since_seen(const struct object *o)
 {
     int found = 0;
+    size_t record = 0;
     pthread_mutex_lock(&seen_lock);
-    for (size_t i = 0; i < seen_count && !found; i++) found = seen[i].dynamic == dynamic && !strcmp(seen[i].name, name);
+    for (size_t i = 0; i < seen_count && !found; i++) {
+        found = seen[i].dynamic == o->dynamic && !strcmp(seen[i].name, o->name);
+        record = seen[i].record;
+    }
     pthread_mutex_unlock(&seen_lock);
     if (!found) return 0;
-    for (size_t i = __atomic_load_n(&patched_count, __ATOMIC_ACQUIRE); i-- > 0;) {
-        const struct patched *r = patched_at(i);
-        if (r->dynamic == dynamic && __atomic_load_n(&r->live, __ATOMIC_ACQUIRE))
-            return __atomic_load_n(r->slot, __ATOMIC_ACQUIRE) == r->slot_hook;
-    }
-    return 1;
+    if (!record) return 1;
+    const struct patched *r = patched_at(record - 1);
+    return __atomic_load_n(&r->live, __ATOMIC_ACQUIRE) && still_patched(r, o);
 }
 
-static void remember(uintptr_t dynamic, const char *name)
+static void remember(uintptr_t dynamic, const char *name, size_t record)
 {
-    char *copy = strdup(name);
+    pthread_mutex_lock(&seen_lock);
+    for (size_t i = 0; i < seen_count; i++) {
+        if (seen[i].dynamic == dynamic && !strcmp(seen[i].name, name)) {
+            seen[i].record = record;
+            pthread_mutex_unlock(&seen_lock);
+            return;
+        }
+    }
+    pthread_mutex_unlock(&seen_lock);
+    char *copy = strdup(name);  /* outside the lock: the loader's callback waits for it */
     pthread_mutex_lock(&seen_lock);
     struct seen *grown = copy ? realloc(seen, (seen_count + 1) * sizeof *seen) : NULL;
     if (grown) {
         seen = grown;
-        seen[seen_count++] = (struct seen){dynamic, copy};
+        seen[seen_count++] = (struct seen){dynamic, copy, record};
     } else {
         free(copy);
     }
@@ -229,7 +291,6 @@ struct store_plan {
 struct plan {
     struct object o;
     void *handle;                      /* our reference: the object stays loaded until the pass ends */
-    uintptr_t dynamic;
     const char *defines;               /* a target it defines itself (a runtime), else NULL */
     struct store_plan *stores;
     size_t n_stores;
@@ -266,9 +327,13 @@ static void plan_relocs(struct plan *p, const ElfW(Rela) *rel, size_t n, const E
         int t = target_index(strtab + symtab[ELF64_R_SYM(rel[i].r_info)].st_name);
         if (t < 0) continue;
         void **slot = (void **)(p->o.base + rel[i].r_offset);
+        if (!readable_in(&p->o, (uintptr_t)slot, sizeof *slot)) continue;  /* a malformed entry: not in the object */
         void *cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
         if (!p->original[t]) {
             p->original[t] = inside(&p->o, (uintptr_t)cur) || is_hook(cur) ? resolve_for(p, targets[t].name) : cur;
+            /* The object defining it is one the loader keeps loaded while p's
+             * is (a dependency, or an object p's references were bound to),
+             * so its link map stays valid while our reference is held. */
             Dl_info info;
             struct link_map *lm = NULL;
             if (p->original[t] && dladdr1(p->original[t], &info, (void **)&lm, RTLD_DL_LINKMAP) && lm)
@@ -286,24 +351,32 @@ static void plan_relocs(struct plan *p, const ElfW(Rela) *rel, size_t n, const E
     }
 }
 
+/* A reference to the object o lists, or NULL if it was unloaded since. By
+ * name, dlopen may find another object (one loaded again elsewhere, or one of
+ * the same name in another namespace): the link map it answers must be at o's
+ * base with o's dynamic section. */
+static void *hold(const struct object *o)
+{
+    void *h = dlopen(o->name[0] ? o->name : NULL, RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) return NULL;
+    struct link_map *lm = NULL;
+    if (dlinfo(h, RTLD_DI_LINKMAP, &lm) == 0 && lm && lm->l_addr == o->base && (uintptr_t)lm->l_ld == o->dynamic)
+        return h;
+    dlclose(h);
+    return NULL;
+}
+
 static void plan_object(struct plan *p)
 {
     const struct object *o = &p->o;
-    const ElfW(Phdr) *dyn_ph = NULL;
-    for (int i = 0; i < o->phnum; i++)
-        if (o->phdr[i].p_type == PT_DYNAMIC) dyn_ph = &o->phdr[i];
-    if (!dyn_ph || o->base == self_base || strstr(o->name, "linux-vdso")) return;
-    uintptr_t dynamic = o->base + dyn_ph->p_vaddr;
-    if (seen_before(dynamic, o->name)) return;
-    p->handle = dlopen(o->name[0] ? o->name : NULL, RTLD_LAZY | RTLD_NOLOAD);
-    if (!p->handle) return;  /* unloaded since it was listed */
-    p->dynamic = dynamic;
+    if (!(p->handle = hold(o))) return;
+    /* From here on the object cannot be unloaded: its memory is read freely. */
     const ElfW(Sym) *symtab = NULL;
     const char *strtab = NULL;
     const ElfW(Rela) *jmprel = NULL, *rela = NULL;
     size_t jmprel_bytes = 0, rela_bytes = 0;
     int pltrel_is_rela = 1;
-    for (const ElfW(Dyn) *d = (const ElfW(Dyn) *)p->dynamic; d->d_tag != DT_NULL; d++) {
+    for (const ElfW(Dyn) *d = (const ElfW(Dyn) *)o->dynamic; d->d_tag != DT_NULL; d++) {
         switch (d->d_tag) {
         case DT_SYMTAB: symtab = (const ElfW(Sym) *)dyn_addr(o->base, d->d_un.d_ptr); break;
         case DT_STRTAB: strtab = (const char *)dyn_addr(o->base, d->d_un.d_ptr); break;
@@ -325,10 +398,24 @@ struct object_list {
     size_t count, cap;
 };
 
+static void object_free(struct object *o)
+{
+    free(o->name);
+    free(o->phdr);
+}
+
+/* The listing's callback: the object stays mapped until it returns, so this
+ * is where its program headers (and, for an object seen before, its patched
+ * entry) are read. It calls nothing of the loader's. */
 static int collect(struct dl_phdr_info *info, size_t size, void *data)
 {
     (void)size;
     struct object_list *l = data;
+    const char *name = info->dlpi_name ? info->dlpi_name : "";
+    uintptr_t dynamic = 0;
+    for (int i = 0; i < info->dlpi_phnum; i++)
+        if (info->dlpi_phdr[i].p_type == PT_DYNAMIC) dynamic = info->dlpi_addr + info->dlpi_phdr[i].p_vaddr;
+    if (!dynamic || info->dlpi_addr == self_base || strstr(name, "linux-vdso")) return 0;
     if (l->count == l->cap) {
         size_t cap = l->cap ? 2 * l->cap : 64;
         struct object *grown = realloc(l->items, cap * sizeof *grown);
@@ -336,74 +423,122 @@ static int collect(struct dl_phdr_info *info, size_t size, void *data)
         l->items = grown;
         l->cap = cap;
     }
-    char *name = strdup(info->dlpi_name ? info->dlpi_name : "");
-    if (!name) return 1;
-    l->items[l->count++] = (struct object){name, info->dlpi_addr, info->dlpi_phdr, info->dlpi_phnum};
+    size_t phdr_bytes = info->dlpi_phnum * sizeof(ElfW(Phdr));
+    struct object o = {strdup(name), info->dlpi_addr, dynamic, malloc(phdr_bytes), info->dlpi_phnum};
+    if (!o.name || !o.phdr) {
+        object_free(&o);
+        return 1;
+    }
+    memcpy(o.phdr, info->dlpi_phdr, phdr_bytes);
+    if (unchanged_since_seen(&o)) object_free(&o);
+    else l->items[l->count++] = o;
     return 0;
 }
 
 /* ---- phase two: store, under reloc_lock ----------------------------------------- */
 
-/* The live record of the object whose dynamic section is at dynamic, if its
- * entries still lead to the hooks (else it was unloaded and loaded again:
- * its GOT is new, and the old record dies). */
-static struct patched *record_of_locked(uintptr_t dynamic)
+/* p's object is held open. Returns the live record made for it if its entry
+ * still leads to the hook (*index set). Every other live record over its
+ * addresses is of an object unloaded since (its GOT is gone, or new if the
+ * object was loaded again) and dies, so no call from p's object is forwarded
+ * by it. */
+static struct patched *record_of_locked(const struct plan *p, uintptr_t lo, uintptr_t hi, size_t *index)
+{
+    struct patched *found = NULL;
+    for (size_t i = patched_count; i-- > 0;) {
+        struct patched *r = patched_at(i);
+        if (!r->live || r->hi <= lo || r->lo >= hi) continue;
+        if (!found && r->dynamic == p->o.dynamic && still_patched(r, &p->o)) {
+            found = r, *index = i;
+            continue;
+        }
+        __atomic_store_n(&r->live, 0, __ATOMIC_RELEASE);
+    }
+    return found;
+}
+
+/* A dead record that is exactly what p would record (the object loaded again
+ * at the same place, its originals the same): made live again, the readers
+ * see no field they use change. */
+static struct patched *dead_twin_locked(const struct plan *p, uintptr_t lo, uintptr_t hi, size_t *index)
 {
     for (size_t i = patched_count; i-- > 0;) {
         struct patched *r = patched_at(i);
-        if (!r->live || r->dynamic != dynamic) continue;
-        if (__atomic_load_n(r->slot, __ATOMIC_ACQUIRE) == r->slot_hook) return r;
-        __atomic_store_n(&r->live, 0, __ATOMIC_RELEASE);
+        if (!r->live && r->dynamic == p->o.dynamic && r->lo == lo && r->hi == hi &&
+            !memcmp(r->original, p->original, sizeof r->original) &&
+            !memcmp(r->original_dynamic, p->original_dynamic, sizeof r->original_dynamic)) {
+            *index = i;
+            return r;
+        }
     }
     return NULL;
 }
 
-static void apply_locked(const struct plan *p)
+/* Returns what remember keeps: 1 + the index of the object's record, or 0
+ * when there is nothing to patch (or patching failed: not tried again). */
+static size_t apply_locked(const struct plan *p)
 {
     const struct object *o = &p->o;
     if (p->defines) {
         if (!strstr(o->name, "libcudart") && !strstr(o->name, "libamdhip64") && !strstr(o->name, "torch_memory_saver") &&
-            !strstr(static_names, o->name[0] ? o->name : "<main program>")) {
+            !strstr(static_names, shown(o->name))) {
             append_name(static_names, sizeof static_names, o->name);
             tms_log_warn("relocation hooks: %s defines %s itself (the CUDA runtime linked statically): its "
-                         "allocations cannot be hooked without LD_PRELOAD", o->name[0] ? o->name : "<main program>",
-                         p->defines);
+                         "allocations cannot be hooked without LD_PRELOAD", shown(o->name), p->defines);
         }
-        return;
+        return 0;
     }
-    if (!p->n_stores || record_of_locked(p->dynamic)) return;
-    size_t i = patched_count;
-    if (i == PATCHED_PAGE * PATCHED_PAGES) {
-        tms_log_warn("relocation hooks: %s not patched: %zu objects patched already", o->name, i);
-        return;
+    if (!p->n_stores) return 0;
+    uintptr_t lo, hi;
+    span_of(o, &lo, &hi);
+    size_t i = 0;
+    struct patched *r = record_of_locked(p, lo, hi, &i);
+    if (r) return i + 1;
+    /* Live before any entry leads to a hook, so the hook finds where to forward. */
+    if ((r = dead_twin_locked(p, lo, hi, &i))) {
+        __atomic_store_n(&r->slot, NULL, __ATOMIC_RELAXED);
+        r->made = __atomic_add_fetch(&epoch, 1, __ATOMIC_RELEASE);
+        __atomic_store_n(&r->live, 1, __ATOMIC_RELEASE);
+    } else {
+        i = patched_count;
+        if (i == PATCHED_PAGE * PATCHED_PAGES) {
+            tms_log_warn("relocation hooks: %s not patched: %zu objects patched already", shown(o->name), i);
+            return 0;
+        }
+        struct patched **page = &patched_pages[i / PATCHED_PAGE];
+        if (!*page && !(*page = calloc(PATCHED_PAGE, sizeof **page))) return 0;
+        r = patched_at(i);
+        *r = (struct patched){.lo = lo, .hi = hi, .dynamic = o->dynamic, .live = 1};
+        memcpy(r->original, p->original, sizeof r->original);
+        memcpy(r->original_dynamic, p->original_dynamic, sizeof r->original_dynamic);
+        r->made = __atomic_add_fetch(&epoch, 1, __ATOMIC_RELEASE);
+        __atomic_store_n(&patched_count, i + 1, __ATOMIC_RELEASE);
     }
-    struct patched **page = &patched_pages[i / PATCHED_PAGE];
-    if (!*page && !(*page = calloc(PATCHED_PAGE, sizeof **page))) return;
-    struct patched *r = patched_at(i);
-    *r = (struct patched){.dynamic = p->dynamic, .live = 1};
-    span_of(o, &r->lo, &r->hi);
-    memcpy(r->original, p->original, sizeof r->original);
-    memcpy(r->original_dynamic, p->original_dynamic, sizeof r->original_dynamic);
-    /* Published before any entry leads to a hook, so the hook finds where to forward. */
-    __atomic_store_n(&patched_count, i + 1, __ATOMIC_RELEASE);
-    int patched = 0;
+    int patched = 0, stored = 0;
     for (size_t k = 0; k < p->n_stores; k++) {
         void *hook = targets[p->stores[k].target].hook;
         int rc = store(p->stores[k].slot, hook);
         if (rc) {
             tms_log_warn("relocation hooks: cannot patch %s in %s: %s", targets[p->stores[k].target].name,
-                         o->name[0] ? o->name : "<main>", strerror(rc));
+                         shown(o->name), strerror(rc));
             continue;
         }
-        if (!r->slot) r->slot = p->stores[k].slot, r->slot_hook = hook;
+        if (!stored) {
+            __atomic_store_n(&r->slot_hook, hook, __ATOMIC_RELAXED);
+            __atomic_store_n(&r->slot, p->stores[k].slot, __ATOMIC_RELEASE);
+            stored = 1;
+        }
         if (!is_loader_hook(hook)) patched = 1;
     }
-    if (!r->slot) {
+    if (!stored) {
         __atomic_store_n(&r->live, 0, __ATOMIC_RELEASE);
-        return;
+        return 0;
     }
     if (patched) append_name(patched_names, sizeof patched_names, o->name);
+    return i + 1;
 }
+
+static void prune(void);
 
 /* One whole pass; returns once every object loaded when it began is patched. */
 static void patch_all(void)
@@ -411,23 +546,28 @@ static void patch_all(void)
     struct object_list l = {0};
     dl_iterate_phdr(collect, &l);
     struct plan *plans = calloc(l.count ? l.count : 1, sizeof *plans);
-    for (size_t i = 0; plans && i < l.count; i++) {
+    size_t *records = calloc(l.count ? l.count : 1, sizeof *records);
+    for (size_t i = 0; plans && records && i < l.count; i++) {
         plans[i].o = l.items[i];
         plan_object(&plans[i]);
     }
     pthread_mutex_lock(&reloc_lock);
-    for (size_t i = 0; plans && i < l.count; i++)
-        if (plans[i].handle) apply_locked(&plans[i]);
+    for (size_t i = 0; plans && records && i < l.count; i++)
+        if (plans[i].handle) records[i] = apply_locked(&plans[i]);
     pthread_mutex_unlock(&reloc_lock);
-    for (size_t i = 0; plans && i < l.count; i++)
-        if (plans[i].handle) remember(plans[i].dynamic, plans[i].o.name);
+    for (size_t i = 0; plans && records && i < l.count; i++)
+        if (plans[i].handle) remember(plans[i].o.dynamic, plans[i].o.name, records[i]);
     for (size_t i = 0; plans && i < l.count; i++) {
         if (plans[i].handle) dlclose(plans[i].handle);
         free(plans[i].stores);
     }
-    for (size_t i = 0; i < l.count; i++) free(l.items[i].name);
+    for (size_t i = 0; i < l.count; i++) object_free(&l.items[i]);
+    free(records);
     free(plans);
     free(l.items);
+    /* Our reference may have been an object's last (its owner closed it
+     * meanwhile): its records die as after any dlclose. */
+    prune();
 }
 
 /* ---- dlopen on behalf of the caller ----------------------------------------- */
@@ -457,6 +597,9 @@ static void *open_in(const char *dirs, const char *origin, const char *file, int
     return NULL;
 }
 
+/* The caller's link map and dynamic section are read without a reference:
+ * its object is running this call (or, after a tail call, the frame the call
+ * returns to), so it stays loaded unless the program unloads code it runs. */
 static void *dlopen_for(const void *caller, const char *file, int mode)
 {
     if (!file || strchr(file, '/')) return dlopen(file, mode);
@@ -519,9 +662,13 @@ static int is_loaded(const struct loaded *l, uintptr_t dynamic)
 }
 
 /* After a dlclose: a record whose object, or an object its originals are
- * in, is no longer loaded dies, so no call is ever forwarded into it. */
+ * in, is no longer loaded dies, so no call is ever forwarded into it, and
+ * planned objects no longer loaded are forgotten. Only records made live
+ * before the listing began are judged: a newer one is of an object held open
+ * while the listing ran, which the prune after its own unload judges. */
 static void prune(void)
 {
+    unsigned long listed_after = __atomic_load_n(&epoch, __ATOMIC_ACQUIRE);
     struct loaded l = {0};
     if (dl_iterate_phdr(collect_dynamic, &l) != 0) {  /* out of memory: keep what is known */
         free(l.dynamic);
@@ -530,13 +677,21 @@ static void prune(void)
     pthread_mutex_lock(&reloc_lock);
     for (size_t i = 0; i < patched_count; i++) {
         struct patched *r = patched_at(i);
-        if (!r->live) continue;
+        if (!r->live || r->made > listed_after) continue;
         int gone = !is_loaded(&l, r->dynamic);
         for (size_t t = 0; t < MAX_TARGETS && !gone; t++)
             gone = r->original_dynamic[t] && !is_loaded(&l, r->original_dynamic[t]);
         if (gone) __atomic_store_n(&r->live, 0, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&reloc_lock);
+    pthread_mutex_lock(&seen_lock);
+    size_t kept = 0;
+    for (size_t i = 0; i < seen_count; i++) {
+        if (is_loaded(&l, seen[i].dynamic)) seen[kept++] = seen[i];
+        else free(seen[i].name);
+    }
+    seen_count = kept;
+    pthread_mutex_unlock(&seen_lock);
     free(l.dynamic);
 }
 

@@ -29,6 +29,7 @@ __asm__(".symver dlsym,dlsym@GLIBC_2.2.5");
 __asm__(".symver dlerror,dlerror@GLIBC_2.2.5");
 __asm__(".symver dladdr,dladdr@GLIBC_2.2.5");
 __asm__(".symver dladdr1,dladdr1@GLIBC_2.3.3");
+__asm__(".symver dlinfo,dlinfo@GLIBC_2.3.3");
 __asm__(".symver dlclose,dlclose@GLIBC_2.2.5");
 __asm__(".symver pthread_create,pthread_create@GLIBC_2.2.5");
 __asm__(".symver pthread_join,pthread_join@GLIBC_2.2.5");

@@ -1,6 +1,7 @@
 /* A library that allocates through the CUDA runtime, as PyTorch's do (tests/test_reloc.py builds it
  * with lazy binding, full RELRO and -fno-plt). user_open names a library to dlopen by bare name:
- * with DT_RUNPATH=$ORIGIN/sub it is found only through this library's own search path. */
+ * with DT_RUNPATH=$ORIGIN/sub it is found only through this library's own search path; user_open and
+ * user_close reach dlopen and dlclose through this library's GOT (tests/c/reloc_race.c). */
 #include <dlfcn.h>
 #include <stddef.h>
 
@@ -43,6 +44,8 @@ void *user_open(const char *name)
     __asm__ volatile("" : : "r"(h) : "memory");
     return h;
 }
+
+int user_close(void *handle) { return dlclose(handle); }
 
 /* dlopens the library at path and allocates n times through its user_alloc at
  * once, in C: no time for another thread's patch pass to finish in between. */
