@@ -54,6 +54,9 @@ def rank_main(rank, hook_mode, port, out):
     kv.fill_(rank + 1)
     want = [w.cpu() for w in weights]
     ones = torch.ones(1024, device="cuda")
+    # NCCL takes its buffers at a group's first collectives: before the count starts.
+    dist.all_gather_object([None, None], rank)
+    dist.all_reduce(ones.clone())
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
     reports = tmsd.pause(["weights", "kv_cache"])

@@ -38,6 +38,7 @@ def every_call_on_gpu_1(tms):
         port = s.getsockname()[1]
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 1))
+    dist.all_gather_object([None], 0)  # NCCL takes its buffers at the first collective, not inside a count
     tensors = {}
     with tempfile.TemporaryDirectory() as disk_dir:
         tms.set_disk_backup_dir(disk_dir)
@@ -45,7 +46,7 @@ def every_call_on_gpu_1(tms):
                             ("pinned", {"enable_cpu_backup": True, "cpu_backup_backend": "pinned"}),
                             ("disk", {"enable_disk_backup": True}), ("kv", {})):
             with tms.region(tag, **kwargs):
-                tensors[tag] = random_tensor(64 * MiB + 7, torch.uint8)
+                tensors[tag] = random_tensor(256 * MiB + 7, torch.uint8)
         check(all(t.device == torch.device("cuda", 1) for t in tensors.values()), "a tensor is not on cuda:1")
         expected = {tag: t.cpu() for tag, t in tensors.items()}
         x = torch.randn(8 * MiB, device="cuda")
@@ -62,7 +63,7 @@ def every_call_on_gpu_1(tms):
             held = sum(tag_bytes(t) for t in ("mmap", "pinned", "disk", "kv", "graph"))
             reports = tmsd.pause(["mmap", "pinned", "disk", "kv", "graph"])
             check(sorted(reports[0].devices) == [1], f"the group pause touched devices {sorted(reports[0].devices)}")
-            check_released(before, free_bytes(), held, f"cycle {cycle}: group pause on cuda:1")
+            check_released(before, free_bytes(), held, f"cycle {cycle}: group pause on cuda:1", fraction=0.9)
             check(tms.get_cpu_backup(tensors["mmap"]) is not None, "no CPU view of the paused mmap tensor")
             tmsd.resume(stages=[["mmap", "pinned", "disk", "graph"], ["kv"]])
             for tag in ("mmap", "pinned", "disk"):
