@@ -45,7 +45,7 @@ TENSOR_MIB = 512
 LINK_REPS = 5
 FILL_REPS = 3
 COPY_REPS = 3
-COPY_BLOCK = 4 * MiB  # the library's block of a copy to the device (src/transfer.c)
+COPY_BLOCK = 4 * MiB  # the library's block of a copy to the device (src/backup/transfer.c)
 CONFIGS = {"mmap": ("mmap", False), "pinned": ("pinned", False), "mmap_retained": ("mmap", True),
            "pinned_retained": ("pinned", True)}
 DEFAULT_CONFIGS = "mmap,pinned,mmap_retained"
@@ -53,7 +53,7 @@ DRY_RUN = {"gib": 1 / 16, "tensor_mib": 8, "gpus": 2}
 
 
 def _host_gpus():
-    """NVIDIA/AMD PCI functions of class display or accelerator, as src/topology.c counts them."""
+    """NVIDIA/AMD PCI functions of class display or accelerator, as src/platform/topology.c counts them."""
     root, n = "/sys/bus/pci/devices", 0
     for dev in os.listdir(root) if os.path.isdir(root) else []:
         try:
@@ -66,7 +66,7 @@ def _host_gpus():
 
 
 def _threads():
-    """The copy workers each process runs (src/transfer.c tms_transfer_default_workers)."""
+    """The copy workers each process runs (src/backup/transfer.c tms_transfer_default_workers)."""
     n = int(os.environ.get("TMS_BACKUP_THREADS", "0") or 0)
     if n > 0:
         return n

@@ -452,7 +452,7 @@ def markdown(results, images):
         ])
     out.append(_table(["backend", "pause first GB/s", "pause steady GB/s", "resume first GB/s",
                        "resume steady GB/s", "cycles", "contents exact", "RSS GiB before → paused → after (last cycle)",
-                       "RSS back", "target (issue 4)", "note"], rows))
+                       "RSS back", "target", "note"], rows))
     out.append("")
     if images.get("backup"):
         out.append(f"![backup bandwidth]({images['backup']})\n")
@@ -487,7 +487,7 @@ def markdown(results, images):
             ])
         out.append(_table(["directory", "limit write / read GB/s", "pause GB/s (vs write)", "resume GB/s (vs read)",
                            "first pause / resume GB/s", "cycles", "contents exact", "RSS / page cache growth (max)",
-                           "target (issue 11)", "note"], rows))
+                           "target", "note"], rows))
         out.append("")
 
     out.append("## 4. Allocation overhead\n")
@@ -538,7 +538,7 @@ def markdown(results, images):
                          _f(w.get("p50_us"), "{:.1f}"), _f(w.get("p99_us"), "{:.1f}"), _f(w.get("max_us"), "{:.1f}")])
         out.append(_table(["call", "idle p50 µs", "idle p99 µs", "samples in pause", "p50 µs", "p99 µs", "max µs"],
                           rows))
-        out.append(f"\nTarget (issue 12): during the pause, the hook's lookup (foreign free) p99 and what the hook "
+        out.append(f"\nTarget: during the pause, the hook's lookup (foreign free) p99 and what the hook "
                    f"adds to the pair's p99 < {CONTENTION_TARGET_P99_US:.0f} µs: "
                    + ("met" if ct["target_met"] else "**missed**") + "\n")
 
@@ -596,7 +596,7 @@ def _summary_lines(d):
                 f"({_ratio_cell(r.get('first_resume_vs_pinned'))} / {_ratio_cell(r.get('steady_resume_vs_pinned'))} "
                 f"of pinned H→D), contents exact: {_f(r.get('all_verified'))}")
         if "target_met" in r:
-            text += f"; issue 4 target {'met' if r['target_met'] else '**missed**'}"
+            text += f"; target {'met' if r['target_met'] else '**missed**'}"
         lines.append(text)
     for r in d.get("disk", []):
         if r.get("error"):
@@ -605,7 +605,7 @@ def _summary_lines(d):
                      f"({_ratio_cell(r.get('pause_vs_limit_write'))} of its parallel O_DIRECT write), resume "
                      f"{_f(r.get('resume_gbps'))} GB/s ({_ratio_cell(r.get('resume_vs_limit_read'))} of its read), "
                      f"RSS +{fmt_bytes(r.get('rss_peak_growth_max'))} at most, contents exact: "
-                     f"{_f(r.get('all_verified'))}; issue 11 target {'met' if r.get('target_met') else '**missed**'}")
+                     f"{_f(r.get('all_verified'))}; target {'met' if r.get('target_met') else '**missed**'}")
     lat = [r for r in d.get("latency", []) if vs_floor(r, "pause")[0] is not None]
     if lat:
         worst = {what: max(lat, key=lambda r: vs_floor(r, what)[0] or 0) for what in ("pause", "resume")}

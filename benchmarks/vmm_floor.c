@@ -5,7 +5,7 @@
  *   resume = cuMemCreate + cuMemMap + cuMemSetAccess      per allocation
  *
  * the same driver calls, in the same order, that torch_memory_saver makes for an
- * allocation of one chunk (src/core.c map_chunks / unmap_chunks + release_chunks).
+ * allocation of one chunk (src/core/chunks.c tms_chunks_map / tms_chunks_unmap + tms_chunks_release).
  * Each allocation has its own virtual range (cuMemAddressReserve), kept across
  * cycles, as in the library.
  *

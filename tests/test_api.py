@@ -290,7 +290,7 @@ def test_torch_variant_has_no_allocator_hook(run_scenario, preload_lib):
     assert out == "done\n"
 
 
-# ---- the public surface: one exception type, typed, documented (issue 13) ------------
+# ---- the public surface: one exception type, typed, documented ------------
 
 def test_both_variants_raise_the_one_public_error(run_scenario):
     out = check_ok(run_scenario("api", "one_public_error"))

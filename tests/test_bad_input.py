@@ -1,4 +1,4 @@
-"""Bad input (issue 5) that test_api.py and test_host_backend.py leave out: every
+"""Bad input that test_api.py and test_host_backend.py leave out: every
 case gets a clear exception, never a crash, an exit or a wrong action.
 
 Already covered there: unknown hook_mode and changing it after first use;
@@ -24,8 +24,7 @@ from conftest import check_ok
 
 
 def test_tag_with_embedded_nul_is_rejected_not_truncated(run_scenario):
-    # Was a bug (fixed in 79500e7): pause/resume cut the tag at the NUL, so
-    # pause("kv\0junk") paused tag "kv".
+    # A tag cut at the NUL would make pause("kv\0junk") pause tag "kv".
     out = check_ok(run_scenario("bad_input", "nul_in_tag"))
     assert out == "done\n"
 
@@ -88,15 +87,14 @@ def test_native_integer_arguments_out_of_range(run_scenario):
 
 
 def test_get_cpu_backup_pointer_beyond_64_bits_raises(run_scenario):
-    # Was a bug (fixed in 79500e7): the pointer was parsed without an overflow
-    # check, so p + 2**64 returned p's backup.
+    # A pointer parsed without an overflow check would make p + 2**64 return p's backup.
     out = check_ok(run_scenario("bad_input", "backup_pointer_beyond_64_bits"))
     assert out == "done\n"
 
 
 def test_margin_beyond_size_t_before_first_use_raises_at_assignment(run_scenario):
-    # Was a bug (fixed in 79500e7): accepted before first use, then every call
-    # raised OverflowError (not naming the setting) and the core never started.
+    # Accepted before first use, it would make every later call raise an
+    # OverflowError not naming the setting, and the core never start.
     out = check_ok(run_scenario("bad_input", "margin_beyond_size_t_before_first_use"))
     assert out == "done\n"
 

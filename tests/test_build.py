@@ -12,7 +12,7 @@ from conftest import HOOK_MODES, REPO, check_ok, libcuda_present, tree_build_loc
 from torch_memory_saver._abi import SIGNATURES
 
 FORBIDDEN_NEEDED = re.compile(r"lib(cuda|cudart|python)", re.IGNORECASE)
-# The C ABI both variants export (include/torch_memory_saver.h, issue 10).
+# The C ABI both variants export (include/torch_memory_saver.h).
 ABI = set(SIGNATURES)
 EXPORTS = {
     "preload": {"cudaMalloc", "cudaFree", "PyInit__tms_preload", "tms_preload_malloc", "tms_preload_free",

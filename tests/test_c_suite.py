@@ -67,7 +67,7 @@ def test_ctest(cmake_build):
                  "core_hip_stub_chunk_5MiB", "hip_stub_rocm6", "hip_stub_rocm7",
                  # relocation passes racing dlclose on another thread
                  "reloc_race",
-                 # the CUDA ABI mirror (src/cuda_abi.h) against the real cuda.h: our machines
+                 # the CUDA ABI mirror (src/platform/cuda_abi.h) against the real cuda.h: our machines
                  # have the headers, so a configure that drops it is a failure, not a skip
                  "cuda_abi"):
         assert f" {name} " in out, out

@@ -1,4 +1,4 @@
-"""Drop-in compatibility with the upstream library (issue 10), on the host backend, against
+"""Drop-in compatibility with the upstream library, on the host backend, against
 the package as `pip install .` installs it: upstream's file names at the site root, its C
 ABI (from Python through ctypes and from a C program on LD_PRELOAD), the private paths
 frameworks reach into, its environment booleans; and what we add: lists of tags, state

@@ -1,4 +1,4 @@
-"""Concurrency (issue 5): no lost allocation, no deadlock, no data race.
+"""Concurrency: no lost allocation, no deadlock, no data race.
 
 - ThreadSanitizer: the C tests built with CMake -DTMS_SANITIZE=thread; the
   `threads` scenario of test_core_host (workers allocating, freeing, pausing and
@@ -83,7 +83,7 @@ def test_threads_allocate_while_others_pause_and_resume(run_scenario):
     assert out == "done\n"
 
 
-# ---- nothing waits for a pause in progress (issue 12) -------------------------------
+# ---- nothing waits for a pause in progress -------------------------------
 
 
 def test_nothing_waits_for_a_backed_up_pause_in_progress(run_scenario, tmp_path):

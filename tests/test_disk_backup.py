@@ -1,4 +1,4 @@
-"""Disk backup on the host backend (issue 11): files, their lifecycle and owners,
+"""Disk backup on the host backend: files, their lifecycle and owners,
 failures with every byte kept, the page cache left alone, environment and API. The
 programs are tests/host_scenarios/disk_backup.py."""
 import os

@@ -244,3 +244,52 @@ def test_design_source_map_names_every_source_file():
     sources = [*(REPO / "src").rglob("*.[ch]"), *(REPO / "torch_memory_saver").glob("*.py")]
     missing = sorted(p.relative_to(REPO).as_posix() for p in sources if p.name not in named)
     assert not missing, f"docs/design.md's source map leaves out {missing}"
+
+
+# ---- the code and the tests point at what exists, and hold no history -------------------
+
+CODE_DIRS = ("src", "include", "torch_memory_saver", "tests", "benchmarks")
+CODE_SUFFIXES = {".c", ".h", ".py", ".pyi"}
+
+
+def _code_files():
+    skip = {"__pycache__", "results"}
+    return sorted(p for d in CODE_DIRS for p in (REPO / d).rglob("*")
+                  if p.suffix in CODE_SUFFIXES and p.is_file() and not skip.intersection(p.parts))
+
+
+def test_tests_and_code_hold_no_history():
+    """Tests are named for behaviour and say why in comments; issue numbers and
+    bug histories live in git. (This file's own samples are exempt.)"""
+    found = []
+    for path in _code_files():
+        if path.name == "test_docs.py":
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for rx, what in HISTORY[:2] + [(re.compile(r"\bwas a bug\b|\bfixed in [0-9a-f]{7}", re.I), "a bug's history")]:
+                if rx.search(line):
+                    found.append(f"{path.relative_to(REPO)}:{n}: {what}: {line.strip()[:80]}")
+    assert not found, "history in code or tests:\n" + "\n".join(found)
+
+
+# A path in a comment or docstring: from the repository root, or src/-relative (core/pause.c).
+PATH = re.compile(r"(?<![\w./-])((?:src|include|torch_memory_saver|tests|benchmarks|docs)/[\w./-]*\w\.(?:c|h|py|pyi|md|txt)"
+                  r"|(?:face|hooks|core|backup|platform)/\w+\.[ch])\b")
+
+
+def test_every_source_path_named_in_the_code_exists():
+    missing = []
+    for path in _code_files():
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for name in PATH.findall(line):
+                if "*" in name or "<" in name:
+                    continue
+                candidates = [REPO / name, REPO / "src" / name]
+                if not any(c.exists() for c in candidates):
+                    missing.append(f"{path.relative_to(REPO)}:{n}: {name}")
+    assert not missing, "paths named in the code that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_path_checker_sees_paths_in_comments():
+    line = "/* as core/pause.c does; see src/backup/ledger.c and tests/test_docs.py */"
+    assert PATH.findall(line) == ["core/pause.c", "src/backup/ledger.c", "tests/test_docs.py"]

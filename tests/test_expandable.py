@@ -1,4 +1,4 @@
-"""PyTorch's expandable segments in preload mode (issue 15): the runtime's driver
+"""PyTorch's expandable segments in preload mode: the runtime's driver
 entry-point lookups are answered with the library's cuMem* wrappers for PyTorch's
 libc10_cuda only, with LD_PRELOAD and with relocation hooks; a handle created in a
 region is a token whose release reaches the runtime as the handle it stands for.

@@ -1,4 +1,4 @@
-"""Fuzzing the core (issue 5): tests/c/fuzz_core.c drives random sequences of
+"""Fuzzing the core: tests/c/fuzz_core.c drives random sequences of
 alloc/free/pause/resume/region/retain/margin on the host backend and checks,
 after every step, that backed-up bytes survive, states and status codes are the
 documented ones, the statistics gauges equal sums over the table, and the

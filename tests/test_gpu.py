@@ -1,4 +1,4 @@
-"""GPU tests (issue 2): each scenario of tests/gpu_scenarios/ runs in a fresh
+"""GPU tests: each scenario of tests/gpu_scenarios/ runs in a fresh
 Python process, in each hook mode it applies to, and must exit 0 after printing
 "OK". Skipped as a whole where PyTorch sees no CUDA GPU.
 
@@ -12,7 +12,7 @@ LD_PRELOAD. TMS_* variables and PYTORCH_CUDA_ALLOC_CONF of this process are not
 passed on: each scenario sets what it needs. The exceptions are the settings
 that select how the core works rather than what a scenario tests, so the whole
 suite can run again under them: TMS_CHUNK_BYTES (e.g. 64MiB: the chunked core
-of ROCm, issue 6) and TMS_BACKUP_THREADS.
+of ROCm) and TMS_BACKUP_THREADS.
 """
 import json
 import os
@@ -97,7 +97,7 @@ pytestmark = [
 
 
 # Preload mode twice: with the library on LD_PRELOAD, and without it, where the
-# hooks are installed by patching relocation tables (issue 14).
+# hooks are installed by patching relocation tables.
 RELOCATION = "preload-relocation"
 GPU_MODES = ("preload", RELOCATION, "torch")
 
@@ -199,7 +199,7 @@ def test_nested_regions_init_enable(hook_mode):
     check_passed(run_scenario("nested_init_enable", hook_mode, env={"TMS_INIT_ENABLE": "1"}))
 
 
-# PyTorch's expandable segments (issue 15): the scenario of its own, and scenarios
+# PyTorch's expandable segments: the scenario of its own, and scenarios
 # of the suite whose memory then comes from expandable segments (in preload mode:
 # adopted from PyTorch's own cuMem* calls; TMS_INIT_ENABLE covers the default pool).
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -247,7 +247,7 @@ def test_exit_states(case, hook_mode):
     check_passed(run_scenario("exit_states", hook_mode, case), empty_stderr=True)
 
 
-# ---- drop-in compatibility (issue 10): the installed package, framework call shapes ----
+# ---- drop-in compatibility: the installed package, framework call shapes ----
 #
 # Each scenario runs in a fresh process against the package as `pip install .`
 # lays it out (the `installed` fixture), started the way the framework starts

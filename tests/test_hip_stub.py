@@ -1,4 +1,4 @@
-"""The Python package on the hip backend (issue 6), against tests/c/hip_stub.c: a
+"""The Python package on the hip backend, against tests/c/hip_stub.c: a
 stand-in libamdhip64 over host memory that checks its arguments as HIP does.
 
 No AMD GPU is needed: the stub is compiled here with `cc -shared -fPIC`, and each

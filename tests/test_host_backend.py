@@ -54,7 +54,7 @@ def test_retain_cpu_backup_keeps_the_host_copy(run_scenario, kind):
 
 
 def test_retained_mmap_backup_is_page_locked_in_the_background(run_scenario):
-    # Issue 16: a retained backup is copied every cycle; once page-locked (on a thread
+    # A retained backup is copied every cycle; once page-locked (on a thread
     # of its own, after the pause) its copies skip the staging. Without retain the
     # backup goes at resume and is never page-locked. The host backend's
     # "page-locking" is a no-op, so this checks the bookkeeping and the direct
@@ -83,7 +83,7 @@ def _mbind_permitted():
 @pytest.mark.parametrize("kind", ["mmap", "pinned"])
 @pytest.mark.parametrize("node", [None, "0"])
 def test_backup_placed_on_the_devices_numa_node(run_scenario, kind, node):
-    # Issue 16: a backup's host pages are preferred on the GPU's NUMA node (the
+    # A backup's host pages are preferred on the GPU's NUMA node (the
     # host backend's devices sit on TMS_HOST_NUMA_NODE); the kernel lists the
     # policy in /proc/self/numa_maps. Where the node is unknown, no policy.
     import platform

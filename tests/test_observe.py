@@ -1,4 +1,4 @@
-"""Issue 7 on the host backend: stats() arithmetic, memory_summary(), pause/resume
+"""On the host backend: stats() arithmetic, memory_summary(), pause/resume
 log lines, progress lines and the command line."""
 import os
 import subprocess

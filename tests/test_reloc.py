@@ -1,4 +1,4 @@
-"""Preload mode without LD_PRELOAD (issue 14): the hooks installed by patching the GOT
+"""Preload mode without LD_PRELOAD: the hooks installed by patching the GOT
 entries of loaded objects, checked with a stub CUDA runtime and small libraries built
 here: loaded before the patch and dlopen'ed after, with lazy binding, full RELRO and
 -fno-plt; a bare-name dlopen through a patched dlopen keeps the caller's RUNPATH. The

@@ -1,4 +1,4 @@
-"""Interpreter exit (issue 5: teardown) on the host backend, in both hook variants:
+"""Interpreter exit (teardown) on the host backend, in both hook variants:
 the process exits with its own status and writes nothing to stderr, whatever
 is live at exit.
 

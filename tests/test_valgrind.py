@@ -1,8 +1,8 @@
-"""The C tests and the plain fuzz driver under valgrind memcheck (issue 5: memory
+"""The C tests and the plain fuzz driver under valgrind memcheck (memory
 safety): any invalid access, use of uninitialised memory or leak fails the test.
 
 tests/c/valgrind.supp suppresses one thing only: the thread-local storage of the
-copy workers, which live for the process (src/transfer.c) and so are still
+copy workers, which live for the process (src/backup/transfer.c) and so are still
 running at exit. Skipped where valgrind is not installed.
 """
 import shutil

@@ -6,7 +6,7 @@ from pathlib import Path
 
 HOOK_MODES = ("preload", "torch")
 # The upstream library's file names, installed at the site-packages root as
-# shims that load our library of the same variant (src/shim.c).
+# shims that load our library of the same variant (src/hooks/shim.c).
 UPSTREAM_SUFFIXES = ("", "_cu12", "_cu13")
 
 

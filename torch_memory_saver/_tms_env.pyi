@@ -1,1 +1,1 @@
-"""Raises ValueError at import naming the first malformed TMS_* variable (src/module_env.c). No members."""
+"""Raises ValueError at import naming the first malformed TMS_* variable (src/face/module_env.c). No members."""

@@ -539,7 +539,7 @@ static PyObject *py_allocation_at(PyObject *module, PyObject *ptr_obj)
 PyDoc_STRVAR(stats_doc,
 "stats($module, /)\n--\n\n"
 "A list of dicts, one per (tag, device) with anything to report: the fields of\n"
-"src/stats.h. Reads counters only: cheap enough for every step.");
+"src/core/stats.h. Reads counters only: cheap enough for every step.");
 
 static PyObject *stats_row_dict(const void *row)
 {

@@ -1,7 +1,7 @@
 /* Fuzzing the core on the host backend: random alloc/free/pause/resume/region/retain/margin sequences against a model.
  *
  * Each input is a byte string read as a sequence of operations; after every
- * operation the core is checked against a model of what it must hold (issue 5):
+ * operation the core is checked against a model of what it must hold:
  *  - every byte of a backed-up allocation survives pause/resume (shadow copies),
  *    and a host copy read through tms_core_backup_of holds what was paused;
  *  - states, backup flags and host copies are the ones the model expects, and
@@ -434,7 +434,7 @@ static void op_alloc(struct reader *r)
     if (rc == TMS_E_OOM) {
         ev.alloc_oom++;
         int named = strstr(err.msg, tag_names[tag_index(reg->tag_id)]) != NULL;
-        /* The core's own size guard names neither tag nor device (src/core.c). */
+        /* The core's own size guard names neither tag nor device (src/core/alloc.c). */
         if (size > SIZE_MAX - gran) named |= strstr(err.msg, "larger than any device") != NULL;
         REQUIRE(named, "OOM message names the tag: %s", err.msg);
         return;
@@ -791,7 +791,7 @@ static void op_bad_pointer(struct reader *r)
         struct tms_backup *b = (struct tms_backup *)1;
         size_t offset = 0;
         memset(&err, 0, sizeof err);
-        /* Foreign memory has no backup (issue 10: get_cpu_backup returns None, as upstream). */
+        /* Foreign memory has no backup (get_cpu_backup returns None, as upstream). */
         expect_rc(tms_core_backup_of(4096, 1, &b, &offset, &err), TMS_OK, &err, "backup_of(4096)");
         REQUIRE(b == NULL, "backup_of(4096) gave a backup");
     }

@@ -1,4 +1,4 @@
-/* A stand-in for libamdhip64 (issue 6): every HIP entry point driver_hip.c
+/* A stand-in for libamdhip64: every HIP entry point driver_hip.c
  * resolves, with the real signatures (hip_abi.h), over host memory the way
  * driver_host.c emulates VMM. Loaded through TMS_HIP_LIBRARY by the tests.
  *

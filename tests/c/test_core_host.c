@@ -813,7 +813,7 @@ static void test_threads(void)
     CHECK(after.active == before.active && after.tag_id == before.tag_id && after.backup == before.backup);
 }
 
-/* ---- nothing waits for a pause in progress (issue 12) ------------------------------ */
+/* ---- nothing waits for a pause in progress ---------------------------------------- */
 
 struct pause_call {
     pthread_t thread;

@@ -1,4 +1,4 @@
-/* Compile-time check that src/cuda_abi.h and driver_cuda.c's entry table match the real cuda.h. */
+/* Compile-time check that src/platform/cuda_abi.h and driver_cuda.c's entry table match the real cuda.h. */
 #include <cuda.h>
 #include <driver_types.h>
 #include <stddef.h>

@@ -1,4 +1,4 @@
-/* The expandable-segments translation layer (src/cumem.c) on the host backend: PyTorch's call shapes, then a random walk checked against a model.
+/* The expandable-segments translation layer (src/hooks/cumem.c) on the host backend: PyTorch's call shapes, then a random walk checked against a model.
  *
  * The "real" cuMem* functions here stand in for the driver's over the host
  * backend (a handle is a memfd), and check that every handle they are given

@@ -1,4 +1,4 @@
-"""Drop-in (issue 10), AReaL's call shapes: the process starts with
+"""Drop-in, AReaL's call shapes: the process starts with
 LD_PRELOAD=<site-packages>/torch_memory_saver_hook_mode_preload.abi3.so, TMS_INIT_ENABLE=1 and
 TMS_INIT_ENABLE_CPU_BACKUP=1; the engine sets hook_mode = "preload" and offloads/onloads with
 untagged pause()/resume(). The model's memory is released and comes back bit-exact."""

@@ -1,4 +1,4 @@
-"""Drop-in (issue 10): memory allocated inside disable() and freed before the block ends goes
+"""Drop-in: memory allocated inside disable() and freed before the block ends goes
 back to the driver when the block exits (inside a region, after a pause, outside regions, and
 nested); what is allocated inside is ordinary memory that CUDA IPC shares with a child process
 (torch.multiprocessing)."""

@@ -1,4 +1,4 @@
-"""Drop-in (issue 10), Megatron-LM / NeMo-RL: torch mode set at import, no LD_PRELOAD; the
+"""Drop-in, Megatron-LM / NeMo-RL: torch mode set at import, no LD_PRELOAD; the
 inference model is built in region(tag=..., enable_cpu_backup=True); pause(tag)/resume(tag)
 around training; the model's output is unchanged. A tag never used pauses as a no-op."""
 import os

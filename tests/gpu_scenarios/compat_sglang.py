@@ -1,4 +1,4 @@
-"""Drop-in (issue 10), SGLang's call shapes through its adapter: region(tag="weights",
+"""Drop-in, SGLang's call shapes through its adapter: region(tag="weights",
 enable_cpu_backup=True); region(tag="kv_cache") around torch.cuda.use_mem_pool(custom_pool)
 (preload mode: the custom pool's cudaMalloc is still ours); cuda_graph(cuda_graph=g, pool=...,
 stream=..., tag="cuda_graph") (preload mode, as SGLang captures); disable();

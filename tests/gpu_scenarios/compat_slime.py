@@ -1,4 +1,4 @@
-"""Drop-in (issue 10), slime's call shapes: the process starts with
+"""Drop-in, slime's call shapes: the process starts with
 LD_PRELOAD=<site-packages>/torch_memory_saver_hook_mode_preload_cu13.abi3.so (the name slime
 hard-codes), TMS_INIT_ENABLE=1 and TMS_INIT_ENABLE_CPU_BACKUP=1; the model is allocated
 outside any region (tag "default", backed up); Megatron's buffers in nested

@@ -1,4 +1,4 @@
-"""Drop-in (issue 10), verl's staged wake-up: everything is released, then the weights are
+"""Drop-in, verl's staged wake-up: everything is released, then the weights are
 resumed (and updated) while the KV cache stays paused, and the KV cache comes back later.
 State queries answer each stage without raising."""
 import sys

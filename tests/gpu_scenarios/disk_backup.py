@@ -1,4 +1,4 @@
-"""Disk backup (issue 11): with enable_disk_backup=True, random data of several
+"""Disk backup: with enable_disk_backup=True, random data of several
 dtypes comes back bit-exact after three pause/resume cycles (new data each
 cycle) at the same addresses. Each allocation has one file in the backup
 directory, rewritten in place; the page cache and the process's RSS do not grow

@@ -1,4 +1,4 @@
-"""Issue 15: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the harness sets it).
+"""PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the harness sets it).
 
 Region memory is pauseable: pause frees >= 95 % of what the region's tags hold,
 a backed-up tag comes back bit-exact at the same addresses (get_cpu_backup of a

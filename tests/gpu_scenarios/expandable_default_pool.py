@@ -1,4 +1,4 @@
-"""Issue 15, the launcher way (slime, AReaL): preload mode with TMS_INIT_ENABLE=1
+"""Expandable segments, the launcher way (slime, AReaL): preload mode with TMS_INIT_ENABLE=1
 and TMS_INIT_ENABLE_CPU_BACKUP=1 and PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 (the harness sets them). Every allocation of the process lands in PyTorch's
 default pool, one expandable segment that PyTorch itself grows and shrinks:

@@ -1,4 +1,4 @@
-"""Scenario (issue 12): nothing waits for a pause in progress.
+"""Scenario: nothing waits for a pause in progress.
 
 One thread pauses 4 GiB of random data with backup. While the table shows it
 "pausing", another thread frees memory of a different tag through the hook's

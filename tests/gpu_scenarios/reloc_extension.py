@@ -1,4 +1,4 @@
-"""Relocation hooks (issue 14): a CUDA library (TMS_TEST_EXTENSION, tests/c/cuda_ext.c)
+"""Relocation hooks: a CUDA library (TMS_TEST_EXTENSION, tests/c/cuda_ext.c)
 loaded after the hooks were installed without LD_PRELOAD. Its cudaMalloc inside a
 region is the library's: recorded under the tag, released by pause (>= 95 %), its
 bytes restored by resume with backup at the same address, freed by its cudaFree.

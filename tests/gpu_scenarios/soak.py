@@ -1,4 +1,4 @@
-"""Issue 5 load test: 200 pause/resume cycles over mixed tags and backups, with a
+"""A load test: 200 pause/resume cycles over mixed tags and backups, with a
 content check every cycle and no growth of host RSS or device memory between
 cycles once warm."""
 import sys

@@ -1,4 +1,4 @@
-"""Issue 7: stats() agrees with the device's free memory (torch.cuda.mem_get_info)
+"""stats() agrees with the device's free memory (torch.cuda.mem_get_info)
 through pause and resume, and memory_summary() shows the tags."""
 import sys
 

@@ -1,4 +1,4 @@
-"""Issue 5 concurrency on the GPU: threads allocate and free tensors in regions of
+"""Concurrency on the GPU: threads allocate and free tensors in regions of
 their own tags while the main thread pauses and resumes another tag with backups;
 contents are checked every cycle, nothing deadlocks, no allocation is lost."""
 import sys
