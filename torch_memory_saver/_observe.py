@@ -5,10 +5,6 @@ import time
 
 logger = logging.getLogger("torch_memory_saver")
 
-_GAUGES = ("allocations", "bytes_requested", "bytes_reserved", "bytes_mapped", "bytes_paused",
-           "bytes_backup_pinned", "bytes_backup_mmap", "bytes_backup_disk")
-
-
 def stats(core):
     """{device: {tag: {field: value}}} from the core's counters (no driver call)."""
     out = {}
@@ -77,16 +73,6 @@ def _name(tag):
     return "<all>" if tag is None else tag if isinstance(tag, str) else ",".join(tag)
 
 
-# Progress lines for long backed-up pauses/resumes: off by default, on with
-# torch_memory_saver.progress = True or TMS_PROGRESS=1 (read by the core, with
-# every TMS_* variable). None: the variable decides.
-progress_setting = None
-
-
-def progress_enabled(core):
-    return core.defaults()["progress"] if progress_setting is None else progress_setting
-
-
 PROGRESS_AFTER_S = 1.0
 PROGRESS_EVERY_S = 0.5
 
@@ -117,18 +103,19 @@ def _run_with_progress(core, call, op, tag):
     return outcome["result"]
 
 
-def logged(core, call, op, tag, report):
+def logged(core, call, op, tag, report, progress):
     """Runs call() (the core's pause or resume of tag) and returns
-    report(its result), logging a summary at INFO and the allocations at
-    DEBUG, only when those levels are enabled."""
+    report(its result), logging a summary at INFO (with progress lines while it
+    runs if progress) and the allocations at DEBUG, only when those levels are
+    enabled."""
     if not logger.isEnabledFor(logging.INFO):
         return report(call())
-    if progress_enabled(core):
+    if progress:
         out = report(_run_with_progress(core, call, op, tag))
     else:
         out = report(call())
     moved, seconds = out.copied_bytes, out.seconds
-    rate = f", {moved / seconds / 1e9:.1f} GB/s" if moved and seconds > 0 else ""
+    rate = f", {out.gb_per_s:.1f} GB/s" if out.gb_per_s else ""
     skipped = f", {_fmt_bytes(out.skipped_bytes)} skipped as free" if out.skipped_bytes else ""
     what = "released" if op == "pause" else "mapped"
     logger.info("%s tag=%s: %s %s, %s copied in %.1f ms%s%s", op, _name(tag), what,

@@ -1,6 +1,11 @@
 """What a pause or resume did: the object pause() and resume() return."""
 
 
+def gb_per_s(nbytes, seconds):
+    """nbytes over seconds in GB/s (10**9 bytes), 0.0 where nothing moved."""
+    return nbytes / seconds / 1e9 if nbytes and seconds > 0 else 0.0
+
+
 class DeviceReport:
     """One device's part of a pause or resume. Bytes are exact counts from the
     core; free_before/free_after are the driver's free memory around the call
@@ -22,7 +27,7 @@ class DeviceReport:
     @property
     def gb_per_s(self):
         """Bytes copied per second, in GB/s (0.0 when nothing was copied)."""
-        return self.copied_bytes / self.seconds / 1e9 if self.copied_bytes and self.seconds > 0 else 0.0
+        return gb_per_s(self.copied_bytes, self.seconds)
 
     def as_dict(self):
         out = {k: getattr(self, k) for k in self.__slots__}
@@ -72,7 +77,8 @@ class Report:
 
     @property
     def gb_per_s(self):
-        return self.copied_bytes / self.seconds / 1e9 if self.copied_bytes and self.seconds > 0 else 0.0
+        """Bytes copied per second over every device, in GB/s."""
+        return gb_per_s(self.copied_bytes, self.seconds)
 
     def as_dict(self):
         return {"op": self.op, "seconds": self.seconds, "released_bytes": self.released_bytes,

@@ -1,13 +1,15 @@
-"""The process singleton: regions, pause/resume, backups, hook-mode glue."""
+"""The process singleton's public face: argument types converted here, what they mean
+checked by the core, the work done by _impl.py."""
 import contextlib
 import logging
 import os
-import sys
 import threading
 from typing import Optional
 
-from . import _abi, _library, _live, _observe, _preload, _report, _scratch
+from . import _library, _live, _observe, _preload, _report
 from ._errors import DiskBackupDirError
+from ._impl import _Impl, backup_across_pages
+from ._settings import Settings
 
 logger = logging.getLogger("torch_memory_saver")
 
@@ -25,30 +27,6 @@ def _check_type(value, types, what):
         raise TypeError(f"torch_memory_saver: {what} must be {names}, not {type(value).__name__}")
 
 
-def _torch_platform():
-    """'hip' or 'cuda': the platform the importable torch was built for, else None.
-    torch is imported only where the environment leaves the core nothing else to
-    go by (importing it takes seconds)."""
-    torch = sys.modules.get("torch")
-    if torch is None and not (os.environ.get("TMS_BACKEND") or os.environ.get("TMS_PLATFORM")):
-        try:
-            import torch
-        except ImportError:
-            return None
-    return None if torch is None else "hip" if getattr(torch.version, "hip", None) else "cuda"
-
-
-def _torch_gpu_platform():
-    """'hip' or 'cuda' if torch sees a GPU of that platform, else None."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    return "hip" if getattr(torch.version, "hip", None) else "cuda"
-
-
 class TorchMemorySaver:
     """Process-wide entry point (use the `torch_memory_saver` instance)."""
 
@@ -56,10 +34,7 @@ class TorchMemorySaver:
         self._hook_mode = "preload"
         self._impl: Optional[_Impl] = None
         self._init_lock = threading.Lock()
-        self._pending_margin = 0
-        self._live_only = None
-        self._pending_spill = None
-        self._pending_retain = None
+        self._settings = Settings(lambda: _library.load(self._hook_mode).defaults())
 
     # ---- configuration -------------------------------------------------------
 
@@ -92,14 +67,11 @@ class TorchMemorySaver:
     def progress(self) -> bool:
         """Log progress lines (INFO, logger "torch_memory_saver") for backed-up
         pauses/resumes that take more than a second. Off by default; TMS_PROGRESS=1."""
-        if _observe.progress_setting is not None:
-            return _observe.progress_setting
-        return _library.load(self._hook_mode).defaults()["progress"]
+        return self._settings.get("progress")
 
     @progress.setter
     def progress(self, value: bool):
-        _check_type(value, (bool,), "progress")
-        _observe.progress_setting = value
+        self._settings.set("progress", value)
 
     @property
     def backup_live_only(self) -> bool:
@@ -108,54 +80,33 @@ class TorchMemorySaver:
         on a stream); free blocks come back with undefined contents, as newly
         allocated memory. Memory PyTorch did not hand out is copied whole. On by
         default; TMS_BACKUP_LIVE_ONLY=0 turns it off."""
-        if self._live_only is not None:
-            return self._live_only
-        return _library.load(self._hook_mode).defaults()["backup_live_only"]
+        return self._settings.get("backup_live_only")
 
     @backup_live_only.setter
     def backup_live_only(self, value: bool):
-        _check_type(value, (bool,), "backup_live_only")
-        self._live_only = value
+        self._settings.set("backup_live_only", value)
 
     @property
     def memory_margin_bytes(self) -> int:
         """Allocations inside regions fail with OutOfMemoryError (PyTorch then frees
         its cache and retries) if they would leave fewer than this many bytes free on
         the device. 0 (the default) turns the check off."""
-        return self._impl.core.get_memory_margin_bytes() if self._impl else self._pending_margin
+        return self._settings.get("memory_margin_bytes")
 
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value: int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"torch_memory_saver: memory_margin_bytes must be an int, not {type(value).__name__}")
-        if value < 0:
-            raise ValueError(f"torch_memory_saver: memory_margin_bytes must be >= 0, got {value}")
-        if value >= 1 << 64:
-            raise ValueError(f"torch_memory_saver: memory_margin_bytes must be < 2**64, got {value}")
-        if self._impl:
-            self._impl.core.set_memory_margin_bytes(value)
-        else:
-            self._pending_margin = value
+        self._settings.set("memory_margin_bytes", value)
 
     @property
     def retain_cpu_backup(self) -> bool:
         """Keep host backups across resume: the next pause copies into them instead
         of allocating (faster), at the cost of the host memory. TMS_RETAIN_CPU_BACKUP
         gives the default."""
-        if self._impl:
-            return self._impl.core.get_retain_cpu_backup()
-        if self._pending_retain is not None:
-            return self._pending_retain
-        return _library.load(self._hook_mode).defaults()["retain_cpu_backup"]
+        return self._settings.get("retain_cpu_backup")
 
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value: bool):
-        if not isinstance(value, bool):
-            raise TypeError(f"torch_memory_saver: retain_cpu_backup must be a bool, not {type(value).__name__}")
-        if self._impl:
-            self._impl.core.set_retain_cpu_backup(value)
-        else:
-            self._pending_retain = value
+        self._settings.set("retain_cpu_backup", value)
 
     @property
     def spill_to_disk(self) -> bool:
@@ -163,19 +114,11 @@ class TorchMemorySaver:
         (TMS_HOST_BACKUP_LIMIT, or 5 % of the host's memory kept available), the
         largest allocations that do not fit are backed up to disk (the disk backup
         directory) instead of raising. TMS_SPILL_TO_DISK gives the default."""
-        if self._impl:
-            return self._impl.core.get_spill_to_disk()
-        if self._pending_spill is not None:
-            return self._pending_spill
-        return _library.load(self._hook_mode).defaults()["spill_to_disk"]
+        return self._settings.get("spill_to_disk")
 
     @spill_to_disk.setter
     def spill_to_disk(self, value: bool):
-        _check_type(value, (bool,), "spill_to_disk")
-        if self._impl:
-            self._impl.core.set_spill_to_disk(value)
-        else:
-            self._pending_spill = value
+        self._settings.set("spill_to_disk", value)
 
     def host_budget(self):
         """The host backup budget this process shares: name, limit (0: none),
@@ -251,7 +194,7 @@ class TorchMemorySaver:
         if op == "pause" and self.backup_live_only and impl.on_gpu() and core.selects_backup(tag):
             skip = _live.free_spans()
         call = (lambda: core.pause(tag, skip)) if op == "pause" else (lambda: core.resume(tag))
-        return _observe.logged(core, call, op, tag, lambda raw: _report.Report(op, raw))
+        return _observe.logged(core, call, op, tag, lambda raw: _report.Report(op, raw), self.progress)
 
     def _check_region(self, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup):
         """The CPU backup backend the region gets; the core's policy decides the rest
@@ -280,7 +223,7 @@ class TorchMemorySaver:
         except ValueError:
             # An expandable segment's pages are allocations of their own: a tensor
             # may span several, each with its own backup.
-            pages, flat = _backup_across_pages(core, x.data_ptr(), span)
+            pages, flat = backup_across_pages(core, x.data_ptr(), span)
             if not pages:
                 raise
             if flat is None:
@@ -338,8 +281,6 @@ class TorchMemorySaver:
             raise TypeError(f"torch_memory_saver: nbytes must be an int, not {type(nbytes).__name__}")
         if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
             raise TypeError(f"torch_memory_saver: device must be an int or None, not {type(device).__name__}")
-        if device is not None and device < 0:
-            raise ValueError(f"torch_memory_saver: device must be >= 0 (or None: the current one), got {device}")
         impl = self._ensure_initialized()
         if impl.disabled_here() and not impl.core.get_region()[0]:  # a region inside disable() allocates
             raise ValueError(f"torch_memory_saver: malloc of {nbytes} bytes inside disable(): memory allocated "
@@ -353,7 +294,7 @@ class TorchMemorySaver:
 
     def set_disk_backup_dir(self, path) -> None:
         """Directory for the backup files of regions with enable_disk_backup=True
-        (created, mode 0700, if missing; a relative path is resolved now),
+        (created, mode 0700, with any missing parents; a relative path is resolved now),
         process-wide, for the files made from now on. It must be safe: owned by
         you and writable by no one else, or sticky like /tmp, with the
         directories above it likewise (TMS_DISK_BACKUP_TRUST_DIR=1 vouches for
@@ -365,13 +306,14 @@ class TorchMemorySaver:
         path = os.fsdecode(os.fspath(path))
         if not path:
             raise ValueError("torch_memory_saver: set_disk_backup_dir needs a non-empty path")
-        if "\0" in path:
-            raise DiskBackupDirError(f"torch_memory_saver: the disk backup directory {path!r} contains a null character")
         core = self._ensure_initialized().core
         try:
             core.set_disk_backup_dir(path)
         except (ValueError, core.Error) as e:
-            raise DiskBackupDirError(str(e)) from None
+            said = str(e)  # the core's messages name the path; the path converter's do not
+            if not said.startswith("torch_memory_saver"):
+                said = f"torch_memory_saver: the disk backup directory {path!r}: {said}"
+            raise DiskBackupDirError(said) from None
 
     @property
     def disk_backup_dir(self) -> str:
@@ -405,11 +347,7 @@ class TorchMemorySaver:
             with self._init_lock:
                 if self._impl is None:
                     impl = _Impl(self._hook_mode)
-                    impl.core.set_memory_margin_bytes(self._pending_margin)
-                    if self._pending_retain is not None:
-                        impl.core.set_retain_cpu_backup(self._pending_retain)
-                    if self._pending_spill is not None:
-                        impl.core.set_spill_to_disk(self._pending_spill)
+                    self._settings.attach(impl.core)
                     self._impl = impl
         return self._impl
 
@@ -419,163 +357,3 @@ class TorchMemorySaver:
         return self._ensure_initialized().core
 
 
-def _backup_across_pages(core, ptr: int, nbytes: int):
-    """(spans pages, copy): whether [ptr, ptr+nbytes) is made of consecutive
-    adopted allocations (expandable-segment pages), and if so its bytes copied
-    from their backups as a uint8 tensor, or None if one of them has none now."""
-    import torch
-
-    pieces, at, end = [], ptr, ptr + nbytes
-    while at < end:
-        row = core.allocation_at(at)
-        if row is None or not row["adopted"]:
-            return False, None
-        n = min(end, row["ptr"] + row["size"]) - at
-        view = core.get_cpu_backup(at, n)
-        if view is None:
-            return True, None
-        pieces.append(torch.frombuffer(view, dtype=torch.uint8).clone())
-        at += n
-    return True, torch.cat(pieces)
-
-
-class _Impl:
-    def __init__(self, hook_mode: str):
-        self.hook_mode = hook_mode
-        self.core = _library.load(hook_mode)
-        # Upstream's private path to the C ABI, `_impl._binary_wrapper.cdll`:
-        # the very library the module was loaded from (one core state).
-        self._binary_wrapper = _abi.BinaryWrapper(self.core.library_path())
-        self._pools = {}
-        self._pools_lock = threading.Lock()
-        self._scratch = _scratch.ScratchPools()
-        self._disabled = threading.local()  # depth of this thread's disable() blocks
-        self._allocator = None
-        self._on_gpu = None
-        self._warm = False
-        self.preload_method = None  # set by on_gpu(): "ld_preload" or "relocation"
-        # One build serves CUDA and ROCm: the core picks the backend, told what
-        # torch was built for (TMS_BACKEND and TMS_PLATFORM say first).
-        self.core.set_platform_hint(_torch_platform())
-
-    @property
-    def _hook_mode(self) -> str:  # upstream's attribute name
-        return self.hook_mode
-
-    def on_gpu(self) -> bool:
-        """True on a GPU backend (cuda, hip) with a torch that sees the GPU: regions then use
-        torch MemPools. False on the host backend (regions only set the thread's settings)."""
-        if self._on_gpu is None:
-            backend = self.core.backend()  # raises with the reason if no driver
-            # Regions use torch pools only where torch drives the same GPUs as the
-            # backend (a HIP backend under a CUDA torch is a test stub, not a GPU).
-            gpu = backend != "host" and backend == _torch_gpu_platform()  # host: no torch import
-            if gpu and self.hook_mode == "preload":
-                self.preload_method = _preload.ensure_hooked(self.core)
-            self._on_gpu = gpu
-        return self._on_gpu
-
-    # Pools keep region allocations in segments of their own, so PyTorch's
-    # cache never hands region memory to code outside the region or back.
-    def _pool(self, tag, backup, kind, device, disk=False):
-        import torch
-
-        key = (tag, backup, kind, disk, device)
-        with self._pools_lock:
-            pool = self._pools.get(key)
-            if pool is None:
-                # PyTorch registers a pool with the device current at creation.
-                with torch.cuda.device(device):
-                    if self.hook_mode == "torch":
-                        if self._allocator is None:
-                            self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
-                                self.core.library_path(), "tms_torch_malloc", "tms_torch_free")
-                        pool = torch.cuda.MemPool(self._allocator.allocator())
-                    else:
-                        pool = torch.cuda.MemPool()
-                self._pools[key] = pool
-        return pool
-
-    @contextlib.contextmanager
-    def _thread_region(self, active, tag, backup, kind, disk=False):
-        previous = self.core.get_region()
-        self.core.set_region(active, tag, backup, kind, disk)
-        try:
-            yield
-        finally:
-            self.core.set_region(*previous)
-
-    def devices_in_use(self):
-        """The devices a region or disable() block routes to its pools: the current
-        one and every other this process already uses (an active context). A pool
-        on any other device would make PyTorch create a context there, about half
-        a GiB of a GPU the process never uses."""
-        import torch
-
-        current = torch.cuda.current_device()
-        return [d for d in range(torch.cuda.device_count()) if d == current or self.core.device_active(d)]
-
-    @contextlib.contextmanager
-    def _pools_on(self, devices, make_pool):
-        import torch
-
-        with contextlib.ExitStack() as stack:
-            for device in devices:
-                stack.enter_context(torch.cuda.use_mem_pool(make_pool(device), device=device))
-            yield
-
-    @contextlib.contextmanager
-    def region(self, tag, backup, kind, disk=False):
-        if (backup or disk) and not self._warm:
-            self.core.warm_backups()  # pins the staging once, not in the first pause
-            self._warm = True
-        if not self.on_gpu():
-            with self._thread_region(True, tag, backup, kind, disk):
-                yield
-            return
-        with self._pools_on(self.devices_in_use(), lambda device: self._pool(tag, backup, kind, device, disk)):
-            with self._thread_region(True, tag, backup, kind, disk):
-                yield
-
-    def disabled_here(self) -> bool:
-        """True inside a disable() block of this thread."""
-        return getattr(self._disabled, "depth", 0) > 0
-
-    @contextlib.contextmanager
-    def disable(self):
-        self._disabled.depth = getattr(self._disabled, "depth", 0) + 1
-        try:
-            with self._disable():
-                yield
-        finally:
-            self._disabled.depth -= 1
-
-    @contextlib.contextmanager
-    def _disable(self):
-        _, tag, backup, kind, disk = self.core.get_region()
-        if not self.on_gpu():
-            with self._thread_region(False, tag, backup, kind, disk):
-                yield
-            return
-        # Ordinary memory in pools of its own, apart from region segments, given
-        # back to the driver when the block ends (_scratch.py says how).
-        taken = [(device, *self._scratch.take(device)) for device in self.devices_in_use()]
-        pools = {device: pool for device, pool, _ in taken}
-        try:
-            with self._pools_on(pools, pools.__getitem__):
-                with self._thread_region(False, tag, backup, kind, disk):
-                    yield
-        finally:
-            self._scratch.give_back(taken)
-
-    @contextlib.contextmanager
-    def cuda_graph(self, graph, pool, stream, capture_error_mode, tag, backup, kind):
-        import torch
-
-        if not self.on_gpu():
-            raise RuntimeError("torch_memory_saver: cuda_graph needs a GPU backend (cuda or hip) and a torch that sees the GPU")
-        if pool is None and self.hook_mode == "torch":
-            pool = self._pool(tag, backup, kind, torch.cuda.current_device()).id
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
-            with self._thread_region(True, tag, backup, kind):
-                yield
