@@ -36,6 +36,8 @@ What this does not cover:
   keeps: nothing is undone. With NCCL, a dead peer may instead leave the
   collective waiting until NCCL's own watchdog ends the process.
 """
+import threading
+
 from . import _library
 from ._errors import Error
 
@@ -172,13 +174,16 @@ class _Exchange:
     the group's store, so that when the group breaks the survivors can tell which
     ranks never reached the exchange where it broke."""
 
-    _calls = 0  # calls made by this process: the same count on every rank of a group
+    _calls = {}  # group -> calls this process made in it: the same count on every rank of the group
+    _calls_lock = threading.Lock()
 
     def __init__(self, dist, group, rank, size):
         self.dist, self.group, self.rank, self.size = dist, group, rank, size
-        _Exchange._calls += 1
         ranks = dist.get_process_group_ranks(group) if hasattr(dist, "get_process_group_ranks") else range(size)
-        self.prefix = f"torch_memory_saver/{_Exchange._calls}/{'-'.join(map(str, ranks))}"
+        name = "-".join(map(str, ranks))
+        with _Exchange._calls_lock:
+            call = _Exchange._calls[name] = _Exchange._calls.get(name, 0) + 1
+        self.prefix = f"torch_memory_saver/{name}/{call}"
         self.store = self._store()
         self.keys = []
 
@@ -215,7 +220,7 @@ class _Exchange:
             return None
 
     def done(self):
-        """The call succeeded on every rank: its markers go (best effort)."""
+        """Every rank got through the call's exchanges: its markers go (best effort)."""
         for key in self.keys:
             try:
                 self.store.delete_key(key)
@@ -306,6 +311,7 @@ def _run(op, stages, staged, group):
         undo = _undo(op, before, allowed, rank)
         undos = exchange.gather(("undo", k), undo, broken)
         error = _group_error(op, tags, k if staged else None, len(stages), outcomes, undos)
+        exchange.done()
         raise error from cause
     exchange.done()
     return out
