@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "backup/ledger.h"
 #include "platform/config.h"
@@ -22,6 +23,21 @@ int tms_backup_spill_kind(void) { return TMS_BACKUP_DISK; }
 int tms_backup_kind_is_host(int kind) { return kind >= 0 && kind < TMS_BACKUP_KINDS && tms_backup_ops_of(kind)->host_memory; }
 
 const char *tms_backup_kind_name(int kind) { return tms_backup_ops_of(kind)->name; }
+
+int tms_backup_kind_parse(const char *name, int *kind)
+{
+    for (int k = 0; k < TMS_BACKUP_KINDS; k++)
+        if (tms_backup_kind_is_host(k) && strcmp(name, tms_backup_kind_name(k)) == 0) return *kind = k, TMS_OK;
+    return TMS_E_ARG;
+}
+
+int tms_backup_default_kind(void)
+{
+    int kind = TMS_BACKUP_DEFAULT;
+    const char *name = tms_defaults()->init_backup_backend;
+    if (name[0]) (void)tms_backup_kind_parse(name, &kind);
+    return kind;
+}
 
 int tms_backup_kind_of_region(int cpu_kind, int disk) { return disk ? TMS_BACKUP_DISK : cpu_kind; }
 

@@ -7,6 +7,7 @@
 
 #include "core/core.h"
 #include "core/core_internal.h"
+#include "platform/config.h"
 #include "platform/driver.h"
 #include "platform/log.h"
 

@@ -11,6 +11,9 @@
 #include "core/stats.h"
 #include "platform/driver.h"
 
+/* The calling thread's region (core.h), writable: the core's own files and the C tests. */
+struct tms_region *tms_region_current(void);
+
 struct tms_alloc {
     tms_va va;
     size_t size;
@@ -80,12 +83,14 @@ struct tms_alloc **tms_table_link_locked(tms_va va);
 struct tms_alloc *tms_table_find_locked(tms_va va);
 
 /* ---- tags (tags.c), under the table lock ------------------------------------ */
-int tms_tag_check(const char *tag, struct tms_err *err);
 int tms_tags_intern_locked(const char *tag, int *id, struct tms_err *err);
 /* The id of tag, -1 if it has none. */
 int tms_tags_find_locked(const char *tag);
 /* The tag of id if in use, else NULL; "default" (id 0) always exists. */
 struct tms_tag *tms_tag_locked(int id);
+/* References of regions and tokens (ids of "default" and unknown ones are ignored). */
+void tms_tag_ref_locked(int id);
+void tms_tag_unref_locked(int id);
 /* Slots made so far (ids below it), and one of them in use or not. */
 int tms_tags_count(void);
 struct tms_tag *tms_tag_slot_locked(int id);

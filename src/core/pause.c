@@ -455,7 +455,7 @@ int tms_core_check_tags(const char *op, const char *const *tags, size_t n, struc
 {
     if (!tags || !n) return tms_fail(err, TMS_E_ARG, 0, "%s: the list of tags is empty", op);
     for (size_t i = 0; i < n; i++) {
-        int rc = tms_tag_check(tags[i], err);
+        int rc = tms_core_check_tag(tags[i], err);
         if (rc) return rc;
         for (size_t j = 0; j < i; j++)
             if (!strcmp(tags[i], tags[j])) return tms_fail(err, TMS_E_ARG, 0, "%s: tag '%s' is listed twice", op, tags[i]);
@@ -467,26 +467,14 @@ static const struct tms_op_args no_args;
 
 int tms_core_pause(const char *tag, struct tms_err *err)
 {
-    int rc = tag ? tms_tag_check(tag, err) : TMS_OK;
+    int rc = tag ? tms_core_check_tag(tag, err) : TMS_OK;
     return rc ? rc : pause_tags(tag ? &tag : NULL, tag ? 1 : 0, &no_args, err);
 }
 
 int tms_core_resume(const char *tag, struct tms_err *err)
 {
-    int rc = tag ? tms_tag_check(tag, err) : TMS_OK;
+    int rc = tag ? tms_core_check_tag(tag, err) : TMS_OK;
     return rc ? rc : resume_tags(tag ? &tag : NULL, tag ? 1 : 0, &no_args, err);
-}
-
-int tms_core_pause_tags(const char *const *tags, size_t n, struct tms_err *err)
-{
-    int rc = tms_core_check_tags("pause", tags, n, err);
-    return rc ? rc : pause_tags(tags, n, &no_args, err);
-}
-
-int tms_core_resume_tags(const char *const *tags, size_t n, struct tms_err *err)
-{
-    int rc = tms_core_check_tags("resume", tags, n, err);
-    return rc ? rc : resume_tags(tags, n, &no_args, err);
 }
 
 /* Checks what a call names and what it may skip. */

@@ -12,7 +12,7 @@
 
 #include "core/core.h"
 #include "face/py_weak.h"
-#include "platform/config.h"
+#include "hooks/hook_preload.h"
 
 #ifndef TMS_VARIANT
 #error "TMS_VARIANT must be defined (preload or torch)"
@@ -115,7 +115,7 @@ static PyObject *py_set_region(PyObject *module, PyObject *args)
     if (!tag) return NULL;
     struct tms_err err = {0};
     int kind, rc = TMS_E_ARG;
-    if (tms_backup_kind_parse(kind_name, &kind) != TMS_OK) {
+    if (tms_core_backup_kind_parse(kind_name, &kind) != TMS_OK) {
         tms_fail(&err, TMS_E_ARG, 0, "cpu_backup_backend must be 'pinned' or 'mmap', got '%.64s'", kind_name);
     } else {
         Py_BEGIN_ALLOW_THREADS  /* the table lock: no C lock is awaited holding the GIL */
@@ -144,7 +144,7 @@ static PyObject *py_check_region(PyObject *module, PyObject *args)
     struct tms_err err = {0};
     int kind = 0;
     if (tms_core_check_region(&req, &kind, &err)) return raise_err(module, &err);
-    return PyUnicode_FromString(tms_backup_kind_name(kind));
+    return PyUnicode_FromString(tms_core_backup_kind_name(kind));
 }
 
 PyDoc_STRVAR(get_region_doc,
@@ -154,9 +154,9 @@ PyDoc_STRVAR(get_region_doc,
 static PyObject *py_get_region(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
-    const struct tms_region *r = tms_region_current();
+    const struct tms_region *r = tms_core_region();
     return Py_BuildValue("(NsNsN)", PyBool_FromLong(r->active), tms_core_tag_name(r->tag_id),
-                         PyBool_FromLong(r->backup), tms_backup_kind_name(r->backup_kind),
+                         PyBool_FromLong(r->backup), tms_core_backup_kind_name(r->backup_kind),
                          PyBool_FromLong(r->disk_backup));
 }
 
@@ -344,14 +344,14 @@ static PyObject *py_malloc(PyObject *module, PyObject *args)
         return PyErr_Format(PyExc_ValueError, "torch_memory_saver: malloc: device must be >= 0 (or -1: the current one), "
                             "got %R", device_obj);
     }
-    if (!tms_region_current()->active)
+    if (!tms_core_region()->active)
         return PyErr_Format(PyExc_ValueError, "torch_memory_saver: malloc of %zd bytes outside a region: enter region() first",
                             size);
     struct tms_err err = {0};
     void *ptr = NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = tms_core_alloc((size_t)size, (int)device, tms_region_current(), &ptr, &err);
+    rc = tms_core_alloc((size_t)size, (int)device, tms_core_region(), &ptr, &err);
     Py_END_ALLOW_THREADS
     if (rc) return raise_err(module, &err);
     return PyLong_FromVoidPtr(ptr);
@@ -493,7 +493,7 @@ static PyObject *alloc_row_dict(const void *row)
         "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:i,s:O,s:O,s:n,s:n}", "ptr", (unsigned long long)r->ptr, "size",
         (Py_ssize_t)r->size, "reserved", (Py_ssize_t)r->reserved, "device", r->device, "tag",
         tms_core_tag_name(r->tag_id), "state", state_name(r->state), "cpu_backup",
-        r->backup && !disk ? Py_True : Py_False, "cpu_backup_backend", tms_backup_kind_name(r->backup_kind),
+        r->backup && !disk ? Py_True : Py_False, "cpu_backup_backend", tms_core_backup_kind_name(r->backup_kind),
         "has_cpu_backup", r->has_host_copy && !disk ? Py_True : Py_False, "disk_backup", disk ? Py_True : Py_False,
         "has_disk_backup", r->has_host_copy && disk ? Py_True : Py_False, "chunks", r->n_chunks, "adopted",
         r->adopted ? Py_True : Py_False, "cpu_backup_page_locked", r->host_copy_pinned ? Py_True : Py_False,
@@ -635,7 +635,7 @@ PyDoc_STRVAR(host_budget_doc,
 static PyObject *py_host_budget(PyObject *module, PyObject *unused)
 {
     (void)unused;
-    struct tms_ledger_info info;
+    struct tms_host_budget info;
     struct tms_err err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -774,7 +774,7 @@ static PyObject *py_preload_active(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const char *winner = NULL;
-    int active = tms_core_preload_active(&winner);
+    int active = tms_preload_active(&winner);
     if (!winner) return Py_BuildValue("(NO)", PyBool_FromLong(active), Py_None);
     return Py_BuildValue("(Ns)", PyBool_FromLong(active), winner);
 }
@@ -790,7 +790,7 @@ static PyObject *py_install_relocation_hooks(PyObject *module, PyObject *unused)
     struct tms_err err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS  /* walks every object's relocations */
-    rc = tms_core_install_relocation(&err);
+    rc = tms_preload_install_relocation(&err);
     Py_END_ALLOW_THREADS
     if (rc) return raise_err(module, &err);
     Py_RETURN_NONE;
@@ -804,7 +804,7 @@ static PyObject *py_relocation_report(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     char patched[8192], statics[4096];
-    tms_core_relocation_report(patched, sizeof patched, statics, sizeof statics);
+    tms_preload_relocation_report(patched, sizeof patched, statics, sizeof statics);
     return Py_BuildValue("(ss)", patched, statics);
 }
 
@@ -814,7 +814,7 @@ PyDoc_STRVAR(preload_method_doc,
 static PyObject *py_preload_method(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
-    const char *method = tms_core_preload_method();
+    const char *method = tms_preload_method();
     if (!method) Py_RETURN_NONE;
     return PyUnicode_FromString(method);
 }
@@ -841,10 +841,11 @@ PyDoc_STRVAR(defaults_doc, "defaults($module, /)\n--\n\nProcess defaults read fr
 static PyObject *py_defaults(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
-    const struct tms_defaults *d = tms_defaults();
+    struct tms_core_defaults defaults, *d = &defaults;
+    tms_core_defaults(d);
     return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
                          "init_enable_cpu_backup", d->init_backup ? Py_True : Py_False,
-                         "init_cpu_backup_backend", tms_backup_kind_name(d->init_backup_kind),
+                         "init_cpu_backup_backend", tms_core_backup_kind_name(d->init_backup_kind),
                          "init_enable_disk_backup", d->init_disk_backup ? Py_True : Py_False,
                          "retain_cpu_backup", d->retain_backup ? Py_True : Py_False, "chunk_bytes",
                          (Py_ssize_t)d->chunk_bytes, "disk_backup_chunk_bytes", (Py_ssize_t)d->disk_block_bytes,
@@ -960,7 +961,7 @@ static int import_error_types(module_state *st)
 static int module_exec(PyObject *module)
 {
     struct tms_err env_err = {0};
-    if (tms_env_check(&env_err)) {
+    if (tms_core_env_check(&env_err)) {
         PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s", env_err.msg);
         return -1;
     }

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "platform/config.h"
+#include "backup/backup.h"
 #include "core/core.h"
 #include "platform/driver.h"
 #include "platform/hip_abi.h"

@@ -16,6 +16,7 @@
 #include "backup/host.h"
 #include "platform/config.h"
 #include "core/core.h"
+#include "core/core_internal.h"
 #include "platform/driver.h"
 #include "platform/parse.h"
 #include "seeded_bytes.h"

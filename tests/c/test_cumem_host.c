@@ -15,7 +15,9 @@
 #include <unistd.h>
 
 #include "platform/config.h"
+#include "backup/backup.h"
 #include "core/core.h"
+#include "core/core_internal.h"
 #include "platform/cuda_abi.h"
 #include "hooks/cumem.h"
 #include "platform/driver.h"
