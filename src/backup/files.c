@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "platform/config.h"
+#include "platform/fork.h"
 #include "platform/log.h"
 
 /* statx, not fstat/fstatat: those are GLIBC_2.33 symbols, the wheel targets 2.28. */
@@ -588,8 +589,9 @@ static void fork_child(void)
 static pthread_once_t handlers_once = PTHREAD_ONCE_INIT;
 static void install_handlers(void)
 {
+    static const struct tms_fork_handlers handlers = {fork_prepare, fork_parent, fork_child};
     (void)atexit(remove_mine_at_exit);
-    (void)pthread_atfork(fork_prepare, fork_parent, fork_child);
+    tms_fork_register(TMS_FORK_FILES, &handlers);
 }
 
 /* ---- API ------------------------------------------------------------------ */

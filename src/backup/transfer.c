@@ -2,6 +2,7 @@
 #include "backup/transfer.h"
 
 #include "platform/config.h"
+#include "platform/fork.h"
 #include "platform/topology.h"
 
 #include <pthread.h>
@@ -335,7 +336,11 @@ static void pool_forget_in_child(void)
 }
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-static void register_atfork(void) { (void)pthread_atfork(NULL, NULL, pool_forget_in_child); }
+static void register_atfork(void)
+{
+    static const struct tms_fork_handlers handlers = {.child = pool_forget_in_child};
+    tms_fork_register(TMS_FORK_TRANSFER, &handlers);
+}
 
 /* device: one the process uses (the first copy's, or the caller's at warm-up);
  * the staging is pinned in its context and serves every device. */

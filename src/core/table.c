@@ -8,6 +8,7 @@
 #include "core/core.h"
 #include "core/core_internal.h"
 #include "core/span_index.h"
+#include "platform/fork.h"
 #include "platform/log.h"
 
 /*
@@ -213,7 +214,11 @@ static void fork_child(void)
     pthread_mutex_unlock(&table_lock);
 }
 
-static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_parent, fork_child); }
+static void register_fork_handlers(void)
+{
+    static const struct tms_fork_handlers handlers = {fork_prepare, fork_parent, fork_child};
+    tms_fork_register(TMS_FORK_TABLE, &handlers);
+}
 
 /* ---- claim and settle (the moves of pause.c) -------------------------------- */
 

@@ -9,6 +9,7 @@
 #include "core/core.h"
 #include "hooks/hook.h"
 #include "platform/cuda_abi.h"
+#include "platform/fork.h"
 #include "platform/log.h"
 
 /* The owner's own entry points, kept by tms_cumem_wrap (atomic: set once). */
@@ -50,7 +51,11 @@ static unsigned long mapped_tokens;  /* tokens with mapped set */
 
 static void fork_prepare(void) { pthread_mutex_lock(&cumem_lock); }
 static void fork_release(void) { pthread_mutex_unlock(&cumem_lock); }
-static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_release, fork_release); }
+static void register_fork_handlers(void)
+{
+    static const struct tms_fork_handlers handlers = {fork_prepare, fork_release, fork_release};
+    tms_fork_register(TMS_FORK_CUMEM, &handlers);
+}
 
 static void lock_tokens(void)
 {

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "core/core.h"
+#include "platform/fork.h"
 #include "platform/log.h"
 
 /*
@@ -725,7 +726,11 @@ static void locks_free_in_child(void)
     pthread_mutex_init(&seen_lock, NULL);
 }
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-static void register_atfork(void) { (void)pthread_atfork(NULL, NULL, locks_free_in_child); }
+static void register_atfork(void)
+{
+    static const struct tms_fork_handlers handlers = {.child = locks_free_in_child};
+    tms_fork_register(TMS_FORK_RELOC, &handlers);
+}
 
 int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms_err *err)
 {

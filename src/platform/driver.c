@@ -1,6 +1,8 @@
 /* Chooses and loads the process's one VMM backend. */
 #include "platform/driver.h"
 
+#include "platform/fork.h"
+
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,7 +17,11 @@ static pthread_once_t fork_handlers_once = PTHREAD_ONCE_INIT;
  * child sees the lock free and the backend either loaded or not. */
 static void fork_prepare(void) { pthread_mutex_lock(&driver_lock); }
 static void fork_release(void) { pthread_mutex_unlock(&driver_lock); }
-static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_release, fork_release); }
+static void register_fork_handlers(void)
+{
+    static const struct tms_fork_handlers handlers = {fork_prepare, fork_release, fork_release};
+    tms_fork_register(TMS_FORK_DRIVER, &handlers);
+}
 
 static void lock_driver(void)
 {

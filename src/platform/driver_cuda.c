@@ -6,6 +6,7 @@
 
 #include "platform/cuda_abi.h"
 #include "platform/driver.h"
+#include "platform/fork.h"
 #include "platform/topology.h"
 
 /* Every entry is requested at the ABI of CUDA 12.0, which CUDA 12 and 13
@@ -70,7 +71,11 @@ static pthread_once_t fork_handlers_once = PTHREAD_ONCE_INIT;
  * usable there, but the child must not hang on a lock on its way to that error). */
 static void fork_prepare(void) { pthread_mutex_lock(&devices_lock); }
 static void fork_release(void) { pthread_mutex_unlock(&devices_lock); }
-static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_release, fork_release); }
+static void register_fork_handlers(void)
+{
+    static const struct tms_fork_handlers handlers = {fork_prepare, fork_release, fork_release};
+    tms_fork_register(TMS_FORK_DEVICES, &handlers);
+}
 
 typedef tms_CUresult (*get_proc_v2_fn)(const char *, void **, int, unsigned long long, int *);
 typedef tms_CUresult (*get_proc_v1_fn)(const char *, void **, int, unsigned long long);
