@@ -132,9 +132,18 @@ int tms_backup_new(const struct tms_driver *drv, int kind, int device, size_t si
 int tms_backup_for_pause(const struct tms_driver *drv, int kind, int device, size_t size, uint64_t va,
                          struct tms_backup **b, struct tms_err *err);
 
+/* ---- the operations of b's kind, for the copy workers and the core ---------- */
 int tms_backup_open(struct tms_backup *b, struct tms_err *err);
 int tms_backup_close(struct tms_backup *b, int wrote, struct tms_err *err);
 int tms_backup_open_limit(const struct tms_backup *b);
+int tms_backup_interleaves(const struct tms_backup *b);
+enum tms_backup_path tms_backup_path(const struct tms_backup *b, int to_host, size_t off, size_t len);
+size_t tms_backup_block_len(const struct tms_backup *b, enum tms_backup_path path, size_t off, size_t left,
+                            const struct tms_block_sizes *sizes);
+void *tms_backup_direct_at(const struct tms_backup *b, size_t off);
+int tms_backup_prepare_block(struct tms_backup *b, size_t off, size_t len, struct tms_err *err);
+int tms_backup_write_block(struct tms_backup *b, const void *staging, size_t len, size_t off, struct tms_err *err);
+int tms_backup_read_block(struct tms_backup *b, void *staging, size_t len, size_t off, struct tms_err *err);
 
 /* The bytes of a host-memory backup (a CPU view aliases them), else NULL. */
 void *tms_backup_host(const struct tms_backup *b);
@@ -153,7 +162,9 @@ void tms_backup_unref(struct tms_backup *b);
  * copies still run, unless a zero-copy view still holds it. The record stays
  * until the last reference. */
 void tms_backup_release_restored(void *backup);
-/* As tms_backup_release_restored once the last of parts_left items is restored. */
+/* As tms_backup_release_restored once the last of n items is restored
+ * (tms_backup_part_restored, once per item). */
+void tms_backup_expect_parts(struct tms_backup *b, size_t n);
 void tms_backup_part_restored(void *backup);
 
 /* The granule of kind's partial copies. */

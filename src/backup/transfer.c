@@ -102,7 +102,7 @@ static int fail_driver(struct job *j, const char *what, const struct block *b, i
              "%s of %zu bytes %s device %d at 0x%llx (allocation offset %zu, %s backup of %zu bytes) failed: %s (%d)",
              what, b->len, j->to_host ? "from" : "to", it->device, (unsigned long long)(it->dev + it->offset + b->offset),
              it->offset + b->offset,
-             it->backup->ops->name, it->backup->size, j->drv->code_name(rc), rc);
+             tms_backup_kind_name(it->backup->kind), it->backup->size, j->drv->code_name(rc), rc);
     job_fail(j, &e);
     return rc;
 }
@@ -161,7 +161,7 @@ static void finish(struct worker *w, struct job *j, ssize_t b, int slot)
     }
     if (j->to_host && !direct(it)) {
         struct tms_err e;
-        if (it->backup->ops->write_block(it->backup, w->slot[slot], blk->len, it->offset + blk->offset, &e)) {
+        if (tms_backup_write_block(it->backup, w->slot[slot], blk->len, it->offset + blk->offset, &e)) {
             job_fail(j, &e);
             return;
         }
@@ -184,7 +184,7 @@ static void copy_staged_now(struct worker *w, struct job *j, const struct block 
             return;
         }
         struct tms_err e;
-        if (it->backup->ops->write_block(it->backup, w->slot[slot], n, it->offset + blk->offset + off, &e)) {
+        if (tms_backup_write_block(it->backup, w->slot[slot], n, it->offset + blk->offset + off, &e)) {
             job_fail(j, &e);
             return;
         }
@@ -207,7 +207,7 @@ static void worker_run(struct worker *w, struct job *j)
         if (!s) break;
         if (it->path == TMS_PATH_PREPARED) {
             struct tms_err e;
-            int ready = bk->ops->prepare_block(bk, at, blk->len, &e);
+            int ready = tms_backup_prepare_block(bk, at, blk->len, &e);
             if (ready < 0) {
                 job_fail(j, &e);
                 break;
@@ -220,10 +220,10 @@ static void worker_run(struct worker *w, struct job *j)
                 continue;
             }
         }
-        void *host = direct(it) ? bk->ops->direct_at(bk, at) : w->slot[cur];
+        void *host = direct(it) ? tms_backup_direct_at(bk, at) : w->slot[cur];
         if (!j->to_host && !direct(it)) {
             struct tms_err e;
-            if (bk->ops->read_block(bk, host, blk->len, at, &e)) {
+            if (tms_backup_read_block(bk, host, blk->len, at, &e)) {
                 job_fail(j, &e);
                 break;
             }
@@ -397,7 +397,7 @@ int tms_transfer_warm(const struct tms_driver *drv, int device, struct tms_err *
 /* The block of item it at off (from the item's start), as its backup's kind cuts it. */
 static size_t block_len(const struct tms_transfer *it, size_t off, const struct tms_block_sizes *sizes)
 {
-    return it->backup->ops->block_len(it->backup, it->path, it->offset + off, it->n - off, sizes);
+    return tms_backup_block_len(it->backup, it->path, it->offset + off, it->n - off, sizes);
 }
 
 static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
@@ -406,7 +406,7 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
     size_t total = 0, n_blocks = 0;
     for (size_t i = 0; i < count; i++) {
         items[i].done = 0;
-        items[i].path = items[i].backup->ops->path(items[i].backup, to_host, items[i].offset, items[i].n);
+        items[i].path = tms_backup_path(items[i].backup, to_host, items[i].offset, items[i].n);
         total += items[i].n;
     }
     if (total == 0) return TMS_OK;
@@ -430,7 +430,7 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
     }
     size_t k = 0, n_turns = 0;
     for (size_t i = 0; i < count; i++) {
-        if (items[i].backup->ops->interleave) {
+        if (tms_backup_interleaves(items[i].backup)) {
             turns[n_turns++] = i;
             continue;
         }

@@ -48,13 +48,7 @@ struct tms_move {
     size_t copied;              /* bytes moved to or from the host by this call */
     size_t skipped;             /* bytes of its backup this call left out (free in the caller's cache) */
     struct tms_backup *drop;    /* tms_table_settle: the backup a no longer holds */
-    /* The mover's own: the ranges a pause copies (tms_live_plan), and the
-     * items of its copy. */
-    struct tms_range *ranges;
-    size_t n_ranges;
-    size_t first_item, n_items;
-    size_t need;                /* host backup bytes its pause needs from the budget */
-    int spill;                  /* backed up to disk by this pause: the budget had no room */
+    size_t first_item, n_items; /* the mover's own: a resume's items of its copy */
 };
 
 /* A tag's slot (tags.c). Its fields are guarded by the table lock. */
