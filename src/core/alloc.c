@@ -1,4 +1,4 @@
-/* Allocate and free through the core, and memory adopted from its owner (expandable segments); the margin and retain settings. */
+/* Allocate and free through the core, and memory adopted from its owner (expandable segments). */
 #include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -10,9 +10,6 @@
 #include "platform/config.h"
 #include "platform/driver.h"
 #include "platform/log.h"
-
-static size_t margin_bytes;          /* atomic */
-static int retain_override = -1;     /* atomic; -1: TMS_RETAIN_CPU_BACKUP decides */
 
 static int check_margin(const struct tms_driver *drv, int device, size_t reserved, size_t size, const char *tag,
                         struct tms_err *err)
@@ -126,6 +123,13 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     TMS_DEBUG("alloc 0x%llx size %zu reserved %zu chunks %d device %d tag '%s' backup %s", (unsigned long long)a->va,
               size, reserved, a->n_chunks, device, tag, a->backup ? tms_backup_kind_name(a->backup_kind) : "none");
     return TMS_OK;
+}
+
+void tms_alloc_destroy(struct tms_alloc *a)
+{
+    if (a->handles != &a->one_handle) free(a->handles);
+    tms_backup_unref(a->host_copy);
+    free(a);
 }
 
 int tms_core_owns(const void *ptr)
@@ -278,25 +282,4 @@ int tms_core_disown(uint64_t va, size_t max_size, tms_phys *handle, uint64_t *ow
               a->state == TMS_ACTIVE ? "active" : "paused: nothing mapped, backup dropped");
     tms_alloc_destroy(a);
     return TMS_OK;
-}
-
-
-void tms_core_set_margin(size_t bytes) { __atomic_store_n(&margin_bytes, bytes, __ATOMIC_RELAXED); }
-size_t tms_core_margin(void) { return __atomic_load_n(&margin_bytes, __ATOMIC_RELAXED); }
-static int spill_override = -1;     /* atomic; -1: TMS_SPILL_TO_DISK decides */
-
-void tms_core_set_spill(int spill) { __atomic_store_n(&spill_override, spill ? 1 : 0, __ATOMIC_RELAXED); }
-
-int tms_core_spill(void)
-{
-    int v = __atomic_load_n(&spill_override, __ATOMIC_RELAXED);
-    return v >= 0 ? v : tms_defaults()->spill_to_disk;
-}
-
-void tms_core_set_retain(int retain) { __atomic_store_n(&retain_override, retain ? 1 : 0, __ATOMIC_RELAXED); }
-
-int tms_core_retain(void)
-{
-    int v = __atomic_load_n(&retain_override, __ATOMIC_RELAXED);
-    return v >= 0 ? v : tms_defaults()->retain_backup;
 }

@@ -67,14 +67,37 @@ struct tms_tag {
  * moving; never held across a driver call, a copy, host allocation or I/O. */
 void tms_table_lock(void);
 void tms_table_unlock(void);
-/* Waits, with the lock held, until a moving allocation settles. */
+/* Waits, with the lock held, until a moving allocation settles; wakes those waiting. */
 void tms_table_wait_settled(void);
+void tms_table_settled_locked(void);
 size_t tms_table_count(void);  /* allocations now (read without the lock) */
 int tms_table_insert_locked(struct tms_alloc *a);
 void tms_table_unlink_locked(struct tms_alloc **link);
 /* The link to the allocation starting at va, or NULL. */
 struct tms_alloc **tms_table_link_locked(tms_va va);
 struct tms_alloc *tms_table_find_locked(tms_va va);
+/* The allocation holding ptr (its start or inside it), or NULL. */
+const struct tms_alloc *tms_table_owner_locked(uint64_t ptr);
+/* The hash's buckets, for the walks below. */
+size_t tms_table_buckets_locked(void);
+struct tms_alloc *tms_table_bucket_locked(size_t i);
+
+/* Every allocation, under the lock. Two nested loops: `break` inside leaves
+ * only the inner one. */
+#define TMS_FOR_EACH_ALLOC(a)                                                                      \
+    for (size_t bucket_ = 0, buckets_ = tms_table_buckets_locked(); bucket_ < buckets_; bucket_++) \
+        for (struct tms_alloc *a = tms_table_bucket_locked(bucket_); a; a = a->next)
+
+/* The allocations of tag_id (a plain variable; -1: every tag): its own list,
+ * so a pause of a small tag beside many allocations of others does not walk
+ * them all. As in TMS_FOR_EACH_ALLOC, `break` leaves only the inner loop:
+ * with tag_id -1, one bucket. */
+#define TMS_FOR_EACH_OF_TAG(a, tag_id)                                                                      \
+    for (size_t bucket_ = 0, buckets_ = (tag_id) < 0 ? tms_table_buckets_locked() : 1; bucket_ < buckets_; \
+         bucket_++)                                                                                          \
+        for (struct tms_alloc *a = (tag_id) < 0 ? tms_table_bucket_locked(bucket_)                           \
+                                                : tms_tag_slot_locked(tag_id)->allocs;                       \
+             a; a = (tag_id) < 0 ? a->next : a->tag_next)
 
 /* ---- tags (tags.c), under the table lock ------------------------------------ */
 int tms_tags_intern_locked(const char *tag, int *id, struct tms_err *err);
@@ -133,7 +156,5 @@ int tms_chunks_release(const struct tms_driver *drv, struct tms_alloc *a, const 
  * n_ranges ranges (maybe none) in an array the caller owns. TMS_E_HOST_OOM. */
 int tms_live_plan(int kind, uint64_t va, size_t size, const struct tms_free_span *skip, size_t n_skip,
                   struct tms_range **ranges, size_t *n_ranges, struct tms_err *err);
-
-uint64_t tms_now_ns(void);
 
 #endif

@@ -3,11 +3,19 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "backup/fill.h"
 #include "backup/transfer.h"
 #include "core/core_internal.h"
 #include "platform/log.h"
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
 
 /* Forgets the backup a move would install, dropping it if it is new. */
 static void discard_copy(struct tms_move *m)
@@ -156,7 +164,7 @@ static int pause_tags(const char *const *tags, size_t n_tags, const struct tms_o
     const struct tms_driver *drv;
     int rc = tms_driver_get(&drv, err);
     if (rc) return rc;
-    uint64_t start = tms_now_ns();
+    uint64_t start = now_ns();
     struct tms_move *m;
     size_t n;
     if ((rc = tms_table_claim(tags, n_tags, TMS_ACTIVE, &m, &n, err)) || n == 0) return rc;
@@ -166,7 +174,7 @@ static int pause_tags(const char *const *tags, size_t n_tags, const struct tms_o
     if (!rc) rc = backup_all(drv, m, n, args, err);
     if (!rc) rc = unmap_all(drv, m, n, err);
     if (tms_core_retain()) keep_copies(m, n, 1);
-    uint64_t ns = tms_now_ns() - start;
+    uint64_t ns = now_ns() - start;
     report_end(drv, args->report, m, n, ns);
     tms_table_settle(drv, m, n, 1, ns);
     TMS_DEBUG("pause %s%s: %zu allocations, %.3f ms, status %d", tags ? tags[0] : "<all>", n_tags > 1 ? " (and more)" : "",
@@ -199,7 +207,7 @@ static int resume_tags(const char *const *tags, size_t n_tags, const struct tms_
     const struct tms_driver *drv;
     int rc = tms_driver_get(&drv, err);
     if (rc) return rc;
-    uint64_t start = tms_now_ns();
+    uint64_t start = now_ns();
     struct tms_move *m;
     size_t n, mapped = 0, n_items = 0, n_backups = 0;
     if ((rc = tms_table_claim(tags, n_tags, TMS_PAUSED, &m, &n, err)) || n == 0) return rc;
@@ -244,7 +252,7 @@ static int resume_tags(const char *const *tags, size_t n_tags, const struct tms_
     }
     if (retain) keep_copies(m, n, 1);
     if (planned) tms_transfer_batch_end(&b);
-    uint64_t ns = tms_now_ns() - start;
+    uint64_t ns = now_ns() - start;
     report_end(drv, args->report, m, n, ns);
     tms_table_settle(drv, m, n, 0, ns);
     TMS_DEBUG("resume %s%s: %zu allocations, %.3f ms, status %d", tags ? tags[0] : "<all>", n_tags > 1 ? " (and more)" : "",

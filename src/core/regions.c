@@ -1,4 +1,4 @@
-/* Regions: each thread's settings for its allocations, and the one policy for them whichever face asks. */
+/* Regions: each thread's settings for its allocations, the one policy for them whichever face asks, and the tag references regions hold. */
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -32,6 +32,30 @@ void tms_core_region_set_active(int active) { tms_region_current()->active = act
 void tms_core_region_set_backup(int backup) { tms_region_current()->backup = backup; }
 void tms_core_region_set_backup_kind(int kind) { tms_region_current()->backup_kind = kind; }
 void tms_core_region_set_disk_backup(int disk) { tms_region_current()->disk_backup = disk; }
+
+int tms_core_tag_id(const char *tag, int *id, struct tms_err *err)
+{
+    int rc = tms_core_check_tag(tag, err);
+    if (rc) return rc;
+    tms_table_lock();
+    rc = tms_tags_intern_locked(tag, id, err);
+    tms_table_unlock();
+    return rc;
+}
+
+void tms_core_tag_ref(int id)
+{
+    tms_table_lock();
+    tms_tag_ref_locked(id);
+    tms_table_unlock();
+}
+
+void tms_core_tag_unref(int id)
+{
+    tms_table_lock();
+    tms_tag_unref_locked(id);
+    tms_table_unlock();
+}
 
 /* The key holds the thread's region tag id + 1, so its reference goes when the thread ends. */
 static void drop_thread_tag(void *value) { tms_core_tag_unref((int)(intptr_t)value - 1); }

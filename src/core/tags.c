@@ -183,16 +183,6 @@ int tms_core_check_tag(const char *tag, struct tms_err *err)
     return TMS_OK;
 }
 
-int tms_core_tag_id(const char *tag, int *id, struct tms_err *err)
-{
-    int rc = tms_core_check_tag(tag, err);
-    if (rc) return rc;
-    tms_table_lock();
-    rc = tms_tags_intern_locked(tag, id, err);
-    tms_table_unlock();
-    return rc;
-}
-
 const char *tms_core_tag_name(int id)
 {
     if (id >= 0 && id < tags_published()) return __atomic_load_n(&tag_at(id)->name, __ATOMIC_ACQUIRE);
@@ -207,18 +197,4 @@ void tms_tag_ref_locked(int id)
 void tms_tag_unref_locked(int id)
 {
     if (id > 0 && id < tags_published() && tag_at(id)->refs) tag_at(id)->refs--;
-}
-
-void tms_core_tag_ref(int id)
-{
-    tms_table_lock();
-    tms_tag_ref_locked(id);
-    tms_table_unlock();
-}
-
-void tms_core_tag_unref(int id)
-{
-    tms_table_lock();
-    tms_tag_unref_locked(id);
-    tms_table_unlock();
 }
