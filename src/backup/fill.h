@@ -15,11 +15,11 @@ struct tms_backup_plan {
     int device;
     tms_va va;
     size_t size;
-    struct tms_backup *held;    /* the backup it holds now (a pause may write into it again), or NULL */
-    struct tms_range *ranges;   /* the bytes to copy (NULL: every one), the caller's until the call: then the backup's */
+    struct tms_backup *held;    /* its backup now (a pause may write into it again), or NULL */
+    struct tms_range *ranges;   /* the bytes to copy (NULL: every one); the call takes them */
     size_t n_ranges;
     /* Out: */
-    struct tms_backup *copy;    /* the backup the allocation holds after the pause: held or a new one; NULL on failure */
+    struct tms_backup *copy;    /* its backup after the pause: held or a new one; NULL on failure */
     size_t copied;              /* bytes copied into it */
     /* The budget's (budget.c): */
     size_t need;                /* host backup bytes it holds from the budget after the pause */

@@ -98,11 +98,11 @@ static int fail_driver(struct job *j, const char *what, const struct block *b, i
 {
     const struct tms_transfer *it = &j->items[b->item];
     struct tms_err e;
-    tms_fail(&e, j->drv->is_oom(rc) ? TMS_E_OOM : TMS_E_DRIVER, rc,
-             "%s of %zu bytes %s device %d at 0x%llx (allocation offset %zu, %s backup of %zu bytes) failed: %s (%d)",
-             what, b->len, j->to_host ? "from" : "to", it->device, (unsigned long long)(it->dev + it->offset + b->offset),
-             it->offset + b->offset,
-             tms_backup_kind_name(it->backup->kind), it->backup->size, j->drv->code_name(rc), rc);
+    tms_driver_fail(&e, tms_driver_status(j->drv, rc), j->drv, rc,
+                    "%s of %zu bytes %s device %d at 0x%llx (allocation offset %zu, %s backup of %zu bytes) failed", what,
+                    b->len, j->to_host ? "from" : "to", it->device,
+                    (unsigned long long)(it->dev + it->offset + b->offset), it->offset + b->offset,
+                    tms_backup_kind_name(it->backup->kind), it->backup->size);
     job_fail(j, &e);
     return rc;
 }
@@ -363,8 +363,8 @@ static int pool_start(const struct tms_driver *drv, int device, struct tms_err *
             int drc = drv->host_alloc_pinned(device, slot_bytes, &workers[i].slot[s]);
             if (drc) {
                 workers[i].slot[s] = NULL;
-                rc = tms_fail(err, TMS_E_HOST_OOM, drc, "cannot pin %zu bytes of staging for copy worker %d: %s (%d)",
-                              slot_bytes, i, drv->code_name(drc), drc);
+                rc = tms_driver_fail(err, TMS_E_HOST_OOM, drv, drc, "cannot pin %zu bytes of staging for copy worker %d",
+                                     slot_bytes, i);
             }
         }
         worker_count = i + 1;

@@ -19,8 +19,7 @@ static int check_margin(const struct tms_driver *drv, int device, size_t reserve
     size_t free_bytes = 0, total = 0;
     int rc = drv->mem_get_info(device, &free_bytes, &total);
     if (rc)
-        return tms_fail(err, TMS_E_DRIVER, rc, "mem_get_info on device %d failed: %s (%d)", device,
-                        drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "mem_get_info on device %d failed", device);
     if (free_bytes < reserved || free_bytes - reserved < margin)
         return tms_fail(err, TMS_E_OOM, 0,
                         "allocation of %zu bytes (tag '%s', device %d) would leave %zu of %zu free bytes, "
@@ -55,15 +54,14 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     const char *tag = tms_core_tag_name(r->tag_id);
     int count = 0;
     if (device < 0 && (rc = drv->current_device(&device)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "cannot tell the current device: %s (%d)", drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "cannot tell the current device");
     if ((rc = drv->device_count(&count)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "device count failed: %s (%d)", drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "device count failed");
     if (device >= count)
         return tms_fail(err, TMS_E_ARG, 0, "device %d does not exist (%d devices)", device, count);
     size_t gran = 0;
     if ((rc = drv->granularity(device, &gran)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "granularity query on device %d failed: %s (%d)", device,
-                        drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "granularity query on device %d failed", device);
     size_t reserved = gran ? round_up(size, gran) : 0;
     if (!reserved)
         return tms_fail(err, TMS_E_OOM, 0, "allocation of %zu bytes (tag '%s', device %d) is larger than any device", size,
@@ -98,13 +96,12 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     rc = drv->reserve(reserved, gran, &a->va);
     if (rc) {
         tms_alloc_destroy(a);
-        return tms_fail(err, drv->is_oom(rc) ? TMS_E_OOM : TMS_E_DRIVER, rc,
-                        "address reserve of %zu bytes (tag '%s', device %d) failed: %s (%d)", reserved, tag, device,
-                        drv->code_name(rc), rc);
+        return tms_driver_fail(err, tms_driver_status(drv, rc), drv, rc,
+                               "address reserve of %zu bytes (tag '%s', device %d) failed", reserved, tag, device);
     }
     if ((rc = tms_chunks_map(drv, a, tag, err))) {
         int urc = drv->unreserve(a->va, reserved);
-        if (urc) tms_err_append(err, "undoing it, address free failed: %s (%d)", drv->code_name(urc), urc);
+        if (urc) tms_driver_fail_append(err, drv, urc, "undoing it, address free failed");
         tms_alloc_destroy(a);
         return rc;
     }
@@ -115,7 +112,7 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
         tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory growing the allocation table");
         if (tms_chunks_unmap(drv, a, tag, err) == TMS_OK) (void)tms_chunks_release(drv, a, tag, err);
         int urc = drv->unreserve(a->va, reserved);
-        if (urc) tms_err_append(err, "undoing it, address free failed: %s (%d)", drv->code_name(urc), urc);
+        if (urc) tms_driver_fail_append(err, drv, urc, "undoing it, address free failed");
         tms_alloc_destroy(a);
         return TMS_E_HOST_OOM;
     }
@@ -158,8 +155,9 @@ int tms_alloc_release_detached(const struct tms_driver *drv, struct tms_alloc *a
             return TMS_OK;
         }
         if (rc)
-            tms_fail(err, TMS_E_DRIVER, rc, "synchronize of device %d before freeing 0x%llx (%zu bytes) failed: %s (%d)",
-                     a->device, (unsigned long long)va, a->size, drv->code_name(rc), rc);
+            tms_driver_fail(err, TMS_E_DRIVER, drv, rc,
+                            "synchronize of device %d before freeing 0x%llx (%zu bytes) failed", a->device,
+                            (unsigned long long)va, a->size);
         else
             rc = tms_chunks_unmap(drv, a, tag, err);
         if (rc) {
@@ -181,8 +179,8 @@ int tms_alloc_release_detached(const struct tms_driver *drv, struct tms_alloc *a
     size_t size = a->size;
     tms_alloc_destroy(a);
     if (rc && !shutdown)
-        return tms_fail(err, TMS_E_DRIVER, rc, "address free of 0x%llx (%zu bytes), tag '%s' failed: %s (%d)",
-                        (unsigned long long)va, size, tag, drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "address free of 0x%llx (%zu bytes), tag '%s' failed",
+                               (unsigned long long)va, size, tag);
     return TMS_OK;
 }
 

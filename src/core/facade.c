@@ -58,11 +58,10 @@ int tms_core_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes, s
     if (rc) return rc;
     if (device < 0) return tms_fail(err, TMS_E_ARG, 0, "device must be >= 0, got %d", device);
     if ((rc = drv->device_count(&count)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "device count failed: %s (%d)", drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "device count failed");
     if (device >= count) return tms_fail(err, TMS_E_ARG, 0, "device %d does not exist (%d devices)", device, count);
     if ((rc = drv->mem_get_info(device, free_bytes, total_bytes)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "mem_get_info on device %d failed: %s (%d)", device, drv->code_name(rc),
-                        rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "mem_get_info on device %d failed", device);
     return TMS_OK;
 }
 
@@ -73,7 +72,7 @@ int tms_core_warm_backups(struct tms_err *err)
     int rc = tms_driver_get(&drv, err), device = 0;
     if (rc) return rc;
     if ((rc = drv->current_device(&device)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "current device query failed: %s (%d)", drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "current device query failed");
     return tms_transfer_warm(drv, device, err);
 }
 
@@ -83,12 +82,11 @@ int tms_core_device_active(int device, int *active, struct tms_err *err)
     int rc = tms_driver_get(&drv, err), count = 0;
     if (rc) return rc;
     if ((rc = drv->device_count(&count)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "device count failed: %s (%d)", drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "device count failed");
     if (device < 0 || device >= count)
         return tms_fail(err, TMS_E_ARG, 0, "device %d does not exist (%d devices)", device, count);
     if ((rc = drv->device_active(device, active)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "primary context state of device %d failed: %s (%d)", device,
-                        drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "primary context state of device %d failed", device);
     return TMS_OK;
 }
 

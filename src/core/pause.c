@@ -33,8 +33,8 @@ static int synchronize_devices(const struct tms_driver *drv, const struct tms_mo
         if (device < 64 && (done >> device & 1)) continue;
         int rc = drv->synchronize(device);
         if (rc)
-            return tms_fail(err, TMS_E_DRIVER, rc, "synchronize of device %d before pause failed: %s (%d)", device,
-                            drv->code_name(rc), rc);
+            return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "synchronize of device %d before pause failed",
+                                   device);
         if (device < 64) done |= 1ull << device;
     }
     return TMS_OK;

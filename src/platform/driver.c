@@ -4,6 +4,8 @@
 #include "platform/fork.h"
 
 #include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -102,4 +104,31 @@ const char *tms_driver_loaded_name(void)
 {
     const struct tms_driver *d = __atomic_load_n(&driver_ready, __ATOMIC_ACQUIRE);
     return d ? d->name : NULL;
+}
+
+int tms_driver_fail(struct tms_err *err, int status, const struct tms_driver *drv, int rc, const char *fmt, ...)
+{
+    if (!err) return status;
+    char what[sizeof err->msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    return tms_fail(err, status, rc, "%s: %s (%d)", what, drv->code_name(rc), rc);
+}
+
+void tms_driver_fail_append(struct tms_err *err, const struct tms_driver *drv, int rc, const char *fmt, ...)
+{
+    if (!err) return;
+    char what[sizeof err->msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    tms_err_append(err, "%s: %s (%d)", what, drv->code_name(rc), rc);
+}
+
+int tms_driver_status(const struct tms_driver *drv, int rc)
+{
+    return drv->is_oom(rc) ? TMS_E_OOM : TMS_E_DRIVER;
 }
