@@ -150,6 +150,13 @@ int tms_chunks_unmap(const struct tms_driver *drv, struct tms_alloc *a, const ch
  * and changes nothing else: it is reported, not undone. */
 int tms_chunks_release(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
 
+/* The report of a call (report.c; r NULL: none): the devices of the claimed
+ * allocations with their free memory now; then what changed, before
+ * tms_table_settle applies it, and the free memory after. */
+void tms_report_begin(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n);
+void tms_report_end(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n,
+                    uint64_t ns);
+
 /* The ranges (offsets) of the allocation [va, va+size) a pause backing it up
  * as kind copies: those outside skip (sorted by start, disjoint), each skip
  * first shrunk to whole granules of the kind. *ranges NULL: every byte; else

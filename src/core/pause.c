@@ -2,7 +2,6 @@
 #include "core/core.h"
 
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
 
 #include "backup/fill.h"
@@ -111,52 +110,6 @@ static void keep_copies(const struct tms_move *m, size_t n, int retain)
         if (m[i].copy) tms_backup_kept(m[i].copy, retain);
 }
 
-/* ---- the report of a call ---------------------------------------------------- */
-
-static struct tms_op_device *report_device(struct tms_op_report *r, int device)
-{
-    for (size_t d = 0; d < r->n_devices; d++)
-        if (r->devices[d].device == device) return &r->devices[d];
-    if (r->n_devices == TMS_REPORT_DEVICES) return NULL;
-    struct tms_op_device *d = &r->devices[r->n_devices++];
-    *d = (struct tms_op_device){.device = device};
-    return d;
-}
-
-/* The devices of the claimed allocations, with their free memory now. */
-static void report_begin(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n)
-{
-    if (!r) return;
-    for (size_t i = 0; i < n; i++) {
-        struct tms_op_device *d = report_device(r, m[i].a->device);
-        if (!d || d->allocations++) continue;
-        size_t total;
-        if (drv->mem_get_info(d->device, &d->free_before, &total)) d->free_before = 0;
-    }
-    for (size_t k = 0; k < r->n_devices; k++) r->devices[k].allocations = 0;
-}
-
-/* What changed, before tms_table_settle applies it. */
-static void report_end(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n,
-                       uint64_t ns)
-{
-    if (!r) return;
-    r->ns = ns;
-    for (size_t i = 0; i < n; i++) {
-        if (m[i].state == m[i].a->state) continue;  /* left as it was */
-        struct tms_op_device *d = report_device(r, m[i].a->device);
-        if (!d) continue;
-        d->allocations++;
-        d->released += m[i].a->reserved;
-        d->copied += m[i].copied;
-        d->skipped += m[i].skipped;
-    }
-    for (size_t k = 0; k < r->n_devices; k++) {
-        size_t total;
-        if (drv->mem_get_info(r->devices[k].device, &r->devices[k].free_after, &total)) r->devices[k].free_after = 0;
-    }
-}
-
 /* ---- pause and resume -------------------------------------------------------- */
 
 static int pause_tags(const char *const *tags, size_t n_tags, const struct tms_op_args *args, struct tms_err *err)
@@ -168,14 +121,14 @@ static int pause_tags(const char *const *tags, size_t n_tags, const struct tms_o
     struct tms_move *m;
     size_t n;
     if ((rc = tms_table_claim(tags, n_tags, TMS_ACTIVE, &m, &n, err)) || n == 0) return rc;
-    report_begin(drv, args->report, m, n);
+    tms_report_begin(drv, args->report, m, n);
     rc = synchronize_devices(drv, m, n, err);
     /* All backups first: if one fails, nothing has been unmapped yet. */
     if (!rc) rc = backup_all(drv, m, n, args, err);
     if (!rc) rc = unmap_all(drv, m, n, err);
     if (tms_core_retain()) keep_copies(m, n, 1);
     uint64_t ns = now_ns() - start;
-    report_end(drv, args->report, m, n, ns);
+    tms_report_end(drv, args->report, m, n, ns);
     tms_table_settle(drv, m, n, 1, ns);
     TMS_DEBUG("pause %s%s: %zu allocations, %.3f ms, status %d", tags ? tags[0] : "<all>", n_tags > 1 ? " (and more)" : "",
               n, (double)ns / 1e6, rc);
@@ -211,7 +164,7 @@ static int resume_tags(const char *const *tags, size_t n_tags, const struct tms_
     struct tms_move *m;
     size_t n, mapped = 0, n_items = 0, n_backups = 0;
     if ((rc = tms_table_claim(tags, n_tags, TMS_PAUSED, &m, &n, err)) || n == 0) return rc;
-    report_begin(drv, args->report, m, n);
+    tms_report_begin(drv, args->report, m, n);
     for (size_t i = 0; i < n; i++)
         if (m[i].copy) n_items += items_of(m[i].copy), n_backups++;
     struct tms_transfer_batch b;
@@ -253,23 +206,11 @@ static int resume_tags(const char *const *tags, size_t n_tags, const struct tms_
     if (retain) keep_copies(m, n, 1);
     if (planned) tms_transfer_batch_end(&b);
     uint64_t ns = now_ns() - start;
-    report_end(drv, args->report, m, n, ns);
+    tms_report_end(drv, args->report, m, n, ns);
     tms_table_settle(drv, m, n, 0, ns);
     TMS_DEBUG("resume %s%s: %zu allocations, %.3f ms, status %d", tags ? tags[0] : "<all>", n_tags > 1 ? " (and more)" : "",
               n, (double)ns / 1e6, rc);
     return rc;
-}
-
-int tms_core_check_tags(const char *op, const char *const *tags, size_t n, struct tms_err *err)
-{
-    if (!tags || !n) return tms_fail(err, TMS_E_ARG, 0, "%s: the list of tags is empty", op);
-    for (size_t i = 0; i < n; i++) {
-        int rc = tms_core_check_tag(tags[i], err);
-        if (rc) return rc;
-        for (size_t j = 0; j < i; j++)
-            if (!strcmp(tags[i], tags[j])) return tms_fail(err, TMS_E_ARG, 0, "%s: tag '%s' is listed twice", op, tags[i]);
-    }
-    return TMS_OK;
 }
 
 static const struct tms_op_args no_args;

@@ -198,3 +198,15 @@ void tms_tag_unref_locked(int id)
 {
     if (id > 0 && id < tags_published() && tag_at(id)->refs) tag_at(id)->refs--;
 }
+
+int tms_core_check_tags(const char *op, const char *const *tags, size_t n, struct tms_err *err)
+{
+    if (!tags || !n) return tms_fail(err, TMS_E_ARG, 0, "%s: the list of tags is empty", op);
+    for (size_t i = 0; i < n; i++) {
+        int rc = tms_core_check_tag(tags[i], err);
+        if (rc) return rc;
+        for (size_t j = 0; j < i; j++)
+            if (!strcmp(tags[i], tags[j])) return tms_fail(err, TMS_E_ARG, 0, "%s: tag '%s' is listed twice", op, tags[i]);
+    }
+    return TMS_OK;
+}
