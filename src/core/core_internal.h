@@ -1,6 +1,6 @@
-/* Inside the core: the allocation record and what the table (table.c), tags
- * (tags.c), statistics (stats.c), allocation (alloc.c), the pause/resume state
- * machine (pause.c) and the chunk operations (chunks.c) share. */
+/* Inside the core: the allocation record and the move record, and what the table (table.c), tags
+ * (tags.c), statistics (stats.c), allocation (alloc.c), claim and settle (claim.c), the
+ * pause/resume state machine (pause.c) and the chunk operations (chunks.c) share. */
 #ifndef TMS_CORE_INTERNAL_H
 #define TMS_CORE_INTERNAL_H
 
@@ -23,7 +23,7 @@ struct tms_alloc {
     int device;
     int tag_id;
     int state;               /* TMS_ACTIVE or TMS_PAUSED: what it is between operations */
-    int moving;              /* a pause or resume owns it (see core.c) */
+    int moving;              /* a pause or resume owns it (table.c says what that means) */
     int free_requested;      /* freed while moving: its mover frees it when done */
     int backup;
     int backup_kind;
@@ -36,7 +36,7 @@ struct tms_alloc {
     tms_phys one_handle;
     struct tms_backup *host_copy;  /* paused with backup, or retained after resume */
     struct tms_alloc *next;        /* hash chain */
-    struct tms_alloc *tag_prev, *tag_next;  /* its tag's list (core.c) */
+    struct tms_alloc *tag_prev, *tag_next;  /* its tag's list (table.c) */
 };
 
 /* One allocation in a pause or resume. The mover fills it outside the table
