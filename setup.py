@@ -72,7 +72,7 @@ def _compile_flags(sanitized=True):
 def _variant(variant):
     return Extension(
         f"{NAME}._tms_{variant}",
-        sources=src(BUILD["core"] + [VARIANTS[variant]] + BUILD["face"]),
+        sources=src(BUILD["core"] + BUILD["hooks"] + [VARIANTS[variant]] + BUILD["face"]),
         include_dirs=["include"],
         depends=HEADERS,
         define_macros=[("TMS_VARIANT", variant), LIMITED_API],

@@ -32,9 +32,10 @@ def build_description():
 
 
 def core_sources():
-    names = build_description()["core"]
-    assert names, "no core source listed in src/build.txt"
-    return [SRC / name for name in names]
+    """The core and, above it, the hooks both variants share: what a C test links."""
+    desc = build_description()
+    assert desc.get("core"), "no core source listed in src/build.txt"
+    return [SRC / name for name in desc["core"] + desc.get("hooks", [])]
 
 
 def core_flags():

@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "backup/ledger.h"
 #include "platform/config.h"
@@ -22,6 +23,21 @@ int tms_backup_spill_kind(void) { return TMS_BACKUP_DISK; }
 int tms_backup_kind_is_host(int kind) { return kind >= 0 && kind < TMS_BACKUP_KINDS && tms_backup_ops_of(kind)->host_memory; }
 
 const char *tms_backup_kind_name(int kind) { return tms_backup_ops_of(kind)->name; }
+
+int tms_backup_kind_parse(const char *name, int *kind)
+{
+    for (int k = 0; k < TMS_BACKUP_KINDS; k++)
+        if (tms_backup_kind_is_host(k) && strcmp(name, tms_backup_kind_name(k)) == 0) return *kind = k, TMS_OK;
+    return TMS_E_ARG;
+}
+
+int tms_backup_default_kind(void)
+{
+    int kind = TMS_BACKUP_DEFAULT;
+    const char *name = tms_defaults()->init_backup_backend;
+    if (name[0]) (void)tms_backup_kind_parse(name, &kind);
+    return kind;
+}
 
 int tms_backup_kind_of_region(int cpu_kind, int disk) { return disk ? TMS_BACKUP_DISK : cpu_kind; }
 
@@ -63,6 +79,36 @@ int tms_backup_close(struct tms_backup *b, int wrote, struct tms_err *err)
 }
 
 int tms_backup_open_limit(const struct tms_backup *b) { return b->ops->open_limit; }
+
+int tms_backup_interleaves(const struct tms_backup *b) { return b->ops->interleave; }
+
+enum tms_backup_path tms_backup_path(const struct tms_backup *b, int to_host, size_t off, size_t len)
+{
+    return b->ops->path(b, to_host, off, len);
+}
+
+size_t tms_backup_block_len(const struct tms_backup *b, enum tms_backup_path path, size_t off, size_t left,
+                            const struct tms_block_sizes *sizes)
+{
+    return b->ops->block_len(b, path, off, left, sizes);
+}
+
+void *tms_backup_direct_at(const struct tms_backup *b, size_t off) { return b->ops->direct_at(b, off); }
+
+int tms_backup_prepare_block(struct tms_backup *b, size_t off, size_t len, struct tms_err *err)
+{
+    return b->ops->prepare_block(b, off, len, err);
+}
+
+int tms_backup_write_block(struct tms_backup *b, const void *staging, size_t len, size_t off, struct tms_err *err)
+{
+    return b->ops->write_block(b, staging, len, off, err);
+}
+
+int tms_backup_read_block(struct tms_backup *b, void *staging, size_t len, size_t off, struct tms_err *err)
+{
+    return b->ops->read_block(b, staging, len, off, err);
+}
 
 void *tms_backup_host(const struct tms_backup *b) { return b->ops->host_memory ? b->host : NULL; }
 
@@ -123,6 +169,11 @@ void tms_backup_release_restored(void *backup)
     tms_ledger_release(b->reserved);
     b->reserved = 0;
     TMS_DEBUG("backup of %zu bytes restored and released by its copy worker", b->size);
+}
+
+void tms_backup_expect_parts(struct tms_backup *b, size_t n)
+{
+    __atomic_store_n(&b->parts_left, (int)n, __ATOMIC_RELEASE);
 }
 
 void tms_backup_part_restored(void *backup)

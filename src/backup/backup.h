@@ -12,9 +12,19 @@
  * The core asks for a backup of an allocation, fills it on pause and reads it
  * on resume; the copy workers (transfer.c) move its blocks. Neither knows how
  * a kind keeps its bytes: each kind is one table of operations below, in a
- * file of its own. Adding a kind is adding such a file and its enum entry
- * (platform/config.h).
+ * file of its own. Adding a kind is adding such a file, its entry below and
+ * its case in tms_backup_ops_of (backup.c).
  */
+
+enum tms_backup_kind {
+    TMS_BACKUP_PINNED = 0,  /* page-locked host memory */
+    TMS_BACKUP_MMAP = 1,    /* pageable anonymous memory, returned to the OS on resume */
+    TMS_BACKUP_DISK = 2,    /* a file in the disk backup directory (disk.c); never a CPU backup backend */
+    TMS_BACKUP_KINDS
+};
+/* mmap is the default: it reaches link speed without keeping memory pinned
+ * between cycles; pinning a large backup fresh costs seconds (docs/performance.md). */
+#define TMS_BACKUP_DEFAULT TMS_BACKUP_MMAP
 
 /* The granule of a kind's partial copies unless it names its own: a huge
  * page, so that a range left out leaves whole pages of a backup untouched. */
@@ -122,9 +132,18 @@ int tms_backup_new(const struct tms_driver *drv, int kind, int device, size_t si
 int tms_backup_for_pause(const struct tms_driver *drv, int kind, int device, size_t size, uint64_t va,
                          struct tms_backup **b, struct tms_err *err);
 
+/* ---- the operations of b's kind, for the copy workers and the core ---------- */
 int tms_backup_open(struct tms_backup *b, struct tms_err *err);
 int tms_backup_close(struct tms_backup *b, int wrote, struct tms_err *err);
 int tms_backup_open_limit(const struct tms_backup *b);
+int tms_backup_interleaves(const struct tms_backup *b);
+enum tms_backup_path tms_backup_path(const struct tms_backup *b, int to_host, size_t off, size_t len);
+size_t tms_backup_block_len(const struct tms_backup *b, enum tms_backup_path path, size_t off, size_t left,
+                            const struct tms_block_sizes *sizes);
+void *tms_backup_direct_at(const struct tms_backup *b, size_t off);
+int tms_backup_prepare_block(struct tms_backup *b, size_t off, size_t len, struct tms_err *err);
+int tms_backup_write_block(struct tms_backup *b, const void *staging, size_t len, size_t off, struct tms_err *err);
+int tms_backup_read_block(struct tms_backup *b, void *staging, size_t len, size_t off, struct tms_err *err);
 
 /* The bytes of a host-memory backup (a CPU view aliases them), else NULL. */
 void *tms_backup_host(const struct tms_backup *b);
@@ -143,7 +162,9 @@ void tms_backup_unref(struct tms_backup *b);
  * copies still run, unless a zero-copy view still holds it. The record stays
  * until the last reference. */
 void tms_backup_release_restored(void *backup);
-/* As tms_backup_release_restored once the last of parts_left items is restored. */
+/* As tms_backup_release_restored once the last of n items is restored
+ * (tms_backup_part_restored, once per item). */
+void tms_backup_expect_parts(struct tms_backup *b, size_t n);
 void tms_backup_part_restored(void *backup);
 
 /* The granule of kind's partial copies. */
@@ -159,6 +180,14 @@ int tms_backup_spill_kind(void);
 int tms_backup_kind_is_host(int kind);
 /* The name of kind: "pinned", "mmap" or "disk". */
 const char *tms_backup_kind_name(int kind);
+/* A CPU backup backend's name ("pinned" or "mmap") as its kind; TMS_E_ARG for any other. */
+int tms_backup_kind_parse(const char *name, int *kind);
+/* The kind of TMS_INIT_CPU_BACKUP_BACKEND, else TMS_BACKUP_DEFAULT. */
+int tms_backup_default_kind(void);
+/* The directory of the disk kind's files from now on, and the one in use
+ * (disk.c; backup/files.h says what is checked). */
+int tms_backup_set_disk_dir(const char *dir, struct tms_err *err);
+void tms_backup_disk_dir(char *buf, size_t n);
 /* The kind a region's allocations are backed up as: a disk backup wins over a
  * CPU one of cpu_kind (the upstream library's rule for settings made one at a time). */
 int tms_backup_kind_of_region(int cpu_kind, int disk);

@@ -76,6 +76,10 @@ static void release(struct tms_backup *b)
     b->kind_state = NULL;
 }
 
+int tms_backup_set_disk_dir(const char *dir, struct tms_err *err) { return tms_disk_set_dir(dir, err); }
+
+void tms_backup_disk_dir(char *buf, size_t n) { tms_disk_get_dir(buf, n); }
+
 const struct tms_backup_ops tms_backup_ops_disk = {
     .name = "disk",
     .open_limit = TMS_DISK_FILES_OPEN_AT_ONCE,

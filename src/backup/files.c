@@ -1,88 +1,17 @@
-/* Backup files in the disk backup directory: the directory checked and held, files created, checked, written, read and swept. */
-#include "backup/files.h"
+/* Backup files: each created under an unpredictable name in the checked directory, its header checked on every open, its blocks written and read with O_DIRECT. */
+#include "backup/files_dir.h"
 
-#include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/file.h>
-#include <sys/random.h>
-#include <sys/stat.h>
-#include <sys/vfs.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "platform/config.h"
 #include "platform/log.h"
 
-/* statx, not fstat/fstatat: those are GLIBC_2.33 symbols, the wheel targets 2.28. */
-static int stat_fd(int fd, struct statx *st) { return statx(fd, "", AT_EMPTY_PATH, STATX_BASIC_STATS, st); }
-static int stat_at(int dfd, const char *name, struct statx *st)
-{
-    return statx(dfd, name, AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, st);
-}
-
-/*
- * The directory may be shared with other users, so nothing in it is trusted
- * by name. It is used only when it is safe: owned by this user and writable
- * by no one else, or sticky (like /tmp) and owned by root or this user, with
- * every directory above it likewise out of other users' reach
- * (TMS_DISK_BACKUP_TRUST_DIR=1 vouches for one that is not). Its descriptor
- * is held, and every file is opened relative to it without following links
- * and without blocking; files are created exclusively under names with a
- * random part, and a reopen checks that it found the very file it created,
- * whose header carries this process's secret key.
- *
- * Who owns a file: each process holds an flock on a lock file of its own in
- * every directory it writes to, tms-<pid>-<token>.lock; its backups are
- * tms-<pid>-<token>-<random>.bin. The kernel drops the flock when the
- * process dies, however it dies, so the next process that prepares the
- * directory can take it: that owner is dead and its files go. A lock that is
- * missing proves nothing (a cleaner may have removed a live one): those
- * files stay. The lock is made under a hidden name, locked, then renamed
- * into place, so a lock file under its real name is always held while its
- * owner lives; a live owner whose lock was removed makes a new one.
- */
-#define TMPFS_MAGIC_ 0x01021994
-#define RAMFS_MAGIC_ 0x858458f6
 #define HEADER_MAGIC "TMSDISK1"
-
-#define TOKENS_PER_DIR 8
-struct tms_disk_dir {
-    char *path;      /* resolved, absolute */
-    uint64_t dev, ino;  /* the directory held: the path may later name another */
-    int dfd;         /* held open while the directory is in use or holds files */
-    int memory_fs;   /* tmpfs or ramfs: backups there take RAM */
-    int lock_fd;     /* this process's lock file in it, -1 until needed (and after a fork) */
-    pid_t lock_pid;  /* the process lock_fd and tokens belong to */
-    /* The random part of this process's names here (lock and backups): one
-     * per directory, so a token seen in one directory cannot be squatted in
-     * another; a new one if a name is taken. All kept, for the exit sweep. */
-    unsigned long long tokens[TOKENS_PER_DIR];
-    int n_tokens;
-    size_t files;    /* this process's backup files in it now */
-    int replaced;    /* set_dir chose another while it held files: retired with its last one */
-    uint32_t file_uid;  /* the owner the filesystem gives this process's files (its lock's) */
-    int retired;     /* no longer used: descriptors closed, the path looked up anew */
-};
-
-/* disk_lock guards the records below; it is taken by fork's prepare handler,
- * so nothing is opened or read while it is held. */
-static pthread_mutex_t disk_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct tms_disk_dir **dirs;  /* never freed: files point at them */
-static size_t dir_count;
-static struct tms_disk_dir *chosen;  /* set_dir's; NULL: the default */
-static char *default_path;           /* the default, resolved once */
-static unsigned long long key;
-static pid_t key_pid;                /* the process key belongs to (fork makes another) */
-static int default_errno;            /* the default directory could not be made absolute */
-static unsigned long fork_generation;  /* forks made by this process (its files before one are shared) */
-/* Serialises the making of lock files (file I/O: not under disk_lock). */
-static pthread_mutex_t lock_file_mutex = PTHREAD_MUTEX_INITIALIZER;
 
 static long fault_calls[TMS_FAULT_OPS];  /* atomic; only the disk ops are used here */
 
@@ -94,535 +23,9 @@ static int fault_hit(int op)
 
 static size_t round_up_align(size_t n) { return (n + TMS_DISK_ALIGN - 1) / TMS_DISK_ALIGN * TMS_DISK_ALIGN; }
 
-static int fail_errno(struct tms_err *err, int e, const char *what, const char *dir, const char *name)
-{
-    return tms_fail(err, TMS_E_IO, e, "disk backup: %s %s%s%s failed: %s (errno %d)", what, dir, name ? "/" : "",
-                    name ? name : "", strerror(e), e);
-}
-
 void tms_disk_path(const struct tms_disk_file *f, char *buf, size_t n)
 {
     snprintf(buf, n, "%s/%s", f->dir ? f->dir->path : "?", f->name);
-}
-
-static unsigned long long random_u64(void)
-{
-    unsigned long long v;
-    if (getrandom(&v, sizeof v, GRND_NONBLOCK) == (ssize_t)sizeof v) return v;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    static unsigned long long counter;  /* only where getrandom fails: mixed, not relied on */
-    v = __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED);
-    return (v * 0x9e3779b97f4a7c15ull) ^ (unsigned long long)ts.tv_nsec ^ ((unsigned long long)getpid() << 32) ^
-           (unsigned long long)(uintptr_t)&v;
-}
-
-static void ensure_key_locked(void)
-{
-    if (key_pid == getpid()) return;
-    key = random_u64();
-    key_pid = getpid();
-}
-
-static unsigned long long current_token(const struct tms_disk_dir *d) { return d->tokens[d->n_tokens - 1]; }
-
-/* ---- names ------------------------------------------------------------------ */
-
-enum name_kind { NAME_OTHER, NAME_LOCK, NAME_BACKUP, NAME_NEW_LOCK };
-
-/* n lowercase hex digits at s: 1 and *v, else 0. */
-static int hex_exact(const char *s, int n, unsigned long long *v)
-{
-    *v = 0;
-    for (int i = 0; i < n; i++) {
-        char c = s[i];
-        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-        if (d < 0) return 0;
-        *v = *v << 4 | (unsigned)d;
-    }
-    return 1;
-}
-
-/* The names the library makes, exactly: tms-<pid>-<token>.lock,
- * tms-<pid>-<token>-<random>.bin and .tms-<pid>-<token>.lock.new, pid in
- * decimal without leading zeros, token and random 16 lowercase hex digits. */
-static int parse_name(const char *name, int *pid, unsigned long long *tok)
-{
-    int hidden = name[0] == '.';
-    const char *s = name + hidden;
-    if (strncmp(s, "tms-", 4) != 0) return NAME_OTHER;
-    s += 4;
-    long long p = 0;
-    int digits = 0;
-    while (s[digits] >= '0' && s[digits] <= '9' && digits < 10) p = p * 10 + (s[digits++] - '0');
-    if (digits == 0 || (s[0] == '0') || p > INT_MAX || s[digits] != '-') return NAME_OTHER;
-    s += digits + 1;
-    if (!hex_exact(s, 16, tok)) return NAME_OTHER;
-    s += 16;
-    *pid = (int)p;
-    if (hidden) return strcmp(s, ".lock.new") == 0 ? NAME_NEW_LOCK : NAME_OTHER;
-    if (strcmp(s, ".lock") == 0) return NAME_LOCK;
-    unsigned long long r;
-    if (s[0] == '-' && hex_exact(s + 1, 16, &r) && strcmp(s + 17, ".bin") == 0) return NAME_BACKUP;
-    return NAME_OTHER;
-}
-
-/* ---- the directory ---------------------------------------------------------- */
-
-/* Another user can neither write st's directory nor rename what is in it
- * (final: the backup directory itself; else a directory above it). */
-static int safe_dir(const struct statx *st, int final)
-{
-    uid_t me = geteuid();
-    int others_write = (st->stx_mode & (S_IWGRP | S_IWOTH)) != 0;
-    int sticky = (st->stx_mode & S_ISVTX) != 0;
-    int owner_ok = st->stx_uid == me || st->stx_uid == 0;
-    if (final) return (st->stx_uid == me && !others_write) || (sticky && owner_ok);
-    return owner_ok && (!others_write || sticky);
-}
-
-static int unsafe(struct tms_err *err, const char *dir, const char *at, const struct statx *st)
-{
-    return tms_fail(err, TMS_E_ARG, 0,
-                    "disk backup directory %s is not safe: %s is owned by uid %u with mode %04o, so another user "
-                    "could replace its files (use a directory that only uid %u can write, or set "
-                    "TMS_DISK_BACKUP_TRUST_DIR=1 to vouch for it)",
-                    dir, at, (unsigned)st->stx_uid, (unsigned)(st->stx_mode & 07777), (unsigned)geteuid());
-}
-
-/* Opens the resolved absolute path component by component, never following
- * a link, checking each directory on the way unless vouched for. */
-static int open_checked(const char *path, int *out, struct tms_err *err)
-{
-    int trust = tms_defaults()->disk_trust_dir;
-    int fd = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return fail_errno(err, errno, "opening", "/", NULL);
-    char buf[PATH_MAX];
-    snprintf(buf, sizeof buf, "%s", path);
-    char *save = NULL, *next = strtok_r(buf + 1, "/", &save);
-    struct statx st;
-    if (stat_fd(fd, &st) != 0) {
-        int e = errno;
-        close(fd);
-        return fail_errno(err, e, "checking", "/", NULL);
-    }
-    if (!trust && !safe_dir(&st, next == NULL)) {
-        close(fd);
-        return unsafe(err, path, "/", &st);
-    }
-    while (next) {
-        const char *comp = next;
-        next = strtok_r(NULL, "/", &save);
-        int sub = openat(fd, comp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-        int e = errno;
-        close(fd);
-        if (sub < 0) return fail_errno(err, e, "opening directory", path, NULL);
-        fd = sub;
-        if (stat_fd(fd, &st) != 0) {
-            e = errno;
-            close(fd);
-            return fail_errno(err, e, "checking", path, NULL);
-        }
-        if (!trust && !safe_dir(&st, next == NULL)) {
-            close(fd);
-            char at[PATH_MAX];
-            snprintf(at, sizeof at, "%.*s", (int)(comp - buf + strlen(comp)), path);
-            return unsafe(err, path, at, &st);
-        }
-    }
-    *out = fd;
-    return TMS_OK;
-}
-
-/* path made absolute against the working directory now (malloc'd). */
-static char *absolute(const char *path)
-{
-    if (path[0] == '/') return strdup(path);
-    char cwd[PATH_MAX];
-    if (!getcwd(cwd, sizeof cwd)) return NULL;
-    char *out = NULL;
-    return asprintf(&out, "%s/%s", cwd, path) < 0 ? NULL : out;
-}
-
-static int make_dirs(const char *path)
-{
-    char buf[PATH_MAX];
-    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return errno = ENAMETOOLONG, -1;
-    for (char *p = buf + 1; *p; p++) {
-        if (*p != '/') continue;
-        *p = '\0';
-        if (mkdir(buf, 0700) != 0 && errno != EEXIST) return -1;
-        *p = '/';
-    }
-    if (mkdir(buf, 0700) != 0 && errno != EEXIST) return -1;
-    return 0;
-}
-
-/* A link on the way to the directory is followed only where another user
- * could not have made or replaced it: in a directory they cannot write, or
- * in a sticky one with the link owned by root or this user. Checked before
- * anything is made (mkdir follows links). */
-static int check_links(const char *abs, struct tms_err *err)
-{
-    if (tms_defaults()->disk_trust_dir) return TMS_OK;
-    char buf[PATH_MAX];
-    if (snprintf(buf, sizeof buf, "%s", abs) >= (int)sizeof buf) return fail_errno(err, ENAMETOOLONG, "resolving", abs, NULL);
-    for (char *p = buf + 1;; p++) {
-        if (*p != '/' && *p) continue;
-        char saved = *p;
-        *p = '\0';
-        struct statx link, parent;
-        char *slash = strrchr(buf, '/');
-        char parent_path[PATH_MAX];
-        snprintf(parent_path, sizeof parent_path, "%.*s", slash == buf ? 1 : (int)(slash - buf), buf);
-        if (stat_at(AT_FDCWD, buf, &link) == 0 && S_ISLNK(link.stx_mode) &&
-            statx(AT_FDCWD, parent_path, 0, STATX_BASIC_STATS, &parent) == 0) {
-            int others_write = (parent.stx_mode & (S_IWGRP | S_IWOTH)) != 0, sticky = (parent.stx_mode & S_ISVTX) != 0;
-            int link_owner_ok = link.stx_uid == geteuid() || link.stx_uid == 0;
-            if (others_write && !(sticky && link_owner_ok))
-                return unsafe(err, abs, buf, &link);
-        }
-        if (!saved) break;
-        *p = saved;
-    }
-    return TMS_OK;
-}
-
-/* The resolved form of an absolute path that exists, made where missing. */
-static int resolve(const char *abs, char *resolved, struct tms_err *err)
-{
-    int rc = check_links(abs, err);
-    if (rc) return rc;
-    if (make_dirs(abs) != 0) return fail_errno(err, errno, "creating directory", abs, NULL);
-    if (!realpath(abs, resolved)) return fail_errno(err, errno, "resolving directory", abs, NULL);
-    return TMS_OK;
-}
-
-/* ---- lock files ------------------------------------------------------------- */
-
-/* d's lock for this process: made now if it has none (first use, a fork, or
- * its file was removed while it lived). A name someone else took (they saw
- * the token) makes a new token. */
-static int ensure_lock(struct tms_disk_dir *d, struct tms_err *err)
-{
-    pthread_mutex_lock(&lock_file_mutex);
-    struct statx st;
-    int rc = TMS_OK;
-    if (d->lock_fd >= 0 && d->lock_pid == getpid() && stat_fd(d->lock_fd, &st) == 0 && st.stx_nlink > 0) goto out;
-    if (d->lock_fd >= 0 && d->lock_pid == getpid()) close(d->lock_fd);  /* removed under us: a new one */
-    d->lock_fd = -1;
-    if (d->lock_pid != getpid()) d->n_tokens = 0, d->lock_pid = getpid(), d->files = 0;  /* a new process after a fork */
-    if (!d->n_tokens) d->tokens[d->n_tokens++] = random_u64();
-    for (;;) {
-        char hidden[80], final[64];
-        snprintf(hidden, sizeof hidden, ".tms-%d-%016llx.lock.new", (int)getpid(), current_token(d));
-        snprintf(final, sizeof final, "tms-%d-%016llx.lock", (int)getpid(), current_token(d));
-        int fd = openat(d->dfd, hidden, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
-        int e = errno;
-        if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) == 0 && renameat(d->dfd, hidden, d->dfd, final) == 0) {
-            d->lock_fd = fd;
-            d->file_uid = stat_fd(fd, &st) == 0 ? st.stx_uid : geteuid();
-            break;
-        }
-        if (fd >= 0) {
-            e = errno;
-            unlinkat(d->dfd, hidden, 0);
-            close(fd);
-        }
-        if (e != EEXIST || d->n_tokens == TOKENS_PER_DIR) {
-            rc = fail_errno(err, e, "taking a lock file in", d->path, NULL);
-            break;
-        }
-        d->tokens[d->n_tokens++] = random_u64();
-    }
-out:
-    pthread_mutex_unlock(&lock_file_mutex);
-    return rc;
-}
-
-/* A regular file of this user's, opened without following a link or
- * blocking (a FIFO planted under a lock's name opens at once, then fails
- * the check); -1 if not. */
-static int open_own(int dfd, const char *name, int flags)
-{
-    int fd = openat(dfd, name, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return -1;
-    struct statx st;
-    if (stat_fd(fd, &st) != 0 || !S_ISREG(st.stx_mode) || st.stx_uid != geteuid()) {
-        close(fd);
-        return -1;
-    }
-    return fd;
-}
-
-static int own_regular_file(int dfd, const char *name)
-{
-    struct statx st;
-    return stat_at(dfd, name, &st) == 0 && S_ISREG(st.stx_mode) && st.stx_uid == geteuid();
-}
-
-/* One of this process's files: a regular file owned as the filesystem makes
- * this process's files (not always this user: NFS root_squash). */
-static int my_regular_file(const struct tms_disk_dir *d, const char *name)
-{
-    struct statx st;
-    return stat_at(d->dfd, name, &st) == 0 && S_ISREG(st.stx_mode) && st.stx_uid == d->file_uid;
-}
-
-struct owner {
-    int pid;
-    unsigned long long token;
-};
-
-/* Removes what dead owners left in d (or, mine_only, this process's own
- * files: at exit). An owner is dead when its lock file, a regular file of
- * this user's, can be locked; its backups go first, then the lock, while
- * this holds it. Runs without disk_lock. */
-static int my_token(const struct tms_disk_dir *d, int pid, unsigned long long tok)
-{
-    if (pid != getpid() || d->lock_pid != getpid()) return 0;
-    for (int i = 0; i < d->n_tokens; i++)
-        if (d->tokens[i] == tok) return 1;
-    return 0;
-}
-
-static void sweep(struct tms_disk_dir *d, int mine_only)
-{
-    int list_fd = openat(d->dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    DIR *dir = list_fd >= 0 ? fdopendir(list_fd) : NULL;
-    if (!dir) {
-        int e = errno;
-        if (list_fd >= 0) close(list_fd);
-        tms_log_warn("disk backup: cannot list %s to remove stale backups: %s", d->path, strerror(e));
-        return;
-    }
-    struct owner *owners = NULL;
-    size_t n_owners = 0, removed = 0;
-    for (struct dirent *e; (e = readdir(dir));) {
-        int pid;
-        unsigned long long tok;
-        int kind = parse_name(e->d_name, &pid, &tok);
-        if (kind == NAME_OTHER) continue;
-        int mine = my_token(d, pid, tok);
-        if (mine_only) {
-            if (mine && my_regular_file(d, e->d_name) && unlinkat(d->dfd, e->d_name, 0) == 0) removed++;
-            continue;
-        }
-        if (mine || kind != NAME_LOCK || !own_regular_file(d->dfd, e->d_name)) {
-            if (!mine && kind == NAME_NEW_LOCK && own_regular_file(d->dfd, e->d_name)) {
-                /* Not yet renamed into place (its owner died in between): unlocked
-                 * and older than a minute, so one being made now is left alone. */
-                struct statx st;
-                int fd = open_own(d->dfd, e->d_name, O_RDONLY);
-                if (fd >= 0 && stat_fd(fd, &st) == 0 && time(NULL) - st.stx_mtime.tv_sec >= 60 &&
-                    flock(fd, LOCK_EX | LOCK_NB) == 0 && unlinkat(d->dfd, e->d_name, 0) == 0)
-                    removed++;
-                if (fd >= 0) close(fd);
-            }
-            continue;
-        }
-        struct owner *grown = realloc(owners, (n_owners + 1) * sizeof *owners);
-        if (!grown) break;
-        owners = grown;
-        owners[n_owners++] = (struct owner){pid, tok};
-    }
-    for (size_t i = 0; i < n_owners; i++) {
-        char lock_name[64];
-        snprintf(lock_name, sizeof lock_name, "tms-%d-%016llx.lock", owners[i].pid, owners[i].token);
-        int fd = open_own(d->dfd, lock_name, O_RDONLY);
-        if (fd < 0) continue;
-        if (flock(fd, LOCK_EX | LOCK_NB) != 0) {  /* held: its owner lives */
-            close(fd);
-            continue;
-        }
-        rewinddir(dir);
-        for (struct dirent *e; (e = readdir(dir));) {
-            int pid;
-            unsigned long long tok;
-            if (parse_name(e->d_name, &pid, &tok) == NAME_BACKUP && pid == owners[i].pid && tok == owners[i].token &&
-                own_regular_file(d->dfd, e->d_name) && unlinkat(d->dfd, e->d_name, 0) == 0)
-                removed++;
-        }
-        if (unlinkat(d->dfd, lock_name, 0) == 0) removed++;
-        close(fd);
-    }
-    free(owners);
-    closedir(dir);
-    if (removed && !mine_only) TMS_DEBUG("disk backup: removed %zu files of dead processes from %s", removed, d->path);
-}
-
-/* The live record of the directory at resolved whose identity is (dev, ino), if any. */
-static struct tms_disk_dir *find_dir_locked(const char *resolved, uint64_t dev, uint64_t ino)
-{
-    for (size_t i = 0; i < dir_count; i++)
-        if (!dirs[i]->retired && dirs[i]->dev == dev && dirs[i]->ino == ino && strcmp(dirs[i]->path, resolved) == 0)
-            return dirs[i];
-    return NULL;
-}
-
-/* The record of the directory at abs (absolute), prepared on first use: made,
- * checked, opened and swept. A directory removed and made again under the
- * same path is another directory: a new record. Files and opens happen
- * without disk_lock. */
-static int get_dir(const char *abs, struct tms_disk_dir **out, struct tms_err *err)
-{
-    char resolved[PATH_MAX];
-    int rc = resolve(abs, resolved, err);
-    if (rc) return rc;
-    struct statx st;
-    if (statx(AT_FDCWD, resolved, 0, STATX_BASIC_STATS, &st) != 0)
-        return fail_errno(err, errno, "checking directory", resolved, NULL);
-    uint64_t dev = (uint64_t)st.stx_dev_major << 32 | st.stx_dev_minor, ino = st.stx_ino;
-    pthread_mutex_lock(&disk_lock);
-    *out = find_dir_locked(resolved, dev, ino);
-    pthread_mutex_unlock(&disk_lock);
-    if (*out) return TMS_OK;
-
-    int dfd = -1;
-    if ((rc = open_checked(resolved, &dfd, err))) return rc;
-    struct tms_disk_dir *d = calloc(1, sizeof *d);
-    char *path = strdup(resolved);
-    if (!d || !path) {
-        free(d);
-        free(path);
-        close(dfd);
-        return tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a directory record");
-    }
-    struct statfs fs;
-    *d = (struct tms_disk_dir){.path = path, .dfd = dfd, .lock_fd = -1, .lock_pid = getpid()};
-    if (stat_fd(dfd, &st) == 0) d->dev = (uint64_t)st.stx_dev_major << 32 | st.stx_dev_minor, d->ino = st.stx_ino;
-    d->memory_fs = fstatfs(dfd, &fs) == 0 && (fs.f_type == TMPFS_MAGIC_ || (unsigned long)fs.f_type == RAMFS_MAGIC_);
-    if ((rc = ensure_lock(d, err))) {
-        close(dfd);
-        free(path);
-        free(d);
-        return rc;
-    }
-    pthread_mutex_lock(&disk_lock);
-    struct tms_disk_dir *existing = find_dir_locked(resolved, d->dev, d->ino);
-    struct tms_disk_dir **grown = existing ? NULL : realloc(dirs, (dir_count + 1) * sizeof *dirs);
-    if (grown) {
-        dirs = grown;
-        dirs[dir_count++] = d;
-    }
-    pthread_mutex_unlock(&disk_lock);
-    if (!grown) {  /* another thread prepared it meanwhile (or no memory): drop ours */
-        char final[64];
-        snprintf(final, sizeof final, "tms-%d-%016llx.lock", (int)getpid(), current_token(d));
-        (void)unlinkat(dfd, final, 0);
-        close(d->lock_fd);
-        close(dfd);
-        free(path);
-        free(d);
-        if (!existing) return tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a directory record");
-        *out = existing;
-        return TMS_OK;
-    }
-    sweep(d, 0);
-    if (d->memory_fs)
-        tms_log_warn("disk backup directory %s is on a %s: backups there take RAM, not disk "
-                     "(set TMS_DISK_BACKUP_DIR or set_disk_backup_dir to a disk)",
-                     path, fs.f_type == TMPFS_MAGIC_ ? "tmpfs" : "ramfs");
-    *out = d;
-    return TMS_OK;
-}
-
-/* A directory that is neither chosen nor holds a file of this process's any
- * more gives back its descriptors and lock; its record stays (retired), so
- * a file record pointing at it never dangles. Runs without disk_lock. */
-static void retire(struct tms_disk_dir *d)
-{
-    sweep(d, 1);  /* our lock (and nothing else: no files) */
-    if (d->lock_fd >= 0) close(d->lock_fd);
-    close(d->dfd);
-    d->lock_fd = d->dfd = -1;
-}
-
-/* The default directory's absolute path, resolved once: a relative
- * TMS_DISK_BACKUP_DIR must not move with later changes of directory. */
-static const char *default_locked(void)
-{
-    if (default_path || default_errno) return default_path;
-    const char *env = getenv("TMS_DISK_BACKUP_DIR");
-    if (!env || !*env) env = getenv("TMPDIR");
-    if (!(default_path = absolute(env && *env ? env : "/tmp"))) default_errno = errno ? errno : ENOMEM;
-    return default_path;
-}
-
-/* ---- exit and fork -------------------------------------------------------- */
-
-/* trylock: a thread stuck in a slow directory must not hold up the exit;
- * what is left then, the next process's sweep removes. */
-static void remove_mine_at_exit(void)
-{
-    if (pthread_mutex_trylock(&disk_lock) != 0) return;
-    size_t n = dir_count;
-    struct tms_disk_dir **list = n ? malloc(n * sizeof *list) : NULL;
-    if (list) memcpy(list, dirs, n * sizeof *list);
-    pthread_mutex_unlock(&disk_lock);
-    for (size_t i = 0; list && i < n; i++)
-        if (!list[i]->retired && list[i]->lock_pid == getpid()) sweep(list[i], 1);  /* the lock too: nothing is left */
-    free(list);
-}
-
-static void fork_prepare(void) { pthread_mutex_lock(&disk_lock); }
-static void fork_parent(void)
-{
-    fork_generation++;
-    pthread_mutex_unlock(&disk_lock);
-}
-
-/* The child is a new owner: it makes its own token, key and locks on first
- * use, and the parent's files (still in the child's table, read through the
- * inherited directory descriptors) are never removed by it. */
-static void fork_child(void)
-{
-    pthread_mutex_init(&lock_file_mutex, NULL);
-    for (size_t i = 0; i < dir_count; i++) {
-        if (dirs[i]->lock_fd >= 0) close(dirs[i]->lock_fd);  /* the parent's flock stays with the parent's descriptor */
-        dirs[i]->lock_fd = -1;
-    }
-    pthread_mutex_unlock(&disk_lock);
-}
-
-static pthread_once_t handlers_once = PTHREAD_ONCE_INIT;
-static void install_handlers(void)
-{
-    (void)atexit(remove_mine_at_exit);
-    (void)pthread_atfork(fork_prepare, fork_parent, fork_child);
-}
-
-/* ---- API ------------------------------------------------------------------ */
-
-int tms_disk_set_dir(const char *dir, struct tms_err *err)
-{
-    if (!dir || !*dir) return tms_fail(err, TMS_E_ARG, 0, "the disk backup directory must be a non-empty path");
-    pthread_once(&handlers_once, install_handlers);
-    char *abs = absolute(dir);
-    if (!abs) return fail_errno(err, errno, "resolving directory", dir, NULL);
-    struct tms_disk_dir *d = NULL;
-    int rc = get_dir(abs, &d, err);
-    free(abs);
-    if (rc) return rc;
-    pthread_mutex_lock(&disk_lock);
-    struct tms_disk_dir *previous = chosen;
-    chosen = d;
-    d->replaced = 0;
-    int drop = previous && previous != d && !previous->retired && previous->lock_pid == getpid();
-    if (drop && previous->files) previous->replaced = 1, drop = 0;
-    if (drop) previous->retired = 1;
-    pthread_mutex_unlock(&disk_lock);
-    if (drop) retire(previous);
-    return TMS_OK;
-}
-
-void tms_disk_get_dir(char *buf, size_t n)
-{
-    pthread_once(&handlers_once, install_handlers);
-    pthread_mutex_lock(&disk_lock);
-    const char *dflt = chosen ? NULL : default_locked();
-    snprintf(buf, n, "%s", chosen ? chosen->path : dflt ? dflt : "?");
-    pthread_mutex_unlock(&disk_lock);
 }
 
 struct header {
@@ -688,36 +91,18 @@ static int check_header(const struct tms_disk_file *f, struct tms_err *err)
 
 int tms_disk_create(uint64_t va, size_t size, struct tms_disk_file *f, struct tms_err *err)
 {
-    pthread_once(&handlers_once, install_handlers);
-    pthread_mutex_lock(&disk_lock);
-    struct tms_disk_dir *d = chosen;
-    const char *dflt = d ? NULL : default_locked();
-    char *abs = dflt ? strdup(dflt) : NULL;
-    int e = default_errno;
-    pthread_mutex_unlock(&disk_lock);
-    int rc = TMS_OK;
-    if (!d && !dflt)
-        return tms_fail(err, TMS_E_IO, e, "disk backup: the default directory cannot be made absolute (the "
-                        "working directory is unknown): %s (errno %d)", strerror(e), e);
-    if (!d && !abs) return tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a path");
-    if (!d) rc = get_dir(abs, &d, err);
-    free(abs);
-    if (!rc) rc = ensure_lock(d, err);
+    struct tms_disk_dir *d = NULL;
+    int rc = tms_files_dir_for_new(&d, err), e = 0;
     if (rc) return rc;
-    pthread_mutex_lock(&lock_file_mutex);
-    unsigned long long tok = current_token(d);
-    pthread_mutex_unlock(&lock_file_mutex);
-    pthread_mutex_lock(&disk_lock);
-    ensure_key_locked();
-    struct tms_disk_file made = {.fd = -1, .owner = getpid(), .generation = fork_generation, .dir = d,
-                                 .key = key, .size = size};
-    pthread_mutex_unlock(&disk_lock);
+    unsigned long long tok = tms_files_token(d);
+    struct tms_disk_file made = {.fd = -1, .owner = getpid(), .dir = d, .size = size};
+    tms_files_identity(&made.key, &made.generation);
 
     int flags = O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
     int fd = -1;
     /* A name someone else made first is tried again with another random part. */
     for (int attempt = 0; attempt < 8 && fd < 0; attempt++) {
-        snprintf(made.name, sizeof made.name, "tms-%d-%016llx-%016llx.bin", (int)getpid(), tok, random_u64());
+        snprintf(made.name, sizeof made.name, "tms-%d-%016llx-%016llx.bin", (int)getpid(), tok, tms_files_random());
         made.direct = 1;
         fd = fault_hit(TMS_FAULT_DISK_NO_DIRECT) ? (errno = EINVAL, -1) : openat(d->dfd, made.name, flags | O_DIRECT, 0600);
         if (fd < 0 && errno == EINVAL) {  /* the filesystem has no O_DIRECT */
@@ -727,15 +112,13 @@ int tms_disk_create(uint64_t va, size_t size, struct tms_disk_file *f, struct tm
         e = errno;
         if (fd < 0 && e != EEXIST) break;
     }
-    if (fd < 0) return fail_errno(err, e, "creating a file in", d->path, NULL);
+    if (fd < 0) return tms_files_fail_errno(err, e, "creating a file in", d->path, NULL);
     made.fd = fd;
-    pthread_mutex_lock(&disk_lock);
-    d->files++;  /* tms_disk_remove counts it out, on every path from here */
-    pthread_mutex_unlock(&disk_lock);
+    tms_files_add_file(d);  /* tms_disk_remove counts it out, on every path from here */
     made.drop_cache = !made.direct && !d->memory_fs;
     struct statx st;
     if (stat_fd(fd, &st) != 0) {
-        rc = fail_errno(err, errno, "checking", d->path, made.name);
+        rc = tms_files_fail_errno(err, errno, "checking", d->path, made.name);
         tms_disk_remove(&made);
         return rc;
     }
@@ -771,10 +154,10 @@ int tms_disk_open(struct tms_disk_file *f, struct tms_err *err)
     char path[PATH_MAX];
     tms_disk_path(f, path, sizeof path);
     struct tms_err lock_err = {0};
-    if (f->owner == getpid() && ensure_lock(f->dir, &lock_err))  /* a removed lock would leave its files unowned */
+    if (f->owner == getpid() && tms_files_ensure_lock(f->dir, &lock_err))  /* a removed lock would leave its files unowned */
         tms_log_warn("%s", lock_err.msg);
     int fd = openat(f->dir->dfd, f->name, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | (f->direct ? O_DIRECT : 0));
-    if (fd < 0) return fail_errno(err, errno, "opening", f->dir->path, f->name);
+    if (fd < 0) return tms_files_fail_errno(err, errno, "opening", f->dir->path, f->name);
     struct statx st;
     if (stat_fd(fd, &st) != 0 || !S_ISREG(st.stx_mode) || same_file(&st, f) == 0 || st.stx_uid != f->uid) {
         close(fd);
@@ -808,15 +191,12 @@ int tms_disk_flush(struct tms_disk_file *f, struct tms_err *err)
 {
     if (f->fd < 0 || !f->drop_cache) return TMS_OK;
     if (fdatasync(f->fd) == 0) return TMS_OK;
-    return fail_errno(err, errno, "writing back", f->dir->path, f->name);
+    return tms_files_fail_errno(err, errno, "writing back", f->dir->path, f->name);
 }
 
 int tms_disk_rewritable(const struct tms_disk_file *f)
 {
-    pthread_mutex_lock(&disk_lock);
-    int same = f->owner == getpid() && f->generation == fork_generation;
-    pthread_mutex_unlock(&disk_lock);
-    return same;
+    return f->owner == getpid() && f->generation == tms_files_generation();
 }
 
 void tms_disk_remove(struct tms_disk_file *f)
@@ -831,13 +211,7 @@ void tms_disk_remove(struct tms_disk_file *f)
         tms_log_warn("disk backup: cannot remove %s/%s: %s", f->dir->path, f->name, strerror(e));
     }
     f->name[0] = '\0';
-    if (f->owner != getpid()) return;
-    struct tms_disk_dir *d = f->dir;
-    pthread_mutex_lock(&disk_lock);
-    int drop = d->files && !--d->files && d->replaced && !d->retired;
-    if (drop) d->retired = 1;
-    pthread_mutex_unlock(&disk_lock);
-    if (drop) retire(d);
+    if (f->owner == getpid()) tms_files_remove_file(f->dir);
 }
 
 static int io_failed(const struct tms_disk_file *f, struct tms_err *err, const char *what, size_t len, size_t offset,

@@ -21,7 +21,7 @@
  * while a pause or resume moves it, at most this many at once. */
 #define TMS_DISK_FILES_OPEN_AT_ONCE 64
 
-struct tms_disk_dir;  /* a prepared directory (disk.c): its descriptor is held for the process's life */
+struct tms_disk_dir;  /* a prepared directory (files_dir.c): its descriptor is held for the process's life */
 
 struct tms_disk_file {
     int fd;                    /* -1 between pauses and resumes (tms_disk_open) */
@@ -40,8 +40,8 @@ struct tms_disk_file {
 
 /* Makes dir the directory of the backup files created from now on (a
  * relative path is resolved against the working directory now, once), and
- * removes the files there whose owner died (see disk.c). Missing directories
- * are made, mode 0700. Refused unless the directory is safe (disk.c):
+ * removes the files there whose owner died (see files_dir.c). Missing directories
+ * are made, mode 0700. Refused unless the directory is safe (files_dir.c):
  * TMS_E_ARG naming it, its owner and mode; TMS_E_IO naming it and errno if
  * it cannot be made or opened. */
 int tms_disk_set_dir(const char *dir, struct tms_err *err);

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "platform/config.h"
+#include "platform/fork.h"
 #include "platform/log.h"
 
 /*
@@ -75,7 +76,11 @@ static void ledger_fork_child(void)
     mine = flying = 0;
     pthread_mutex_unlock(&ledger_lock);
 }
-static void fork_setup(void) { (void)pthread_atfork(ledger_fork_prepare, ledger_fork_parent, ledger_fork_child); }
+static void fork_setup(void)
+{
+    static const struct tms_fork_handlers handlers = {ledger_fork_prepare, ledger_fork_parent, ledger_fork_child};
+    tms_fork_register(TMS_FORK_LEDGER, &handlers);
+}
 
 /* statx, not stat/fstat: those are GLIBC_2.33 symbols, the wheel targets 2.28. */
 static int stat_path(const char *path, int flags, struct statx *st)

@@ -70,9 +70,9 @@ static int prepare_block(struct tms_backup *b, size_t off, size_t len, struct tm
         return 1;
     }
     if (!b->drv->is_oom(rc)) return *piece = TMS_PIECE_REFUSED, 0;
-    tms_fail(err, TMS_E_HOST_OOM, rc,
-             "cannot pin %zu bytes of host memory for a pinned backup of %zu bytes (offset %zu): %s (%d)", len,
-             b->size, off, b->drv->code_name(rc), rc);
+    tms_driver_fail(err, TMS_E_HOST_OOM, b->drv, rc,
+                    "cannot pin %zu bytes of host memory for a pinned backup of %zu bytes (offset %zu)", len, b->size,
+                    off);
     return -TMS_E_HOST_OOM;
 }
 

@@ -5,6 +5,7 @@
 
 #include "backup/host.h"
 #include "backup/transfer.h"
+#include "platform/fork.h"
 #include "platform/log.h"
 
 /*
@@ -62,8 +63,9 @@ static void pin_fork_child(void)
 
 static void pin_setup(void)
 {
+    static const struct tms_fork_handlers handlers = {pin_fork_prepare, pin_fork_parent, pin_fork_child};
     (void)atexit(stop_pinning_at_exit);
-    (void)pthread_atfork(pin_fork_prepare, pin_fork_parent, pin_fork_child);
+    tms_fork_register(TMS_FORK_RETAINED, &handlers);
 }
 
 /* Registers b a piece at a time, each after the copies running now; -1 if

@@ -2,6 +2,7 @@
 #include "backup/transfer.h"
 
 #include "platform/config.h"
+#include "platform/fork.h"
 #include "platform/topology.h"
 
 #include <pthread.h>
@@ -97,11 +98,11 @@ static int fail_driver(struct job *j, const char *what, const struct block *b, i
 {
     const struct tms_transfer *it = &j->items[b->item];
     struct tms_err e;
-    tms_fail(&e, j->drv->is_oom(rc) ? TMS_E_OOM : TMS_E_DRIVER, rc,
-             "%s of %zu bytes %s device %d at 0x%llx (allocation offset %zu, %s backup of %zu bytes) failed: %s (%d)",
-             what, b->len, j->to_host ? "from" : "to", it->device, (unsigned long long)(it->dev + it->offset + b->offset),
-             it->offset + b->offset,
-             it->backup->ops->name, it->backup->size, j->drv->code_name(rc), rc);
+    tms_driver_fail(&e, tms_driver_status(j->drv, rc), j->drv, rc,
+                    "%s of %zu bytes %s device %d at 0x%llx (allocation offset %zu, %s backup of %zu bytes) failed", what,
+                    b->len, j->to_host ? "from" : "to", it->device,
+                    (unsigned long long)(it->dev + it->offset + b->offset), it->offset + b->offset,
+                    tms_backup_kind_name(it->backup->kind), it->backup->size);
     job_fail(j, &e);
     return rc;
 }
@@ -160,7 +161,7 @@ static void finish(struct worker *w, struct job *j, ssize_t b, int slot)
     }
     if (j->to_host && !direct(it)) {
         struct tms_err e;
-        if (it->backup->ops->write_block(it->backup, w->slot[slot], blk->len, it->offset + blk->offset, &e)) {
+        if (tms_backup_write_block(it->backup, w->slot[slot], blk->len, it->offset + blk->offset, &e)) {
             job_fail(j, &e);
             return;
         }
@@ -183,7 +184,7 @@ static void copy_staged_now(struct worker *w, struct job *j, const struct block 
             return;
         }
         struct tms_err e;
-        if (it->backup->ops->write_block(it->backup, w->slot[slot], n, it->offset + blk->offset + off, &e)) {
+        if (tms_backup_write_block(it->backup, w->slot[slot], n, it->offset + blk->offset + off, &e)) {
             job_fail(j, &e);
             return;
         }
@@ -206,7 +207,7 @@ static void worker_run(struct worker *w, struct job *j)
         if (!s) break;
         if (it->path == TMS_PATH_PREPARED) {
             struct tms_err e;
-            int ready = bk->ops->prepare_block(bk, at, blk->len, &e);
+            int ready = tms_backup_prepare_block(bk, at, blk->len, &e);
             if (ready < 0) {
                 job_fail(j, &e);
                 break;
@@ -219,10 +220,10 @@ static void worker_run(struct worker *w, struct job *j)
                 continue;
             }
         }
-        void *host = direct(it) ? bk->ops->direct_at(bk, at) : w->slot[cur];
+        void *host = direct(it) ? tms_backup_direct_at(bk, at) : w->slot[cur];
         if (!j->to_host && !direct(it)) {
             struct tms_err e;
-            if (bk->ops->read_block(bk, host, blk->len, at, &e)) {
+            if (tms_backup_read_block(bk, host, blk->len, at, &e)) {
                 job_fail(j, &e);
                 break;
             }
@@ -335,7 +336,11 @@ static void pool_forget_in_child(void)
 }
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-static void register_atfork(void) { (void)pthread_atfork(NULL, NULL, pool_forget_in_child); }
+static void register_atfork(void)
+{
+    static const struct tms_fork_handlers handlers = {.child = pool_forget_in_child};
+    tms_fork_register(TMS_FORK_TRANSFER, &handlers);
+}
 
 /* device: one the process uses (the first copy's, or the caller's at warm-up);
  * the staging is pinned in its context and serves every device. */
@@ -358,8 +363,8 @@ static int pool_start(const struct tms_driver *drv, int device, struct tms_err *
             int drc = drv->host_alloc_pinned(device, slot_bytes, &workers[i].slot[s]);
             if (drc) {
                 workers[i].slot[s] = NULL;
-                rc = tms_fail(err, TMS_E_HOST_OOM, drc, "cannot pin %zu bytes of staging for copy worker %d: %s (%d)",
-                              slot_bytes, i, drv->code_name(drc), drc);
+                rc = tms_driver_fail(err, TMS_E_HOST_OOM, drv, drc, "cannot pin %zu bytes of staging for copy worker %d",
+                                     slot_bytes, i);
             }
         }
         worker_count = i + 1;
@@ -392,7 +397,7 @@ int tms_transfer_warm(const struct tms_driver *drv, int device, struct tms_err *
 /* The block of item it at off (from the item's start), as its backup's kind cuts it. */
 static size_t block_len(const struct tms_transfer *it, size_t off, const struct tms_block_sizes *sizes)
 {
-    return it->backup->ops->block_len(it->backup, it->path, it->offset + off, it->n - off, sizes);
+    return tms_backup_block_len(it->backup, it->path, it->offset + off, it->n - off, sizes);
 }
 
 static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
@@ -401,7 +406,7 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
     size_t total = 0, n_blocks = 0;
     for (size_t i = 0; i < count; i++) {
         items[i].done = 0;
-        items[i].path = items[i].backup->ops->path(items[i].backup, to_host, items[i].offset, items[i].n);
+        items[i].path = tms_backup_path(items[i].backup, to_host, items[i].offset, items[i].n);
         total += items[i].n;
     }
     if (total == 0) return TMS_OK;
@@ -425,7 +430,7 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
     }
     size_t k = 0, n_turns = 0;
     for (size_t i = 0; i < count; i++) {
-        if (items[i].backup->ops->interleave) {
+        if (tms_backup_interleaves(items[i].backup)) {
             turns[n_turns++] = i;
             continue;
         }

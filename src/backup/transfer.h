@@ -35,6 +35,41 @@ struct tms_transfer {
 int tms_transfer_run(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
                      struct tms_err *err);
 
+/* ---- batches (transfer_batch.c) -------------------------------------------------
+ * The copies of a pause or resume, in batches that hold at most a kind's open
+ * limit of open backups (files: descriptors): a batch runs when it is full or
+ * at the end, and its backups are closed once it has run. */
+struct tms_transfer_batch {
+    const struct tms_driver *drv;
+    int to_host;
+    struct tms_transfer *items;   /* every item of the call */
+    size_t start, count;          /* the batch: items[start, count) */
+    struct tms_backup **open;     /* the batch's backups, each once */
+    size_t n_open;
+    int rc;                       /* the first failure */
+    struct tms_err err;
+};
+
+/* Room for items items of backups backups; TMS_E_HOST_OOM. */
+int tms_transfer_batch_start(struct tms_transfer_batch *b, const struct tms_driver *drv, int to_host, size_t items,
+                             size_t backups, struct tms_err *err);
+/* Adds the copy of an open backup between the allocation of size bytes at va
+ * on device and the same bytes of the backup: one item per range (ranges
+ * NULL: the whole allocation). *first and *n: its items. A restore with
+ * release_when_restored releases the backup's storage once its last item is
+ * in (tms_backup_part_restored). Runs the batch if it is full. */
+void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
+                            size_t size, const struct tms_range *ranges, size_t n_ranges, int release_when_restored,
+                            size_t *first, size_t *n);
+/* Runs what is queued and closes its backups; a close after a pause's copies
+ * that finds a write not durable fails the batch (b->rc, b->err). */
+void tms_transfer_batch_run(struct tms_transfer_batch *b);
+/* Closes the queued backups without copying (a pause that stops early). */
+void tms_transfer_batch_close(struct tms_transfer_batch *b);
+/* Bytes the items [first, first + n) copied; *complete: all of them. */
+size_t tms_transfer_batch_done(const struct tms_transfer_batch *b, size_t first, size_t n, int *complete);
+void tms_transfer_batch_end(struct tms_transfer_batch *b);
+
 /* CPUs the calling thread may run on (its affinity), else the online ones. */
 int tms_transfer_allowed_cpus(void);
 

@@ -1,4 +1,4 @@
-/* Allocate and free through the core, and memory adopted from its owner (expandable segments); the margin and retain settings. */
+/* Allocate and free through the core, and memory adopted from its owner (expandable segments). */
 #include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -7,11 +7,9 @@
 
 #include "core/core.h"
 #include "core/core_internal.h"
+#include "platform/config.h"
 #include "platform/driver.h"
 #include "platform/log.h"
-
-static size_t margin_bytes;          /* atomic */
-static int retain_override = -1;     /* atomic; -1: TMS_RETAIN_CPU_BACKUP decides */
 
 static int check_margin(const struct tms_driver *drv, int device, size_t reserved, size_t size, const char *tag,
                         struct tms_err *err)
@@ -21,8 +19,7 @@ static int check_margin(const struct tms_driver *drv, int device, size_t reserve
     size_t free_bytes = 0, total = 0;
     int rc = drv->mem_get_info(device, &free_bytes, &total);
     if (rc)
-        return tms_fail(err, TMS_E_DRIVER, rc, "mem_get_info on device %d failed: %s (%d)", device,
-                        drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "mem_get_info on device %d failed", device);
     if (free_bytes < reserved || free_bytes - reserved < margin)
         return tms_fail(err, TMS_E_OOM, 0,
                         "allocation of %zu bytes (tag '%s', device %d) would leave %zu of %zu free bytes, "
@@ -57,15 +54,14 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     const char *tag = tms_core_tag_name(r->tag_id);
     int count = 0;
     if (device < 0 && (rc = drv->current_device(&device)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "cannot tell the current device: %s (%d)", drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "cannot tell the current device");
     if ((rc = drv->device_count(&count)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "device count failed: %s (%d)", drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "device count failed");
     if (device >= count)
         return tms_fail(err, TMS_E_ARG, 0, "device %d does not exist (%d devices)", device, count);
     size_t gran = 0;
     if ((rc = drv->granularity(device, &gran)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "granularity query on device %d failed: %s (%d)", device,
-                        drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "granularity query on device %d failed", device);
     size_t reserved = gran ? round_up(size, gran) : 0;
     if (!reserved)
         return tms_fail(err, TMS_E_OOM, 0, "allocation of %zu bytes (tag '%s', device %d) is larger than any device", size,
@@ -100,13 +96,12 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     rc = drv->reserve(reserved, gran, &a->va);
     if (rc) {
         tms_alloc_destroy(a);
-        return tms_fail(err, drv->is_oom(rc) ? TMS_E_OOM : TMS_E_DRIVER, rc,
-                        "address reserve of %zu bytes (tag '%s', device %d) failed: %s (%d)", reserved, tag, device,
-                        drv->code_name(rc), rc);
+        return tms_driver_fail(err, tms_driver_status(drv, rc), drv, rc,
+                               "address reserve of %zu bytes (tag '%s', device %d) failed", reserved, tag, device);
     }
     if ((rc = tms_chunks_map(drv, a, tag, err))) {
         int urc = drv->unreserve(a->va, reserved);
-        if (urc) tms_err_append(err, "undoing it, address free failed: %s (%d)", drv->code_name(urc), urc);
+        if (urc) tms_driver_fail_append(err, drv, urc, "undoing it, address free failed");
         tms_alloc_destroy(a);
         return rc;
     }
@@ -117,7 +112,7 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
         tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory growing the allocation table");
         if (tms_chunks_unmap(drv, a, tag, err) == TMS_OK) (void)tms_chunks_release(drv, a, tag, err);
         int urc = drv->unreserve(a->va, reserved);
-        if (urc) tms_err_append(err, "undoing it, address free failed: %s (%d)", drv->code_name(urc), urc);
+        if (urc) tms_driver_fail_append(err, drv, urc, "undoing it, address free failed");
         tms_alloc_destroy(a);
         return TMS_E_HOST_OOM;
     }
@@ -125,6 +120,13 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     TMS_DEBUG("alloc 0x%llx size %zu reserved %zu chunks %d device %d tag '%s' backup %s", (unsigned long long)a->va,
               size, reserved, a->n_chunks, device, tag, a->backup ? tms_backup_kind_name(a->backup_kind) : "none");
     return TMS_OK;
+}
+
+void tms_alloc_destroy(struct tms_alloc *a)
+{
+    if (a->handles != &a->one_handle) free(a->handles);
+    tms_backup_unref(a->host_copy);
+    free(a);
 }
 
 int tms_core_owns(const void *ptr)
@@ -153,8 +155,9 @@ int tms_alloc_release_detached(const struct tms_driver *drv, struct tms_alloc *a
             return TMS_OK;
         }
         if (rc)
-            tms_fail(err, TMS_E_DRIVER, rc, "synchronize of device %d before freeing 0x%llx (%zu bytes) failed: %s (%d)",
-                     a->device, (unsigned long long)va, a->size, drv->code_name(rc), rc);
+            tms_driver_fail(err, TMS_E_DRIVER, drv, rc,
+                            "synchronize of device %d before freeing 0x%llx (%zu bytes) failed", a->device,
+                            (unsigned long long)va, a->size);
         else
             rc = tms_chunks_unmap(drv, a, tag, err);
         if (rc) {
@@ -176,8 +179,8 @@ int tms_alloc_release_detached(const struct tms_driver *drv, struct tms_alloc *a
     size_t size = a->size;
     tms_alloc_destroy(a);
     if (rc && !shutdown)
-        return tms_fail(err, TMS_E_DRIVER, rc, "address free of 0x%llx (%zu bytes), tag '%s' failed: %s (%d)",
-                        (unsigned long long)va, size, tag, drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "address free of 0x%llx (%zu bytes), tag '%s' failed",
+                               (unsigned long long)va, size, tag);
     return TMS_OK;
 }
 
@@ -277,25 +280,4 @@ int tms_core_disown(uint64_t va, size_t max_size, tms_phys *handle, uint64_t *ow
               a->state == TMS_ACTIVE ? "active" : "paused: nothing mapped, backup dropped");
     tms_alloc_destroy(a);
     return TMS_OK;
-}
-
-
-void tms_core_set_margin(size_t bytes) { __atomic_store_n(&margin_bytes, bytes, __ATOMIC_RELAXED); }
-size_t tms_core_margin(void) { return __atomic_load_n(&margin_bytes, __ATOMIC_RELAXED); }
-static int spill_override = -1;     /* atomic; -1: TMS_SPILL_TO_DISK decides */
-
-void tms_core_set_spill(int spill) { __atomic_store_n(&spill_override, spill ? 1 : 0, __ATOMIC_RELAXED); }
-
-int tms_core_spill(void)
-{
-    int v = __atomic_load_n(&spill_override, __ATOMIC_RELAXED);
-    return v >= 0 ? v : tms_defaults()->spill_to_disk;
-}
-
-void tms_core_set_retain(int retain) { __atomic_store_n(&retain_override, retain ? 1 : 0, __ATOMIC_RELAXED); }
-
-int tms_core_retain(void)
-{
-    int v = __atomic_load_n(&retain_override, __ATOMIC_RELAXED);
-    return v >= 0 ? v : tms_defaults()->retain_backup;
 }

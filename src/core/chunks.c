@@ -29,19 +29,18 @@ int tms_chunks_map(const struct tms_driver *drv, struct tms_alloc *a, const char
     }
     if (!rc) return TMS_OK;
     int failed = op[0] == 'c' ? created : mapped;
-    int status = drv->is_oom(rc) ? TMS_E_OOM : TMS_E_DRIVER;
-    tms_fail(err, status, rc,
-             "%s of %zu bytes (chunk %d of %d) for allocation 0x%llx of %zu bytes, tag '%s', device %d "
-             "failed: %s (%d)",
-             op, tms_chunk_size(a, failed), failed + 1, a->n_chunks, (unsigned long long)a->va, a->size, tag,
-             a->device, drv->code_name(rc), rc);
+    int status = tms_driver_status(drv, rc);
+    tms_driver_fail(err, status, drv, rc,
+                    "%s of %zu bytes (chunk %d of %d) for allocation 0x%llx of %zu bytes, tag '%s', device %d failed",
+                    op, tms_chunk_size(a, failed), failed + 1, a->n_chunks, (unsigned long long)a->va, a->size, tag,
+                    a->device);
     for (int i = 0; i < mapped; i++) {
         int urc = drv->unmap(chunk_va(a, i), tms_chunk_size(a, i));
-        if (urc) tms_err_append(err, "undoing it, unmap of chunk %d failed: %s (%d)", i + 1, drv->code_name(urc), urc);
+        if (urc) tms_driver_fail_append(err, drv, urc, "undoing it, unmap of chunk %d failed", i + 1);
     }
     for (int i = 0; i < created; i++) {
         int rrc = drv->release(a->handles[i]);
-        if (rrc) tms_err_append(err, "undoing it, release of chunk %d failed: %s (%d)", i + 1, drv->code_name(rrc), rrc);
+        if (rrc) tms_driver_fail_append(err, drv, rrc, "undoing it, release of chunk %d failed", i + 1);
     }
     return status;
 }
@@ -52,9 +51,9 @@ int tms_chunks_unmap(const struct tms_driver *drv, struct tms_alloc *a, const ch
         int rc = drv->unmap(chunk_va(a, i), tms_chunk_size(a, i));
         if (rc && drv->is_shutdown(rc)) return TMS_OK;  /* process exit: the driver took it all */
         if (!rc) continue;
-        tms_fail(err, TMS_E_DRIVER, rc,
-                 "unmap of allocation 0x%llx (%zu bytes, chunk %d of %d), tag '%s', device %d failed: %s (%d)",
-                 (unsigned long long)a->va, a->size, i + 1, a->n_chunks, tag, a->device, drv->code_name(rc), rc);
+        tms_driver_fail(err, TMS_E_DRIVER, drv, rc,
+                        "unmap of allocation 0x%llx (%zu bytes, chunk %d of %d), tag '%s', device %d failed",
+                        (unsigned long long)a->va, a->size, i + 1, a->n_chunks, tag, a->device);
         for (int j = 0; j < i; j++) {
             int mrc = drv->map(a->device, chunk_va(a, j), tms_chunk_size(a, j), a->handles[j]);
             if (mrc)
@@ -75,8 +74,8 @@ int tms_chunks_release(const struct tms_driver *drv, struct tms_alloc *a, const 
         if (rc && !first_rc && !drv->is_shutdown(rc)) first_rc = rc;
     }
     if (first_rc)
-        return tms_fail(err, TMS_E_DRIVER, first_rc,
-                        "release of allocation 0x%llx (%zu bytes), tag '%s', device %d failed: %s (%d)",
-                        (unsigned long long)a->va, a->size, tag, a->device, drv->code_name(first_rc), first_rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, first_rc,
+                               "release of allocation 0x%llx (%zu bytes), tag '%s', device %d failed",
+                               (unsigned long long)a->va, a->size, tag, a->device);
     return TMS_OK;
 }

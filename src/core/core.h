@@ -5,12 +5,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "backup/backup.h"
-#include "backup/ledger.h"
-#include "platform/driver.h"
-#include "platform/config.h"
-#include "platform/error.h"
 #include "core/stats.h"
+#include "platform/error.h"
+
+/* A host backup (backup/backup.h): the faces hold one only as a view's
+ * reference (tms_core_backup_of, tms_core_backup_bytes, tms_core_backup_release). */
+struct tms_backup;
+
+#define TMS_TAG_DEFAULT_ID 0  /* the tag "default", interned first */
 
 enum tms_alloc_state {
     TMS_ACTIVE = 0,
@@ -39,18 +41,67 @@ struct tms_alloc_info {
     size_t skipped_bytes; /* bytes that pause left out: free in the caller's cache */
 };
 
+/* ---- regions: what the calling thread's allocations get ---------------------
+ * Each thread has its own, initialised from the TMS_INIT_* settings on first
+ * use; only that thread reads or writes it, so the hooks read it without a
+ * lock. One policy for every face: a region the Python API asks for names a
+ * non-empty UTF-8 tag, and asks for a CPU backup (pinned or mmap; backend
+ * NULL: TMS_INIT_CPU_BACKUP_BACKEND) or a disk backup, not both; a backend is
+ * named only with a CPU backup. Settings made one at a time (the C ABI) let
+ * the disk backup win, as the upstream library does. */
+struct tms_region {
+    int active;       /* inside a region and not disabled */
+    int tag_id;
+    int backup;       /* keep a host copy across pause */
+    int backup_kind;  /* the CPU backup's kind (tms_core_backup_kind_parse): pinned or mmap */
+    int disk_backup;  /* back up to a file instead; wins over backup when both are set */
+};
+
+/* The calling thread's region. */
+const struct tms_region *tms_core_region(void);
+/* Its settings one at a time (the C ABI's setters). */
+void tms_core_region_set_active(int active);
+void tms_core_region_set_backup(int backup);
+void tms_core_region_set_backup_kind(int kind);
+void tms_core_region_set_disk_backup(int disk);
+/* Makes tag (checked as for a region) the calling thread's region tag,
+ * holding a reference on it until the thread names another or ends. */
+int tms_core_set_region_tag(const char *tag, struct tms_err *err);
+
+struct tms_region_request {
+    const char *tag;
+    int cpu_backup;
+    const char *backend;  /* NULL: the default */
+    int disk_backup;
+};
+/* Checks a region a user asks for; *kind gets the CPU backup kind it makes. */
+int tms_core_check_region(const struct tms_region_request *req, int *kind, struct tms_err *err);
+/* Sets the calling thread's region; its tag (checked as above) is
+ * referenced while it stays the thread's. */
+int tms_core_set_region(int active, const char *tag, int backup, int kind, int disk, struct tms_err *err);
+
+/* A CPU backup backend's name ("pinned" or "mmap") as its kind: TMS_E_ARG for any other. */
+int tms_core_backup_kind_parse(const char *name, int *kind);
+/* The name of a backup kind: "pinned", "mmap" or "disk". */
+const char *tms_core_backup_kind_name(int kind);
+
+/* ---- tags ------------------------------------------------------------------- */
+
 /* Interns tag (a non-empty UTF-8 string, else TMS_E_ARG) and returns its
  * id. A tag nothing references (no allocation, no region naming it) may be
  * reclaimed once many tags exist, and its id reused. */
 int tms_core_tag_id(const char *tag, int *id, struct tms_err *err);
 /* Name of a tag; the string lives for the process. */
 const char *tms_core_tag_name(int id);
-/* Makes tag (checked as for a region) the calling thread's region tag,
- * holding a reference on it until the thread names another or ends. */
-int tms_core_set_region_tag(const char *tag, struct tms_err *err);
 /* A reference on a tag held by a copy of a region (expandable segments). */
 void tms_core_tag_ref(int id);
 void tms_core_tag_unref(int id);
+/* A tag as a region or a pause takes it: non-empty UTF-8. */
+int tms_core_check_tag(const char *tag, struct tms_err *err);
+/* What a pause or resume of several tags checks first: each tag, none twice (op names the call). */
+int tms_core_check_tags(const char *op, const char *const *tags, size_t n, struct tms_err *err);
+
+/* ---- allocations ------------------------------------------------------------- */
 
 /* Allocates size bytes on device (-1: the calling thread's current device)
  * with the settings of region r. size 0 gives NULL, like cudaMalloc.
@@ -66,7 +117,8 @@ int tms_core_free(void *ptr, struct tms_err *err);
 /* Cheap test used by the hooks to route cudaFree. */
 int tms_core_owns(const void *ptr);
 
-/* tag NULL = every tag. A tag with no allocations is a no-op. Pausing a tag
+/* ---- pause and resume ---------------------------------------------------------
+ * tag NULL = every tag. A tag with no allocations is a no-op. Pausing a tag
  * whose allocations are all paused (or resuming one all active) is
  * TMS_E_STATE naming the tag. A call that selects allocations another
  * pause or resume is moving first waits for them, then decides: two pauses
@@ -75,7 +127,6 @@ int tms_core_owns(const void *ptr);
 int tms_core_pause(const char *tag, struct tms_err *err);
 int tms_core_resume(const char *tag, struct tms_err *err);
 
-/* ---- what a pause may skip, and what each call did -------------------------- */
 /* [start, start + len) of device memory. */
 struct tms_free_span {
     uint64_t start, len;
@@ -113,16 +164,26 @@ struct tms_op_args {
  * them hold an active allocation with a backup? */
 int tms_core_selects_backup(const char *const *tags, size_t n_tags);
 
-/* tags NULL with n_tags 0: every tag; else all or nothing, as tms_core_pause_tags. */
+/* tags NULL with n_tags 0: every tag; else several tags, all or nothing,
+ * decided under the table lock: if any tag cannot be paused (resumed), none
+ * is, and the error names it. Tags must differ (tms_core_check_tags). */
 int tms_core_pause_ex(const char *const *tags, size_t n_tags, const struct tms_op_args *args, struct tms_err *err);
 int tms_core_resume_ex(const char *const *tags, size_t n_tags, const struct tms_op_args *args, struct tms_err *err);
 
+/* ---- host backups as views ------------------------------------------------------ */
+
 /* The host backup covering [ptr, ptr+n): *out gets a new reference (caller
- * unrefs) and *offset the position of ptr in it; *out = NULL if ptr is in no
- * allocation or the allocation has no host copy now. TMS_E_ARG if the range
+ * releases it) and *offset the position of ptr in it; *out = NULL if ptr is in
+ * no allocation or the allocation has no host copy now. TMS_E_ARG if the range
  * starts inside an allocation and runs past its end. Waits while a pause or
  * resume is moving that allocation (its backup is being written). */
 int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *offset, struct tms_err *err);
+/* The bytes a host backup holds (a view of it aliases them), and letting go
+ * of the view's reference. */
+void *tms_core_backup_bytes(const struct tms_backup *b);
+void tms_core_backup_release(struct tms_backup *b);
+
+/* ---- reading the table ------------------------------------------------------------ */
 
 /* Statistics of every (tag, device) with a nonzero field (caller frees
  * *rows). Reads counters kept up to date: no table walk, no driver call. */
@@ -136,11 +197,12 @@ int tms_core_find(uint64_t ptr, struct tms_alloc_info *row);
  * address-sorted copy of the table rather than a walk (tests). */
 uint64_t tms_core_sorted_lookups(void);
 
-/* ---- adopted memory (cumem.c: PyTorch's expandable segments) ----------------
+/* ---- adopted memory (hooks/cumem.c: PyTorch's expandable segments) ----------------
  * Memory its owner reserved, created and mapped itself, taken into the table
  * so pause and resume treat it as any allocation: backup, unmap and release
  * on pause; new physical memory mapped at the same address on resume. The
- * owner knows it by owner_handle and gives it back with tms_core_disown. */
+ * owner knows it by owner_handle and gives it back with tms_core_disown.
+ * handle: a physical handle of the process's backend (tms_phys). */
 
 /* Errors if mapping bytes more on device would cross memory_margin_bytes
  * (TMS_E_OOM naming the tag) or the device cannot be asked. */
@@ -150,7 +212,7 @@ int tms_core_check_margin(int device, size_t bytes, int tag_id, struct tms_err *
  * into the table as an active allocation with region r's settings.
  * handle_types: the shareable types its owner created it with, kept for
  * the handles a resume creates. */
-int tms_core_adopt(uint64_t va, size_t size, int device, tms_phys handle, uint64_t owner_handle, int handle_types,
+int tms_core_adopt(uint64_t va, size_t size, int device, uint64_t handle, uint64_t owner_handle, int handle_types,
                    const struct tms_region *r, struct tms_err *err);
 
 /* Takes the adopted allocation at va out of the table (its owner unmaps it),
@@ -159,50 +221,44 @@ int tms_core_adopt(uint64_t va, size_t size, int device, tms_phys handle, uint64
  * then and its backup is dropped). *owner_handle and *size: what
  * tms_core_adopt got. TMS_E_NOT_FOUND if no adopted allocation starts at
  * va; TMS_E_ARG (nothing changed) if it is longer than max_size. */
-int tms_core_disown(uint64_t va, size_t max_size, tms_phys *handle, uint64_t *owner_handle, size_t *size,
+int tms_core_disown(uint64_t va, size_t max_size, uint64_t *handle, uint64_t *owner_handle, size_t *size,
                     struct tms_err *err);
 
 /* The adopted allocation holding ptr: *owner_handle and *handle (its
  * physical handle now; 0 while paused or moving). TMS_E_NOT_FOUND if none. */
-int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, tms_phys *handle);
+int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, uint64_t *handle);
+
+/* ---- process-wide settings -------------------------------------------------------- */
 
 void tms_core_set_margin(size_t bytes);
 size_t tms_core_margin(void);
 void tms_core_set_retain(int retain);
 int tms_core_retain(void);
-/* The host backup budget and this process's share (backup/ledger.h). */
-int tms_core_host_budget(struct tms_ledger_info *info, struct tms_err *err);
 /* Host backups that do not fit the host backup budget go to disk instead. */
 void tms_core_set_spill(int spill);
 int tms_core_spill(void);
 
-/* ---- regions: what the calling thread's allocations get ---------------------
- * One policy for every face: a region the Python API asks for names a
- * non-empty UTF-8 tag, and asks for a CPU backup
- * (pinned or mmap; backend NULL: TMS_INIT_CPU_BACKUP_BACKEND) or a disk backup,
- * not both; a backend is named only with a CPU backup. Settings made one at a
- * time (the C ABI) let the disk backup win, as the upstream library does. */
-struct tms_region_request {
-    const char *tag;
-    int cpu_backup;
-    const char *backend;  /* NULL: the default */
-    int disk_backup;
+/* The TMS_* settings the process started with, as the faces report them. */
+struct tms_core_defaults {
+    int init_enable, init_backup, init_backup_kind, init_disk_backup, retain_backup;
+    size_t chunk_bytes, disk_block_bytes;
+    int progress, backup_live_only, spill_to_disk, reloc_hooks;
 };
-/* Checks a region a user asks for; *kind gets the CPU backup kind it makes. */
-int tms_core_check_region(const struct tms_region_request *req, int *kind, struct tms_err *err);
-/* Sets the calling thread's region; its tag (checked as above) is
- * referenced while it stays the thread's. */
-int tms_core_set_region(int active, const char *tag, int backup, int kind, int disk, struct tms_err *err);
+void tms_core_defaults(struct tms_core_defaults *out);
+/* The first malformed TMS_* variable of the process (TMS_OK if none): what
+ * importing a face raises. */
+int tms_core_env_check(struct tms_err *err);
 
-/* ---- several tags at once --------------------------------------------------
- * All or nothing, decided under the table lock: if any tag cannot be paused
- * (resumed), none is, and the error names it. Tags must differ. */
-int tms_core_pause_tags(const char *const *tags, size_t n, struct tms_err *err);
-/* What pause_tags and resume_tags check first: each tag, none twice (op names the call). */
-int tms_core_check_tags(const char *op, const char *const *tags, size_t n, struct tms_err *err);
-/* A tag as a region or a pause takes it: non-empty UTF-8. */
-int tms_core_check_tag(const char *tag, struct tms_err *err);
-int tms_core_resume_tags(const char *const *tags, size_t n, struct tms_err *err);
+/* The host backup budget: shared by the processes of a user that name one ledger. */
+struct tms_host_budget {
+    size_t limit;          /* the budget in bytes, 0 without one */
+    size_t reserved;       /* reserved by every live process of the ledger (this one included) */
+    size_t mine;           /* reserved by this process */
+    size_t mem_total, mem_available;  /* the host's, from /proc/meminfo (0 if unreadable) */
+    int safety;            /* without a budget: pauses keep 5 % of the host's memory available */
+    char name[65];
+};
+int tms_core_host_budget(struct tms_host_budget *info, struct tms_err *err);
 
 /* ---- the process's services, for the faces (facade.c) ---------------------- */
 int tms_core_set_disk_dir(const char *dir, struct tms_err *err);
@@ -226,24 +282,8 @@ int tms_core_warm_backups(struct tms_err *err);
 int tms_core_device_active(int device, int *active, struct tms_err *err);
 /* Bytes copied so far by the backup copy running now (or the last), and its size. */
 void tms_core_copy_progress(size_t *done, size_t *total);
-/* The bytes a host backup holds (a view of it aliases them), and letting go
- * of the view's reference. */
-void *tms_core_backup_bytes(const struct tms_backup *b);
-void tms_core_backup_release(struct tms_backup *b);
 /* The message of this thread's last failed hook or C ABI call ("" if none). */
 const char *tms_core_last_error(void);
 void tms_core_keep_error(const struct tms_err *err);
-/* The relocation hooks' record (hooks/reloc.c): objects patched, and those
- * defining a target themselves. */
-void tms_core_relocation_report(char *patched, size_t patched_n, char *static_runtime, size_t static_n);
-
-/* ---- preload variant only (hooks/hook_preload.c) ---------------------------- */
-/* 1 if this library's cudaMalloc is the one the process resolves; *winner
- * names the library whose is. */
-int tms_core_preload_active(const char **winner);
-/* Installs the relocation hooks (preload mode without LD_PRELOAD). */
-int tms_core_install_relocation(struct tms_err *err);
-/* "ld_preload", "relocation" or NULL. */
-const char *tms_core_preload_method(void);
 
 #endif

@@ -1,6 +1,6 @@
-/* Inside the core: the allocation record and what the table (table.c), tags
- * (tags.c), statistics (stats.c), allocation (alloc.c), the pause/resume state
- * machine (pause.c) and the chunk operations (chunks.c) share. */
+/* Inside the core: the allocation record and the move record, and what the table (table.c), tags
+ * (tags.c), statistics (stats.c), allocation (alloc.c), claim and settle (claim.c), the
+ * pause/resume state machine (pause.c) and the chunk operations (chunks.c) share. */
 #ifndef TMS_CORE_INTERNAL_H
 #define TMS_CORE_INTERNAL_H
 
@@ -11,6 +11,9 @@
 #include "core/stats.h"
 #include "platform/driver.h"
 
+/* The calling thread's region (core.h), writable: the core's own files and the C tests. */
+struct tms_region *tms_region_current(void);
+
 struct tms_alloc {
     tms_va va;
     size_t size;
@@ -20,7 +23,7 @@ struct tms_alloc {
     int device;
     int tag_id;
     int state;               /* TMS_ACTIVE or TMS_PAUSED: what it is between operations */
-    int moving;              /* a pause or resume owns it (see core.c) */
+    int moving;              /* a pause or resume owns it (table.c says what that means) */
     int free_requested;      /* freed while moving: its mover frees it when done */
     int backup;
     int backup_kind;
@@ -33,7 +36,7 @@ struct tms_alloc {
     tms_phys one_handle;
     struct tms_backup *host_copy;  /* paused with backup, or retained after resume */
     struct tms_alloc *next;        /* hash chain */
-    struct tms_alloc *tag_prev, *tag_next;  /* its tag's list (core.c) */
+    struct tms_alloc *tag_prev, *tag_next;  /* its tag's list (table.c) */
 };
 
 /* One allocation in a pause or resume. The mover fills it outside the table
@@ -45,13 +48,7 @@ struct tms_move {
     size_t copied;              /* bytes moved to or from the host by this call */
     size_t skipped;             /* bytes of its backup this call left out (free in the caller's cache) */
     struct tms_backup *drop;    /* tms_table_settle: the backup a no longer holds */
-    /* The mover's own: the ranges a pause copies (tms_live_plan), and the
-     * items of its copy. */
-    struct tms_range *ranges;
-    size_t n_ranges;
-    size_t first_item, n_items;
-    size_t need;                /* host backup bytes its pause needs from the budget */
-    int spill;                  /* backed up to disk by this pause: the budget had no room */
+    size_t first_item, n_items; /* the mover's own: a resume's items of its copy */
 };
 
 /* A tag's slot (tags.c). Its fields are guarded by the table lock. */
@@ -70,22 +67,47 @@ struct tms_tag {
  * moving; never held across a driver call, a copy, host allocation or I/O. */
 void tms_table_lock(void);
 void tms_table_unlock(void);
-/* Waits, with the lock held, until a moving allocation settles. */
+/* Waits, with the lock held, until a moving allocation settles; wakes those waiting. */
 void tms_table_wait_settled(void);
+void tms_table_settled_locked(void);
 size_t tms_table_count(void);  /* allocations now (read without the lock) */
 int tms_table_insert_locked(struct tms_alloc *a);
 void tms_table_unlink_locked(struct tms_alloc **link);
 /* The link to the allocation starting at va, or NULL. */
 struct tms_alloc **tms_table_link_locked(tms_va va);
 struct tms_alloc *tms_table_find_locked(tms_va va);
+/* The allocation holding ptr (its start or inside it), or NULL. */
+const struct tms_alloc *tms_table_owner_locked(uint64_t ptr);
+/* The hash's buckets, for the walks below. */
+size_t tms_table_buckets_locked(void);
+struct tms_alloc *tms_table_bucket_locked(size_t i);
+
+/* Every allocation, under the lock. Two nested loops: `break` inside leaves
+ * only the inner one. */
+#define TMS_FOR_EACH_ALLOC(a)                                                                      \
+    for (size_t bucket_ = 0, buckets_ = tms_table_buckets_locked(); bucket_ < buckets_; bucket_++) \
+        for (struct tms_alloc *a = tms_table_bucket_locked(bucket_); a; a = a->next)
+
+/* The allocations of tag_id (a plain variable; -1: every tag): its own list,
+ * so a pause of a small tag beside many allocations of others does not walk
+ * them all. As in TMS_FOR_EACH_ALLOC, `break` leaves only the inner loop:
+ * with tag_id -1, one bucket. */
+#define TMS_FOR_EACH_OF_TAG(a, tag_id)                                                                      \
+    for (size_t bucket_ = 0, buckets_ = (tag_id) < 0 ? tms_table_buckets_locked() : 1; bucket_ < buckets_; \
+         bucket_++)                                                                                          \
+        for (struct tms_alloc *a = (tag_id) < 0 ? tms_table_bucket_locked(bucket_)                           \
+                                                : tms_tag_slot_locked(tag_id)->allocs;                       \
+             a; a = (tag_id) < 0 ? a->next : a->tag_next)
 
 /* ---- tags (tags.c), under the table lock ------------------------------------ */
-int tms_tag_check(const char *tag, struct tms_err *err);
 int tms_tags_intern_locked(const char *tag, int *id, struct tms_err *err);
 /* The id of tag, -1 if it has none. */
 int tms_tags_find_locked(const char *tag);
 /* The tag of id if in use, else NULL; "default" (id 0) always exists. */
 struct tms_tag *tms_tag_locked(int id);
+/* References of regions and tokens (ids of "default" and unknown ones are ignored). */
+void tms_tag_ref_locked(int id);
+void tms_tag_unref_locked(int id);
 /* Slots made so far (ids below it), and one of them in use or not. */
 int tms_tags_count(void);
 struct tms_tag *tms_tag_slot_locked(int id);
@@ -128,13 +150,18 @@ int tms_chunks_unmap(const struct tms_driver *drv, struct tms_alloc *a, const ch
  * and changes nothing else: it is reported, not undone. */
 int tms_chunks_release(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
 
+/* The report of a call (report.c; r NULL: none): the devices of the claimed
+ * allocations with their free memory now; then what changed, before
+ * tms_table_settle applies it, and the free memory after. */
+void tms_report_begin(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n);
+void tms_report_end(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n,
+                    uint64_t ns);
+
 /* The ranges (offsets) of the allocation [va, va+size) a pause backing it up
  * as kind copies: those outside skip (sorted by start, disjoint), each skip
  * first shrunk to whole granules of the kind. *ranges NULL: every byte; else
  * n_ranges ranges (maybe none) in an array the caller owns. TMS_E_HOST_OOM. */
 int tms_live_plan(int kind, uint64_t va, size_t size, const struct tms_free_span *skip, size_t n_skip,
                   struct tms_range **ranges, size_t *n_ranges, struct tms_err *err);
-
-uint64_t tms_now_ns(void);
 
 #endif

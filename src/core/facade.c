@@ -1,18 +1,41 @@
-/* The faces' way to the services below the core (files, backends, copy workers, hooks' records): each a forward, no policy. */
+/* The faces' way to the services below the core (settings, budget, disk directory, backends, copy workers): each a forward, no policy. */
 #include <stdio.h>
 #include <string.h>
 
-#include "backup/files.h"
+#include "backup/backup.h"
+#include "backup/ledger.h"
 #include "backup/transfer.h"
 #include "core/core.h"
-#include "hooks/reloc.h"
+#include "platform/config.h"
 #include "platform/driver.h"
 
-int tms_core_host_budget(struct tms_ledger_info *info, struct tms_err *err) { return tms_ledger_info(info, err); }
+void tms_core_defaults(struct tms_core_defaults *out)
+{
+    const struct tms_defaults *d = tms_defaults();
+    *out = (struct tms_core_defaults){
+        .init_enable = d->init_enable, .init_backup = d->init_backup, .init_backup_kind = tms_backup_default_kind(),
+        .init_disk_backup = d->init_disk_backup, .retain_backup = d->retain_backup, .chunk_bytes = d->chunk_bytes,
+        .disk_block_bytes = d->disk_block_bytes, .progress = d->progress, .backup_live_only = d->backup_live_only,
+        .spill_to_disk = d->spill_to_disk, .reloc_hooks = d->reloc_hooks,
+    };
+}
 
-int tms_core_set_disk_dir(const char *dir, struct tms_err *err) { return tms_disk_set_dir(dir, err); }
+int tms_core_env_check(struct tms_err *err) { return tms_env_check(err); }
 
-void tms_core_disk_dir(char *buf, size_t n) { tms_disk_get_dir(buf, n); }
+int tms_core_host_budget(struct tms_host_budget *out, struct tms_err *err)
+{
+    struct tms_ledger_info info;
+    int rc = tms_ledger_info(&info, err);
+    *out = (struct tms_host_budget){.limit = info.limit, .reserved = info.reserved, .mine = info.mine,
+                                    .mem_total = info.mem_total, .mem_available = info.mem_available,
+                                    .safety = info.safety};
+    snprintf(out->name, sizeof out->name, "%s", info.name);
+    return rc;
+}
+
+int tms_core_set_disk_dir(const char *dir, struct tms_err *err) { return tms_backup_set_disk_dir(dir, err); }
+
+void tms_core_disk_dir(char *buf, size_t n) { tms_backup_disk_dir(buf, n); }
 
 int tms_core_use_backend(const char *name, struct tms_err *err) { return tms_driver_select(name, err); }
 
@@ -35,11 +58,10 @@ int tms_core_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes, s
     if (rc) return rc;
     if (device < 0) return tms_fail(err, TMS_E_ARG, 0, "device must be >= 0, got %d", device);
     if ((rc = drv->device_count(&count)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "device count failed: %s (%d)", drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "device count failed");
     if (device >= count) return tms_fail(err, TMS_E_ARG, 0, "device %d does not exist (%d devices)", device, count);
     if ((rc = drv->mem_get_info(device, free_bytes, total_bytes)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "mem_get_info on device %d failed: %s (%d)", device, drv->code_name(rc),
-                        rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "mem_get_info on device %d failed", device);
     return TMS_OK;
 }
 
@@ -50,7 +72,7 @@ int tms_core_warm_backups(struct tms_err *err)
     int rc = tms_driver_get(&drv, err), device = 0;
     if (rc) return rc;
     if ((rc = drv->current_device(&device)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "current device query failed: %s (%d)", drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "current device query failed");
     return tms_transfer_warm(drv, device, err);
 }
 
@@ -60,12 +82,11 @@ int tms_core_device_active(int device, int *active, struct tms_err *err)
     int rc = tms_driver_get(&drv, err), count = 0;
     if (rc) return rc;
     if ((rc = drv->device_count(&count)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "device count failed: %s (%d)", drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "device count failed");
     if (device < 0 || device >= count)
         return tms_fail(err, TMS_E_ARG, 0, "device %d does not exist (%d devices)", device, count);
     if ((rc = drv->device_active(device, active)))
-        return tms_fail(err, TMS_E_DRIVER, rc, "primary context state of device %d failed: %s (%d)", device,
-                        drv->code_name(rc), rc);
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "primary context state of device %d failed", device);
     return TMS_OK;
 }
 
@@ -81,8 +102,3 @@ static _Thread_local char last_error[sizeof ((struct tms_err *)0)->msg];
 void tms_core_keep_error(const struct tms_err *err) { snprintf(last_error, sizeof last_error, "%s", err->msg); }
 
 const char *tms_core_last_error(void) { return last_error; }
-
-void tms_core_relocation_report(char *patched, size_t patched_n, char *static_runtime, size_t static_n)
-{
-    tms_reloc_report(patched, patched_n, static_runtime, static_n);
-}

@@ -1,6 +1,6 @@
 /* An address-sorted copy of non-overlapping [start, end) spans: which span
  * holds an address, by binary search. It is built whole and never updated in
- * place; its user decides when a copy is stale and rebuilds it (core.c). */
+ * place; its user decides when a copy is stale and rebuilds it (table.c). */
 #ifndef TMS_SPAN_INDEX_H
 #define TMS_SPAN_INDEX_H
 

@@ -1,8 +1,6 @@
 /* Statistics per (tag, device): the gauges kept equal to the table, the counters of pauses and resumes. */
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "core/core.h"
 #include "core/core_internal.h"
@@ -54,36 +52,4 @@ void tms_stats_count_change_locked(const struct tms_alloc *a, size_t copied, siz
     *counted = call_seq;
     if (is_pause) st->pauses++, st->pause_ns += ns;
     else st->resumes++, st->resume_ns += ns;
-}
-
-int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *err)
-{
-    size_t n = 0, cap = 16;
-    struct tms_stats_row *out = malloc(cap * sizeof *out);
-    static const struct tms_stats zero;
-    tms_table_lock();
-    int tags = tms_tags_count();
-    for (int t = 0; out && t < tags; t++) {
-        const struct tms_tag *tag = tms_tag_slot_locked(t);
-        for (int d = 0; d < TMS_STATS_DEVICES; d++) {
-            const struct tms_stats *st = &tag->per_device[d];
-            if (!memcmp(st, &zero, sizeof zero)) continue;
-            if (n == cap) {
-                struct tms_stats_row *grown = realloc(out, 2 * cap * sizeof *out);
-                if (!grown) {
-                    free(out);
-                    out = NULL;
-                    break;
-                }
-                out = grown;
-                cap *= 2;
-            }
-            out[n++] = (struct tms_stats_row){.tag_id = t, .device = d, .stats = *st};
-        }
-    }
-    tms_table_unlock();
-    if (!out) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory copying statistics");
-    *rows = out;
-    *count = n;
-    return TMS_OK;
 }

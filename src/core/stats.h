@@ -1,4 +1,4 @@
-/* Per-(tag, device) statistics: one list of fields, kept up to date by core.c. */
+/* Per-(tag, device) statistics: one list of fields, kept up to date by the table (stats.c). */
 #ifndef TMS_STATS_H
 #define TMS_STATS_H
 

@@ -1,5 +1,4 @@
-/* Tags: interned names, found by a hash index, their slots reclaimed once unreferenced; the thread's region tag. */
-#include <pthread.h>
+/* Tags: interned names, found by a hash index, their slots reclaimed once unreferenced. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,8 +33,6 @@ static size_t name_pool_cap, name_pool_used;
 /* name -> slot, open addressing: -1 empty, -2 removed. Guarded by table_lock. */
 static int32_t *tag_index;
 static size_t tag_index_cap, tag_index_used;
-static pthread_key_t region_tag_key;  /* a thread's reference to its region's tag, dropped at its exit */
-static pthread_once_t region_tag_once = PTHREAD_ONCE_INIT;
 
 static struct tms_tag *tag_at(int id) { return &tag_pages[id / TAG_PAGE_SIZE][id % TAG_PAGE_SIZE]; }
 static int tags_published(void) { return __atomic_load_n(&tag_slots, __ATOMIC_ACQUIRE); }
@@ -176,7 +173,7 @@ static void default_tag_locked(void)
     if (tags_published() == 0) (void)tms_tags_intern_locked("default", &id, NULL);
 }
 
-int tms_tag_check(const char *tag, struct tms_err *err)
+int tms_core_check_tag(const char *tag, struct tms_err *err)
 {
     size_t bad;
     if (!tag || !*tag) return tms_fail(err, TMS_E_ARG, 0, "tag must be a non-empty string");
@@ -186,56 +183,30 @@ int tms_tag_check(const char *tag, struct tms_err *err)
     return TMS_OK;
 }
 
-int tms_core_check_tag(const char *tag, struct tms_err *err) { return tms_tag_check(tag, err); }
-
-int tms_core_tag_id(const char *tag, int *id, struct tms_err *err)
-{
-    int rc = tms_tag_check(tag, err);
-    if (rc) return rc;
-    tms_table_lock();
-    rc = tms_tags_intern_locked(tag, id, err);
-    tms_table_unlock();
-    return rc;
-}
-
 const char *tms_core_tag_name(int id)
 {
     if (id >= 0 && id < tags_published()) return __atomic_load_n(&tag_at(id)->name, __ATOMIC_ACQUIRE);
     return id == TMS_TAG_DEFAULT_ID ? "default" : "?";
 }
 
-void tms_core_tag_ref(int id)
+void tms_tag_ref_locked(int id)
 {
-    tms_table_lock();
     if (id > 0 && id < tags_published()) tag_at(id)->refs++;
-    tms_table_unlock();
 }
 
-void tms_core_tag_unref(int id)
+void tms_tag_unref_locked(int id)
 {
-    tms_table_lock();
     if (id > 0 && id < tags_published() && tag_at(id)->refs) tag_at(id)->refs--;
-    tms_table_unlock();
 }
 
-/* The key holds the thread's region tag id + 1, so its reference goes when the thread ends. */
-static void drop_thread_tag(void *value) { tms_core_tag_unref((int)(intptr_t)value - 1); }
-static void make_region_tag_key(void) { (void)pthread_key_create(&region_tag_key, drop_thread_tag); }
-
-int tms_core_set_region_tag(const char *tag, struct tms_err *err)
+int tms_core_check_tags(const char *op, const char *const *tags, size_t n, struct tms_err *err)
 {
-    int rc = tms_tag_check(tag, err), id = 0;
-    if (rc) return rc;
-    pthread_once(&region_tag_once, make_region_tag_key);
-    struct tms_region *r = tms_region_current();
-    tms_table_lock();
-    rc = tms_tags_intern_locked(tag, &id, err);
-    if (!rc && id != r->tag_id) {
-        if (id > 0) tag_at(id)->refs++;
-        if (r->tag_id > 0 && r->tag_id < tags_published() && tag_at(r->tag_id)->refs) tag_at(r->tag_id)->refs--;
-        r->tag_id = id;
+    if (!tags || !n) return tms_fail(err, TMS_E_ARG, 0, "%s: the list of tags is empty", op);
+    for (size_t i = 0; i < n; i++) {
+        int rc = tms_core_check_tag(tags[i], err);
+        if (rc) return rc;
+        for (size_t j = 0; j < i; j++)
+            if (!strcmp(tags[i], tags[j])) return tms_fail(err, TMS_E_ARG, 0, "%s: tag '%s' is listed twice", op, tags[i]);
     }
-    tms_table_unlock();
-    if (!rc) (void)pthread_setspecific(region_tag_key, (void *)(intptr_t)(id + 1));
-    return rc;
+    return TMS_OK;
 }

@@ -1,10 +1,9 @@
-/* The upstream library's C ABI (include/torch_memory_saver.h): thin forwards into the region settings and the core. */
+/* The upstream library's C ABI (include/torch_memory_saver.h): thin forwards into the core's region settings and operations. */
 #include "torch_memory_saver.h"
 
 #include <stdint.h>
 
 #include "core/core.h"
-#include "platform/config.h"
 
 _Static_assert(TMS_STATUS_OK == TMS_OK && TMS_STATUS_OOM == TMS_E_OOM && TMS_STATUS_HOST_OOM == TMS_E_HOST_OOM &&
                    TMS_STATUS_DRIVER == TMS_E_DRIVER && TMS_STATUS_NO_DRIVER == TMS_E_NO_DRIVER &&
@@ -24,11 +23,11 @@ static int answer(int rc, const struct tms_err *err)
 
 TMS_EXPORT_ABI int tms_set_interesting_region(bool is_interesting)
 {
-    tms_region_current()->active = is_interesting;
+    tms_core_region_set_active(is_interesting);
     return TMS_OK;
 }
 
-TMS_EXPORT_ABI bool tms_get_interesting_region(void) { return tms_region_current()->active; }
+TMS_EXPORT_ABI bool tms_get_interesting_region(void) { return tms_core_region()->active; }
 
 TMS_EXPORT_ABI int tms_set_current_tag(const char *tag)
 {
@@ -36,40 +35,40 @@ TMS_EXPORT_ABI int tms_set_current_tag(const char *tag)
     return answer(tms_core_set_region_tag(tag, &err), &err);  /* rejects NULL, "" and what is not UTF-8 */
 }
 
-TMS_EXPORT_ABI const char *tms_get_current_tag(void) { return tms_core_tag_name(tms_region_current()->tag_id); }
+TMS_EXPORT_ABI const char *tms_get_current_tag(void) { return tms_core_tag_name(tms_core_region()->tag_id); }
 
 TMS_EXPORT_ABI int tms_set_enable_cpu_backup(bool enable)
 {
-    tms_region_current()->backup = enable;
+    tms_core_region_set_backup(enable);
     return TMS_OK;
 }
 
-TMS_EXPORT_ABI bool tms_get_enable_cpu_backup(void) { return tms_region_current()->backup; }
+TMS_EXPORT_ABI bool tms_get_enable_cpu_backup(void) { return tms_core_region()->backup; }
 
 TMS_EXPORT_ABI int tms_set_cpu_backup_backend(const char *backend)
 {
     int kind;
-    if (!backend || tms_backup_kind_parse(backend, &kind) != TMS_OK) {
+    if (!backend || tms_core_backup_kind_parse(backend, &kind) != TMS_OK) {
         struct tms_err err;
         return answer(tms_fail(&err, TMS_E_ARG, 0, "tms_set_cpu_backup_backend: '%s' is not a backup backend "
                                "(use 'pinned' or 'mmap')", backend ? backend : "NULL"), &err);
     }
-    tms_region_current()->backup_kind = kind;
+    tms_core_region_set_backup_kind(kind);
     return TMS_OK;
 }
 
 TMS_EXPORT_ABI const char *tms_get_cpu_backup_backend(void)
 {
-    return tms_backup_kind_name(tms_region_current()->backup_kind);
+    return tms_core_backup_kind_name(tms_core_region()->backup_kind);
 }
 
 TMS_EXPORT_ABI int tms_set_enable_disk_backup(bool enable)
 {
-    tms_region_current()->disk_backup = enable;
+    tms_core_region_set_disk_backup(enable);
     return TMS_OK;
 }
 
-TMS_EXPORT_ABI bool tms_get_enable_disk_backup(void) { return tms_region_current()->disk_backup; }
+TMS_EXPORT_ABI bool tms_get_enable_disk_backup(void) { return tms_core_region()->disk_backup; }
 
 TMS_EXPORT_ABI int tms_set_disk_backup_dir(const char *dir)
 {

@@ -1,4 +1,4 @@
-/* Every CPython symbol module.c uses, declared weak: the preload library is
+/* Every CPython symbol the CPython face (module*.c) uses, declared weak: the preload library is
  * loaded into any child process (shells, compilers, nvidia-smi), where there
  * is no libpython; a weak reference resolves to NULL there instead of failing
  * the load, also under LD_BIND_NOW=1. Inside Python they
@@ -49,6 +49,7 @@
 #pragma weak PyLong_FromVoidPtr
 #pragma weak PyMemoryView_FromObject
 #pragma weak PyModuleDef_Init
+#pragma weak PyModule_AddFunctions
 #pragma weak PyModule_AddObjectRef
 #pragma weak PyModule_AddStringConstant
 #pragma weak PyModule_GetState

@@ -6,10 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "platform/config.h"
 #include "core/core.h"
-#include "platform/cuda_abi.h"
 #include "hooks/hook.h"
+#include "platform/cuda_abi.h"
+#include "platform/fork.h"
 #include "platform/log.h"
 
 /* The owner's own entry points, kept by tms_cumem_wrap (atomic: set once). */
@@ -28,7 +28,7 @@ struct token {
     int adopted;        /* the core holds its memory (tms_core_adopt) */
     int mapped;         /* mapped by the owner at va, not adopted */
     int refs;           /* the owner's references: create 1, retain +1, release -1 */
-    tms_phys handle;    /* while not adopted: its physical handle; 0 if none (it was paused when disowned) */
+    uint64_t handle;    /* while not adopted: its physical handle; 0 if none (it was paused when disowned) */
     uint64_t va;
     size_t size;
     int device;
@@ -51,7 +51,11 @@ static unsigned long mapped_tokens;  /* tokens with mapped set */
 
 static void fork_prepare(void) { pthread_mutex_lock(&cumem_lock); }
 static void fork_release(void) { pthread_mutex_unlock(&cumem_lock); }
-static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_release, fork_release); }
+static void register_fork_handlers(void)
+{
+    static const struct tms_fork_handlers handlers = {fork_prepare, fork_release, fork_release};
+    tms_fork_register(TMS_FORK_CUMEM, &handlers);
+}
 
 static void lock_tokens(void)
 {
@@ -131,7 +135,7 @@ static tms_CUresult wrap_create(tms_CUmemHandle *h, size_t size, const tms_CUmem
                                 unsigned long long flags)
 {
     tms_cuMemCreate_fn create = REAL(create);
-    const struct tms_region *r = tms_region_current();
+    const struct tms_region *r = tms_core_region();
     if (!r->active || !h || !prop || prop->location.type != TMS_CU_MEM_LOCATION_TYPE_DEVICE || !wrapped_all())
         return create(h, size, prop, flags);
     struct tms_err err = {0};
@@ -167,7 +171,7 @@ static tms_CUresult wrap_map(tms_CUdeviceptr va, size_t size, size_t offset, tms
 {
     tms_cuMemMap_fn map = REAL(map);
     if (!is_token(h)) return map(va, size, offset, h, flags);
-    tms_phys phys = 0;
+    uint64_t phys = 0;
     tms_CUresult rc = TMS_CUDA_SUCCESS;
     lock_tokens();
     struct token *t = token_find_locked(h);
@@ -223,7 +227,7 @@ static tms_CUresult wrap_set_access(tms_CUdeviceptr va, size_t size, const tms_C
 }
 
 /* The core let go of t's page: its handle and address are the owner's again. */
-static void token_back_to_owner_locked(struct token *t, tms_phys handle, uint64_t va)
+static void token_back_to_owner_locked(struct token *t, uint64_t handle, uint64_t va)
 {
     t->adopted = 0;
     t->handle = handle;
@@ -232,9 +236,9 @@ static void token_back_to_owner_locked(struct token *t, tms_phys handle, uint64_
 
 /* The owner unmapped the memory of token `value` (handle: still mapped
  * if nonzero, unmapped by the caller next). */
-static void after_disown(uint64_t value, uint64_t va, tms_phys handle)
+static void after_disown(uint64_t value, uint64_t va, uint64_t handle)
 {
-    tms_phys orphan = 0;
+    uint64_t orphan = 0;
     lock_tokens();
     struct token *t = token_find_locked(value);
     if (t) {
@@ -263,7 +267,7 @@ static tms_CUresult unmap_pending(tms_cuMemUnmap_fn unmap, tms_CUdeviceptr va, s
     if (!value) return TMS_CUDA_SUCCESS;
     if (!whole) return TMS_CUDA_ERROR_NOT_SUPPORTED;
     tms_CUresult rc = unmap(va, size);
-    tms_phys orphan = 0;
+    uint64_t orphan = 0;
     lock_tokens();
     if ((t = token_find_locked(value))) {
         if (rc) {
@@ -289,7 +293,7 @@ static tms_CUresult wrap_unmap(tms_CUdeviceptr va, size_t size)
     /* Adopted memory, one allocation after the other over the range
      * (PyTorch unmaps one handle per call). */
     for (uint64_t at = va; at < va + size;) {
-        tms_phys handle = 0;
+        uint64_t handle = 0;
         uint64_t value = 0;
         size_t adopted_size = 0;
         struct tms_err err = {0};
@@ -320,7 +324,7 @@ static tms_CUresult wrap_unmap(tms_CUdeviceptr va, size_t size)
 static tms_CUresult wrap_release(tms_CUmemHandle h)
 {
     if (!is_token(h)) return REAL(release)(h);
-    tms_phys handle = 0;
+    uint64_t handle = 0;
     lock_tokens();
     struct token *t = token_find_locked(h);
     if (!t) {
@@ -336,9 +340,9 @@ static tms_CUresult wrap_release(tms_CUmemHandle h)
 }
 
 /* The physical handle a token stands for now; 0 while its memory is paused. */
-static tms_phys current_handle(tms_CUmemHandle h, int *known)
+static uint64_t current_handle(tms_CUmemHandle h, int *known)
 {
-    tms_phys handle = 0;
+    uint64_t handle = 0;
     lock_tokens();
     struct token *t = token_find_locked(h);
     *known = t != NULL;
@@ -356,7 +360,7 @@ static tms_CUresult wrap_export(void *out, tms_CUmemHandle h, int type, unsigned
 {
     if (!is_token(h)) return REAL(export_handle)(out, h, type, flags);
     int known;
-    tms_phys handle = current_handle(h, &known);
+    uint64_t handle = current_handle(h, &known);
     if (!handle) return known ? TMS_CUDA_ERROR_ILLEGAL_STATE : TMS_CUDA_ERROR_INVALID_VALUE;
     return REAL(export_handle)(out, handle, type, flags);
 }
@@ -365,7 +369,7 @@ static tms_CUresult wrap_props(tms_CUmemAllocationProp *prop, tms_CUmemHandle h)
 {
     if (!is_token(h)) return REAL(props)(prop, h);
     int known;
-    tms_phys handle = current_handle(h, &known);
+    uint64_t handle = current_handle(h, &known);
     if (!handle) return known ? TMS_CUDA_ERROR_ILLEGAL_STATE : TMS_CUDA_ERROR_INVALID_VALUE;
     return REAL(props)(prop, handle);
 }
@@ -377,7 +381,7 @@ static tms_CUresult wrap_retain(tms_CUmemHandle *h, void *addr)
 {
     if (h && __atomic_load_n(&live_tokens, __ATOMIC_RELAXED)) {
         uint64_t value = 0;
-        tms_phys handle;
+        uint64_t handle;
         lock_tokens();
         struct token *t = NULL;
         if (tms_core_adopted_at((uint64_t)(uintptr_t)addr, &value, &handle) == TMS_OK) t = token_find_locked(value);

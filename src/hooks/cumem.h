@@ -22,18 +22,7 @@
 
 #include "platform/cuda_abi.h"
 
-/* The driver's signatures of the wrapped entry points. */
-typedef tms_CUresult (*tms_cuMemCreate_fn)(tms_CUmemHandle *, size_t, const tms_CUmemAllocationProp *,
-                                           unsigned long long);
-typedef tms_CUresult (*tms_cuMemMap_fn)(tms_CUdeviceptr, size_t, size_t, tms_CUmemHandle, unsigned long long);
-typedef tms_CUresult (*tms_cuMemSetAccess_fn)(tms_CUdeviceptr, size_t, const tms_CUmemAccessDesc *, size_t);
-typedef tms_CUresult (*tms_cuMemUnmap_fn)(tms_CUdeviceptr, size_t);
-typedef tms_CUresult (*tms_cuMemRelease_fn)(tms_CUmemHandle);
-typedef tms_CUresult (*tms_cuMemExportToShareableHandle_fn)(void *, tms_CUmemHandle, int, unsigned long long);
-typedef tms_CUresult (*tms_cuMemGetAllocationPropertiesFromHandle_fn)(tms_CUmemAllocationProp *, tms_CUmemHandle);
-typedef tms_CUresult (*tms_cuMemRetainAllocationHandle_fn)(tms_CUmemHandle *, void *);
-
-/* One of each, as an owner looked them up. */
+/* One of each wrapped entry point (its typedef is cuda_abi.h's), as an owner looked them up. */
 struct tms_cumem_entry_points {
     tms_cuMemCreate_fn create;
     tms_cuMemMap_fn map;

@@ -19,7 +19,7 @@ int tms_hook_alloc(void **ptr, size_t size, int device)
         tms_core_keep_error(&(struct tms_err){.status = TMS_E_ARG, .msg = "cudaMalloc: the result pointer is NULL"});
         return TMS_CUDA_ERROR_INVALID_VALUE_RT;
     }
-    return answer(&err, tms_core_alloc(size, device, tms_region_current(), ptr, &err));
+    return answer(&err, tms_core_alloc(size, device, tms_core_region(), ptr, &err));
 }
 
 int tms_hook_free(void *ptr)

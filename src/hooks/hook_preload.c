@@ -3,7 +3,6 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "platform/config.h"
 #include "core/core.h"
 #include "hooks/cumem.h"
 #include "hooks/hook.h"
@@ -18,7 +17,7 @@ typedef int (*free_fn)(void *);
  * loaded after this library. */
 static int route_malloc(void **ptr, size_t size, tms_next_fn next, const void *caller)
 {
-    if (tms_region_current()->active) return tms_hook_alloc(ptr, size, -1);
+    if (tms_core_region()->active) return tms_hook_alloc(ptr, size, -1);
     malloc_fn real = (malloc_fn)next(caller);
     return real ? real(ptr, size) : TMS_CUDA_ERROR_INITIALIZATION;
 }
@@ -84,7 +83,7 @@ extern int tms_own_preload_malloc(void **ptr, size_t size, tms_next_fn next, con
  * that routes into this library (an upstream-named file on LD_PRELOAD); 0 if
  * none or another is; *winner names the library that defines the one that
  * wins, if any. */
-int tms_core_preload_active(const char **winner)
+int tms_preload_active(const char **winner)
 {
     /* The main program's handle searches the global scope only, which is
      * what PyTorch's references resolve against first; RTLD_DEFAULT from
@@ -103,7 +102,7 @@ int tms_core_preload_active(const char **winner)
     return router == (void *)tms_own_preload_malloc;
 }
 
-int tms_core_install_relocation(struct tms_err *err)
+int tms_preload_install_relocation(struct tms_err *err)
 {
     const struct tms_reloc_target hooks[] = {
         {"cudaMalloc", (void *)tms_own_cuda_malloc}, {"cudaFree", (void *)tms_own_cuda_free},
@@ -114,9 +113,14 @@ int tms_core_install_relocation(struct tms_err *err)
     return tms_reloc_install(hooks, sizeof hooks / sizeof *hooks, err);
 }
 
-const char *tms_core_preload_method(void)
+const char *tms_preload_method(void)
 {
     const char *winner;
-    if (tms_core_preload_active(&winner)) return "ld_preload";
+    if (tms_preload_active(&winner)) return "ld_preload";
     return tms_reloc_installed() ? "relocation" : NULL;
+}
+
+void tms_preload_relocation_report(char *patched, size_t patched_n, char *static_runtime, size_t static_n)
+{
+    tms_reloc_report(patched, patched_n, static_runtime, static_n);
 }

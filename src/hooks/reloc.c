@@ -14,7 +14,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "platform/config.h"
+#include "core/core.h"
+#include "platform/fork.h"
 #include "platform/log.h"
 
 /*
@@ -725,12 +726,18 @@ static void locks_free_in_child(void)
     pthread_mutex_init(&seen_lock, NULL);
 }
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-static void register_atfork(void) { (void)pthread_atfork(NULL, NULL, locks_free_in_child); }
+static void register_atfork(void)
+{
+    static const struct tms_fork_handlers handlers = {.child = locks_free_in_child};
+    tms_fork_register(TMS_FORK_RELOC, &handlers);
+}
 
 int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms_err *err)
 {
     pthread_once(&atfork_once, register_atfork);
-    if (!tms_defaults()->reloc_hooks)
+    struct tms_core_defaults settings;
+    tms_core_defaults(&settings);
+    if (!settings.reloc_hooks)
         return tms_fail(err, TMS_E_UNSUPPORTED, 0, "relocation hooks are off (TMS_RELOC_HOOKS=0)");
     if (count + 2 > MAX_TARGETS) return tms_fail(err, TMS_E_ARG, 0, "too many relocation targets (%zu)", count);
     Dl_info self;

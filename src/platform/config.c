@@ -1,4 +1,4 @@
-/* Process defaults from TMS_* environment and each thread's region settings. */
+/* The process's settings: every TMS_* variable parsed once (malformed ones reported, safe defaults kept). */
 #include "platform/config.h"
 
 #include "platform/parse.h"
@@ -12,17 +12,6 @@
 static pthread_once_t defaults_once = PTHREAD_ONCE_INIT;
 static struct tms_defaults defaults;  /* written once under defaults_once */
 static struct tms_host_env host_env;  /* written once under defaults_once */
-
-static _Thread_local struct tms_region thread_region;
-static _Thread_local int thread_region_ready;
-
-int tms_backup_kind_parse(const char *name, int *kind)
-{
-    if (strcmp(name, "pinned") == 0) *kind = TMS_BACKUP_PINNED;
-    else if (strcmp(name, "mmap") == 0) *kind = TMS_BACKUP_MMAP;
-    else return TMS_E_ARG;
-    return TMS_OK;
-}
 
 
 static void env_bool(const char *var, int *out)
@@ -109,7 +98,6 @@ static void env_path(const char *var, char *out, size_t size)
 
 static void load_defaults(void)
 {
-    defaults.init_backup_kind = TMS_BACKUP_DEFAULT;
     env_bool("TMS_INIT_ENABLE", &defaults.init_enable);
     env_bool("TMS_INIT_ENABLE_CPU_BACKUP", &defaults.init_backup);
     env_bool("TMS_RETAIN_CPU_BACKUP", &defaults.retain_backup);
@@ -126,9 +114,11 @@ static void load_defaults(void)
     env_host_limit();
     env_path("TMS_HOST_MEMINFO", defaults.host_meminfo, sizeof defaults.host_meminfo);
     env_disk_block();
+    /* The names of the CPU backup kinds (backup/backup.h turns one into its kind). */
     const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
-    if (kind && *kind && tms_backup_kind_parse(kind, &defaults.init_backup_kind) != TMS_OK &&
-        !defaults.parse_error.status)
+    if (kind && (!strcmp(kind, "pinned") || !strcmp(kind, "mmap")))
+        strcpy(defaults.init_backup_backend, kind);
+    else if (kind && *kind && !defaults.parse_error.status)
         tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
                  "TMS_INIT_CPU_BACKUP_BACKEND='%s' is not a backup backend (use 'pinned' or 'mmap')", kind);
     env_threads();
@@ -321,18 +311,4 @@ const struct tms_defaults *tms_defaults(void)
 {
     pthread_once(&defaults_once, load_all);
     return &defaults;
-}
-
-struct tms_region *tms_region_current(void)
-{
-    if (!thread_region_ready) {
-        const struct tms_defaults *d = tms_defaults();
-        thread_region.active = d->init_enable;
-        thread_region.tag_id = TMS_TAG_DEFAULT_ID;
-        thread_region.backup = d->init_backup;
-        thread_region.backup_kind = d->init_backup_kind;
-        thread_region.disk_backup = d->init_disk_backup;
-        thread_region_ready = 1;
-    }
-    return &thread_region;
 }

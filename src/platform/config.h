@@ -1,4 +1,4 @@
-/* Process defaults from TMS_* environment and each thread's region settings. */
+/* The process's settings: every TMS_* variable parsed once, nothing more. */
 #ifndef TMS_CONFIG_H
 #define TMS_CONFIG_H
 
@@ -6,32 +6,12 @@
 
 #include "platform/error.h"
 
-enum tms_backup_kind {
-    TMS_BACKUP_PINNED = 0,  /* page-locked host memory */
-    TMS_BACKUP_MMAP = 1,    /* pageable anonymous memory, returned to the OS on resume */
-    TMS_BACKUP_DISK = 2,    /* a file in the disk backup directory (backup/disk.c); never a CPU backup backend */
-    TMS_BACKUP_KINDS
-};
-/* mmap is the default: it reaches link speed without keeping memory pinned
- * between cycles; pinning a large backup fresh costs seconds (docs/performance.md). */
-#define TMS_BACKUP_DEFAULT TMS_BACKUP_MMAP
-
-#define TMS_TAG_DEFAULT_ID 0  /* the tag "default", interned first */
 #define TMS_CHUNK_BYTES_MAX ((size_t)1 << 40)
-
-/* What an allocation made by this thread now gets. */
-struct tms_region {
-    int active;       /* inside a region and not disabled */
-    int tag_id;
-    int backup;       /* keep a host copy across pause */
-    int backup_kind;  /* enum tms_backup_kind of the CPU backup: pinned or mmap */
-    int disk_backup;  /* back up to a file instead; wins over backup when both are set */
-};
 
 struct tms_defaults {
     int init_enable;             /* TMS_INIT_ENABLE */
     int init_backup;             /* TMS_INIT_ENABLE_CPU_BACKUP */
-    int init_backup_kind;        /* TMS_INIT_CPU_BACKUP_BACKEND */
+    char init_backup_backend[8]; /* TMS_INIT_CPU_BACKUP_BACKEND: "pinned", "mmap", or "" (the backups' default) */
     int init_disk_backup;        /* TMS_INIT_ENABLE_DISK_BACKUP */
     size_t disk_block_bytes;     /* TMS_DISK_BACKUP_CHUNK_MB: largest file I/O (default 256 MiB) */
     int reloc_hooks;             /* TMS_RELOC_HOOKS (default 1): preload mode may patch GOT entries */
@@ -92,11 +72,5 @@ int tms_env_check(struct tms_err *err);
 int tms_env_known(const char *name);
 /* The i-th of the variables tms_env_known names one by one, NULL past the last. */
 const char *tms_env_name(size_t i);
-
-/* The calling thread's settings, initialised from the defaults on first use. */
-struct tms_region *tms_region_current(void);
-
-/* A CPU backup backend's name ("pinned" or "mmap") as its kind. */
-int tms_backup_kind_parse(const char *name, int *kind);
 
 #endif

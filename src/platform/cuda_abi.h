@@ -1,4 +1,4 @@
-/* The slice of the CUDA driver ABI the cuda backend calls, declared here so
+/* The slice of the CUDA driver ABI the cuda backend calls and the hooks wrap, declared here so
  * the build needs no CUDA headers and links no CUDA library (one build serves CUDA 12 and 13).
  * tests/c/test_cuda_abi.c checks every layout and constant against cuda.h. */
 #ifndef TMS_CUDA_ABI_H
@@ -52,5 +52,60 @@ typedef struct {
     tms_CUmemLocation location;
     int flags;
 } tms_CUmemAccessDesc;
+
+/*
+ * The driver entry points the library calls (the cuda backend) or wraps
+ * (hooks/cumem.c, for PyTorch's expandable segments), each at the ABI of CUDA
+ * 12.0: X(name, parameters, REQUIRED or OPTIONAL). The backend's load fails
+ * without a required one; an optional one it does not call may be missing
+ * (its pointer stays NULL). The typedef tms_<name>_fn of each is made below.
+ * tests/c/test_cuda_abi.c checks every row against cuda.h.
+ */
+#define TMS_CUDA_ENTRIES(X) \
+    X(cuInit, (unsigned flags), REQUIRED) \
+    X(cuDeviceGetCount, (int *count), REQUIRED) \
+    X(cuDeviceGet, (tms_CUdevice *dev, int ordinal), REQUIRED) \
+    X(cuDeviceGetPCIBusId, (char *bus_id, int len, tms_CUdevice dev), REQUIRED) \
+    X(cuDevicePrimaryCtxRetain, (tms_CUcontext *ctx, tms_CUdevice dev), REQUIRED) \
+    X(cuDevicePrimaryCtxGetState, (tms_CUdevice dev, unsigned *flags, int *active), REQUIRED) \
+    X(cuCtxGetCurrent, (tms_CUcontext *ctx), REQUIRED) \
+    X(cuCtxGetDevice, (tms_CUdevice *dev), REQUIRED) \
+    X(cuCtxPushCurrent, (tms_CUcontext ctx), REQUIRED) \
+    X(cuCtxPopCurrent, (tms_CUcontext *ctx), REQUIRED) \
+    X(cuCtxSynchronize, (void), REQUIRED) \
+    X(cuMemGetInfo, (size_t *free_bytes, size_t *total_bytes), REQUIRED) \
+    X(cuMemGetAllocationGranularity, (size_t *g, const tms_CUmemAllocationProp *prop, int option), REQUIRED) \
+    X(cuMemAddressReserve, (tms_CUdeviceptr *va, size_t size, size_t align, tms_CUdeviceptr addr, \
+      unsigned long long flags), REQUIRED) \
+    X(cuMemAddressFree, (tms_CUdeviceptr va, size_t size), REQUIRED) \
+    X(cuMemCreate, (tms_CUmemHandle *h, size_t size, const tms_CUmemAllocationProp *prop, \
+      unsigned long long flags), REQUIRED) \
+    X(cuMemRelease, (tms_CUmemHandle h), REQUIRED) \
+    X(cuMemMap, (tms_CUdeviceptr va, size_t size, size_t offset, tms_CUmemHandle h, \
+      unsigned long long flags), REQUIRED) \
+    X(cuMemUnmap, (tms_CUdeviceptr va, size_t size), REQUIRED) \
+    X(cuMemSetAccess, (tms_CUdeviceptr va, size_t size, const tms_CUmemAccessDesc *desc, size_t count), \
+      REQUIRED) \
+    X(cuStreamCreate, (tms_CUstream *stream, unsigned flags), REQUIRED) \
+    X(cuStreamSynchronize, (tms_CUstream stream), REQUIRED) \
+    X(cuMemcpyDtoHAsync, (void *dst, tms_CUdeviceptr src, size_t n, tms_CUstream stream), REQUIRED) \
+    X(cuMemcpyHtoDAsync, (tms_CUdeviceptr dst, const void *src, size_t n, tms_CUstream stream), REQUIRED) \
+    X(cuMemHostAlloc, (void **p, size_t size, unsigned flags), REQUIRED) \
+    X(cuMemFreeHost, (void *p), REQUIRED) \
+    X(cuMemHostRegister, (void *p, size_t size, unsigned flags), REQUIRED) \
+    X(cuMemHostUnregister, (void *p), REQUIRED) \
+    X(cuGetErrorName, (tms_CUresult code, const char **name), REQUIRED) \
+    X(cuMemExportToShareableHandle, (void *shareable, tms_CUmemHandle h, int type, \
+      unsigned long long flags), OPTIONAL) \
+    X(cuMemGetAllocationPropertiesFromHandle, (tms_CUmemAllocationProp *prop, tms_CUmemHandle h), OPTIONAL) \
+    X(cuMemRetainAllocationHandle, (tms_CUmemHandle *h, void *addr), OPTIONAL)
+
+/* The presence column as a number: 1 for a required entry. */
+#define TMS_CUDA_REQUIRED 1
+#define TMS_CUDA_OPTIONAL 0
+
+#define TMS_CUDA_TYPEDEF(name, params, presence) typedef tms_CUresult (*tms_##name##_fn) params;
+TMS_CUDA_ENTRIES(TMS_CUDA_TYPEDEF)
+#undef TMS_CUDA_TYPEDEF
 
 #endif

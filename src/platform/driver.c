@@ -1,7 +1,11 @@
 /* Chooses and loads the process's one VMM backend. */
 #include "platform/driver.h"
 
+#include "platform/fork.h"
+
 #include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,7 +19,11 @@ static pthread_once_t fork_handlers_once = PTHREAD_ONCE_INIT;
  * child sees the lock free and the backend either loaded or not. */
 static void fork_prepare(void) { pthread_mutex_lock(&driver_lock); }
 static void fork_release(void) { pthread_mutex_unlock(&driver_lock); }
-static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_release, fork_release); }
+static void register_fork_handlers(void)
+{
+    static const struct tms_fork_handlers handlers = {fork_prepare, fork_release, fork_release};
+    tms_fork_register(TMS_FORK_DRIVER, &handlers);
+}
 
 static void lock_driver(void)
 {
@@ -96,4 +104,31 @@ const char *tms_driver_loaded_name(void)
 {
     const struct tms_driver *d = __atomic_load_n(&driver_ready, __ATOMIC_ACQUIRE);
     return d ? d->name : NULL;
+}
+
+int tms_driver_fail(struct tms_err *err, int status, const struct tms_driver *drv, int rc, const char *fmt, ...)
+{
+    if (!err) return status;
+    char what[sizeof err->msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    return tms_fail(err, status, rc, "%s: %s (%d)", what, drv->code_name(rc), rc);
+}
+
+void tms_driver_fail_append(struct tms_err *err, const struct tms_driver *drv, int rc, const char *fmt, ...)
+{
+    if (!err) return;
+    char what[sizeof err->msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    tms_err_append(err, "%s: %s (%d)", what, drv->code_name(rc), rc);
+}
+
+int tms_driver_status(const struct tms_driver *drv, int rc)
+{
+    return drv->is_oom(rc) ? TMS_E_OOM : TMS_E_DRIVER;
 }

@@ -10,8 +10,9 @@
 /*
  * Conventions every backend keeps:
  *  - Each operation returns int: 0 on success, otherwise the backend's own
- *    code (CUresult, hipError_t, errno). The core turns codes into messages
- *    with code_name(), the operation, the address and the size.
+ *    code (CUresult, hipError_t, errno). The layers above report a failure
+ *    with tms_driver_fail: the operation, the address and size, the code
+ *    and its code_name().
  *  - Out-parameters are never NULL.
  *  - Sizes and addresses handed to reserve/create/map/unmap are already
  *    multiples of granularity(device).
@@ -111,5 +112,17 @@ void tms_driver_set_platform_hint(const char *platform);
 
 /* Name of the loaded backend, or NULL if none is loaded yet. */
 const char *tms_driver_loaded_name(void);
+
+/* ---- reporting a failed call --------------------------------------------------
+ * The caller's words say what failed: the operation, and the pointer and size
+ * (or device) it was given; the helper adds the code and its name, as
+ * "<words>: <code name> (<code>)". */
+int tms_driver_fail(struct tms_err *err, int status, const struct tms_driver *drv, int rc, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+/* As tms_err_append: a driver call that failed while undoing after another failure. */
+void tms_driver_fail_append(struct tms_err *err, const struct tms_driver *drv, int rc, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* TMS_E_OOM if rc means out of memory (a caller may free and retry), else TMS_E_DRIVER. */
+int tms_driver_status(const struct tms_driver *drv, int rc);
 
 #endif

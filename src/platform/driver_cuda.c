@@ -6,6 +6,7 @@
 
 #include "platform/cuda_abi.h"
 #include "platform/driver.h"
+#include "platform/fork.h"
 #include "platform/topology.h"
 
 /* Every entry is requested at the ABI of CUDA 12.0, which CUDA 12 and 13
@@ -13,43 +14,9 @@
 #define CUDA_ABI_VERSION 12000
 #define CUDA_MAX_DEVICES 64
 
-#define CUDA_ENTRIES(X) \
-    X(cuInit, (unsigned flags)) \
-    X(cuDeviceGetCount, (int *count)) \
-    X(cuDeviceGet, (tms_CUdevice *dev, int ordinal)) \
-    X(cuDeviceGetPCIBusId, (char *bus_id, int len, tms_CUdevice dev)) \
-    X(cuDevicePrimaryCtxRetain, (tms_CUcontext *ctx, tms_CUdevice dev)) \
-    X(cuDevicePrimaryCtxGetState, (tms_CUdevice dev, unsigned *flags, int *active)) \
-    X(cuCtxGetCurrent, (tms_CUcontext *ctx)) \
-    X(cuCtxGetDevice, (tms_CUdevice *dev)) \
-    X(cuCtxPushCurrent, (tms_CUcontext ctx)) \
-    X(cuCtxPopCurrent, (tms_CUcontext *ctx)) \
-    X(cuCtxSynchronize, (void)) \
-    X(cuMemGetInfo, (size_t *free_bytes, size_t *total_bytes)) \
-    X(cuMemGetAllocationGranularity, (size_t *g, const tms_CUmemAllocationProp *prop, int option)) \
-    X(cuMemAddressReserve, (tms_CUdeviceptr *va, size_t size, size_t align, tms_CUdeviceptr addr, \
-                            unsigned long long flags)) \
-    X(cuMemAddressFree, (tms_CUdeviceptr va, size_t size)) \
-    X(cuMemCreate, (tms_CUmemHandle *h, size_t size, const tms_CUmemAllocationProp *prop, \
-                    unsigned long long flags)) \
-    X(cuMemRelease, (tms_CUmemHandle h)) \
-    X(cuMemMap, (tms_CUdeviceptr va, size_t size, size_t offset, tms_CUmemHandle h, \
-                 unsigned long long flags)) \
-    X(cuMemUnmap, (tms_CUdeviceptr va, size_t size)) \
-    X(cuMemSetAccess, (tms_CUdeviceptr va, size_t size, const tms_CUmemAccessDesc *desc, size_t count)) \
-    X(cuStreamCreate, (tms_CUstream *stream, unsigned flags)) \
-    X(cuStreamSynchronize, (tms_CUstream stream)) \
-    X(cuMemcpyDtoHAsync, (void *dst, tms_CUdeviceptr src, size_t n, tms_CUstream stream)) \
-    X(cuMemcpyHtoDAsync, (tms_CUdeviceptr dst, const void *src, size_t n, tms_CUstream stream)) \
-    X(cuMemHostAlloc, (void **p, size_t size, unsigned flags)) \
-    X(cuMemFreeHost, (void *p)) \
-    X(cuMemHostRegister, (void *p, size_t size, unsigned flags)) \
-    X(cuMemHostUnregister, (void *p)) \
-    X(cuGetErrorName, (tms_CUresult code, const char **name))
-
-#define CUDA_DECLARE_FIELD(name, params) tms_CUresult (*name) params;
+#define CUDA_DECLARE_FIELD(name, params, presence) tms_##name##_fn name;
 struct cuda_api {
-    CUDA_ENTRIES(CUDA_DECLARE_FIELD)
+    TMS_CUDA_ENTRIES(CUDA_DECLARE_FIELD)
 };
 
 /* Written once by cuda_load (under driver.c's lock), read-only afterwards. */
@@ -70,7 +37,11 @@ static pthread_once_t fork_handlers_once = PTHREAD_ONCE_INIT;
  * usable there, but the child must not hang on a lock on its way to that error). */
 static void fork_prepare(void) { pthread_mutex_lock(&devices_lock); }
 static void fork_release(void) { pthread_mutex_unlock(&devices_lock); }
-static void register_fork_handlers(void) { (void)pthread_atfork(fork_prepare, fork_release, fork_release); }
+static void register_fork_handlers(void)
+{
+    static const struct tms_fork_handlers handlers = {fork_prepare, fork_release, fork_release};
+    tms_fork_register(TMS_FORK_DEVICES, &handlers);
+}
 
 typedef tms_CUresult (*get_proc_v2_fn)(const char *, void **, int, unsigned long long, int *);
 typedef tms_CUresult (*get_proc_v1_fn)(const char *, void **, int, unsigned long long);
@@ -92,7 +63,7 @@ static int cuda_load(struct tms_err *err)
                         "CUDA driver too old: libcuda.so.1 has no cuGetProcAddress (need CUDA 12 or newer)");
     struct cuda_api api;
     memset(&api, 0, sizeof api);
-#define CUDA_RESOLVE(name, params)                                                              \
+#define CUDA_RESOLVE(name, params, presence)                                                    \
     {                                                                                           \
         void *fn = NULL;                                                                        \
         int symbol_status = 0;                                                                  \
@@ -100,13 +71,13 @@ static int cuda_load(struct tms_err *err)
                                           TMS_CU_GET_PROC_ADDRESS_DEFAULT, &symbol_status)      \
                                  : get_v1(#name, &fn, CUDA_ABI_VERSION,                         \
                                           TMS_CU_GET_PROC_ADDRESS_DEFAULT);                     \
-        if (rc != TMS_CUDA_SUCCESS || !fn)                                                      \
+        if ((rc != TMS_CUDA_SUCCESS || !fn) && TMS_CUDA_##presence)                             \
             return tms_fail(err, TMS_E_NO_DRIVER, rc,                                           \
                             "CUDA driver lacks " #name " (cuGetProcAddress code %d, status %d)", \
                             rc, symbol_status);                                                 \
-        memcpy(&api.name, &fn, sizeof fn);                                                      \
+        if (rc == TMS_CUDA_SUCCESS) memcpy(&api.name, &fn, sizeof fn);                          \
     }
-    CUDA_ENTRIES(CUDA_RESOLVE)
+    TMS_CUDA_ENTRIES(CUDA_RESOLVE)
 #undef CUDA_RESOLVE
     tms_CUresult rc = api.cuInit(0);
     if (rc != TMS_CUDA_SUCCESS) {

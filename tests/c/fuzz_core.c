@@ -40,6 +40,7 @@
 
 #include "platform/config.h"
 #include "core/core.h"
+#include "core/core_internal.h"
 #include "platform/driver.h"
 
 /* ---- failure reporting --------------------------------------------------------- */

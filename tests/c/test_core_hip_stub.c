@@ -15,27 +15,13 @@
 #include <string.h>
 
 #include "platform/config.h"
+#include "backup/backup.h"
 #include "core/core.h"
 #include "platform/driver.h"
 #include "platform/hip_abi.h"
+#include "check.h"
 
 #define MiB ((size_t)1 << 20)
-
-static int passed, failed;
-
-static void check(int ok, int line, const char *what, const char *detail)
-{
-    if (ok) {
-        passed++;
-        return;
-    }
-    failed++;
-    fprintf(stderr, "%s:%d: FAILED: %s%s%s\n", __FILE__, line, what, detail ? " -- " : "", detail ? detail : "");
-}
-
-#define CHECK(cond) check(!!(cond), __LINE__, #cond, NULL)
-#define CHECK_RC(expr, want) (memset(&err, 0, sizeof err), check((expr) == (want), __LINE__, #expr, err.msg))
-#define CHECK_MSG(needle) check(strstr(err.msg, (needle)) != NULL, __LINE__, "err.msg contains \"" needle "\"", err.msg)
 
 static const struct tms_driver *drv;
 static size_t gran, want_chunk;
@@ -359,6 +345,5 @@ int main(int argc, char **argv)
         tests[i].run();
         printf("%s %s\n", failed == before ? "ok  " : "FAIL", tests[i].name);
     }
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed ? 1 : 0;
+    return check_summary();
 }

@@ -16,9 +16,11 @@
 #include "backup/host.h"
 #include "platform/config.h"
 #include "core/core.h"
+#include "core/core_internal.h"
 #include "platform/driver.h"
 #include "platform/parse.h"
 #include "seeded_bytes.h"
+#include "check.h"
 #include "core/span_index.h"
 #include "platform/topology.h"
 #include "backup/transfer.h"
@@ -28,33 +30,6 @@
  * every call's number. CMakeLists.txt's core_host_faults* tests set them. */
 #define FAULT_PLAN "map:2,host_alloc:1,create:12,unmap:8,copy_to_host:11,copy_to_device:13"
 #define FAULT_PLAN_CHUNKED "create:3,map:5,unmap:3"  /* with TMS_CHUNK_BYTES=2MiB */
-
-static int passed, failed;  /* atomic: the threads test checks from every thread */
-
-static void check(int ok, const char *file, int line, const char *what, const char *detail)
-{
-    if (ok) {
-        __atomic_add_fetch(&passed, 1, __ATOMIC_RELAXED);
-        return;
-    }
-    __atomic_add_fetch(&failed, 1, __ATOMIC_RELAXED);
-    fprintf(stderr, "%s:%d: FAILED: %s%s%s\n", file, line, what, detail ? " -- " : "", detail ? detail : "");
-}
-
-static void check_rc(int rc, int want, const struct tms_err *err, const char *file, int line, const char *what)
-{
-    char detail[512];
-    snprintf(detail, sizeof detail, "got %s (%d), want %s (%d); err.msg: %s", tms_status_name(rc), rc,
-             tms_status_name(want), want, rc ? err->msg : "");
-    check(rc == want, file, line, what, rc == want ? NULL : detail);
-}
-
-#define CHECK(cond) check(!!(cond), __FILE__, __LINE__, #cond, NULL)
-/* Clears err, runs expr, and checks its status; every test has a local err. */
-#define CHECK_RC(expr, want) \
-    (memset(&err, 0, sizeof err), check_rc((expr), (want), &err, __FILE__, __LINE__, #expr))
-#define CHECK_MSG(needle) \
-    check(strstr(err.msg, (needle)) != NULL, __FILE__, __LINE__, "err.msg contains \"" needle "\"", err.msg)
 
 /* ---- helpers ------------------------------------------------------------------ */
 
@@ -1080,8 +1055,8 @@ static void test_faults_chunked(void)
     CHECK(row.state == TMS_ACTIVE);
     CHECK(matches(v, size, 1000));
     CHECK(free_bytes(0) == total - 3 * gran);
-    check(!row.has_host_copy, __FILE__, __LINE__, "!row.has_host_copy",
-          "an active allocation keeps the backup of a pause whose unmap failed (retain off)");
+    check_at(!row.has_host_copy, __FILE__, __LINE__, "!row.has_host_copy",
+             "an active allocation keeps the backup of a pause whose unmap failed (retain off)");
     CHECK_RC(tms_core_pause("f-chunks", &err), TMS_OK);  /* [unmap 4-6] */
     CHECK(free_bytes(0) == total);
     CHECK_RC(tms_core_resume("f-chunks", &err), TMS_OK);
@@ -1631,18 +1606,17 @@ int main(int argc, char **argv)
     if (fault && *fault) {
         /* Call counts run from process start: a fault scenario runs alone. */
         if (strcmp(backend, "host") != 0)
-            check(0, __FILE__, __LINE__, "TMS_FAULT runs on the host backend", backend);
+            check_at(0, __FILE__, __LINE__, "TMS_FAULT runs on the host backend", backend);
         else if (strcmp(fault, FAULT_PLAN) == 0)
             run(&(struct test){"faults", test_faults});
         else if (strcmp(fault, FAULT_PLAN_CHUNKED) == 0 && tms_defaults()->chunk_bytes == gran)
             run(&(struct test){"faults_chunked", test_faults_chunked});
         else
-            check(0, __FILE__, __LINE__, "TMS_FAULT is a plan a scenario is written for",
-                  "TMS_FAULT=" FAULT_PLAN ", or TMS_FAULT=" FAULT_PLAN_CHUNKED " with TMS_CHUNK_BYTES=2MiB");
+            check_at(0, __FILE__, __LINE__, "TMS_FAULT is a plan a scenario is written for",
+                     "TMS_FAULT=" FAULT_PLAN ", or TMS_FAULT=" FAULT_PLAN_CHUNKED " with TMS_CHUNK_BYTES=2MiB");
     } else {
         for (size_t i = 0; i < sizeof tests / sizeof *tests; i++)
             if (selected(tests[i].name, argc, argv)) run(&tests[i]);
     }
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed ? 1 : 0;
+    return check_summary();
 }

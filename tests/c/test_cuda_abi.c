@@ -1,10 +1,10 @@
-/* Compile-time check that src/platform/cuda_abi.h and driver_cuda.c's entry table match the real cuda.h. */
+/* Compile-time check that platform/cuda_abi.h (its types, constants and entry table) matches the real cuda.h. */
 #include <cuda.h>
 #include <driver_types.h>
 #include <stddef.h>
 #include <stdio.h>
 
-/* The backend itself, so its CUDA_ENTRIES table and typedefs are in reach.
+/* The backend itself, so the TMS_CUDA_ENTRIES table and its typedefs are in reach.
  * cuda.h is included first on purpose: its version macros (cuMemGetInfo ->
  * cuMemGetInfo_v2, ...) rename the table's fields consistently, and the
  * checks below see the names the header maps them to. */
@@ -93,11 +93,12 @@ SAME_FIELD(tms_CUmemAccessDesc, CUmemAccessDesc, location.id);
 SAME_FIELD(tms_CUmemAccessDesc, CUmemAccessDesc, flags);
 
 /* ---- entry points -------------------------------------------------------------
- * Every CUDA_ENTRIES row, with our typedefs spelled as cuda.h's, must be the
+ * Every TMS_CUDA_ENTRIES row, with our typedefs spelled as cuda.h's, must be the
  * exact prototype cuda.h declares for that name (C11 type compatibility via
  * _Generic; nothing is called or linked). Caveats, checked by hand below:
  *  - CUresult is an enum there and int here: covered by SAME_SIZE above.
- *  - cuMemGetAllocationGranularity takes its enum option as int here.
+ *  - cuMemGetAllocationGranularity and cuMemExportToShareableHandle take
+ *    their enum arguments as int here.
  *  - cuda.h maps a name to its newest version (cuMemGetInfo -> _v2), while
  *    driver_cuda.c asks cuGetProcAddress for CUDA_ABI_VERSION's. Today no
  *    entry changed after 12.0; if a newer header maps one to a version with
@@ -114,6 +115,14 @@ _Static_assert(_Generic(&((struct cuda_api *)0)->cuMemGetAllocationGranularity,
 CUresult tms_check_granularity(size_t *g, const CUmemAllocationProp *prop, int option);
 #define cuMemGetAllocationGranularity tms_check_granularity
 
+_Static_assert(_Generic(&cuMemExportToShareableHandle,
+                        CUresult (*)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                                     unsigned long long): 1,
+                        default: 0),
+               "cuda.h changed cuMemExportToShareableHandle");
+CUresult tms_check_export(void *shareable, CUmemGenericAllocationHandle h, int type, unsigned long long flags);
+#define cuMemExportToShareableHandle tms_check_export
+
 #define tms_CUresult CUresult
 #define tms_CUdevice CUdevice
 #define tms_CUcontext CUcontext
@@ -123,13 +132,13 @@ CUresult tms_check_granularity(size_t *g, const CUmemAllocationProp *prop, int o
 #define tms_CUmemAllocationProp CUmemAllocationProp
 #define tms_CUmemAccessDesc CUmemAccessDesc
 
-#define CHECK_ENTRY(name, params) \
+#define CHECK_ENTRY(name, params, presence) \
     _Static_assert(_Generic(&name, CUresult (*) params: 1, default: 0), \
-                   "driver_cuda.c: " #name #params " is not cuda.h's prototype");
-CUDA_ENTRIES(CHECK_ENTRY)
+                   "cuda_abi.h: " #name #params " is not cuda.h's prototype");
+TMS_CUDA_ENTRIES(CHECK_ENTRY)
 
-#define COUNT_ENTRY(name, params) +1
-enum { ENTRY_COUNT = 0 CUDA_ENTRIES(COUNT_ENTRY) };
+#define COUNT_ENTRY(name, params, presence) +1
+enum { ENTRY_COUNT = 0 TMS_CUDA_ENTRIES(COUNT_ENTRY) };
 
 /* cuGetProcAddress itself is looked up with dlsym under local typedefs:
  * cuuint64_t is unsigned long there, unsigned long long here, and the

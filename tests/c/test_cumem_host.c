@@ -15,24 +15,14 @@
 #include <unistd.h>
 
 #include "platform/config.h"
+#include "backup/backup.h"
 #include "core/core.h"
+#include "core/core_internal.h"
 #include "platform/cuda_abi.h"
 #include "hooks/cumem.h"
 #include "platform/driver.h"
 #include "seeded_bytes.h"
-
-static int passed, failed;  /* atomic: the race checks from two threads */
-
-#define CHECK(cond) check_at(!!(cond), __LINE__, #cond)
-static void check_at(int ok, int line, const char *what)
-{
-    if (ok) {
-        __atomic_add_fetch(&passed, 1, __ATOMIC_RELAXED);
-        return;
-    }
-    __atomic_add_fetch(&failed, 1, __ATOMIC_RELAXED);
-    fprintf(stderr, "test_cumem_host.c:%d: FAILED: %s\n", line, what);
-}
+#include "check.h"
 
 #define MiB ((size_t)1 << 20)
 #define PAGE (2 * MiB)
@@ -524,6 +514,5 @@ int main(int argc, char **argv)
     for (uint64_t s = seed; s < seed + (uint64_t)walks && !failed; s++) walk(s, steps / walks);
     if (race_rounds > 0) race();
     CHECK(stale_handles == 0);
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed ? 1 : 0;
+    return check_summary();
 }

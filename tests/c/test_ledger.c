@@ -11,20 +11,10 @@
 
 #include "backup/ledger.h"
 #include "platform/config.h"
+#include "check.h"  /* failed: counted in each case's process */
 
 #define MiB ((size_t)1 << 20)
 
-static int failed;  /* in each case's process */
-
-static void check(int ok, int line, const char *what, const char *detail)
-{
-    if (ok) return;
-    failed++;
-    fprintf(stderr, "test_ledger.c:%d (pid %d): FAILED: %s%s%s\n", line, (int)getpid(), what, detail ? " -- " : "",
-            detail ? detail : "");
-}
-#define CHECK(cond) check(!!(cond), __LINE__, #cond, NULL)
-#define CHECK_RC(expr, want) (memset(&err, 0, sizeof err), check((expr) == (want), __LINE__, #expr, err.msg))
 
 static char name[64], ledger_file[256], meminfo_path[256];
 

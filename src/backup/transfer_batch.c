@@ -1,0 +1,76 @@
+/* The copies of a pause or resume in batches that keep at most a kind's open limit of backups open. */
+#include "backup/transfer.h"
+
+#include <stdlib.h>
+
+/* Closes the batch's backups; after a pause's copies, a close that finds a
+ * write not durable fails the batch. */
+static void close_open(struct tms_transfer_batch *b, int copied)
+{
+    for (size_t i = 0; i < b->n_open; i++) {
+        struct tms_err e = {0};
+        int rc = tms_backup_close(b->open[i], b->to_host && copied, &e);
+        if (rc && !b->rc) b->rc = rc, b->err = e;
+    }
+    b->start = b->count;
+    b->n_open = 0;
+}
+
+void tms_transfer_batch_run(struct tms_transfer_batch *b)
+{
+    struct tms_err e = {0};
+    int rc = tms_transfer_run(b->drv, b->to_host, b->items + b->start, b->count - b->start, &e);
+    if (rc && !b->rc) b->rc = rc, b->err = e;
+    close_open(b, !rc);
+}
+
+void tms_transfer_batch_close(struct tms_transfer_batch *b) { close_open(b, 0); }
+
+void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
+                            size_t size, const struct tms_range *ranges, size_t n_ranges, int release_when_restored,
+                            size_t *first, size_t *n)
+{
+    *first = b->count;
+    *n = ranges ? n_ranges : 1;
+    for (size_t r = 0; r < *n; r++)
+        b->items[b->count++] = (struct tms_transfer){
+            .device = device, .dev = va, .backup = backup,
+            .offset = ranges ? ranges[r].off : 0, .n = ranges ? ranges[r].len : size};
+    if (release_when_restored && *n) {
+        tms_backup_expect_parts(backup, *n);
+        for (size_t k = *first; k < *first + *n; k++)
+            b->items[k].restored = tms_backup_part_restored, b->items[k].restored_arg = backup;
+    }
+    b->open[b->n_open++] = backup;
+    int limit = tms_backup_open_limit(backup);
+    if (limit && b->n_open == (size_t)limit) tms_transfer_batch_run(b);
+}
+
+int tms_transfer_batch_start(struct tms_transfer_batch *b, const struct tms_driver *drv, int to_host, size_t items,
+                             size_t backups, struct tms_err *err)
+{
+    *b = (struct tms_transfer_batch){.drv = drv, .to_host = to_host};
+    b->items = calloc(items ? items : 1, sizeof *b->items);
+    b->open = calloc(backups ? backups : 1, sizeof *b->open);
+    if (b->items && b->open) return TMS_OK;
+    free(b->items);
+    free(b->open);
+    return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning the copies of %zu backups", backups);
+}
+
+size_t tms_transfer_batch_done(const struct tms_transfer_batch *b, size_t first, size_t n, int *complete)
+{
+    size_t done = 0;
+    *complete = 1;
+    for (size_t k = first; k < first + n; k++) {
+        done += b->items[k].done;
+        if (b->items[k].done != b->items[k].n) *complete = 0;
+    }
+    return done;
+}
+
+void tms_transfer_batch_end(struct tms_transfer_batch *b)
+{
+    free(b->items);
+    free(b->open);
+}

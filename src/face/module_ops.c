@@ -1,0 +1,296 @@
+/* The CPython face's operations: a thread's region, pause and resume with their reports, direct allocation. */
+#include "face/module.h"
+
+#include <limits.h>
+#include <string.h>
+
+/* ---- region settings (thread-local in C) ----------------------------------- */
+
+PyDoc_STRVAR(set_region_doc,
+"set_region($module, active, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup=False, /)\n--\n\n"
+"Set the calling thread's region: allocations it makes while active are pauseable\n"
+"(backed up to a file each when enable_disk_backup, which wins over enable_cpu_backup).");
+
+static PyObject *py_set_region(PyObject *module, PyObject *args)
+{
+    int active, backup, disk = 0;
+    PyObject *tag_obj;
+    const char *kind_name;
+    if (!PyArg_ParseTuple(args, "pOps|p:set_region", &active, &tag_obj, &backup, &kind_name, &disk)) return NULL;
+    const char *tag = tms_py_tag_bytes(tag_obj, "set_region: tag");
+    if (!tag) return NULL;
+    struct tms_err err = {0};
+    int kind, rc = TMS_E_ARG;
+    if (tms_core_backup_kind_parse(kind_name, &kind) != TMS_OK) {
+        tms_fail(&err, TMS_E_ARG, 0, "cpu_backup_backend must be 'pinned' or 'mmap', got '%.64s'", kind_name);
+    } else {
+        Py_BEGIN_ALLOW_THREADS  /* the table lock: no C lock is awaited holding the GIL */
+        rc = tms_core_set_region(active, tag, backup, kind, disk, &err);
+        Py_END_ALLOW_THREADS
+    }
+    if (rc) return tms_py_raise(module, &err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(check_region_doc,
+"check_region($module, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup, /)\n--\n\n"
+"The CPU backup backend a region asked for this way gets (cpu_backup_backend None: the\n"
+"default), or ValueError naming what is wrong with the request.");
+
+static PyObject *py_check_region(PyObject *module, PyObject *args)
+{
+    PyObject *tag_obj, *backend_obj;
+    int backup, disk;
+    if (!PyArg_ParseTuple(args, "OpOp:check_region", &tag_obj, &backup, &backend_obj, &disk)) return NULL;
+    const char *tag = tms_py_tag_bytes(tag_obj, "tag");
+    if (!tag) return NULL;
+    const char *backend = NULL;
+    if (backend_obj != Py_None && !(backend = tms_py_tag_bytes(backend_obj, "cpu_backup_backend"))) return NULL;
+    struct tms_region_request req = {.tag = tag, .cpu_backup = backup, .backend = backend, .disk_backup = disk};
+    struct tms_err err = {0};
+    int kind = 0;
+    if (tms_core_check_region(&req, &kind, &err)) return tms_py_raise(module, &err);
+    return PyUnicode_FromString(tms_core_backup_kind_name(kind));
+}
+
+PyDoc_STRVAR(get_region_doc,
+"get_region($module, /)\n--\n\n"
+"The calling thread's region as (active, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup).");
+
+static PyObject *py_get_region(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    const struct tms_region *r = tms_core_region();
+    return Py_BuildValue("(NsNsN)", PyBool_FromLong(r->active), tms_core_tag_name(r->tag_id),
+                         PyBool_FromLong(r->backup), tms_core_backup_kind_name(r->backup_kind),
+                         PyBool_FromLong(r->disk_backup));
+}
+
+/* ---- pause / resume ---------------------------------------------------------- */
+
+
+/* pause/resume's tag argument in C: None (every tag: *n 0, *tags NULL), a
+ * str (*n 1), or a list or tuple of them. *seq holds the bytes alive (caller
+ * drops it and frees *tags). -1 with an exception set. */
+static int tags_of(PyObject *arg, const char *name, PyObject **seq, const char ***tags, Py_ssize_t *n)
+{
+    char what[64];
+    snprintf(what, sizeof what, "%s: tag", name);
+    *tags = NULL, *n = 0;
+    int list = PyList_Check(arg) || PyTuple_Check(arg);
+    if (arg != Py_None && !PyUnicode_Check(arg) && !list) return tms_py_type_error(what, "a str, a list of str or None", arg), -1;
+    if (arg == Py_None) return *seq = NULL, 0;
+    /* A tuple: a list may change under us once the GIL goes. */
+    if (!(*seq = list ? PySequence_Tuple(arg) : PyTuple_Pack(1, arg))) return -1;
+    *n = PyTuple_Size(*seq);
+    if (!(*tags = PyMem_Calloc(*n ? (size_t)*n : 1, sizeof **tags))) return PyErr_NoMemory(), -1;
+    if (list) snprintf(what, sizeof what, "%s: tag in the list", name);
+    for (Py_ssize_t i = 0; i < *n; i++)
+        if (!((*tags)[i] = tms_py_tag_bytes(PyTuple_GetItem(*seq, i), what))) return -1;
+    return 0;
+}
+
+/* The skip argument of pause: None, or bytes of (start, length) pairs of
+ * native uint64, sorted and disjoint (the core checks). -1 with an exception. */
+static int skip_of(PyObject *arg, struct tms_free_span **spans, size_t *n)
+{
+    *spans = NULL, *n = 0;
+    if (arg == Py_None) return 0;
+    if (!PyBytes_Check(arg)) return tms_py_type_error("pause: skip", "bytes of (start, length) uint64 pairs or None", arg), -1;
+    const char *data = PyBytes_AsString(arg);
+    Py_ssize_t len = PyBytes_Size(arg);
+    if (!data || len < 0) return -1;
+    if (len % (Py_ssize_t)sizeof **spans) {
+        PyErr_Format(PyExc_ValueError, "torch_memory_saver: pause: skip is %zd bytes, not whole (start, length) pairs "
+                     "of 16 bytes", len);
+        return -1;
+    }
+    if (!len) return 0;
+    if (!(*spans = PyMem_Malloc((size_t)len))) return PyErr_NoMemory(), -1;
+    memcpy(*spans, data, (size_t)len);  /* aligned, and ours while the GIL is away */
+    *n = (size_t)len / sizeof **spans;
+    return 0;
+}
+
+static PyObject *device_report_dict(const void *row)
+{
+    const struct tms_op_device *d = row;
+    return Py_BuildValue("{s:i,s:n,s:n,s:n,s:n,s:n,s:n}", "device", d->device, "allocations", (Py_ssize_t)d->allocations,
+                         "released", (Py_ssize_t)d->released, "copied", (Py_ssize_t)d->copied, "skipped",
+                         (Py_ssize_t)d->skipped, "free_before", (Py_ssize_t)d->free_before, "free_after",
+                         (Py_ssize_t)d->free_after);
+}
+
+static PyObject *report_dict(const struct tms_op_report *r)
+{
+    PyObject *devices = tms_py_list_of_dicts(r->devices, r->n_devices, sizeof *r->devices, device_report_dict);
+    return devices ? Py_BuildValue("{s:K,s:N}", "ns", (unsigned long long)r->ns, "devices", devices) : NULL;
+}
+
+/* tag: None (every tag), a str, or a list or tuple of them (all or nothing).
+ * Returns what the call did (report_dict). */
+static PyObject *run_tag_op(PyObject *module, PyObject *arg, PyObject *skip_arg, int pause, const char *name)
+{
+    PyObject *seq = NULL;
+    const char **tags = NULL;
+    Py_ssize_t n = 0;
+    struct tms_err err = {0};
+    struct tms_op_report report = {0};
+    struct tms_op_args args = {.report = &report};
+    struct tms_free_span *skip = NULL;
+    int rc = TMS_OK, list = PyList_Check(arg) || PyTuple_Check(arg);
+    if (tags_of(arg, name, &seq, &tags, &n) < 0 || skip_of(skip_arg, &skip, &args.n_skip) < 0) {
+        PyMem_Free(tags);
+        Py_XDECREF(seq);
+        return NULL;
+    }
+    args.skip = skip;
+    if (!list || n > 0) {  /* an empty list: nothing to do, as a tag with no allocations */
+        size_t n_tags = tags ? (size_t)n : 0;
+        Py_BEGIN_ALLOW_THREADS
+        rc = pause ? tms_core_pause_ex(tags, n_tags, &args, &err) : tms_core_resume_ex(tags, n_tags, &args, &err);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(skip);
+    PyMem_Free(tags);
+    Py_XDECREF(seq);
+    if (rc) return tms_py_raise(module, &err);
+    return report_dict(&report);
+}
+
+PyDoc_STRVAR(selects_backup_doc,
+"selects_backup($module, tag, /)\n--\n\n"
+"True if a pause of tag (None, a str or a list of them) would back up an allocation.");
+static PyObject *py_selects_backup(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    PyObject *seq = NULL;
+    const char **tags = NULL;
+    Py_ssize_t n = 0;
+    int found = 0;
+    if (tags_of(arg, "selects_backup", &seq, &tags, &n) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        found = tms_core_selects_backup(tags, tags ? (size_t)n : 0);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(tags);
+    Py_XDECREF(seq);
+    if (PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(found);
+}
+
+PyDoc_STRVAR(check_tags_doc,
+"check_tags($module, op, tag, /)\n--\n\n"
+"Raise as op ('pause' or 'resume') would for tag (None, a str or a list of them),\n"
+"without touching the table.");
+static PyObject *py_check_tags(PyObject *module, PyObject *args)
+{
+    const char *op;
+    PyObject *arg, *seq = NULL;
+    if (!PyArg_ParseTuple(args, "sO:check_tags", &op, &arg)) return NULL;
+    const char **tags = NULL;
+    Py_ssize_t n = 0;
+    struct tms_err err = {0};
+    int rc = TMS_OK;
+    if (tags_of(arg, op, &seq, &tags, &n) < 0) {
+        PyMem_Free(tags);
+        Py_XDECREF(seq);
+        return NULL;
+    }
+    if (PyList_Check(arg) || PyTuple_Check(arg)) rc = n ? tms_core_check_tags(op, tags, (size_t)n, &err) : TMS_OK;
+    else if (tags) rc = tms_core_check_tag(tags[0], &err);
+    PyMem_Free(tags);
+    Py_XDECREF(seq);
+    if (rc) return tms_py_raise(module, &err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(pause_doc,
+"pause($module, tag, skip=None, /)\n--\n\n"
+"Release the memory of tag (None: all tags; a list: all of them or none). skip: bytes of\n"
+"native uint64 (start, length) pairs, sorted and disjoint, of device memory whose contents\n"
+"need no backup. Returns {'ns', 'devices': [{device, allocations, released, copied,\n"
+"skipped, free_before, free_after}]}.");
+static PyObject *py_pause(PyObject *module, PyObject *args)
+{
+    PyObject *tag, *skip = Py_None;
+    if (!PyArg_UnpackTuple(args, "pause", 1, 2, &tag, &skip)) return NULL;
+    return run_tag_op(module, tag, skip, 1, "pause");
+}
+
+PyDoc_STRVAR(resume_doc,
+"resume($module, tag, /)\n--\n\nMap tag's memory back at the same addresses (a list: all of them or none).\n"
+"Returns a report as pause does.");
+static PyObject *py_resume(PyObject *module, PyObject *tag)
+{
+    return run_tag_op(module, tag, Py_None, 0, "resume");
+}
+
+/* ---- direct allocation (host backend, tests) --------------------------------- */
+
+PyDoc_STRVAR(malloc_doc,
+"malloc($module, size, device=-1, /)\n--\n\n"
+"Allocate through the core with the calling thread's region settings, as the hooks do.");
+
+static PyObject *py_malloc(PyObject *module, PyObject *args)
+{
+    PyObject *size_obj, *device_obj = NULL;
+    if (!PyArg_ParseTuple(args, "O!|O!:malloc", &PyLong_Type, &size_obj, &PyLong_Type, &device_obj)) return NULL;
+    Py_ssize_t size = PyLong_AsSsize_t(size_obj);
+    if (size == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: malloc: nbytes %R is larger than any device", size_obj);
+    }
+    if (size < 0) return PyErr_Format(PyExc_ValueError, "torch_memory_saver: malloc: nbytes must be >= 0, got %zd", size);
+    long device = device_obj ? PyLong_AsLong(device_obj) : -1;
+    if (device_obj && ((device == -1 && PyErr_Occurred()) || device < -1 || device > INT_MAX)) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: malloc: device must be >= 0 (or -1: the current one), "
+                            "got %R", device_obj);
+    }
+    if (!tms_core_region()->active)
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: malloc of %zd bytes outside a region: enter region() first",
+                            size);
+    struct tms_err err = {0};
+    void *ptr = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_core_alloc((size_t)size, (int)device, tms_core_region(), &ptr, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return tms_py_raise(module, &err);
+    return PyLong_FromVoidPtr(ptr);
+}
+
+PyDoc_STRVAR(free_doc, "free($module, ptr, /)\n--\n\nFree an allocation made by the core (active or paused).");
+
+static PyObject *py_free(PyObject *module, PyObject *arg)
+{
+    if (!PyLong_Check(arg))
+        return tms_py_type_error("free: pointer", "an int", arg);
+    unsigned long long address = PyLong_AsUnsignedLongLong(arg);  /* rejects negatives: no wrap-around */
+    if (address == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_ValueError, "free: pointer %R is not a 64-bit address", arg);
+    }
+    void *ptr = (void *)(uintptr_t)address;
+    struct tms_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_core_free(ptr, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return tms_py_raise(module, &err);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef tms_py_ops_methods[] = {
+    {"set_region", py_set_region, METH_VARARGS, set_region_doc},
+    {"check_region", py_check_region, METH_VARARGS, check_region_doc},
+    {"check_tags", py_check_tags, METH_VARARGS, check_tags_doc},
+    {"get_region", py_get_region, METH_NOARGS, get_region_doc},
+    {"pause", py_pause, METH_VARARGS, pause_doc},
+    {"selects_backup", py_selects_backup, METH_O, selects_backup_doc},
+    {"resume", py_resume, METH_O, resume_doc},
+    {"malloc", py_malloc, METH_VARARGS, malloc_doc},
+    {"free", py_free, METH_O, free_doc},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,305 @@
+"""The C sources keep docs/design.md's layers: every `#include "…"` in src/ and every call
+from one file into a function another file defines goes down the layers (or sideways
+within one), and no two files call each other, directly or round a circle. Reads files
+only: no build, no import of the package. The checks run on synthetic trees too, so a
+planted upward include or a planted circle is shown to fail."""
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SRC = REPO / "src"
+
+# The layers, top to bottom, and what a file of each may include and call:
+# its own layer and the ones listed. docs/design.md states the same table.
+LAYERS = ("face", "hooks", "core", "backup", "platform")
+MAY_USE = {
+    "face": {"face", "core"},
+    "hooks": {"hooks", "core"},
+    "core": {"core", "backup", "platform"},
+    "backup": {"backup", "platform"},
+    "platform": {"platform"},
+}
+# Leaves of platform/ that every layer may include (and call): status codes and the
+# error record, the log line, the fork module every subsystem with a lock registers
+# with, the CUDA ABI the hooks interpose, and the glibc symbol versions the build
+# includes into every file.
+SHARED = {"platform/error.h", "platform/log.h", "platform/fork.h", "platform/cuda_abi.h", "platform/glibc_compat.h"}
+# Single edges beyond the table, each with its reason.
+EXCEPTIONS = {
+    ("face/module_process.c", "hooks/hook_preload.h"):
+        "the preload variant's own questions: is it the process's cudaMalloc, relocation hooks",
+    ("face/module_env.c", "platform/config.h"):
+        "_tms_env checks the TMS_* environment at import and is built without a core",
+}
+
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def layer_of(rel):
+    """The layer of a path relative to src/ ("core/alloc.c" -> "core"), or None."""
+    top = rel.split("/", 1)[0]
+    return top if top in LAYERS else None
+
+
+def sources(root):
+    """Every .c and .h under root, relative to it, with its text."""
+    return {p.relative_to(root).as_posix(): p.read_text(encoding="utf-8", errors="replace")
+            for p in sorted([*root.rglob("*.c"), *root.rglob("*.h")])}
+
+
+def allowed(user, used):
+    """May the file `user` include the header `used` (or call the file `used` defines)?
+    Both relative to src/."""
+    if used in SHARED or (user, used) in EXCEPTIONS:
+        return True
+    a, b = layer_of(user), layer_of(used)
+    return a is not None and b is not None and b in MAY_USE[a]
+
+
+def includes(files):
+    """(file, header) for every quoted include that names a file of the tree."""
+    out = []
+    for rel, text in files.items():
+        for target in INCLUDE.findall(text):
+            if target in files:
+                out.append((rel, target))
+            elif (Path(rel).parent / target).as_posix() in files:  # relative to the includer
+                out.append((rel, (Path(rel).parent / target).as_posix()))
+    return out
+
+
+def upward_includes(files):
+    """What a file may not see: a header it includes, or one a header it includes pulls
+    in (a contract header hands its user only what its user may include itself)."""
+    direct = {}
+    for a, b in includes(files):
+        direct.setdefault(a, []).append(b)
+    found = []
+    for a in sorted(direct):
+        seen, todo = {}, [(b, b) for b in direct[a]]
+        while todo:
+            header, via = todo.pop()
+            if header in seen:
+                continue
+            seen[header] = via
+            todo += [(nxt, via) for nxt in direct.get(header, ())]
+        for header, via in sorted(seen.items()):
+            if not allowed(a, header):
+                found.append(f"{a} includes {header}" + ("" if via == header else f" (through {via})"))
+    return found
+
+
+# ---- calls ------------------------------------------------------------------------------
+
+COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
+LITERAL = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'')
+# A function definition: at the start of a line, a head without parentheses or
+# braces, the name, its parameters, then the body's brace.
+DEFINITION = re.compile(r"^(?P<head>[A-Za-z_][^;{}()#=\n]*?)\b(?P<name>[A-Za-z_]\w*)\s*\([^;{}]*?\)\s*\{", re.M)
+IDENTIFIER = re.compile(r"\b[A-Za-z_]\w*\b")
+
+
+def code_of(text):
+    """The text without comments and string or character literals."""
+    return LITERAL.sub('""', COMMENT.sub(" ", text))
+
+
+def definitions(code):
+    """(global names, static names) of the functions a file defines."""
+    global_names, static_names = set(), set()
+    for m in DEFINITION.finditer(code):
+        (static_names if re.search(r"\bstatic\b", m.group("head")) else global_names).add(m.group("name"))
+    return global_names, static_names
+
+
+MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)((?:.*\\\n)*.*)$", re.M)
+
+
+def macro_bodies(files, rel, code):
+    """The bodies of the macros code uses that rel's headers define (directly or
+    through other headers, and macros those bodies use): a call in a macro is made
+    by the file that uses it."""
+    direct = {}
+    for a, b in includes(files):
+        direct.setdefault(a, set()).add(b)
+    seen, todo = set(), list(direct.get(rel, ()))
+    while todo:
+        header = todo.pop()
+        if header not in seen:
+            seen.add(header)
+            todo += direct.get(header, ())
+    macros = {m.group(1): m.group(2) for h in sorted(seen) for m in MACRO.finditer(code_of(files[h]))}
+    used, todo = set(), set(IDENTIFIER.findall(code)) & set(macros)
+    while todo:
+        name = todo.pop()
+        used.add(name)
+        todo |= (set(IDENTIFIER.findall(macros[name])) & set(macros)) - used
+    return "\n".join(macros[name] for name in sorted(used))
+
+
+def call_graph(files):
+    """{file: {file it calls or takes the address of a function of}} over the .c files."""
+    code = {rel: code_of(text) for rel, text in files.items() if rel.endswith(".c")}
+    code = {rel: text + "\n" + macro_bodies(files, rel, text) for rel, text in code.items()}
+    defined, local = {}, {}
+    for rel, text in code.items():
+        global_names, static_names = definitions(text)
+        local[rel] = global_names | static_names
+        for name in global_names:
+            defined.setdefault(name, set()).add(rel)
+    graph = {rel: set() for rel in code}
+    for rel, text in code.items():
+        for name in set(IDENTIFIER.findall(text)) - local[rel]:
+            graph[rel] |= defined.get(name, set()) - {rel}
+    return graph
+
+
+def header_of(c_file):
+    return c_file[:-2] + ".h"
+
+
+def upward_calls(files):
+    graph = call_graph(files)
+    return [f"{a} uses {b}" for a in sorted(graph) for b in sorted(graph[a])
+            if not allowed(a, b) and not allowed(a, header_of(b))]
+
+
+def circles(graph):
+    """The strongly connected components of more than one node (Tarjan), each sorted."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def include_graph(files):
+    graph = {rel: set() for rel in files}
+    for a, b in includes(files):
+        graph[a].add(b)
+    return graph
+
+
+# ---- the tree ---------------------------------------------------------------------------
+
+def test_every_source_is_in_a_layer():
+    stray = [rel for rel in sources(SRC) if layer_of(rel) is None]
+    assert not stray, f"files of src/ outside the layers' folders {LAYERS}: {stray}"
+
+
+def test_no_include_runs_up_the_layers():
+    found = upward_includes(sources(SRC))
+    assert not found, "includes that break docs/design.md's layers:\n" + "\n".join(found)
+
+
+def test_no_call_runs_up_the_layers():
+    found = upward_calls(sources(SRC))
+    assert not found, "calls that break docs/design.md's layers:\n" + "\n".join(found)
+
+
+def test_no_files_call_each_other_in_a_circle():
+    found = circles(call_graph(sources(SRC)))
+    assert not found, "source files that call each other in a circle: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_no_headers_include_each_other_in_a_circle():
+    found = circles(include_graph(sources(SRC)))
+    assert not found, "headers that include each other in a circle: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_call_graph_sees_the_calls_it_should():
+    """The parse finds what it must in the real tree (a parse that found nothing would pass)."""
+    graph = call_graph(sources(SRC))
+    assert "core/table.c" in graph["core/claim.c"] or "core/table.c" in graph["core/alloc.c"]
+    assert "platform/driver.c" in graph["core/pause.c"]
+    assert "backup/transfer_batch.c" in graph["backup/fill.c"] and "backup/transfer.c" in graph["backup/transfer_batch.c"]
+    assert "hooks/reloc.c" in graph["hooks/shim.c"]       # a call inside a header's macro counts for its user
+    assert "core/alloc.c" in graph["hooks/hook.c"]
+
+
+def test_design_md_states_the_same_table():
+    text = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    for layer, uses in MAY_USE.items():
+        row = re.search(rf"^\|\s*{layer}\s*\|([^|\n]*)\|", text, re.M)
+        assert row, f"docs/design.md has no row for the layer {layer!r} in its table of layers"
+        named = set(re.findall(r"\b(" + "|".join(LAYERS) + r")\b", row.group(1)))
+        assert named == uses - {layer}, f"docs/design.md's row {layer!r} names {sorted(named)}, the test {sorted(uses - {layer})}"
+    for header in SHARED:
+        assert header.split("/")[1] in text, f"docs/design.md does not name the shared header {header}"
+    for user, used in EXCEPTIONS:
+        assert user.split("/")[1] in text and used.split("/")[1] in text, f"docs/design.md does not state {user} -> {used}"
+
+
+# ---- the checks catch what they should ------------------------------------------------------
+
+def _tree(tmp_path, files):
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return sources(tmp_path)
+
+
+def test_a_planted_upward_include_fails(tmp_path):
+    files = _tree(tmp_path, {
+        "core/core.h": "#include \"platform/error.h\"\n",
+        "platform/error.h": "int tms_fail(void);\n",
+        "platform/driver.c": "#include \"core/core.h\"\n",                 # platform -> core: up
+        "face/abi.c": "#include \"backup/backup.h\"\n#include \"core/core.h\"\n",  # face -> backup: skips core
+        "backup/backup.h": "#include \"platform/error.h\"\n",
+        "hooks/hook.c": "#include \"core/core.h\"\n#include \"platform/log.h\"\n",  # allowed: a shared leaf
+        "platform/log.h": "",
+        "core/hands.h": "#include \"backup/backup.h\"\n",                   # core -> backup: allowed ...
+        "hooks/cumem.c": "#include \"core/hands.h\"\n",                      # ... but not handed to the hooks
+    })
+    assert sorted(upward_includes(files)) == ["face/abi.c includes backup/backup.h",
+                                              "hooks/cumem.c includes backup/backup.h (through core/hands.h)",
+                                              "platform/driver.c includes core/core.h"]
+
+
+def test_a_planted_upward_call_and_circle_fail(tmp_path):
+    files = _tree(tmp_path, {
+        "core/a.c": "static int helper(void) { return 1; }\n"
+                    "int core_a(void)\n{\n    return core_b() + helper(); /* core_c() in a comment */\n}\n",
+        "core/b.c": "int core_b(void) { return core_c(); }\n",
+        "core/c.c": "int core_c(void)\n{\n    return core_a() + plat();\n}\n",
+        "platform/p.c": "int plat(void) { return core_b(); }\n",   # platform -> core: up
+        "backup/s.c": "static int helper(void) { return 0; }\nint other(void) { return helper(); }\n",
+    })
+    graph = call_graph(files)
+    assert graph["core/a.c"] == {"core/b.c"}
+    assert graph["backup/s.c"] == set()  # a static helper of the same name elsewhere is no edge
+    assert upward_calls(files) == ["platform/p.c uses core/b.c"]
+    assert circles(graph) == [["core/a.c", "core/b.c", "core/c.c", "platform/p.c"]]
+
+
+def test_definitions_span_lines_and_skip_statics():
+    code = code_of("static int a(void)\n{\n}\nint b(int x,\n      int y)\n{\n}\n"
+                   "__attribute__((destructor)) static void c(void) {}\nTMS_EXPORT int d(void) { return 0; }\n"
+                   "#define e(x) f(x)\nint g(void);\n")
+    assert definitions(code) == ({"b", "d"}, {"a"})
