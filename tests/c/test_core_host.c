@@ -612,7 +612,7 @@ static void test_tag_lists(void)
 }
 
 /* Interior pointers are found by a walk while the table changes, by binary
- * search once it holds still (core.c, WALKS_BEFORE_SORT): both must agree
+ * search once it holds still (core/table.c, WALKS_BEFORE_SORT): both must agree
  * with the table after every insert and free. */
 static uint64_t owner_start(uint64_t ptr)
 {
