@@ -209,13 +209,25 @@ class _Exchange:
         except Exception as e:  # the group failed: a KeyboardInterrupt is not the group's
             raise broken(step, self._missing(key), e) from e
 
+    # A live rank slower than this one may not have left its marker yet when this
+    # one's exchange fails: it is given this long to, a lost one never does.
+    GRACE_S = 5.0
+
     def _missing(self, key):
-        """Group ranks whose marker for this exchange is not in the store, or None if
-        the store cannot say (it lives on a rank that may be the one lost)."""
+        """Group ranks whose marker for this exchange is not in the store within
+        GRACE_S, or None if the store cannot say (it lives on a rank that may be the
+        one lost)."""
         if self.store is None:
             return None
+        import time
+
+        deadline = time.monotonic() + self.GRACE_S
         try:
-            return [r for r in range(self.size) if not self.store.check([f"{key}/{r}"])]
+            while True:
+                missing = [r for r in range(self.size) if not self.store.check([f"{key}/{r}"])]
+                if not missing or time.monotonic() >= deadline:
+                    return missing
+                time.sleep(0.05)
         except Exception:
             return None
 
