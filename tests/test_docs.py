@@ -310,3 +310,15 @@ def test_every_c_file_named_bare_in_the_code_exists():
         for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
             missing += [f"{path.relative_to(REPO)}:{n}: {name}" for name in BARE_C.findall(line) if name not in names]
     assert not missing, "C files named in comments that do not exist:\n" + "\n".join(missing)
+
+
+def test_design_maps_every_source_file_to_tests_that_exist():
+    text = _section(DOCS / "design.md", "Where each source file is tested")
+    named = set(re.findall(r"`(?:[\w/]+/)?([\w.]+\.(?:c|h|py))`", text))
+    sources = [*(REPO / "src").rglob("*.[ch]"), *(REPO / "torch_memory_saver").glob("*.py")]
+    missing = sorted(p.relative_to(REPO).as_posix() for p in sources if p.name not in named)
+    assert not missing, f"docs/design.md maps no tests to {missing}"
+    tests = {p.name for p in (REPO / "tests").rglob("*") if p.is_file()}
+    sources_names = {p.name for p in sources}
+    unknown = sorted(n for n in named if n not in tests and n not in sources_names)
+    assert not unknown, f"docs/design.md's test map names files that do not exist: {unknown}"
