@@ -33,11 +33,10 @@ static size_t alloc_count;           /* atomic reads allowed (tms_core_owns fast
 /* Interior pointers (a tensor inside a cached segment) are found in an
  * address-sorted copy of the table, guarded by table_lock. Every insert and
  * unlink makes the copy stale; it is rebuilt only after WALKS_BEFORE_SORT
- * walks of an unchanged table. A rebuild (a walk plus a sort) took as long as
- * 16-74 walks from 100 to 40,000 allocations (development host), so a table
- * that changes between runs of lookups pays at most about twice what walking
- * alone would, and a long run of lookups (get_cpu_backup of every weight)
- * pays a binary search each. */
+ * walks of an unchanged table: a rebuild costs a few dozen walks
+ * (docs/performance.md), so a table that changes between runs of lookups pays
+ * at most about twice what walking alone would, and a long run of lookups
+ * (get_cpu_backup of every weight) pays a binary search each. */
 #define WALKS_BEFORE_SORT 64
 static struct tms_span_index by_address;
 static int by_address_stale = 1;

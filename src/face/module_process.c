@@ -19,7 +19,7 @@ static PyObject *set_size(const char *name, PyObject *arg, void (*set)(size_t))
 {
     if (!PyLong_Check(arg)) return tms_py_type_error(name, "an int", arg);
     if (PyObject_RichCompareBool(arg, Py_False, Py_LT) == 1)
-        return PyErr_Format(PyExc_ValueError, "%s must be >= 0, got %R", name, arg);
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s must be >= 0, got %R", name, arg);
     size_t n = PyLong_AsSize_t(arg);
     if (n == (size_t)-1 && PyErr_Occurred()) return NULL;
     set(n);

@@ -51,7 +51,7 @@ static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
         PyErr_Clear();
         return PyErr_Format(PyExc_ValueError, "get_cpu_backup: pointer %R is not a 64-bit address", ptr_obj);
     }
-    if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "get_cpu_backup: nbytes must be >= 0, got %zd", nbytes);
+    if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "torch_memory_saver: get_cpu_backup: nbytes must be >= 0, got %zd", nbytes);
     struct tms_err err = {0};
     struct tms_backup *b = NULL;
     size_t offset = 0;
