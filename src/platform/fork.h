@@ -6,7 +6,7 @@
  * A fork copies one thread. For the child to find the library usable, each
  * lock must be free and its data consistent there: the subsystem that owns a
  * lock takes it before the fork and releases it (or makes it anew) after, in
- * handlers it registers here. One pthread_atfork registration runs them all:
+ * handlers it registers here. One atfork registration (fork.c) runs them all:
  * prepare handlers by rank, the lock held while another is taken first;
  * parent and child handlers in the reverse order. The ranks follow the layers
  * top down, and docs/design.md's lock table states the same order.
