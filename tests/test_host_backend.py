@@ -53,10 +53,10 @@ def test_retain_cpu_backup_keeps_the_host_copy(run_scenario, kind):
     assert out == "done\n"
 
 
-def test_retained_mmap_backup_is_page_locked_in_the_background(run_scenario):
-    # A retained backup is copied every cycle; once page-locked (on a thread
-    # of its own, after the pause) its copies skip the staging. Without retain the
-    # backup goes at resume and is never page-locked. The host backend's
+def test_retained_mmap_backup_is_page_locked_by_its_first_pause(run_scenario):
+    # A retained backup is copied every cycle; page-locked (by the pause that makes
+    # it, or on a thread of its own for one kept later) its copies skip the staging.
+    # Without retain the backup goes at resume and is never page-locked. The host backend's
     # "page-locking" is a no-op, so this checks the bookkeeping and the direct
     # copies' contents (blocks of 32 MiB plus a tail), not the speed.
     out = check_ok(run_scenario("cpu_backup", "retained_mmap_is_page_locked"))

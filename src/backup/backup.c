@@ -121,6 +121,11 @@ void tms_backup_copied(struct tms_backup *b)
 
 int tms_backup_kept_while_active(const struct tms_backup *b, int retain) { return b->ops->kept_while_active(b, retain); }
 
+void tms_backup_will_be_kept(struct tms_backup *b)
+{
+    if (b->ops->will_be_kept) b->ops->will_be_kept(b);
+}
+
 void tms_backup_kept(struct tms_backup *b, int retain)
 {
     if (b->ops->kept) b->ops->kept(b, retain);

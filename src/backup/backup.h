@@ -83,6 +83,9 @@ struct tms_backup_ops {
     void (*copied)(struct tms_backup *b);
     /* An active allocation keeps b (to be written again by its next pause). */
     int (*kept_while_active)(const struct tms_backup *b, int retain);
+    /* A pause just made b to copy all of an allocation, and b is kept across
+     * resume: it will be copied every cycle (NULL: nothing to prepare). */
+    void (*will_be_kept)(struct tms_backup *b);
     /* After a pause or resume that keeps b (NULL: nothing). */
     void (*kept)(struct tms_backup *b, int retain);
     /* Frees b's storage (once, at the last reference or on restore). */
@@ -152,6 +155,7 @@ int tms_backup_pinned(const struct tms_backup *b);
 
 void tms_backup_copied(struct tms_backup *b);
 int tms_backup_kept_while_active(const struct tms_backup *b, int retain);
+void tms_backup_will_be_kept(struct tms_backup *b);
 void tms_backup_kept(struct tms_backup *b, int retain);
 
 void tms_backup_ref(struct tms_backup *b);

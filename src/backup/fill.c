@@ -43,6 +43,8 @@ int tms_backup_fill(const struct tms_driver *drv, struct tms_backup_plan *p, siz
         /* The core drops the old backup when it settles if this is another one. */
         int kind = p[i].spill ? tms_backup_spill_kind() : p[i].kind;
         rc = tms_backup_for_pause(drv, kind, p[i].device, p[i].size, p[i].va, &p[i].copy, err);
+        /* A new backup copied whole and kept is locked by this copy, not later. */
+        if (!rc && p[i].retain && !p[i].ranges && p[i].copy != p[i].held) tms_backup_will_be_kept(p[i].copy);
         if (!rc)
             tms_transfer_batch_add(&b, p[i].copy, p[i].device, p[i].va, p[i].size, p[i].ranges, p[i].n_ranges, 0,
                                    &p[i].first_item, &p[i].n_items);

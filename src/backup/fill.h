@@ -18,6 +18,7 @@ struct tms_backup_plan {
     struct tms_backup *held;    /* its backup now (a pause may write into it again), or NULL */
     struct tms_range *ranges;   /* the bytes to copy (NULL: every one); the call takes them */
     size_t n_ranges;
+    int retain;                 /* its backup is kept across resume (retain on) */
     /* Out: */
     struct tms_backup *copy;    /* its backup after the pause: held or a new one; NULL on failure */
     size_t copied;              /* bytes copied into it */

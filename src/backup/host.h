@@ -34,6 +34,14 @@ size_t tms_host_block_len(const struct tms_backup *b, enum tms_backup_path path,
 int tms_host_write_block(struct tms_backup *b, const void *staging, size_t len, size_t off, struct tms_err *err);
 int tms_host_read_block(struct tms_backup *b, void *staging, size_t len, size_t off, struct tms_err *err);
 
+/* Locking as the first copy goes (pinned backups; a pageable one the pause
+ * that makes it will keep across resume): each copy worker page-locks the
+ * piece it copies next, then DMAs straight into it. */
+void tms_host_lock_on_first_copy(struct tms_backup *b);
+enum tms_backup_path tms_host_path(const struct tms_backup *b, int to_host, size_t off, size_t len);
+int tms_host_prepare_block(struct tms_backup *b, size_t off, size_t len, struct tms_err *err);
+void tms_host_copied(struct tms_backup *b);
+
 /* Queues b (a pageable backup kept across resume) to be page-locked, once, by
  * a background thread while no copy runs (retained.c). */
 void tms_backup_pin_later(struct tms_backup *b);

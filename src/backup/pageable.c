@@ -1,4 +1,4 @@
-/* The pageable backup kind ("mmap"): fresh anonymous pages, copied through the staging, returned to the OS on resume. */
+/* The pageable backup kind ("mmap"): fresh anonymous pages, copied through the staging, returned to the OS on resume unless retained. */
 #include <errno.h>
 
 #include "backup/host.h"
@@ -18,21 +18,16 @@ static int reusable(const struct tms_backup *b)
     return 1;
 }
 
-/* Page-locked once a retained backup's background locking is done (retained.c). */
-static enum tms_backup_path path(const struct tms_backup *b, int to_host, size_t off, size_t len)
-{
-    (void)to_host, (void)off, (void)len;
-    return tms_host_page_locked(b) ? TMS_PATH_DIRECT : TMS_PATH_STAGED;
-}
-
 static int kept_while_active(const struct tms_backup *b, int retain)
 {
     (void)b;
     return retain;
 }
 
-/* Kept across resume, it is copied every cycle: page-locked in the
- * background, its copies then skip the staging. */
+/* Kept across resume, it is copied every cycle, so it is page-locked once:
+ * by its first copy if that copy makes it whole (a pause right after a
+ * resume then runs at the link's speed), else in the background once copies
+ * rest (retained.c); its copies then skip the staging. */
 static void kept(struct tms_backup *b, int retain)
 {
     if (retain) tms_backup_pin_later(b);
@@ -43,12 +38,15 @@ const struct tms_backup_ops tms_backup_ops_pageable = {
     .host_memory = 1,
     .create = create,
     .reusable = reusable,
-    .path = path,
+    .path = tms_host_path,
     .block_len = tms_host_block_len,
     .direct_at = tms_host_direct_at,
+    .prepare_block = tms_host_prepare_block,
     .write_block = tms_host_write_block,
     .read_block = tms_host_read_block,
+    .copied = tms_host_copied,
     .kept_while_active = kept_while_active,
+    .will_be_kept = tms_host_lock_on_first_copy,
     .kept = kept,
     .release = tms_host_release,
     .page_locked = tms_host_page_locked,

@@ -68,11 +68,13 @@ static void pin_setup(void)
     tms_fork_register(TMS_FORK_RETAINED, &handlers);
 }
 
-/* Registers b a piece at a time, each after the copies running now; -1 if
- * the process is exiting (the pieces locked so far go with the backup). */
+/* Registers b a piece at a time, each after the copies running now (pieces
+ * a first copy locked are skipped); -1 if the process is exiting (the pieces
+ * locked so far go with the backup). */
 static int register_in_pieces(struct tms_backup *b)
 {
     for (size_t k = 0; k < tms_host_pieces(b->size); k++) {
+        if (b->locked[k] == TMS_PIECE_LOCKED) continue;
         if (tms_transfer_wait_idle(&pin_stopping)) return -1;
         size_t off = k * TMS_PIN_PIECE_BYTES;
         size_t piece = b->size - off < TMS_PIN_PIECE_BYTES ? b->size - off : TMS_PIN_PIECE_BYTES;
@@ -116,7 +118,7 @@ void tms_backup_pin_later(struct tms_backup *b)
     if (!b || !b->host ||
         !__atomic_compare_exchange_n(&b->pinning, &none, TMS_PIN_RUNNING, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         return;
-    if (!(b->locked = tms_host_piece_map(b->size))) {
+    if (!b->locked && !(b->locked = tms_host_piece_map(b->size))) {
         __atomic_store_n(&b->pinning, TMS_PIN_FAILED, __ATOMIC_RELEASE);
         return;
     }

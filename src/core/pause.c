@@ -56,7 +56,7 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
         const struct tms_alloc *a = m[i].a;
         if (!a->backup) continue;
         p[k] = (struct tms_backup_plan){.kind = a->backup_kind, .device = a->device, .va = a->va, .size = a->size,
-                                        .held = m[i].copy};
+                                        .held = m[i].copy, .retain = tms_core_retain()};
         if (args->n_skip)
             rc = tms_live_plan(a->backup_kind, a->va, a->size, args->skip, args->n_skip, &p[k].ranges,
                                &p[k].n_ranges, err);

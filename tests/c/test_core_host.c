@@ -1306,6 +1306,50 @@ static void test_lock_on_copy(void)
     free_ok(dev);
 }
 
+/* A pageable backup a pause keeps across resume is locked by its first
+ * copy as a pinned one is, so the pause right after the next resume already
+ * goes straight to it; one not kept stays staged and is never locked. */
+static void test_retained_pageable_locked_by_first_copy(void)
+{
+    const size_t size = 2 * TMS_PIN_PIECE_BYTES + ((size_t)3 << 20) + 5;
+    struct tms_region r = region("retained_first_copy", 0, TMS_BACKUP_MMAP);
+    char *dev = alloc_ok(size, 0, &r);
+    if (!dev) return;
+    fill(dev, size, 67);
+    for (int kept = 0; kept < 2; kept++) {
+        struct tms_backup *b = new_recorded_backup(size, TMS_BACKUP_MMAP);
+        if (!b) break;
+        if (kept) tms_backup_will_be_kept(b);
+        CHECK(b->ops->path(b, 1, 0, b->size) == (kept ? TMS_PATH_PREPARED : TMS_PATH_STAGED));
+        recording_drv.copy_async = record_copy;
+        dma_base = b->host;
+        dma_span = size;
+        dmas = 0;
+        struct tms_transfer item = {.device = 0, .dev = (tms_va)(uintptr_t)dev, .backup = b, .n = size};
+        struct tms_err err = {0};
+        CHECK_RC(tms_transfer_run(&recording_drv, 1, &item, 1, &err), TMS_OK);
+        CHECK(item.done == size && matches(b->host, size, 67));
+        size_t straight = 0;
+        for (int i = 0; i < dmas && i < DMA_MAX; i++)
+            if (dma_off[i] != SIZE_MAX) straight += dma_len[i];
+        tms_backup_copied(b);
+        if (!kept) {  /* staged and unlocked until the background locks it */
+            CHECK(straight == 0 && !tms_backup_pinned(b) && pieces == 0 && register_failed == 0);
+            tms_backup_pin_later(b);
+            wait_pinning_settled(b);
+        } else {
+            tms_backup_pin_later(b);  /* queued as every kept backup is: nothing left to lock */
+        }
+        int lockable = !register_failed;  /* a backend that cannot page-lock stays staged */
+        if (kept) CHECK(straight == (lockable ? size : 0));
+        CHECK(tms_backup_pinned(b) == lockable && locked_pieces(b) == (lockable ? 3 : 0));
+        CHECK(pieces == (lockable ? 3 : 0));  /* no piece locked twice */
+        tms_backup_unref(b);
+        CHECK(unregistered == (lockable ? 3 : 0));
+    }
+    free_ok(dev);
+}
+
 /* Copies to page-locked host memory never cross the end of a registered
  * piece, whatever TMS_BACKUP_BLOCK_BYTES says (ctest core_host_block_3mib
  * runs this with 3 MiB blocks), and together cover every byte once. */
@@ -1542,6 +1586,7 @@ static const struct test tests[] = {
     {"pin_pieces", test_pin_pieces},
     {"direct_blocks", test_direct_blocks},
     {"lock_on_copy", test_lock_on_copy},
+    {"retained_pageable_locked_by_first_copy", test_retained_pageable_locked_by_first_copy},
     {"restored_callback", test_restored_callback},
     {"release_restored", test_release_restored},
     {"topology", test_topology},

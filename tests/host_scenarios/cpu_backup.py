@@ -63,8 +63,10 @@ def retained(kind):
 
 
 def retained_mmap_is_page_locked():
-    """A retained mmap backup is page-locked by the background thread after the pause, and
-    its copies then go straight to it; a backup that is not retained is never queued."""
+    """A retained mmap backup is page-locked by the pause that makes it (its first copy
+    locks each piece before its DMA), so the next resume and the pause right after it
+    go straight to it; a backup made without retain and kept by a later resume is
+    page-locked by the background thread; one never retained is never locked."""
     faulthandler.dump_traceback_later(60, exit=True)   # waiting for the lock forever fails here
 
     def wait_locked(p):
@@ -74,22 +76,26 @@ def retained_mmap_is_page_locked():
     n = 70 * MiB + 123
     with tms.region("plain", enable_cpu_backup=True, cpu_backup_backend="mmap"):
         q = tms.malloc(n)
-    fill(q, n)
+    dq = fill(q, n)
     tms.pause("plain")
-    assert row(q)["has_cpu_backup"] and not row(q)["cpu_backup_page_locked"]   # not retained: never
+    assert row(q)["has_cpu_backup"] and not row(q)["cpu_backup_page_locked"]   # not retained: staged
 
     tms.retain_cpu_backup = True
     with tms.region("r", enable_cpu_backup=True, cpu_backup_backend="mmap"):
         p = tms.malloc(n)
     d1 = fill(p, n)
     tms.pause("r")
-    wait_locked(p)
-    # One thread page-locks the queued backups, in the order they were queued: had
-    # the pause of "plain" queued q, q would be locked by now.
-    assert row(q)["has_cpu_backup"] and not row(q)["cpu_backup_page_locked"]
+    assert row(p)["cpu_backup_page_locked"]            # by the pause itself, not later
+    assert core().get_cpu_backup(p, n).tobytes() == d1
+    tms.resume("plain")                                # kept from now on: locked in the background
+    assert read(q, n) == dq
+    wait_locked(q)
+    dq = fill(q, n)
+    tms.pause("plain")                                 # refreshed straight into it
+    assert core().get_cpu_backup(q, n).tobytes() == dq
     tms.retain_cpu_backup = False
-    tms.resume("plain")                                # not retained: its backup goes
-    assert not row(q)["has_cpu_backup"]
+    tms.resume("plain")                                # not retained now: its backup goes
+    assert read(q, n) == dq and not row(q)["has_cpu_backup"]
     tms.retain_cpu_backup = True
 
     tms.resume("r")                                    # restored straight from the locked copy
