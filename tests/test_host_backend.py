@@ -63,6 +63,14 @@ def test_retained_mmap_backup_is_page_locked_by_its_first_pause(run_scenario):
     assert out == "done\n"
 
 
+def test_copy_workers_warm_up_beside_the_caller(run_scenario):
+    # The staging is pinned on a thread of the library's own, started by the first
+    # backed-up allocation (TMS_INIT_ENABLE and the C ABI have no Python region), so
+    # neither that allocation nor the first pause waits for it.
+    out = check_ok(run_scenario("cpu_backup", "workers_warm_up_beside_the_caller"))
+    assert out == "done\n"
+
+
 def _mbind_permitted():
     """Can this process set a memory policy (no CONFIG_NUMA, or Docker's default
     seccomp profile, say no)? The library then leaves backups where they fall."""

@@ -140,7 +140,7 @@ class _Impl:
     @contextlib.contextmanager
     def region(self, tag, backup, kind, disk=False):
         if (backup or disk) and not self._warm:
-            self.core.warm_backups()  # pins the staging once, not in the first pause
+            self.core.warm_backups()  # pins the staging beside the caller, not in the first pause
             self._warm = True
         if not self.on_gpu():
             with self._thread_region(True, tag, backup, kind, disk):

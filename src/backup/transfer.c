@@ -3,6 +3,7 @@
 
 #include "platform/config.h"
 #include "platform/fork.h"
+#include "platform/log.h"
 #include "platform/topology.h"
 
 #include <pthread.h>
@@ -72,6 +73,11 @@ static struct worker *workers;
 static int worker_count;
 static size_t slot_bytes;  /* fixed while the pool lives */
 static int slot_device;    /* the device the staging was pinned in the context of (portable memory) */
+static const struct tms_driver *pool_drv;
+/* A warm-up that failed on its own thread: the next copy reports it (once)
+ * instead of trying again, so a fault is seen where it was before. */
+static int warm_failed;
+static struct tms_err warm_err;
 static unsigned long job_seq;
 static struct job *current_job;
 static int workers_busy;
@@ -248,6 +254,11 @@ static void *worker_main(void *arg)
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL);  /* signals belong to the application's threads */
+    /* The streams of the device the process works on, made now rather than
+     * inside the first pause; one that fails is made again when needed. */
+    if (slot_device >= 0 && slot_device < MAX_DEVICES)
+        for (int s = 0; s < 2; s++)
+            if (pool_drv->stream_create(slot_device, &w->stream[slot_device][s])) w->stream[slot_device][s] = NULL;
     pthread_mutex_lock(&pool_lock);
     unsigned long seen = w->start_seq;
     for (;;) {
@@ -320,8 +331,12 @@ static void pool_discard_locked(const struct tms_driver *drv)
 /* In a forked child the workers are gone and the locks may be held or
  * waited on by threads that no longer exist: start from nothing (the
  * parent's staging stays mapped in the child, unused). */
+static void warm_forget_in_child(void);
+
 static void pool_forget_in_child(void)
 {
+    warm_forget_in_child();
+    warm_failed = 0;
     pthread_mutex_init(&idle_lock, NULL);
     pthread_cond_init(&idle_cond, NULL);
     runs_in_progress = 0;
@@ -344,7 +359,7 @@ static void register_atfork(void)
 
 /* device: one the process uses (the first copy's, or the caller's at warm-up);
  * the staging is pinned in its context and serves every device. */
-static int pool_start(const struct tms_driver *drv, int device, struct tms_err *err)
+static int pool_start(const struct tms_driver *drv, int device, int warming, struct tms_err *err)
 {
     pthread_once(&atfork_once, register_atfork);
     pthread_mutex_lock(&pool_lock);
@@ -352,10 +367,17 @@ static int pool_start(const struct tms_driver *drv, int device, struct tms_err *
         pthread_mutex_unlock(&pool_lock);
         return TMS_OK;
     }
+    if (warm_failed && !warming) {
+        warm_failed = 0;
+        if (err) *err = warm_err;
+        pthread_mutex_unlock(&pool_lock);
+        return warm_err.status;
+    }
     int n = wanted_workers(drv), rc = TMS_OK;
     size_t fixed = tms_defaults()->backup_block_bytes;
     slot_bytes = fixed ? fixed : SLOT_BYTES;
     slot_device = device;
+    pool_drv = drv;
     workers = calloc((size_t)n, sizeof *workers);
     if (!workers) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for %d copy workers", n);
     for (int i = 0; !rc && i < n; i++) {
@@ -385,13 +407,65 @@ static int pool_start(const struct tms_driver *drv, int device, struct tms_err *
         worker_count = started;
     }
     if (worker_count > 0) rc = TMS_OK;
+    if (rc && warming) warm_failed = 1, warm_err = *err;
     pthread_mutex_unlock(&pool_lock);
     return rc;
 }
 
-int tms_transfer_warm(const struct tms_driver *drv, int device, struct tms_err *err)
+/* ---- the warm-up, on a thread of its own ---------------------------------------- */
+
+/* Pinning the staging takes long enough to matter to the caller's first
+ * region, so it runs beside the caller; a copy that comes first takes the
+ * pool's lock and starts the pool itself, or waits for the warm-up to end. */
+static pthread_mutex_t warm_lock = PTHREAD_MUTEX_INITIALIZER;
+static int warm_requested;       /* atomic; set under warm_lock */
+static int warm_thread_started;  /* guarded by warm_lock */
+static int warm_exit_hooked;     /* guarded by warm_lock */
+static pthread_t warm_thread;
+static const struct tms_driver *warm_drv;  /* set before the thread starts */
+static int warm_device;
+
+static void *warm_main(void *arg)
 {
-    return pool_start(drv, device, err);
+    (void)arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
+    struct tms_err err = {0};
+    if (pool_start(warm_drv, warm_device, 1, &err)) TMS_DEBUG("copy workers not warmed up: %s", err.msg);
+    return NULL;
+}
+
+/* No thread of the library may be inside the driver while it is torn down. */
+static void join_warm_at_exit(void)
+{
+    pthread_mutex_lock(&warm_lock);
+    int started = warm_thread_started;
+    warm_thread_started = 0;
+    pthread_mutex_unlock(&warm_lock);
+    if (started) pthread_join(warm_thread, NULL);
+}
+
+static void warm_forget_in_child(void)
+{
+    pthread_mutex_init(&warm_lock, NULL);
+    warm_requested = 0;
+    warm_thread_started = 0;  /* the parent's thread is not the child's to join */
+}
+
+void tms_transfer_warm_later(const struct tms_driver *drv, int device)
+{
+    if (__atomic_load_n(&warm_requested, __ATOMIC_ACQUIRE)) return;
+    pthread_once(&atfork_once, register_atfork);
+    pthread_mutex_lock(&warm_lock);
+    if (!warm_requested) {
+        if (!warm_exit_hooked) warm_exit_hooked = atexit(join_warm_at_exit) == 0;
+        warm_drv = drv;
+        warm_device = device;
+        warm_thread_started = pthread_create(&warm_thread, NULL, warm_main, NULL) == 0;
+        __atomic_store_n(&warm_requested, 1, __ATOMIC_RELEASE);  /* without a thread the first copy starts the pool */
+    }
+    pthread_mutex_unlock(&warm_lock);
 }
 
 /* The block of item it at off (from the item's start), as its backup's kind cuts it. */
@@ -410,7 +484,7 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
         total += items[i].n;
     }
     if (total == 0) return TMS_OK;
-    int rc = pool_start(drv, items[0].device, err);  /* sets slot_bytes */
+    int rc = pool_start(drv, items[0].device, 0, err);  /* sets slot_bytes */
     if (rc) return rc;
     size_t fixed = tms_defaults()->backup_block_bytes;  /* a set size is the slots' size too */
     struct tms_block_sizes sizes = {

@@ -274,8 +274,9 @@ const char *tms_core_loaded_backend(void);
 void tms_core_set_platform_hint(const char *platform);
 /* Free and total bytes of device (loads the backend). */
 int tms_core_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes, struct tms_err *err);
-/* Starts the copy workers and pins their staging now (in the context of the
- * caller's current device). */
+/* Starts the copy workers and pins their staging on a thread of its own (in
+ * the context of the caller's current device), once per process; the first
+ * backed-up allocation does the same. */
 int tms_core_warm_backups(struct tms_err *err);
 /* *active: 1 if the process already uses device (a context is active on it),
  * else 0; asks without creating anything on the device. */

@@ -73,7 +73,8 @@ int tms_core_warm_backups(struct tms_err *err)
     if (rc) return rc;
     if ((rc = drv->current_device(&device)))
         return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "current device query failed");
-    return tms_transfer_warm(drv, device, err);
+    tms_transfer_warm_later(drv, device);
+    return TMS_OK;
 }
 
 int tms_core_device_active(int device, int *active, struct tms_err *err)

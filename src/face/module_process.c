@@ -110,8 +110,8 @@ static PyObject *py_backend(PyObject *module, PyObject *unused)
 
 PyDoc_STRVAR(warm_backups_doc,
 "warm_backups($module, /)\n--\n\n"
-"Start the copy workers and pin their staging buffers now rather than in the\n"
-"first backed-up pause.");
+"Start the copy workers and pin their staging buffers on a thread of their own,\n"
+"so the first backed-up pause finds them ready; returns at once.");
 static PyObject *py_warm_backups(PyObject *module, PyObject *unused)
 {
     (void)unused;

@@ -2,14 +2,15 @@
 """Host backups on the host backend (tests/test_host_backend.py): bytes restored
 exactly through the copy workers, retained copies, page-locking of retained mmap
 backups, placement on the device's NUMA node, backup memory released on the copy
-worker and returned after resume, and the native get_cpu_backup."""
+worker and returned after resume, the copy workers warmed up beside the caller, and
+the native get_cpu_backup."""
 import ctypes
 import faulthandler
 import os
 import sys
 import time
 
-from _prelude import MiB, core, expect, fill, read, row, rss_bytes, run_cases, start, tms
+from _prelude import MiB, core, expect, fill, raw_region, read, row, rss_bytes, run_cases, start, tms
 
 
 def restores_exactly(kind):
@@ -228,6 +229,34 @@ def native_get_cpu_backup():
     del whole, part
     print("done")
 
+
+def workers_warm_up_beside_the_caller():
+    """The first backed-up allocation starts the copy workers (their staging and
+    streams) on a thread of its own, without a Python region and before any pause;
+    an allocation without a backup starts nothing. The first pause is then exact."""
+    faulthandler.dump_traceback_later(60, exit=True)   # workers that never start fail here
+    start()
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    with raw_region("plain"):
+        p = tms.malloc(MiB)
+    assert threads() == before                         # no backup: no workers
+    with raw_region("w", True, "mmap"):
+        q = tms.malloc(3 * MiB + 5)
+    workers = int(os.environ["TMS_BACKUP_THREADS"])
+    while threads() < before + workers:                # started without a pause
+        time.sleep(0.01)                               # paces the poll
+    d = fill(q, 3 * MiB + 5)
+    tms.pause("w")
+    assert core().get_cpu_backup(q, 3 * MiB + 5).tobytes() == d
+    tms.resume("w")
+    assert read(q, 3 * MiB + 5) == d
+    tms.free(p)
+    faulthandler.cancel_dump_traceback_later()
+    print("done")
 
 if __name__ == "__main__":
     run_cases(globals(), sys.argv)
