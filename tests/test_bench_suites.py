@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks import report  # noqa: E402
 
 # Each suite's dry run as documented: `python -m benchmarks <suite> --dry-run`.
-DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget", "node"]
+DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget", "node", "speed"]
 # What each dry run measured, beyond the plumbing: the rows its report names.
 CHECKS = {
     "run": lambda d: (sorted(d["backup"]) == ["mmap", "mmap_retained", "pinned", "pinned_retained"]
@@ -44,11 +44,18 @@ CHECKS = {
                        and len(d["together"]["first_pause"]["per_gpu"]) == 2
                        and set(d["ratios"]) == {"first_pause_over_fill", "retained_pause_over_single",
                                                 "resumes_over_single", "retained_resumes_over_single"}),
+    "speed": lambda d: ([(w["mode"], w["init"], w["exit_code"], sorted(w["sections"]), w["errors"]) for w in d["workers"]]
+                        == [(m, False, 0, ["first_region", "kinds", "latency", "model", "retained"], {})
+                            for m in ("torch", "preload")]
+                        and d["workers"][0]["sections"]["model"]["tensors"] == 24
+                        and all(w["sections"]["retained"]["exact"] and w["sections"]["model"]["exact"]
+                                for w in d["workers"])),
 }
 STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend-dry-run-2procs-on-1",
          "alloc_count": "alloc_count_host-backend-dry-run",
          "fragmentation": "fragmentation_host-backend-dry-run", "live": "live_host-backend-dry-run",
-         "budget": "budget_host-backend-dry-run", "node": "node_host-backend-dry-run-x2"}
+         "budget": "budget_host-backend-dry-run", "node": "node_host-backend-dry-run-x2",
+         "speed": "speed_host-backend-dry-run"}
 
 
 def _bench(*args, timeout=240, tmpdir=None):

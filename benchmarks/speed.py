@@ -1,0 +1,442 @@
+"""The `speed` suite: the rows a user compares with the upstream library, side by side
+with it in one run: `python -m benchmarks speed [--upstream DIR] [--gib G] [--gap S]
+[--out DIR] [--dry-run]`.
+
+Each library (this checkout; with --upstream, the torch_memory_saver in DIR, its wheel
+unpacked) runs in three workers of its own, fresh processes: torch hook mode, preload
+hook mode (started under the library's own configure_subprocess()), and preload mode
+with TMS_INIT_ENABLE=1 TMS_INIT_ENABLE_CPU_BACKUP=1 (how slime and AReaL run). A
+fourth worker without any library measures the link (pinned copies both ways). Rows:
+
+- first region: allocating and filling 1 GiB in the process's first backed-up region,
+  beside the same through plain PyTorch just before it; then the first backed-up pause
+  of that tag (in the preload-init worker: of every allocation, which is what that mode
+  holds);
+- discard pause and resume, 1 x 8 GiB and 64 x 128 MiB (median of 5 after a warm-up);
+- backup kinds: `mmap` and `pinned`, G GiB in 16 tensors, first and second cycle;
+- retained backup (the library's default kind, retain_cpu_backup on), G GiB in 16
+  tensors: first cycle, three pauses each right after a resume (no gap), then one
+  after S seconds idle (default 8);
+- a model's resume: a Llama-shaped set of parameter tensors (a backed-up tag) and its
+  KV cache (a discarded tag) paused and resumed, beside the same bytes in 512 MiB
+  tensors (bulk); where the time goes: the model tag and the KV tag timed apart.
+
+Contents are compared after every resume (checksums). Ratios: ours over upstream in
+the same mode, and GB/s over the link. --dry-run: the host backend, this library only,
+tiny sizes; the figures mean nothing. Report: speed_<device>.{md,json,png}.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from . import report
+from .common import GiB, MiB, REPO, Deadline, child_env, pyplot, read_json, run_child, save_png
+
+TITLE = "Side by side with the upstream library: the rows where it used to lead"
+WORKERS = (("torch", False), ("preload", False), ("preload", True))  # (hook mode, preload-init)
+LLAMA = {"hidden": 2048, "intermediate": 8192, "layers": 16, "vocab": 128256, "kv_heads": 8, "head_dim": 64}
+
+
+def _sizes(dry_run, gib):
+    if dry_run:
+        return {"first": 8 * MiB, "latency": [(1, 64 * MiB), (8, 8 * MiB)], "backup": 64 * MiB,
+                "model": [1 * MiB + 4096 * k for k in range(24)], "kv": [2 * MiB] * 8, "bulk_tensor": 16 * MiB,
+                "cycles": 3}
+    h, i, layers, v = LLAMA["hidden"], LLAMA["intermediate"], LLAMA["layers"], LLAMA["vocab"]
+    kv = LLAMA["kv_heads"] * LLAMA["head_dim"]
+    per_layer = [h * h, h * kv, h * kv, h * h, h * i, h * i, i * h, h, h]  # q k v o gate up down, two norms
+    model = [v * h * 2] + [n * 2 for _ in range(layers) for n in per_layer] + [h * 2]  # bf16
+    cache = [8192 * kv * 2] * (2 * layers)  # a static cache of 8192 tokens, k and v per layer
+    return {"first": GiB, "latency": [(1, 8 * GiB), (64, 128 * MiB)], "backup": int(gib * GiB), "model": model,
+            "kv": cache, "bulk_tensor": 512 * MiB, "cycles": 5}
+
+
+# ---- the worker's side ---------------------------------------------------------------
+
+def _timed(sync, fn):
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def _first_region(env, tms, size, init):
+    """Plain allocation + fill, then the same in the first backed-up region; then that
+    tag's first pause and resume. In preload-init mode every allocation is backed up
+    already: the first pause is of all of them."""
+    out = {"bytes": size}
+    plain = []
+    out["plain_s"] = _timed(env.sync, lambda: (plain.extend(_plain_alloc(env, size)), env.fill_random(plain, 1)))
+    block = []
+    if init:
+        out["region_s"] = out["plain_s"]  # the plain allocation is the backed-up one here
+        block = plain
+        pause, resume = (lambda: tms.pause()), (lambda: tms.resume())
+    else:
+        out["region_s"] = _timed(env.sync, lambda: (block.extend(env.alloc("first", [size], backup=True)),
+                                                    env.fill_random(block, 2)))
+        plain.clear()
+        pause, resume = (lambda: tms.pause("first")), (lambda: tms.resume("first"))
+    snap = env.snapshot(block, False)
+    out["first_pause_s"] = _timed(env.sync, pause)
+    out["first_resume_s"] = _timed(env.sync, resume)
+    out["exact"] = bool(env.verify(block, snap))
+    if not init:
+        env.dispose(block, "first")
+    return out, block
+
+
+def _plain_alloc(env, size):
+    if env.kind == "host":  # the dry run's stand-in: memory of a region without backup
+        return env.alloc("plain", [size])
+    return [env.torch.empty(size, dtype=env.torch.uint8, device=env.device)]
+
+
+def _latency(env, tms, shapes, cycles):
+    rows = []
+    for count, size in shapes:
+        tag = f"lat{count}"
+        block = env.alloc(tag, [size] * count)
+        pauses, resumes = [], []
+        for c in range(cycles + 1):
+            p = _timed(env.sync, lambda: tms.pause(tag))
+            r = _timed(env.sync, lambda: tms.resume(tag))
+            if c:  # the first is a warm-up
+                pauses.append(p)
+                resumes.append(r)
+        env.dispose(block, tag)
+        rows.append({"tensors": count, "tensor_bytes": size, "pause_s": statistics.median(pauses),
+                     "resume_s": statistics.median(resumes), "pauses_s": pauses, "resumes_s": resumes})
+    return rows
+
+
+def _cycle(env, tms, tag, block, snap):
+    p = _timed(env.sync, lambda: tms.pause(tag))
+    r = _timed(env.sync, lambda: tms.resume(tag))
+    return p, r, bool(env.verify(block, snap))
+
+
+def _kinds(env, tms, total):
+    out = {}
+    for kind in ("mmap", "pinned"):
+        tag = f"kind-{kind}"
+        block = env.alloc(tag, [total // 16] * 16, backup=True, backend=kind)
+        env.fill_random(block, 3)
+        snap = env.snapshot(block, False)
+        cycles = [_cycle(env, tms, tag, block, snap) for _ in range(2)]
+        env.dispose(block, tag)
+        out[kind] = {"bytes": total // 16 * 16, "pause_s": [c[0] for c in cycles], "resume_s": [c[1] for c in cycles],
+                     "exact": all(c[2] for c in cycles)}
+    return out
+
+
+def _retained(env, tms, total, gap_s):
+    tms.retain_cpu_backup = True
+    tag = "retained"
+    block = env.alloc(tag, [total // 16] * 16, backup=True)
+    env.fill_random(block, 4)
+    snap = env.snapshot(block, False)
+    first = _cycle(env, tms, tag, block, snap)
+    no_gap = [_cycle(env, tms, tag, block, snap) for _ in range(3)]  # each pause right after a resume
+    time.sleep(gap_s)  # an idle gap: the library may finish background work (a benchmark, not a test)
+    gap = _cycle(env, tms, tag, block, snap)
+    env.dispose(block, tag)
+    tms.retain_cpu_backup = False
+    return {"bytes": total // 16 * 16, "gap_s": gap_s, "first": first[:2], "no_gap_pause_s": [c[0] for c in no_gap],
+            "no_gap_resume_s": [c[1] for c in no_gap], "gap": gap[:2],
+            "exact": first[2] and gap[2] and all(c[2] for c in no_gap)}
+
+
+def _model(env, tms, model, kv, bulk_tensor, cycles):
+    weights = env.alloc("model", model, backup=True)
+    cache = env.alloc("kv", kv)
+    env.fill_random(weights, 5)
+    snap = env.snapshot(weights, False)
+    rows = []
+    for _ in range(cycles):
+        pause = _timed(env.sync, lambda: (tms.pause("model"), tms.pause("kv")))
+        resume_model = _timed(env.sync, lambda: tms.resume("model"))
+        resume_kv = _timed(env.sync, lambda: tms.resume("kv"))
+        rows.append({"pause_s": pause, "resume_model_s": resume_model, "resume_kv_s": resume_kv,
+                     "exact": bool(env.verify(weights, snap))})
+    allocations = len(env.tag_allocs("model")) if hasattr(env.tms, "allocations") else None
+    env.dispose(cache, "kv")
+    env.dispose(weights, "model")
+    total = sum(model)
+    n = max(1, total // bulk_tensor)
+    bulk = env.alloc("bulk", [total // n] * n, backup=True)
+    env.fill_random(bulk, 6)
+    bsnap = env.snapshot(bulk, False)
+    bulk_rows = [_cycle(env, tms, "bulk", bulk, bsnap) for _ in range(cycles)]
+    env.dispose(bulk, "bulk")
+    return {"weights_bytes": total, "tensors": len(model), "allocations": allocations, "kv_bytes": sum(kv),
+            "cycles": rows, "bulk_bytes": total // n * n, "bulk_tensors": n,
+            "bulk_pause_s": [c[0] for c in bulk_rows], "bulk_resume_s": [c[1] for c in bulk_rows],
+            "exact": all(r["exact"] for r in rows) and all(c[2] for c in bulk_rows)}
+
+
+def worker(library, mode, init, gib, gap_s, dry_run=False, save=None):
+    """One process: every row for one library in one hook mode (library None: the link only)."""
+    if library:
+        sys.path.insert(0, library)
+    from .envs import make_env
+
+    sizes = _sizes(dry_run, gib)
+    env = make_env(mode if library else None, dry_run, use_tms=bool(library))
+    out = {"library": library, "mode": mode, "init": init, "sections": {}, "errors": {}}
+    if not library:
+        from . import limits
+
+        out["sections"]["limits"] = limits.run(env, {"bytes": min(sizes["backup"], 4 * GiB), "reps": 3},
+                                               Deadline(time.time() + 120))
+        out["env"] = env.info()
+        return out
+    import torch_memory_saver
+
+    out["loaded_from"] = os.path.dirname(os.path.dirname(os.path.abspath(torch_memory_saver.__file__)))
+    tms = env.tms
+    steps = [("first_region", lambda: _first_region(env, tms, sizes["first"], init)[0])]
+    if not init:  # the rest would pause the whole process's memory in preload-init mode
+        steps += [("latency", lambda: _latency(env, tms, sizes["latency"], sizes["cycles"])),
+                  ("kinds", lambda: _kinds(env, tms, sizes["backup"])),
+                  ("retained", lambda: _retained(env, tms, sizes["backup"], gap_s)),
+                  ("model", lambda: _model(env, tms, sizes["model"], sizes["kv"], sizes["bulk_tensor"], 3))]
+    for name, fn in steps:
+        try:
+            out["sections"][name] = fn()
+        except Exception as e:  # one row failing keeps the others
+            out["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
+        if save:
+            save(out)
+    return out
+
+
+# ---- the runner's side ---------------------------------------------------------------
+
+LAUNCH = ("import subprocess, sys\n"
+          "sys.path.insert(0, sys.argv[1])\n"
+          "from torch_memory_saver import configure_subprocess\n"
+          "with configure_subprocess():\n"
+          "    sys.exit(subprocess.run(sys.argv[2:]).returncode)\n")
+
+
+def run_one(library, mode, init, args, timeout=600):
+    import json
+
+    env = child_env(args.dry_run, clean=True)
+    if library:
+        env["PYTHONPATH"] = os.pathsep.join([library, env["PYTHONPATH"]])
+    if init:
+        env.update(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
+        wargs = {"library": library, "mode": mode, "init": init, "gib": args.gib, "gap_s": args.gap,
+                 "dry_run": args.dry_run}
+        cmd = [sys.executable, "-m", "benchmarks.worker", "speed", result.name, json.dumps(wargs)]
+        if mode == "preload" and library and not args.dry_run:
+            cmd = [sys.executable, "-c", LAUNCH, library] + cmd
+        label = f"{_label(library, args)} {mode}{' init' if init else ''}"
+        rc, timed_out, tail = run_child(cmd, env, timeout, echo=lambda line: print(f"  [{label}] {line}", flush=True))
+        doc = read_json(result.name) or {"library": library, "mode": mode, "init": init, "sections": {}, "errors": {}}
+    doc["exit_code"] = rc
+    if rc != 0:
+        doc["errors"]["process"] = ("killed after %d s" % timeout if timed_out else f"exit {rc}") + ": " + \
+            " / ".join(tail[-6:])[-1500:]
+    return doc
+
+
+def _label(library, args):
+    return "upstream" if library and args.upstream and os.path.abspath(library) == os.path.abspath(args.upstream) \
+        else "ours"
+
+
+# ---- the report ----------------------------------------------------------------------
+
+def _gbps(n, s):
+    return n / s / 1e9 if s else None
+
+
+def _fmt(x, unit=""):
+    if x is None:
+        return "-"
+    return f"{x:.3f}{unit}" if unit == " s" else f"{x:.1f}{unit}" if unit == " GB/s" else f"{x:.2f}{unit}"
+
+
+def figures(doc):
+    """{(library, mode, init): {row: value}} and the rows' names and units, from the workers."""
+    rows = {}
+    for w in doc["workers"]:
+        if not w.get("library"):
+            continue
+        s, key, f = w["sections"], (w["label"], w["mode"], w["init"]), {}
+        fr = s.get("first_region")
+        if fr:
+            f["first region, allocate + fill, over plain (ms)"] = (fr["region_s"] - fr["plain_s"]) * 1e3
+            f["first backed-up pause (ms)"] = fr["first_pause_s"] * 1e3
+        for r in s.get("latency", []):
+            name = f"{r['tensors']} x {r['tensor_bytes'] // MiB} MiB"
+            f[f"discard pause, {name} (ms)"] = r["pause_s"] * 1e3
+            f[f"discard resume, {name} (ms)"] = r["resume_s"] * 1e3
+        for kind, k in s.get("kinds", {}).items():
+            f[f"{kind} pause, first (GB/s)"] = _gbps(k["bytes"], k["pause_s"][0])
+            f[f"{kind} pause, again (GB/s)"] = _gbps(k["bytes"], k["pause_s"][-1])
+            f[f"{kind} resume (GB/s)"] = _gbps(k["bytes"], statistics.median(k["resume_s"]))
+        rt = s.get("retained")
+        if rt:
+            f["retained pause, first (GB/s)"] = _gbps(rt["bytes"], rt["first"][0])
+            f["retained pause, no gap (GB/s)"] = _gbps(rt["bytes"], statistics.median(rt["no_gap_pause_s"]))
+            f["retained resume, no gap (GB/s)"] = _gbps(rt["bytes"], statistics.median(rt["no_gap_resume_s"]))
+            f[f"retained pause, after {rt['gap_s']:g} s idle (GB/s)"] = _gbps(rt["bytes"], rt["gap"][0])
+        m = s.get("model")
+        if m:
+            resume = statistics.median(c["resume_model_s"] + c["resume_kv_s"] for c in m["cycles"])
+            f["model resume, weights + KV (GB/s of weights)"] = _gbps(m["weights_bytes"], resume)
+            f["model resume, weights tag alone (GB/s)"] = _gbps(
+                m["weights_bytes"], statistics.median(c["resume_model_s"] for c in m["cycles"]))
+            f["model resume, KV tag alone (ms)"] = statistics.median(c["resume_kv_s"] for c in m["cycles"]) * 1e3
+            f["bulk resume, same bytes in 512 MiB tensors (GB/s)"] = _gbps(m["bulk_bytes"],
+                                                                           statistics.median(m["bulk_resume_s"]))
+            f["model resume over bulk resume"] = (f["model resume, weights + KV (GB/s of weights)"]
+                                                  / f["bulk resume, same bytes in 512 MiB tensors (GB/s)"])
+        rows[key] = f
+    return rows
+
+
+LOWER_IS_BETTER = ("(ms)",)
+
+
+def table(doc):
+    per = figures(doc)
+    columns = [k for k in per]
+    names = []
+    for f in per.values():
+        names += [n for n in f if n not in names]
+    head = ["row"] + [f"{lib} {mode}{' init' if init else ''}" for lib, mode, init in columns]
+    ups = {(mode, init): per[(lib, mode, init)] for lib, mode, init in columns if lib == "upstream"}
+    if ups:
+        head += [f"ours ÷ upstream, {mode}{' init' if init else ''}" for mode, init in ups]
+    out = []
+    for n in names:
+        row = [n] + [_fmt(per[c].get(n)) for c in columns]
+        for (mode, init), up in ups.items():
+            ours, theirs = per.get(("ours", mode, init), {}).get(n), up.get(n)
+            row.append(_fmt(ours / theirs) + "×" if ours is not None and theirs else "-")
+        out.append(row)
+    return report.table(head, out)
+
+
+def ratios(doc):
+    """What the issue's targets compare, where the run has both sides."""
+    per, out = figures(doc), {}
+    for mode in ("torch", "preload"):
+        ours, up = per.get(("ours", mode, False), {}), per.get(("upstream", mode, False), {})
+        for n, v in ours.items():
+            if n in up and up[n] and v is not None:
+                out[f"{mode}: {n}"] = v / up[n]
+    torch_first = per.get(("ours", "torch", False), {}).get("first backed-up pause (ms)")
+    init_first = per.get(("ours", "preload", True), {}).get("first backed-up pause (ms)")
+    if torch_first and init_first:
+        out["preload-init first pause over torch mode's"] = init_first / torch_first
+    for mode in ("torch", "preload"):
+        ours = per.get(("ours", mode, False), {})
+        a, b = ours.get("discard pause, 1 x 8192 MiB (ms)"), per.get(("ours", "torch", False), {}).get(
+            "discard pause, 1 x 8192 MiB (ms)")
+        if mode == "preload" and a and b:
+            out["preload discard pause 1 x 8 GiB over torch mode's"] = a / b
+    return out
+
+
+def plot(doc, out, stem):
+    """Pause and resume GB/s of each backup kind, ours and upstream per hook mode,
+    against the link measured in the same run."""
+    plt = pyplot()
+    if plt is None:
+        return {}
+    per = figures(doc)
+    groups = [("mmap pause, again (GB/s)", "mmap resume (GB/s)", "mmap"),
+              ("pinned pause, again (GB/s)", "pinned resume (GB/s)", "pinned"),
+              ("retained pause, no gap (GB/s)", "retained resume, no gap (GB/s)", "retained, no gap"),
+              ("retained pause, first (GB/s)", None, "first pause, retained")]
+    columns = [k for k in per if not k[2]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    width = 0.8 / max(1, len(columns))
+    for ax, which, title in ((axes[0], 0, "pause"), (axes[1], 1, "resume")):
+        for j, col in enumerate(columns):
+            vals = [per[col].get(g[which]) if g[which] else None for g in groups]
+            xs = [i + j * width for i in range(len(groups))]
+            ax.bar(xs, [v or 0 for v in vals], width, label=f"{col[0]} {col[1]}")
+        link = doc.get("link", {}).get("d2h" if which == 0 else "h2d")
+        if link:
+            ax.axhline(link, color="k", linestyle="--", linewidth=1, label="pinned link")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+        ax.set_xticklabels([g[2] for g in groups], fontsize=8)
+        ax.set_title(f"{title} GB/s")
+    axes[0].set_ylabel("GB/s (1e9 bytes/s)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"{doc['meta'].get('device_name', '')}: backups, ours vs upstream", fontsize=10)
+    name = f"{stem}.png"
+    save_png(plt, fig, os.path.join(out, name))
+    return {"backups": name}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks speed", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--upstream", metavar="DIR", help="also run the torch_memory_saver found in DIR")
+    parser.add_argument("--gib", type=float, default=8.0, help="backed-up bytes of the kinds and retained rows")
+    parser.add_argument("--gap", type=float, default=8.0, help="idle seconds before the retained row's last pause")
+    parser.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: host backend, tiny sizes, plumbing only")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.gap = min(args.gap, 0.1)
+    meta = report.collect_meta("speed", argv, args.dry_run)
+    libraries = [REPO] + ([os.path.abspath(args.upstream)] if args.upstream and not args.dry_run else [])
+    workers = [] if args.dry_run else [run_one(None, "torch", False, args)]
+    for library in libraries:
+        for mode, init in WORKERS:
+            if args.dry_run and init:
+                continue  # TMS_INIT_ENABLE routes cudaMalloc: nothing of it on the host backend
+            workers.append(run_one(library, mode, init, args))
+    for w in workers:
+        w["label"] = _label(w.get("library"), args) if w.get("library") else "link"
+    if not args.dry_run:
+        meta["device_name"] = (workers[0].get("env") or {}).get("device_name") or meta.get("device_name")
+    lim = next((w["sections"].get("limits") for w in workers if w["label"] == "link"), None) or {}
+    doc = {"meta": meta, "workers": workers,
+           "link": {"d2h": lim.get("pinned_d2h_gbps"), "h2d": lim.get("pinned_h2d_gbps")}}
+    doc["ratios"] = ratios(doc)
+    errors = {f"{w['label']} {w['mode']}{' init' if w['init'] else ''}": w["errors"] for w in workers if w["errors"]}
+
+    def body(images):
+        backed = _sizes(args.dry_run, args.gib)["backup"]
+        lines = [f"Workers: {', '.join(sorted({w['label'] for w in workers}))}; backed-up rows {backed / GiB:g} GiB in "
+                 f"16 tensors; retained gap {args.gap:g} s; link (pinned copies) {_fmt(doc['link']['d2h'])} GB/s to "
+                 f"host, {_fmt(doc['link']['h2d'])} to device. Contents exact in every row: "
+                 f"{all(_exact(w) for w in workers)}.", "", table(doc), ""]
+        if doc["ratios"]:
+            lines += ["| ratio | value |", "|---|---:|"] + [f"| {k} | {v:.2f} |" for k, v in doc["ratios"].items()]
+            lines.append("")
+        if errors:
+            lines += ["Errors: " + "; ".join(f"{k}: {v}" for k, v in errors.items()), ""]
+        lines += [f"![backups]({images['backups']})" if images.get("backups") else ""]
+        return "\n".join(lines)
+
+    md = report.write(report.out_dir(args.out, args.dry_run), report.name(meta), doc, TITLE, body,
+                      plots=lambda out, stem: plot(doc, out, stem))
+    print(open(md).read())
+    print(f"written: {md}")
+    return 1 if errors or not all(_exact(w) for w in workers) else 0
+
+
+def _exact(w):
+    s = w.get("sections", {})
+    return all(v.get("exact", True) for v in s.values() if isinstance(v, dict) and "exact" in v) and \
+        all(k.get("exact", True) for k in s.get("kinds", {}).values())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
