@@ -1,9 +1,10 @@
 """The `speed` suite: the rows a user compares with the upstream library, side by side
-with it in one run: `python -m benchmarks speed [--upstream DIR] [--gib G] [--gap S]
-[--out DIR] [--dry-run]`.
+with it in one run: `python -m benchmarks speed [--upstream DIR] [--before DIR] [--gib G]
+[--gap S] [--out DIR] [--dry-run]`.
 
 Each library (this checkout; with --upstream, the torch_memory_saver in DIR, its wheel
-unpacked) runs in three workers of its own, fresh processes: torch hook mode, preload
+unpacked; with --before, an earlier checkout of this library, built in place) runs in
+three workers of its own, fresh processes: torch hook mode, preload
 hook mode (started under the library's own configure_subprocess()), and preload mode
 with TMS_INIT_ENABLE=1 TMS_INIT_ENABLE_CPU_BACKUP=1 (how slime and AReaL run). A
 fourth worker without any library measures the link (pinned copies both ways). Rows:
@@ -198,6 +199,8 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None):
     import torch_memory_saver
 
     out["loaded_from"] = os.path.dirname(os.path.dirname(os.path.abspath(torch_memory_saver.__file__)))
+    if out["loaded_from"] != os.path.abspath(library):
+        raise RuntimeError(f"asked for the torch_memory_saver in {library}, loaded {out['loaded_from']}")
     tms = env.tms
     steps = [("first_region", lambda: _first_region(env, tms, sizes["first"], init)[0])]
     if not init:  # the rest would pause the whole process's memory in preload-init mode
@@ -227,9 +230,7 @@ LAUNCH = ("import subprocess, sys\n"
 def run_one(library, mode, init, args, timeout=600):
     import json
 
-    env = child_env(args.dry_run, clean=True)
-    if library:
-        env["PYTHONPATH"] = os.pathsep.join([library, env["PYTHONPATH"]])
+    env = child_env(args.dry_run, clean=True)  # this checkout's benchmarks; the worker puts library first
     if init:
         env.update(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
     with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
@@ -249,8 +250,10 @@ def run_one(library, mode, init, args, timeout=600):
 
 
 def _label(library, args):
-    return "upstream" if library and args.upstream and os.path.abspath(library) == os.path.abspath(args.upstream) \
-        else "ours"
+    for label, path in (("upstream", args.upstream), ("before", args.before)):
+        if library and path and os.path.abspath(library) == os.path.abspath(path):
+            return label
+    return "ours"
 
 
 # ---- the report ----------------------------------------------------------------------
@@ -360,7 +363,7 @@ def plot(doc, out, stem):
               ("pinned pause, again (GB/s)", "pinned resume (GB/s)", "pinned"),
               ("retained pause, no gap (GB/s)", "retained resume, no gap (GB/s)", "retained, no gap"),
               ("retained pause, first (GB/s)", None, "first pause, retained")]
-    columns = [k for k in per if not k[2]]
+    columns = [k for k in per if not k[2] and k[0] in ("ours", "upstream")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     width = 0.8 / max(1, len(columns))
     for ax, which, title in ((axes[0], 0, "pause"), (axes[1], 1, "resume")):
@@ -385,6 +388,7 @@ def plot(doc, out, stem):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks speed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", metavar="DIR", help="also run the torch_memory_saver found in DIR")
+    parser.add_argument("--before", metavar="DIR", help="also run an earlier checkout of this library (built) in DIR")
     parser.add_argument("--gib", type=float, default=8.0, help="backed-up bytes of the kinds and retained rows")
     parser.add_argument("--gap", type=float, default=8.0, help="idle seconds before the retained row's last pause")
     parser.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
@@ -394,7 +398,8 @@ def main(argv=None):
     if args.dry_run:
         args.gap = min(args.gap, 0.1)
     meta = report.collect_meta("speed", argv, args.dry_run)
-    libraries = [REPO] + ([os.path.abspath(args.upstream)] if args.upstream and not args.dry_run else [])
+    # The upstream library has no host backend: a dry run measures this one (and --before).
+    libraries = [REPO] + [os.path.abspath(d) for d in (None if args.dry_run else args.upstream, args.before) if d]
     workers = [] if args.dry_run else [run_one(None, "torch", False, args)]
     for library in libraries:
         for mode, init in WORKERS:
