@@ -73,7 +73,6 @@ static struct worker *workers;
 static int worker_count;
 static size_t slot_bytes;  /* fixed while the pool lives */
 static int slot_device;    /* the device the staging was pinned in the context of (portable memory) */
-static const struct tms_driver *pool_drv;
 /* A warm-up that failed on its own thread: the next copy reports it (once)
  * instead of trying again, so a fault is seen where it was before. */
 static int warm_failed;
@@ -254,11 +253,6 @@ static void *worker_main(void *arg)
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL);  /* signals belong to the application's threads */
-    /* The streams of the device the process works on, made now rather than
-     * inside the first pause; one that fails is made again when needed. */
-    if (slot_device >= 0 && slot_device < MAX_DEVICES)
-        for (int s = 0; s < 2; s++)
-            if (pool_drv->stream_create(slot_device, &w->stream[slot_device][s])) w->stream[slot_device][s] = NULL;
     pthread_mutex_lock(&pool_lock);
     unsigned long seen = w->start_seq;
     for (;;) {
@@ -377,7 +371,6 @@ static int pool_start(const struct tms_driver *drv, int device, int warming, str
     size_t fixed = tms_defaults()->backup_block_bytes;
     slot_bytes = fixed ? fixed : SLOT_BYTES;
     slot_device = device;
-    pool_drv = drv;
     workers = calloc((size_t)n, sizeof *workers);
     if (!workers) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for %d copy workers", n);
     for (int i = 0; !rc && i < n; i++) {

@@ -87,9 +87,10 @@ void tms_transfer_wake_idle_waiters(void);
 /* Bytes copied so far by the current (or last) copy job, and its size. */
 void tms_transfer_progress(size_t *done, size_t *total);
 
-/* Starts the workers, their staging buffers and streams ahead of the first
- * pause (pinning the staging takes long), on a thread of its own, once per
- * process; the staging is pinned in the context of device, one the process
+/* Starts the workers and their staging buffers ahead of the first pause
+ * (pinning the staging takes long), on a thread of its own, once per
+ * process (their streams come with the first copy: a stream holds device
+ * memory, which a warm-up beside the caller must not move); the staging is pinned in the context of device, one the process
  * uses. If that fails, the next copy fails with its error (once). */
 void tms_transfer_warm_later(const struct tms_driver *drv, int device);
 
