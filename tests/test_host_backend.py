@@ -63,6 +63,11 @@ def test_retained_mmap_backup_is_page_locked_by_its_first_pause(run_scenario):
     assert out == "done\n"
 
 
+def test_retained_mmap_pause_survives_a_page_lock_out_of_memory(run_scenario):
+    out = check_ok(run_scenario("cpu_backup", "retained_mmap_lock_refused", env={"TMS_FAULT": "host_alloc:5"}))
+    assert out == "done\n"
+
+
 def test_copy_workers_warm_up_beside_the_caller(run_scenario):
     # The staging is pinned on a thread of the library's own, started by the first
     # backed-up allocation (TMS_INIT_ENABLE and the C ABI have no Python region), so

@@ -57,6 +57,8 @@ struct tms_backup_ops {
      * end on multiples of this (or at the allocation's end). */
     size_t granule;
     int host_memory;     /* its bytes are host memory a CPU view may alias (get_cpu_backup) */
+    int must_lock;       /* page-locked is what it promises: lacking the memory to lock a piece fails the copy
+                          * (else that piece, and so the backup, only stays pageable) */
     int open_limit;      /* at most this many open at once in one copy (descriptors), 0: no limit */
     int interleave;      /* a copy takes its backups' blocks in turns (I/O in flight on several at once) */
     /* Makes b's storage for b->size bytes of the allocation at va on device. */

@@ -154,7 +154,8 @@ enum tms_backup_path tms_host_path(const struct tms_backup *b, int to_host, size
  * first: registering unfaulted memory faults it in on one thread inside the
  * driver, and touching each page beat MADV_POPULATE_WRITE
  * (docs/performance.md). A piece the driver cannot lock stays pageable (0);
- * lacking the memory to lock it fails the copy. */
+ * lacking the memory to lock it fails the copy of a kind that promises
+ * page-locked memory, and leaves another kind's piece pageable. */
 int tms_host_prepare_block(struct tms_backup *b, size_t off, size_t len, struct tms_err *err)
 {
     unsigned char *piece = &b->locked[off / TMS_PIN_PIECE_BYTES];
@@ -166,7 +167,7 @@ int tms_host_prepare_block(struct tms_backup *b, size_t off, size_t len, struct 
         *piece = TMS_PIECE_LOCKED;
         return 1;
     }
-    if (!b->drv->is_oom(rc)) return *piece = TMS_PIECE_REFUSED, 0;
+    if (!b->drv->is_oom(rc) || !b->ops->must_lock) return *piece = TMS_PIECE_REFUSED, 0;
     tms_driver_fail(err, TMS_E_HOST_OOM, b->drv, rc,
                     "cannot pin %zu bytes of host memory for a %s backup of %zu bytes (offset %zu)", len, b->ops->name,
                     b->size, off);

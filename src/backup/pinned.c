@@ -37,6 +37,7 @@ const struct tms_backup_ops tms_backup_ops_pinned = {
     .name = "pinned",
     .granule = TMS_PIN_PIECE_BYTES,  /* a first copy locks whole pieces */
     .host_memory = 1,
+    .must_lock = 1,
     .create = create,
     .reusable = reusable,
     .path = tms_host_path,

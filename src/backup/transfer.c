@@ -74,9 +74,13 @@ static int worker_count;
 static size_t slot_bytes;  /* fixed while the pool lives */
 static int slot_device;    /* the device the staging was pinned in the context of (portable memory) */
 /* A warm-up that failed on its own thread: the next copy reports it (once)
- * instead of trying again, so a fault is seen where it was before. */
+ * instead of trying again, as a region's warm-up in the caller's thread used
+ * to raise it; later copies try again. A warm-up runs only if no copy has
+ * tried to start the pool before it (guarded by pool_lock). */
+static int pool_attempted;
 static int warm_failed;
 static struct tms_err warm_err;
+static int warm_cancel;  /* atomic: set at exit, the warm-up pins nothing more */
 static unsigned long job_seq;
 static struct job *current_job;
 static int workers_busy;
@@ -330,6 +334,7 @@ static void warm_forget_in_child(void);
 static void pool_forget_in_child(void)
 {
     warm_forget_in_child();
+    pool_attempted = 0;
     warm_failed = 0;
     pthread_mutex_init(&idle_lock, NULL);
     pthread_cond_init(&idle_cond, NULL);
@@ -361,19 +366,29 @@ static int pool_start(const struct tms_driver *drv, int device, int warming, str
         pthread_mutex_unlock(&pool_lock);
         return TMS_OK;
     }
+    if (warming && pool_attempted) {  /* a copy came first: it started the pool or reported why not */
+        pthread_mutex_unlock(&pool_lock);
+        return TMS_OK;
+    }
+    pool_attempted = 1;
     if (warm_failed && !warming) {
         warm_failed = 0;
         if (err) *err = warm_err;
         pthread_mutex_unlock(&pool_lock);
         return warm_err.status;
     }
-    int n = wanted_workers(drv), rc = TMS_OK;
+    int n = wanted_workers(drv), rc = TMS_OK, cancelled = 0;
     size_t fixed = tms_defaults()->backup_block_bytes;
     slot_bytes = fixed ? fixed : SLOT_BYTES;
     slot_device = device;
     workers = calloc((size_t)n, sizeof *workers);
     if (!workers) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for %d copy workers", n);
     for (int i = 0; !rc && i < n; i++) {
+        if (warming && __atomic_load_n(&warm_cancel, __ATOMIC_ACQUIRE)) {
+            cancelled = 1;
+            rc = tms_fail(err, TMS_E_ARG, 0, "copy workers' warm-up cut short: the process is exiting");
+            break;
+        }
         for (int s = 0; !rc && s < 2; s++) {
             int drc = drv->host_alloc_pinned(device, slot_bytes, &workers[i].slot[s]);
             if (drc) {
@@ -400,7 +415,11 @@ static int pool_start(const struct tms_driver *drv, int device, int warming, str
         worker_count = started;
     }
     if (worker_count > 0) rc = TMS_OK;
-    if (rc && warming) warm_failed = 1, warm_err = *err;
+    if (rc && warming && !cancelled) {
+        warm_failed = 1;
+        tms_fail(&warm_err, err->status, err->driver_code, "copy workers' warm-up on device %d failed: %s", device,
+                 err->msg);
+    }
     pthread_mutex_unlock(&pool_lock);
     return rc;
 }
@@ -432,6 +451,7 @@ static void *warm_main(void *arg)
 /* No thread of the library may be inside the driver while it is torn down. */
 static void join_warm_at_exit(void)
 {
+    __atomic_store_n(&warm_cancel, 1, __ATOMIC_RELEASE);  /* waits only for the driver call in flight */
     pthread_mutex_lock(&warm_lock);
     int started = warm_thread_started;
     warm_thread_started = 0;
@@ -443,6 +463,7 @@ static void warm_forget_in_child(void)
 {
     pthread_mutex_init(&warm_lock, NULL);
     warm_requested = 0;
+    warm_cancel = 0;
     warm_thread_started = 0;  /* the parent's thread is not the child's to join */
 }
 

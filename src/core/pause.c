@@ -44,7 +44,7 @@ static int synchronize_devices(const struct tms_driver *drv, const struct tms_mo
  * nothing has been unmapped, and a backup the call began to overwrite is
  * dropped (the move's copy NULL). */
 static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n, const struct tms_op_args *args,
-                      struct tms_err *err)
+                      int retain, struct tms_err *err)
 {
     size_t n_plans = 0, k = 0;
     for (size_t i = 0; i < n; i++) n_plans += m[i].a->backup != 0;
@@ -56,7 +56,7 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
         const struct tms_alloc *a = m[i].a;
         if (!a->backup) continue;
         p[k] = (struct tms_backup_plan){.kind = a->backup_kind, .device = a->device, .va = a->va, .size = a->size,
-                                        .held = m[i].copy, .retain = tms_core_retain()};
+                                        .held = m[i].copy, .retain = retain};
         if (args->n_skip)
             rc = tms_live_plan(a->backup_kind, a->va, a->size, args->skip, args->n_skip, &p[k].ranges,
                                &p[k].n_ranges, err);
@@ -80,9 +80,9 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
 
 /* Unmaps and releases each allocation; one whose unmap fails stays active
  * and whole (and keeps its new copy only as a retained one). */
-static int unmap_all(const struct tms_driver *drv, struct tms_move *m, size_t n, struct tms_err *err)
+static int unmap_all(const struct tms_driver *drv, struct tms_move *m, size_t n, int retain, struct tms_err *err)
 {
-    int rc = TMS_OK, retain = tms_core_retain();
+    int rc = TMS_OK;
     for (size_t i = 0; i < n; i++) {
         struct tms_alloc *a = m[i].a;
         const char *tag = tms_core_tag_name(a->tag_id);
@@ -122,11 +122,12 @@ static int pause_tags(const char *const *tags, size_t n_tags, const struct tms_o
     size_t n;
     if ((rc = tms_table_claim(tags, n_tags, TMS_ACTIVE, &m, &n, err)) || n == 0) return rc;
     tms_report_begin(drv, args->report, m, n);
+    int retain = tms_core_retain();  /* once: the backups are planned and kept by the same answer */
     rc = synchronize_devices(drv, m, n, err);
     /* All backups first: if one fails, nothing has been unmapped yet. */
-    if (!rc) rc = backup_all(drv, m, n, args, err);
-    if (!rc) rc = unmap_all(drv, m, n, err);
-    if (tms_core_retain()) keep_copies(m, n, 1);
+    if (!rc) rc = backup_all(drv, m, n, args, retain, err);
+    if (!rc) rc = unmap_all(drv, m, n, retain, err);
+    if (retain) keep_copies(m, n, 1);
     uint64_t ns = now_ns() - start;
     tms_report_end(drv, args->report, m, n, ns);
     tms_table_settle(drv, m, n, 1, ns);

@@ -258,5 +258,23 @@ def workers_warm_up_beside_the_caller():
     faulthandler.cancel_dump_traceback_later()
     print("done")
 
+def retained_mmap_lock_refused():
+    """Retain on: the pause that makes an mmap backup page-locks it as it copies; when
+    the driver lacks the memory to lock a piece (TMS_FAULT=host_alloc:5, the first
+    piece after the staging's four), the pause still succeeds and the backup stays
+    pageable: locking it is a speed-up, never a condition."""
+    start()
+    tms.retain_cpu_backup = True
+    n = 70 * MiB + 123
+    with raw_region("m", True, "mmap"):
+        p = tms.malloc(n)
+    d = fill(p, n)
+    tms.pause("m")
+    assert row(p)["state"] == "paused" and not row(p)["cpu_backup_page_locked"], row(p)
+    assert core().get_cpu_backup(p, n).tobytes() == d
+    tms.resume("m")
+    assert read(p, n) == d
+    print("done")
+
 if __name__ == "__main__":
     run_cases(globals(), sys.argv)
