@@ -1209,6 +1209,30 @@ static int dmas;
 static char *dma_base;
 static size_t dma_span;  /* bytes from dma_base that count as the copy's host memory */
 
+/* Copies the size bytes at dev into b (device->host) through the recording
+ * driver, each DMA recorded (dma_off: offset in b, SIZE_MAX for a staging
+ * slot); returns the copy's status, the bytes copied in *done. */
+static int copy_recorded(struct tms_backup *b, const char *dev, size_t size, size_t *done, struct tms_err *err)
+{
+    recording_drv.copy_async = record_copy;
+    dma_base = b->host;
+    dma_span = size;
+    dmas = 0;
+    struct tms_transfer item = {.device = 0, .dev = (tms_va)(uintptr_t)dev, .backup = b, .n = size};
+    int rc = tms_transfer_run(&recording_drv, 1, &item, 1, err);
+    *done = item.done;
+    return rc;
+}
+
+/* Bytes the recorded copy DMA'd straight into the backup's memory. */
+static size_t dma_straight(void)
+{
+    size_t straight = 0;
+    for (int i = 0; i < dmas && i < DMA_MAX; i++)
+        if (dma_off[i] != SIZE_MAX) straight += dma_len[i];
+    return straight;
+}
+
 /* Was [p, p + n) registered (or unregistered) as one of the first count pieces? */
 static int recorded_piece(char *const *at, const size_t *len, int count, const char *p, size_t n)
 {
@@ -1245,15 +1269,11 @@ static void test_lock_on_copy(void)
         if (!b) break;
         char *host = b->host;
         CHECK(b->ops->path(b, 1, 0, b->size) == TMS_PATH_PREPARED && b->locked && !tms_backup_pinned(b) && pieces == 0);  /* nothing locked before the copy */
-        recording_drv.copy_async = record_copy;
-        dma_base = host;
-        dma_span = size;
-        dmas = 0;
         fail_register_at = round ? host + TMS_PIN_PIECE_BYTES : NULL;
         fail_register_code = round == 1 ? EOPNOTSUPP : oom_code();
-        struct tms_transfer item = {.device = 0, .dev = (tms_va)(uintptr_t)dev, .backup = b, .n = size};
         struct tms_err err = {0};
-        CHECK_RC(tms_transfer_run(&recording_drv, 1, &item, 1, &err), round == 2 ? TMS_E_HOST_OOM : TMS_OK);
+        size_t done = 0;
+        CHECK_RC(copy_recorded(b, dev, size, &done, &err), round == 2 ? TMS_E_HOST_OOM : TMS_OK);
         fail_register_at = NULL;
         if (round == 2) {
             CHECK_MSG("cannot pin 67108864 bytes of host memory for a pinned backup");
@@ -1264,7 +1284,7 @@ static void test_lock_on_copy(void)
                 CHECK(recorded_piece(piece_at, NULL, pieces, unregistered_at[i], 0));
             continue;
         }
-        CHECK(item.done == size && matches(host, size, 61));
+        CHECK(done == size && matches(host, size, 61));
         /* Locked pieces take one DMA straight into them; an unlocked one goes through a staging slot. */
         size_t straight = 0, staged = 0;
         for (int i = 0; i < dmas && i < DMA_MAX; i++) {
@@ -1323,17 +1343,11 @@ static void test_retained_pageable_locked_by_first_copy(void)
         if (!b) break;
         if (kept) tms_backup_will_be_kept(b);
         CHECK(b->ops->path(b, 1, 0, b->size) == (kept ? TMS_PATH_PREPARED : TMS_PATH_STAGED));
-        recording_drv.copy_async = record_copy;
-        dma_base = b->host;
-        dma_span = size;
-        dmas = 0;
-        struct tms_transfer item = {.device = 0, .dev = (tms_va)(uintptr_t)dev, .backup = b, .n = size};
         struct tms_err err = {0};
-        CHECK_RC(tms_transfer_run(&recording_drv, 1, &item, 1, &err), TMS_OK);
-        CHECK(item.done == size && matches(b->host, size, 67));
-        size_t straight = 0;
-        for (int i = 0; i < dmas && i < DMA_MAX; i++)
-            if (dma_off[i] != SIZE_MAX) straight += dma_len[i];
+        size_t done = 0;
+        CHECK_RC(copy_recorded(b, dev, size, &done, &err), TMS_OK);
+        CHECK(done == size && matches(b->host, size, 67));
+        size_t straight = dma_straight();
         tms_backup_copied(b);
         if (!kept) {  /* staged and unlocked until the background locks it */
             CHECK(straight == 0 && !tms_backup_pinned(b) && pieces == 0 && register_failed == 0);
@@ -1354,11 +1368,11 @@ static void test_retained_pageable_locked_by_first_copy(void)
         tms_backup_will_be_kept(b);
         fail_register_at = (char *)b->host + TMS_PIN_PIECE_BYTES;
         fail_register_code = oom_code();
-        struct tms_transfer item = {.device = 0, .dev = (tms_va)(uintptr_t)dev, .backup = b, .n = size};
         struct tms_err err = {0};
-        CHECK_RC(tms_transfer_run(&recording_drv, 1, &item, 1, &err), TMS_OK);
+        size_t done = 0;
+        CHECK_RC(copy_recorded(b, dev, size, &done, &err), TMS_OK);
         fail_register_at = NULL;
-        CHECK(item.done == size && matches(b->host, size, 67));
+        CHECK(done == size && matches(b->host, size, 67));
         tms_backup_copied(b);
         CHECK(!tms_backup_pinned(b) && locked_pieces(b) == 0 && unregistered == pieces);
         tms_backup_unref(b);
