@@ -65,7 +65,6 @@ class _Impl:
         self._disabled = threading.local()  # depth of this thread's disable() blocks
         self._allocator = None
         self._on_gpu = None
-        self._warm = False
         self.preload_method = None  # set by on_gpu(): "ld_preload" or "relocation"
         # One build serves CUDA and ROCm: the core picks the backend, told what
         # torch was built for (TMS_BACKEND and TMS_PLATFORM say first).
@@ -139,9 +138,6 @@ class _Impl:
 
     @contextlib.contextmanager
     def region(self, tag, backup, kind, disk=False):
-        if (backup or disk) and not self._warm:
-            self.core.warm_backups()  # pins the staging beside the caller, not in the first pause
-            self._warm = True
         if not self.on_gpu():
             with self._thread_region(True, tag, backup, kind, disk):
                 yield
