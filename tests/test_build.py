@@ -14,10 +14,14 @@ from torch_memory_saver._abi import SIGNATURES
 FORBIDDEN_NEEDED = re.compile(r"lib(cuda|cudart|python)", re.IGNORECASE)
 # The C ABI both variants export (include/torch_memory_saver.h).
 ABI = set(SIGNATURES)
+# The runtime's CUDA IPC calls routed for the shims (hooks/ipc.c); in the torch
+# variant only relocation reaches its cudaIpc* definitions, which stay hidden.
+IPC_ROUTERS = {"tms_ipc_get_mem_handle", "tms_ipc_open_mem_handle", "tms_ipc_close_mem_handle"}
 EXPORTS = {
     "preload": {"cudaMalloc", "cudaFree", "PyInit__tms_preload", "tms_preload_malloc", "tms_preload_free",
-                "cudaGetDriverEntryPoint", "cudaGetDriverEntryPointByVersion", "tms_preload_entry_point"} | ABI,
-    "torch": {"tms_torch_malloc", "tms_torch_free", "PyInit__tms_torch"} | ABI,
+                "cudaGetDriverEntryPoint", "cudaGetDriverEntryPointByVersion", "tms_preload_entry_point",
+                "cudaIpcGetMemHandle", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle"} | ABI | IPC_ROUTERS,
+    "torch": {"tms_torch_malloc", "tms_torch_free", "PyInit__tms_torch"} | ABI | IPC_ROUTERS,
 }
 # The preload library may also hook the HIP runtime's pair (ROCm builds of PyTorch).
 OPTIONAL_EXPORTS = {"preload": {"hipMalloc", "hipFree"}, "torch": set()}

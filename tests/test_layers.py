@@ -13,10 +13,11 @@ SRC = REPO / "src"
 
 # The layers, top to bottom, and what a file of each may include and call:
 # its own layer and the ones listed. docs/design.md states the same table.
-LAYERS = ("face", "hooks", "core", "backup", "platform")
+LAYERS = ("face", "hooks", "share", "core", "backup", "platform")
 MAY_USE = {
-    "face": {"face", "core"},
-    "hooks": {"hooks", "core"},
+    "face": {"face", "share", "core"},
+    "hooks": {"hooks", "share", "core"},
+    "share": {"share", "core", "platform"},
     "core": {"core", "backup", "platform"},
     "backup": {"backup", "platform"},
     "platform": {"platform"},
@@ -30,6 +31,12 @@ SHARED = {"platform/error.h", "platform/log.h", "platform/fork.h", "platform/cud
 EXCEPTIONS = {
     ("face/module_process.c", "hooks/hook_preload.h"):
         "the preload variant's own questions: is it the process's cudaMalloc, relocation hooks",
+    ("face/module_share.c", "hooks/hook_preload.h"):
+        "install_ipc_hooks: the preload variant asks whether LD_PRELOAD already interposes the calls",
+    ("face/module_share.c", "hooks/hook_preload.c"):
+        "install_ipc_hooks: the preload variant's relocation hooks include the IPC calls",
+    ("face/module_share.c", "hooks/hook_torch.c"):
+        "install_ipc_hooks: the torch variant patches the IPC calls' GOT entries",
     ("face/module_env.c", "platform/config.h"):
         "_tms_env checks the TMS_* environment at import and is built without a core",
 }

@@ -5,7 +5,7 @@ import os
 import sys
 import threading
 
-from . import _abi, _library, _preload, _scratch
+from . import _abi, _library, _preload, _scratch, _share
 
 
 def _torch_platform():
@@ -84,8 +84,20 @@ class _Impl:
             gpu = backend != "host" and backend == _torch_gpu_platform()  # host: no torch import
             if gpu and self.hook_mode == "preload":
                 self.preload_method = _preload.ensure_hooked(self.core)
+            if gpu:
+                self._route_ipc()
             self._on_gpu = gpu
         return self._on_gpu
+
+    def _route_ipc(self):
+        """PyTorch's CUDA tensor sharing reaches our memory through the runtime's IPC
+        calls: hooked here (torch mode; preload mode's hooks include them), and its
+        handles marked so receivers load this package first."""
+        try:
+            self.core.install_ipc_hooks()
+        except NotImplementedError:
+            return  # TMS_RELOC_HOOKS=0: region tensors cannot go through torch.multiprocessing
+        _share.mark_storage_sharing()
 
     # Pools keep region allocations in segments of their own, so PyTorch's
     # cache never hands region memory to code outside the region or back.

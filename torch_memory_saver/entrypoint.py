@@ -6,7 +6,7 @@ import os
 import threading
 from typing import Optional
 
-from . import _library, _live, _observe, _preload, _report
+from . import _library, _live, _observe, _preload, _report, _share
 from ._errors import DiskBackupDirError
 from ._impl import _Impl, backup_across_pages
 from ._settings import Settings
@@ -233,6 +233,20 @@ class TorchMemorySaver:
             return None
         host = torch.frombuffer(view, dtype=torch.uint8).view(x.dtype).as_strided(x.shape, x.stride())
         return host if zero_copy else host.clone(memory_format=torch.contiguous_format)
+
+    def share(self, tensor):
+        """A SharedTensor (small, picklable) for `tensor`, whose memory is this
+        library's: another process of the same user maps it with open_shared().
+        While one holds it open, pause() of its tag raises naming that process."""
+        return _share.share(self._ensure_initialized().core, tensor)
+
+    def open_shared(self, shared, device: Optional[int] = None):
+        """The tensor another process shared (what its share() returned), mapped
+        here on `device` (default: the current one) without a copy: writes are seen
+        both ways. Held until this tensor and every view of it are freed."""
+        impl = self._ensure_initialized()
+        on_gpu = impl.on_gpu()
+        return _share.open_shared(impl.core, shared, device, on_gpu)
 
     def stats(self):
         """{device: {tag: {field: value}}}: allocations, bytes requested/reserved/

@@ -89,6 +89,8 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     a->state = TMS_ACTIVE;
     a->backup = r->backup || r->disk_backup;
     a->backup_kind = tms_backup_kind_of_region(r->backup_kind, r->disk_backup);
+    /* Exportable from the start: a handle cannot be made shareable later. */
+    a->handle_types = defaults->shareable && drv->share_types ? drv->share_types(device) : 0;
     a->handles = a->n_chunks == 1 ? &a->one_handle : calloc(n_chunks, sizeof *a->handles);
     if (!a->handles) {
         free(a);
@@ -141,6 +143,15 @@ int tms_core_owns(const void *ptr)
     int owned = a && !a->adopted;  /* adopted memory is its owner's to give back (tms_core_disown) */
     tms_table_unlock();
     return owned;
+}
+
+int tms_core_holds(const void *ptr)
+{
+    if (!ptr || tms_table_count() == 0) return 0;
+    tms_table_lock();
+    int held = tms_table_owner_locked((tms_va)(uintptr_t)ptr) != NULL;
+    tms_table_unlock();
+    return held;
 }
 
 /* The driver side of a free, for an allocation already out of the table.

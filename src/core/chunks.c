@@ -1,5 +1,6 @@
 /* The physical memory of one allocation: its chunks' handles, mapped and unmapped. */
 #include "core/core_internal.h"
+#include "platform/log.h"
 
 size_t tms_chunk_size(const struct tms_alloc *a, int i)
 {
@@ -18,6 +19,15 @@ int tms_chunks_map(const struct tms_driver *drv, struct tms_alloc *a, const char
         rc = a->handle_types && drv->create_shareable
                  ? drv->create_shareable(a->device, size, a->handle_types, &a->handles[created])
                  : drv->create(a->device, size, &a->handles[created]);
+        /* Where the driver will not make exportable memory (a container
+         * without the right, an old driver), ours is made plain and cannot
+         * be shared; an adopted allocation keeps what its owner asked for. */
+        if (rc && a->handle_types && !a->adopted && !created && !drv->is_oom(rc) && drv->create_shareable) {
+            TMS_DEBUG("exportable create on device %d failed (%s): allocation 0x%llx is made plain", a->device,
+                      drv->code_name(rc), (unsigned long long)a->va);
+            a->handle_types = 0;
+            rc = drv->create(a->device, size, &a->handles[created]);
+        }
         if (rc) break;
     }
     if (!rc) {

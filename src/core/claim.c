@@ -1,4 +1,5 @@
 /* The claim and settle of a pause or resume: which allocations it moves, decided at once, and how they settle. */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "core/core.h"
@@ -28,6 +29,25 @@ static int state_error(struct tms_err *err, int from, const char *tag, size_t n_
                     "list was %s", op, tag, n_tags, why, other, which, from == TMS_ACTIVE ? "paused" : "resumed");
 }
 
+/* A pause of memory another process maps would free nothing there and
+ * leave it reading memory this process no longer owns: refused whole. */
+static int held_error(struct tms_err *err, const struct tms_alloc *a)
+{
+    char pids[64] = "";
+    size_t used = 0;
+    int shown = a->share_holders < TMS_SHARE_PIDS_KEPT ? a->share_holders : TMS_SHARE_PIDS_KEPT;
+    for (int i = 0; i < shown && used < sizeof pids; i++) {
+        int n = snprintf(pids + used, sizeof pids - used, "%s%d", i ? ", " : "", a->share_pids[i]);
+        if (n < 0) break;
+        used += (size_t)n;
+    }
+    return tms_fail(err, TMS_E_STATE, 0,
+                    "pause of tag '%s': allocation 0x%llx (%zu bytes) is mapped by %d other process%s (pid %s%s) "
+                    "through share() or CUDA IPC; nothing was paused: they must close it first",
+                    tms_core_tag_name(a->tag_id), (unsigned long long)a->va, a->size, a->share_holders,
+                    a->share_holders == 1 ? "" : "es", pids, a->share_holders > shown ? " and more" : "");
+}
+
 int tms_table_claim(const char *const *tags, size_t n_tags, int from, struct tms_move **moves, size_t *n,
                     struct tms_err *err)
 {
@@ -46,14 +66,17 @@ int tms_table_claim(const char *const *tags, size_t n_tags, int from, struct tms
             ids[t] = tags ? tms_tags_find_locked(tags[t]) : -1;
             if (tags && ids[t] < 0) continue;  /* never used: nothing to do, as upstream */
             size_t count[2] = {0, 0}, moving = 0;
+            const struct tms_alloc *held = NULL;
             TMS_FOR_EACH_OF_TAG(a, ids[t]) {
                 if (a->moving) moving++;
                 else count[a->state]++;
+                if (from == TMS_ACTIVE && !a->moving && a->state == TMS_ACTIVE && a->share_holders && !held) held = a;
             }
             if (moving) {
                 settled = 0;
                 break;
             }
+            if (held) rc = held_error(err, held);
             size_t other = count[from == TMS_ACTIVE ? TMS_PAUSED : TMS_ACTIVE];
             if (!count[from] && other) rc = state_error(err, from, tags ? tags[t] : NULL, n_tags, other);
             want += count[from];

@@ -116,6 +116,8 @@ int tms_core_free(void *ptr, struct tms_err *err);
 
 /* Cheap test used by the hooks to route cudaFree. */
 int tms_core_owns(const void *ptr);
+/* 1 if ptr lies in an allocation of the table (its start or inside it, adopted or not). */
+int tms_core_holds(const void *ptr);
 
 /* ---- pause and resume ---------------------------------------------------------
  * tag NULL = every tag. A tag with no allocations is a no-op. Pausing a tag
@@ -227,6 +229,36 @@ int tms_core_disown(uint64_t va, size_t max_size, uint64_t *handle, uint64_t *ow
 /* The adopted allocation holding ptr: *owner_handle and *handle (its
  * physical handle now; 0 while paused or moving). TMS_E_NOT_FOUND if none. */
 int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, uint64_t *handle);
+
+/* ---- sharing with other processes (shares.c; the wire and the threads: share/) ----------
+ * A shared allocation carries a random token in its handles; a process that
+ * opens one holds it until it closes, and a pause of memory someone holds is
+ * refused (TMS_E_STATE naming the tag and the processes). */
+#define TMS_SHARE_TOKEN_BYTES 16
+#define TMS_SHARE_MAX_CHUNKS 64  /* physical handles one share carries (descriptors in one message) */
+
+struct tms_share_info {
+    uint64_t va;               /* the allocation's start */
+    size_t size, reserved, chunk;
+    int n_chunks, device, tag_id;
+    unsigned char token[TMS_SHARE_TOKEN_BYTES];
+};
+
+/* The allocation holding ptr (start or inside), given its token on first
+ * share. TMS_E_NOT_FOUND if ptr is not ours, TMS_E_UNSUPPORTED if it was made
+ * without exportable handles. */
+int tms_core_share_find(uint64_t ptr, struct tms_share_info *out, struct tms_err *err);
+/* For a receiver with process id pid: if the allocation at va carries token
+ * and is active, exports each chunk's handle as a descriptor into fds
+ * (n_chunks of them, the caller's to close) and counts pid as holding it
+ * until tms_core_share_detach. */
+int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int *fds, struct tms_share_info *out,
+                          struct tms_err *err);
+void tms_core_share_detach(uint64_t va, const unsigned char *token, int pid);
+/* Before a pause decides: the sender's thread lets go of receivers that have
+ * hung up by now (it learns of them on its own time otherwise). */
+void tms_core_share_reap(void);
+void tms_core_share_set_reaper(void (*fn)(void));
 
 /* ---- process-wide settings -------------------------------------------------------- */
 

@@ -14,6 +14,8 @@
 /* The calling thread's region (core.h), writable: the core's own files and the C tests. */
 struct tms_region *tms_region_current(void);
 
+#define TMS_SHARE_PIDS_KEPT 4  /* named in a refused pause's message */
+
 struct tms_alloc {
     tms_va va;
     size_t size;
@@ -32,6 +34,11 @@ struct tms_alloc {
     int adopted;
     uint64_t owner_handle;   /* adopted: the handle its owner knows it by */
     int handle_types;        /* shareable handle types to create it with (0: none) */
+    /* Shared with other processes (shares.c): the token its handles carry
+     * (all zero until first shared) and the processes that map it now. */
+    unsigned char share_token[TMS_SHARE_TOKEN_BYTES];
+    int share_holders;
+    int share_pids[TMS_SHARE_PIDS_KEPT];
     tms_phys *handles;       /* n_chunks entries; points at one_handle when n_chunks == 1 */
     tms_phys one_handle;
     struct tms_backup *host_copy;  /* paused with backup, or retained after resume */

@@ -120,6 +120,7 @@ static int pause_tags(const char *const *tags, size_t n_tags, const struct tms_o
     uint64_t start = now_ns();
     struct tms_move *m;
     size_t n;
+    tms_core_share_reap();
     if ((rc = tms_table_claim(tags, n_tags, TMS_ACTIVE, &m, &n, err)) || n == 0) return rc;
     tms_report_begin(drv, args->report, m, n);
     int retain = tms_core_retain();  /* once: the backups are planned and kept by the same answer */

@@ -128,7 +128,7 @@ static int module_exec(PyObject *module)
         return -1;
     }
     if (PyModule_AddFunctions(module, tms_py_ops_methods) < 0 || PyModule_AddFunctions(module, tms_py_table_methods) < 0 ||
-        PyModule_AddFunctions(module, tms_py_process_methods) < 0)
+        PyModule_AddFunctions(module, tms_py_process_methods) < 0 || PyModule_AddFunctions(module, tms_py_share_methods) < 0)
         return -1;
     if (PyModule_AddObjectRef(module, "Error", st->error) < 0) return -1;
     if (PyModule_AddObjectRef(module, "OutOfMemoryError", st->oom_error) < 0) return -1;

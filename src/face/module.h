@@ -51,5 +51,6 @@ extern PyType_Spec tms_py_view_spec;
 extern PyMethodDef tms_py_ops_methods[];      /* module_ops.c: regions, pause and resume, allocation */
 extern PyMethodDef tms_py_table_methods[];    /* module_table.c: the table, statistics, host backups as views */
 extern PyMethodDef tms_py_process_methods[];  /* module_process.c: settings, backends and devices, hooks */
+extern PyMethodDef tms_py_share_methods[];    /* module_share.c: sharing memory with other processes */
 
 #endif

@@ -8,6 +8,7 @@
 #include "hooks/hook.h"
 #include "hooks/hook_forward.h"
 #include "hooks/hook_preload.h"
+#include "hooks/ipc.h"
 #include "hooks/reloc.h"
 
 typedef int (*malloc_fn)(void **, size_t);
@@ -63,6 +64,7 @@ TMS_DEFINE_ALLOCATOR_HOOKS(cudaMalloc, cudaFree, route_malloc, route_free)
  * error codes the hooks return (0, 2 = out of memory, 3, 999) mean the same. */
 TMS_DEFINE_ALLOCATOR_HOOKS(hipMalloc, hipFree, route_malloc, route_free)
 TMS_DEFINE_ENTRY_POINT_HOOKS(route_entry_point)
+TMS_DEFINE_IPC_HOOKS("default")
 
 /* Hidden aliases name this library's own definitions: taking &cudaMalloc
  * would go through the GOT and find whichever definition wins. */
@@ -109,6 +111,7 @@ int tms_preload_install_relocation(struct tms_err *err)
         {"hipMalloc", (void *)tms_own_hip_malloc}, {"hipFree", (void *)tms_own_hip_free},
         {"cudaGetDriverEntryPoint", (void *)tms_own_entry_point},
         {"cudaGetDriverEntryPointByVersion", (void *)tms_own_entry_point_by_version},
+        TMS_IPC_RELOC_TARGETS,
     };
     return tms_reloc_install(hooks, sizeof hooks / sizeof *hooks, err);
 }

@@ -3,6 +3,9 @@
 #include <sys/types.h>
 
 #include "hooks/hook.h"
+#include "hooks/hook_forward.h"
+#include "hooks/ipc.h"
+#include "hooks/reloc.h"
 
 /* Only MemPools of torch_memory_saver use this allocator, so every call is
  * served by the core with the calling thread's region settings (its tag). */
@@ -18,4 +21,14 @@ TMS_EXPORT void tms_torch_free(void *ptr, ssize_t size, int device, void *stream
 {
     (void)size, (void)device, (void)stream;
     (void)tms_hook_free(ptr);  /* errors are kept for tms_core_last_error */
+}
+
+/* PyTorch's CUDA IPC calls (libc10_cuda's) reach this library only through
+ * their GOT entries: this variant is loaded RTLD_LOCAL and interposes nothing. */
+TMS_DEFINE_IPC_HOOKS("hidden")
+
+int tms_torch_install_ipc_hooks(struct tms_err *err)
+{
+    const struct tms_reloc_target hooks[] = {TMS_IPC_RELOC_TARGETS};
+    return tms_reloc_install(hooks, sizeof hooks / sizeof *hooks, err);
 }

@@ -35,7 +35,7 @@
 #define RELOC_GLOB_DAT R_AARCH64_GLOB_DAT
 #endif
 
-#define MAX_TARGETS 8
+#define MAX_TARGETS 12
 
 struct target {
     const char *name;

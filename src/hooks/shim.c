@@ -21,6 +21,8 @@ static const char reads_environment[] __attribute__((used)) =
 TMS_DEFINE_ALLOCATOR_HOOKS(cudaMalloc, cudaFree, tms_preload_malloc, tms_preload_free)
 TMS_DEFINE_ALLOCATOR_HOOKS(hipMalloc, hipFree, tms_preload_malloc, tms_preload_free)
 TMS_DEFINE_ENTRY_POINT_HOOKS(tms_preload_entry_point)
+#include "hooks/ipc.h"
+TMS_DEFINE_IPC_HOOKS("default")
 #else
 static const char shim_of[] __attribute__((used)) = "torch_memory_saver torch-mode library";
 #endif

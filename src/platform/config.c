@@ -104,6 +104,8 @@ static void load_defaults(void)
     env_bool("TMS_INIT_ENABLE_DISK_BACKUP", &defaults.init_disk_backup);
     defaults.reloc_hooks = 1;
     env_bool("TMS_RELOC_HOOKS", &defaults.reloc_hooks);
+    defaults.shareable = 1;
+    env_bool("TMS_SHAREABLE", &defaults.shareable);
     env_bool("TMS_DISK_BACKUP_TRUST_DIR", &defaults.disk_trust_dir);
     env_bool("TMS_PROGRESS", &defaults.progress);
     defaults.backup_live_only = 1;
@@ -281,7 +283,7 @@ int tms_env_check(struct tms_err *err)
 static const char *const env_names[] = {
     /* the process defaults and the host backend, above */
     "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "TMS_INIT_ENABLE_DISK_BACKUP", "TMS_INIT_CPU_BACKUP_BACKEND",
-    "TMS_RETAIN_CPU_BACKUP", "TMS_RELOC_HOOKS", "TMS_DISK_BACKUP_TRUST_DIR", "TMS_DISK_BACKUP_CHUNK_MB",
+    "TMS_RETAIN_CPU_BACKUP", "TMS_RELOC_HOOKS", "TMS_SHAREABLE", "TMS_DISK_BACKUP_TRUST_DIR", "TMS_DISK_BACKUP_CHUNK_MB",
     "TMS_PROGRESS", "TMS_BACKUP_LIVE_ONLY", "TMS_SPILL_TO_DISK", "TMS_HOST_MEMORY_SAFETY",
     "TMS_HOST_BACKUP_LIMIT", "TMS_HOST_BACKUP_LIMIT_NAME", "TMS_BACKUP_THREADS", "TMS_BACKUP_BLOCK_BYTES",
     "TMS_CHUNK_BYTES", "TMS_LOG", "TMS_PLATFORM", "TMS_BACKEND", "TMS_HOST_DEVICE_BYTES", "TMS_HOST_DEVICES",

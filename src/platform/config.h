@@ -15,6 +15,7 @@ struct tms_defaults {
     int init_disk_backup;        /* TMS_INIT_ENABLE_DISK_BACKUP */
     size_t disk_block_bytes;     /* TMS_DISK_BACKUP_CHUNK_MB: largest file I/O (default 256 MiB) */
     int reloc_hooks;             /* TMS_RELOC_HOOKS (default 1): preload mode may patch GOT entries */
+    int shareable;               /* TMS_SHAREABLE (default 1): allocations are made exportable to other processes */
     int disk_trust_dir;          /* TMS_DISK_BACKUP_TRUST_DIR: the user vouches for the disk backup directory */
     int progress;                /* TMS_PROGRESS: the Python layer logs progress lines for long copies */
     int backup_live_only;        /* TMS_BACKUP_LIVE_ONLY (default 1): the Python layer skips blocks free in PyTorch's cache */

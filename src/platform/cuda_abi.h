@@ -22,6 +22,8 @@ enum {
     TMS_CUDA_ERROR_INVALID_DEVICE = 101,
     TMS_CUDA_ERROR_ILLEGAL_STATE = 401,
     TMS_CUDA_ERROR_NOT_SUPPORTED = 801,
+    TMS_CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103,
+    TMS_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
     TMS_CU_MEM_ALLOCATION_TYPE_PINNED = 1,
     TMS_CU_MEM_LOCATION_TYPE_DEVICE = 1,
     TMS_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
@@ -98,7 +100,9 @@ typedef struct {
     X(cuMemExportToShareableHandle, (void *shareable, tms_CUmemHandle h, int type, \
       unsigned long long flags), OPTIONAL) \
     X(cuMemGetAllocationPropertiesFromHandle, (tms_CUmemAllocationProp *prop, tms_CUmemHandle h), OPTIONAL) \
-    X(cuMemRetainAllocationHandle, (tms_CUmemHandle *h, void *addr), OPTIONAL)
+    X(cuMemRetainAllocationHandle, (tms_CUmemHandle *h, void *addr), OPTIONAL) \
+    X(cuMemImportFromShareableHandle, (tms_CUmemHandle *h, void *shareable, int type), OPTIONAL) \
+    X(cuDeviceGetAttribute, (int *value, int attribute, tms_CUdevice dev), OPTIONAL)
 
 /* The presence column as a number: 1 for a required entry. */
 #define TMS_CUDA_REQUIRED 1

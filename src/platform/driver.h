@@ -56,6 +56,14 @@ struct tms_driver {
     int (*create_shareable)(int device, size_t size, int handle_types, tms_phys *handle);
     /* pre: handle not mapped anywhere. */
     int (*release)(tms_phys handle);
+    /* Sharing with another process (NULL where the backend cannot): the
+     * handle types a new allocation on device is made with so that its
+     * handles can be exported (0: none can); a file descriptor of handle, the
+     * caller's to close; and a handle of another process's memory from such
+     * a descriptor (which stays the caller's), released with release. */
+    int (*share_types)(int device);
+    int (*export_fd)(tms_phys handle, int *fd);
+    int (*import_fd)(int device, int fd, tms_phys *handle);
     /* Maps handle at va and grants device read-write access.
      * pre: [va, va+size) reserved and unmapped; size == the handle's size. */
     int (*map)(int device, tms_va va, size_t size, tms_phys handle);

@@ -1,6 +1,7 @@
 /* CUDA backend: driver entry points resolved at run time from libcuda.so.1. */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -27,6 +28,7 @@ struct cuda_device {
     tms_CUcontext ctx;        /* primary context, retained for the process's life */
     size_t granularity;
     int numa_node;            /* of the host memory nearest it, -1 unknown */
+    int share_types;          /* handle types its allocations are made with: a POSIX fd where it can export one */
 };
 
 static pthread_mutex_t devices_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -157,6 +159,11 @@ static int device_get(int device, struct cuda_device **out)
             d->numa_node = cu.cuDeviceGetPCIBusId(bus_id, (int)sizeof bus_id, dev) == TMS_CUDA_SUCCESS
                                ? tms_topology_pci_numa_node(TMS_SYSFS, bus_id)
                                : -1;
+            int fd_ok = 0;
+            if (cu.cuDeviceGetAttribute && cu.cuMemExportToShareableHandle && cu.cuMemImportFromShareableHandle &&
+                cu.cuDeviceGetAttribute(&fd_ok, TMS_CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev))
+                fd_ok = 0;
+            d->share_types = fd_ok ? TMS_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : 0;
             d->ctx = ctx;
             d->granularity = gran;
             __atomic_store_n(&d->ready, 1, __ATOMIC_RELEASE);
@@ -221,6 +228,31 @@ static int cuda_create(int device, size_t size, tms_phys *handle)
 }
 
 static int cuda_release(tms_phys handle) { return cu.cuMemRelease(handle); }
+
+static int cuda_share_types(int device)
+{
+    struct cuda_device *d;
+    return device_get(device, &d) ? 0 : d->share_types;
+}
+
+static int cuda_export_fd(tms_phys handle, int *fd)
+{
+    if (!cu.cuMemExportToShareableHandle) return TMS_CUDA_ERROR_NOT_SUPPORTED;
+    int out = -1;
+    int rc = cu.cuMemExportToShareableHandle(&out, handle, TMS_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    if (!rc) *fd = out;
+    return rc;
+}
+
+static int cuda_import_fd(int device, int fd, tms_phys *handle)
+{
+    (void)device;  /* the memory lives where its exporter made it; map() grants device access */
+    if (!cu.cuMemImportFromShareableHandle) return TMS_CUDA_ERROR_NOT_SUPPORTED;
+    tms_CUmemHandle h = 0;
+    int rc = cu.cuMemImportFromShareableHandle(&h, (void *)(intptr_t)fd, TMS_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (!rc) *handle = h;
+    return rc;
+}
 
 static int cuda_map(int device, tms_va va, size_t size, tms_phys handle)
 {
@@ -337,6 +369,9 @@ const struct tms_driver tms_driver_cuda = {
     .create = cuda_create,
     .create_shareable = cuda_create_shareable,
     .release = cuda_release,
+    .share_types = cuda_share_types,
+    .export_fd = cuda_export_fd,
+    .import_fd = cuda_import_fd,
     .map = cuda_map,
     .unmap = cuda_unmap,
     .synchronize = cuda_synchronize,

@@ -195,14 +195,45 @@ static int host_create(int device, size_t size, tms_phys *handle)
     return 0;
 }
 
+/* Another process's memory: its bytes count on the exporter's device, not here. */
+#define HOST_IMPORTED ((tms_phys)1 << 63)
+
 static int host_release(tms_phys handle)
 {
     int fd = (int)(handle & 0xffffffffu);
+    if (handle & HOST_IMPORTED) return close(fd) ? errno : 0;
     int device = (int)(handle >> 32);
     off_t size = lseek(fd, 0, SEEK_END);
     if (size < 0) return errno;
     if (close(fd) != 0) return errno;
     __atomic_sub_fetch(&host_used[device], (size_t)size, __ATOMIC_RELAXED);
+    return 0;
+}
+
+/* A memfd is shareable as it is: no handle type to ask for (1 says "can export"). */
+static int host_share_types(int device)
+{
+    touch(device);
+    return 1;
+}
+
+static int host_export_fd(tms_phys handle, int *fd)
+{
+    int copy = fcntl((int)(handle & 0xffffffffu), F_DUPFD_CLOEXEC, 0);
+    if (copy < 0) return errno;
+    *fd = copy;
+    return 0;
+}
+
+static int host_import_fd(int device, int fd, tms_phys *handle)
+{
+    touch(device);
+    struct statx st;
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_TYPE, &st) != 0) return errno;
+    if (!S_ISREG(st.stx_mode)) return EBADF;  /* a memfd is a regular file; anything else is not memory */
+    int copy = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (copy < 0) return errno;
+    *handle = HOST_IMPORTED | (tms_phys)(unsigned)copy;
     return 0;
 }
 
@@ -312,6 +343,9 @@ const struct tms_driver tms_driver_host = {
     .unreserve = host_unreserve,
     .create = host_create,
     .release = host_release,
+    .share_types = host_share_types,
+    .export_fd = host_export_fd,
+    .import_fd = host_import_fd,
     .map = host_map,
     .unmap = host_unmap,
     .synchronize = host_synchronize,

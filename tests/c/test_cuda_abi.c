@@ -38,6 +38,7 @@ SAME_SIZE(int, CUmemAllocationHandleType);
 SAME_SIZE(int, CUmemLocationType);
 SAME_SIZE(int, CUmemAccess_flags);
 SAME_SIZE(int, CUmemAllocationGranularity_flags);
+SAME_SIZE(int, CUdevice_attribute);
 
 /* ---- constants --------------------------------------------------------------- */
 
@@ -55,6 +56,8 @@ SAME_CONST(CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
 SAME_CONST(CU_MEM_ALLOC_GRANULARITY_MINIMUM);
 SAME_CONST(CU_STREAM_NON_BLOCKING);
 SAME_CONST(CU_GET_PROC_ADDRESS_DEFAULT);
+SAME_CONST(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED);
+SAME_CONST(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
 /* Literals in driver_cuda.c. */
 _Static_assert(CU_MEMHOSTALLOC_PORTABLE == 0x01, "driver_cuda.c passes 0x01 as CU_MEMHOSTALLOC_PORTABLE");
 _Static_assert(CUDA_ABI_VERSION <= CUDA_VERSION, "driver_cuda.c asks for an ABI newer than this cuda.h");
@@ -122,6 +125,18 @@ _Static_assert(_Generic(&cuMemExportToShareableHandle,
                "cuda.h changed cuMemExportToShareableHandle");
 CUresult tms_check_export(void *shareable, CUmemGenericAllocationHandle h, int type, unsigned long long flags);
 #define cuMemExportToShareableHandle tms_check_export
+
+_Static_assert(_Generic(&cuMemImportFromShareableHandle,
+                        CUresult (*)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType): 1,
+                        default: 0),
+               "cuda.h changed cuMemImportFromShareableHandle");
+CUresult tms_check_import(CUmemGenericAllocationHandle *h, void *shareable, int type);
+#define cuMemImportFromShareableHandle tms_check_import
+
+_Static_assert(_Generic(&cuDeviceGetAttribute, CUresult (*)(int *, CUdevice_attribute, CUdevice): 1, default: 0),
+               "cuda.h changed cuDeviceGetAttribute");
+CUresult tms_check_attribute(int *value, int attribute, CUdevice dev);
+#define cuDeviceGetAttribute tms_check_attribute
 
 #define tms_CUresult CUresult
 #define tms_CUdevice CUdevice

@@ -1,0 +1,146 @@
+/* Allocations shared with other processes: the token a handle carries, the handles exported to a receiver, and who maps what. */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "core/core.h"
+#include "core/core_internal.h"
+#include "platform/log.h"
+
+static int holders_total;          /* atomic: receivers holding any allocation now */
+static void (*reaper)(void);        /* atomic: set once by the sender's thread (share/serve.c) */
+
+void tms_core_share_set_reaper(void (*fn)(void)) { __atomic_store_n(&reaper, fn, __ATOMIC_RELEASE); }
+
+void tms_core_share_reap(void)
+{
+    void (*fn)(void) = __atomic_load_n(&reaper, __ATOMIC_ACQUIRE);
+    if (fn && __atomic_load_n(&holders_total, __ATOMIC_RELAXED) > 0) fn();
+}
+
+static int token_unset(const unsigned char *token)
+{
+    static const unsigned char zero[TMS_SHARE_TOKEN_BYTES];
+    return memcmp(token, zero, sizeof zero) == 0;
+}
+
+static void fill_info(const struct tms_alloc *a, struct tms_share_info *out)
+{
+    *out = (struct tms_share_info){.va = a->va, .size = a->size, .reserved = a->reserved, .chunk = a->chunk,
+                                   .n_chunks = a->n_chunks, .device = a->device, .tag_id = a->tag_id};
+    memcpy(out->token, a->share_token, sizeof out->token);
+}
+
+int tms_core_share_find(uint64_t ptr, struct tms_share_info *out, struct tms_err *err)
+{
+    /* Drawn before the lock (getrandom may block early in boot); used only if the allocation has none. */
+    unsigned char fresh[TMS_SHARE_TOKEN_BYTES];
+    if (getrandom(fresh, sizeof fresh, 0) != (ssize_t)sizeof fresh)
+        return tms_fail(err, TMS_E_HOST_OOM, 0, "share of 0x%llx: no random bytes for its token",
+                        (unsigned long long)ptr);
+    tms_table_lock();
+    struct tms_alloc *a = (struct tms_alloc *)tms_table_owner_locked(ptr);
+    int rc = TMS_OK;
+    if (!a)
+        rc = tms_fail(err, TMS_E_NOT_FOUND, 0, "share: 0x%llx is not memory of torch_memory_saver",
+                      (unsigned long long)ptr);
+    else if (!a->handle_types)
+        rc = tms_fail(err, TMS_E_UNSUPPORTED, 0,
+                      "share: allocation 0x%llx (tag '%s', device %d) was made without an exportable handle "
+                      "(TMS_SHAREABLE=0, or the driver refused one)",
+                      (unsigned long long)a->va, tms_core_tag_name(a->tag_id), a->device);
+    else if (a->n_chunks > TMS_SHARE_MAX_CHUNKS)
+        rc = tms_fail(err, TMS_E_UNSUPPORTED, 0, "share: allocation 0x%llx has %d chunks, more than the %d one share "
+                      "carries (TMS_CHUNK_BYTES)", (unsigned long long)a->va, a->n_chunks, TMS_SHARE_MAX_CHUNKS);
+    if (!rc) {
+        if (token_unset(a->share_token)) memcpy(a->share_token, fresh, sizeof fresh);
+        fill_info(a, out);
+    }
+    tms_table_unlock();
+    return rc;
+}
+
+/* A free that came while the handles were exported: finished here, as a
+ * mover finishes one (claim.c). */
+static void finish_free(struct tms_alloc *a)
+{
+    const struct tms_driver *drv;
+    struct tms_err e = {0};
+    tms_va va = a->va;
+    if (tms_driver_get(&drv, &e) || tms_alloc_release_detached(drv, a, &e))
+        tms_log_warn("free of 0x%llx, finished after a share: %s", (unsigned long long)va, e.msg);
+}
+
+int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int *fds, struct tms_share_info *out,
+                          struct tms_err *err)
+{
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    if (rc) return rc;
+    if (!drv->export_fd) return tms_fail(err, TMS_E_UNSUPPORTED, 0, "share: the %s backend cannot export memory", drv->name);
+    tms_phys handles[TMS_SHARE_MAX_CHUNKS];
+    tms_table_lock();
+    struct tms_alloc *a;
+    /* A pause or resume in flight settles first; then the state decides. */
+    while ((a = tms_table_find_locked(va)) && a->moving) tms_table_wait_settled();
+    if (!a || token_unset(a->share_token) || memcmp(a->share_token, token, TMS_SHARE_TOKEN_BYTES) != 0)
+        rc = tms_fail(err, TMS_E_NOT_FOUND, 0, "the shared allocation 0x%llx was freed (or never shared)",
+                      (unsigned long long)va);
+    else if (a->state != TMS_ACTIVE)
+        rc = tms_fail(err, TMS_E_STATE, 0, "the shared allocation 0x%llx (tag '%s') is paused: resume it first",
+                      (unsigned long long)va, tms_core_tag_name(a->tag_id));
+    if (!rc) {
+        /* Moving: a pause waits and a free is deferred while the handles are exported. */
+        a->moving = 1;
+        memcpy(handles, a->handles, (size_t)a->n_chunks * sizeof *handles);
+        fill_info(a, out);
+    }
+    tms_table_unlock();
+    if (rc) return rc;
+    int exported = 0;
+    for (; exported < out->n_chunks; exported++) {
+        int drc = drv->export_fd(handles[exported], &fds[exported]);
+        if (drc) {
+            rc = tms_driver_fail(err, TMS_E_DRIVER, drv, drc, "export of allocation 0x%llx (chunk %d of %d) failed",
+                                 (unsigned long long)va, exported + 1, out->n_chunks);
+            break;
+        }
+    }
+    tms_table_lock();
+    a->moving = 0;
+    int freed = a->free_requested;
+    if (freed) {
+        tms_table_unlink_locked(tms_table_link_locked(a->va));
+        if (!rc) rc = tms_fail(err, TMS_E_NOT_FOUND, 0, "the shared allocation 0x%llx was freed while it was being "
+                               "opened", (unsigned long long)va);
+    } else if (!rc) {
+        if (a->share_holders < TMS_SHARE_PIDS_KEPT) a->share_pids[a->share_holders] = pid;
+        a->share_holders++;
+        __atomic_add_fetch(&holders_total, 1, __ATOMIC_RELAXED);
+    }
+    tms_table_settled_locked();
+    tms_table_unlock();
+    if (freed) finish_free(a);
+    if (rc)
+        for (int i = 0; i < exported; i++) close(fds[i]);
+    return rc;
+}
+
+void tms_core_share_detach(uint64_t va, const unsigned char *token, int pid)
+{
+    /* Counted per attach, whether or not the allocation is still there. */
+    __atomic_sub_fetch(&holders_total, 1, __ATOMIC_RELAXED);
+    tms_table_lock();
+    struct tms_alloc *a = tms_table_find_locked(va);
+    if (a && a->share_holders > 0 && memcmp(a->share_token, token, TMS_SHARE_TOKEN_BYTES) == 0) {
+        int kept = a->share_holders < TMS_SHARE_PIDS_KEPT ? a->share_holders : TMS_SHARE_PIDS_KEPT;
+        for (int i = 0; i < kept; i++) {
+            if (a->share_pids[i] != pid) continue;
+            memmove(&a->share_pids[i], &a->share_pids[i + 1], (size_t)(kept - i - 1) * sizeof *a->share_pids);
+            break;
+        }
+        a->share_holders--;
+    }
+    tms_table_unlock();
+}

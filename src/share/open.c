@@ -1,0 +1,326 @@
+/* The receiver: another process's allocation mapped here from its handle, held open over the sender's socket until closed. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "core/core.h"
+#include "platform/driver.h"
+#include "platform/fork.h"
+#include "platform/log.h"
+#include "share/wire.h"
+
+/* One opened handle. The connection stays open while it is mapped: its
+ * hang-up (a close, or this process's exit) tells the sender. */
+struct opened {
+    uint64_t va;
+    size_t size, reserved, chunk;
+    int n_chunks;
+    int conn;
+    int refs;
+    int device;
+    struct tms_share_handle key;  /* the handle it was opened from */
+    tms_phys handles[TMS_SHARE_MAX_CHUNKS];
+    struct opened *next;
+};
+
+static pthread_mutex_t open_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct opened *opened_list;  /* guarded by open_lock */
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+static void fork_prepare(void) { pthread_mutex_lock(&open_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&open_lock); }
+/* A forked child does not hold what its parent opened: its copies of the
+ * connections would keep the sender counting the parent as a holder after
+ * the parent closed. */
+static void fork_child(void)
+{
+    for (struct opened *o = opened_list, *next; o; o = next) {
+        next = o->next;
+        close(o->conn);
+        free(o);
+    }
+    opened_list = NULL;
+    pthread_mutex_unlock(&open_lock);
+}
+static void register_fork(void)
+{
+    static const struct tms_fork_handlers handlers = {fork_prepare, fork_parent, fork_child};
+    tms_fork_register(TMS_FORK_SHARE_OPEN, &handlers);
+}
+
+static int same_handle(const struct tms_share_handle *a, const struct tms_share_handle *b)
+{
+    return a->pid == b->pid && a->socket_id == b->socket_id && a->va == b->va &&
+           memcmp(a->token, b->token, sizeof a->token) == 0;
+}
+
+/* Connects to the sender named by h and checks it runs as this user. */
+static int connect_sender(const struct tms_share_handle *h, int *out, struct tms_err *err)
+{
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (fd < 0) return tms_fail(err, TMS_E_IO, errno, "open_shared: socket() failed: %s", strerror(errno));
+    struct timeval timeout = {.tv_sec = TMS_SHARE_TIMEOUT_S};
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+    (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+    struct sockaddr_un addr;
+    size_t len = tms_share_address(&addr, h->pid, h->socket_id);
+    int rc;
+    do rc = connect(fd, (struct sockaddr *)&addr, (socklen_t)len);
+    while (rc && errno == EINTR);
+    if (rc) {
+        int e = errno;
+        close(fd);
+        if (e == ECONNREFUSED || e == ENOENT)
+            return tms_fail(err, TMS_E_STATE, e,
+                            "open_shared: the process that shared 0x%llx (pid %u) is gone, or is in another network "
+                            "namespace (its socket @%s is not there)",
+                            (unsigned long long)h->va, (unsigned)h->pid, addr.sun_path + 1);
+        return tms_fail(err, TMS_E_IO, e, "open_shared: cannot reach pid %u: %s", (unsigned)h->pid, strerror(e));
+    }
+    struct ucred cred;
+    socklen_t clen = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 || cred.uid != geteuid()) {
+        close(fd);
+        return tms_fail(err, TMS_E_ARG, 0, "open_shared: the socket of pid %u belongs to another user: refused",
+                        (unsigned)h->pid);
+    }
+    *out = fd;
+    return TMS_OK;
+}
+
+/* Sends the request and takes the answer with its descriptors. */
+static int ask(int fd, const struct tms_share_handle *h, struct tms_share_reply *reply, int *fds, int *n_fds,
+               struct tms_err *err)
+{
+    struct tms_share_request req = {.va = h->va};
+    memcpy(req.magic, TMS_SHARE_MAGIC, sizeof req.magic);
+    memcpy(req.token, h->token, sizeof req.token);
+    ssize_t n;
+    do n = send(fd, &req, sizeof req, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    if (n != (ssize_t)sizeof req)
+        return tms_fail(err, TMS_E_IO, errno, "open_shared: cannot ask pid %u: %s", (unsigned)h->pid,
+                        strerror(errno));
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * TMS_SHARE_MAX_CHUNKS)];
+        struct cmsghdr align;
+    } control;
+    struct iovec iov = {.iov_base = reply, .iov_len = sizeof *reply};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    do n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    while (n < 0 && errno == EINTR);
+    *n_fds = 0;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); n >= 0 && cm; cm = CMSG_NXTHDR(&msg, cm)) {
+        if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
+        size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < count && *n_fds < TMS_SHARE_MAX_CHUNKS; i++)
+            memcpy(&fds[(*n_fds)++], CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+    }
+    if (n == 0) return tms_fail(err, TMS_E_STATE, 0, "open_shared: pid %u hung up without an answer", (unsigned)h->pid);
+    if (n < 0)
+        return tms_fail(err, TMS_E_IO, errno, "open_shared: no answer from pid %u%s: %s", (unsigned)h->pid,
+                        errno == EAGAIN ? " within the timeout" : "", strerror(errno));
+    if (n != (ssize_t)sizeof *reply || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)))
+        return tms_fail(err, TMS_E_ARG, 0, "open_shared: a malformed answer from pid %u", (unsigned)h->pid);
+    reply->message[sizeof reply->message - 1] = '\0';
+    return TMS_OK;
+}
+
+/* A status from another process, as one of ours (the set the faces map). */
+static int sender_status(int32_t status)
+{
+    switch (status) {
+    case TMS_E_OOM: case TMS_E_HOST_OOM: case TMS_E_DRIVER: case TMS_E_STATE: case TMS_E_ARG: case TMS_E_NOT_FOUND:
+    case TMS_E_UNSUPPORTED: case TMS_E_IO: return status;
+    default: return TMS_E_STATE;
+    }
+}
+
+/* What the sender said must describe memory this process can map: sizes that
+ * add up, in whole granules, one descriptor per chunk. */
+static int check_reply(const struct tms_share_reply *r, int n_fds, size_t gran, const struct tms_share_handle *h,
+                       struct tms_err *err)
+{
+    int ok = r->n_chunks >= 1 && r->n_chunks <= TMS_SHARE_MAX_CHUNKS && n_fds == r->n_chunks && r->chunk && gran &&
+             r->chunk % gran == 0 && r->reserved % gran == 0 && r->size <= r->reserved && r->size == h->size &&
+             r->reserved > (uint64_t)(r->n_chunks - 1) * r->chunk && r->reserved <= (uint64_t)r->n_chunks * r->chunk;
+    if (ok) return TMS_OK;
+    return tms_fail(err, TMS_E_ARG, 0,
+                    "open_shared: pid %u described 0x%llx as %llu bytes in %d chunks of %llu (%d descriptors): refused",
+                    (unsigned)h->pid, (unsigned long long)h->va, (unsigned long long)r->reserved, r->n_chunks,
+                    (unsigned long long)r->chunk, n_fds);
+}
+
+static size_t chunk_bytes(const struct opened *o, int i)
+{
+    size_t start = (size_t)i * o->chunk;
+    return o->reserved - start < o->chunk ? o->reserved - start : o->chunk;
+}
+
+/* Unmaps and releases what map_opened made; returns the first failure's code. */
+static int unmap_opened(const struct tms_driver *drv, struct opened *o, int mapped, int imported, int reserved)
+{
+    int first = 0;
+    for (int i = 0; i < mapped; i++) {
+        int rc = drv->unmap(o->va + (uint64_t)i * o->chunk, chunk_bytes(o, i));
+        if (rc && !first) first = rc;
+    }
+    for (int i = 0; i < imported; i++) {
+        int rc = drv->release(o->handles[i]);
+        if (rc && !first) first = rc;
+    }
+    if (reserved) {
+        int rc = drv->unreserve(o->va, o->reserved);
+        if (rc && !first) first = rc;
+    }
+    return first;
+}
+
+static int map_opened(const struct tms_driver *drv, struct opened *o, const int *fds, size_t gran, struct tms_err *err)
+{
+    int imported = 0, mapped = 0, reserved = 0, rc = 0;
+    const char *op = "import";
+    for (; imported < o->n_chunks; imported++)
+        if ((rc = drv->import_fd(o->device, fds[imported], &o->handles[imported]))) break;
+    if (!rc) {
+        op = "address reserve";
+        if (!(rc = drv->reserve(o->reserved, gran, &o->va))) reserved = 1;
+    }
+    if (!rc) {
+        op = "map";
+        for (; mapped < o->n_chunks; mapped++)
+            if ((rc = drv->map(o->device, o->va + (uint64_t)mapped * o->chunk, chunk_bytes(o, mapped),
+                               o->handles[mapped])))
+                break;
+    }
+    if (!rc) return TMS_OK;
+    tms_driver_fail(err, tms_driver_status(drv, rc), drv, rc,
+                    "open_shared: %s of pid %u's allocation 0x%llx (%zu bytes) on device %d failed%s", op,
+                    (unsigned)o->key.pid, (unsigned long long)o->key.va, o->reserved, o->device,
+                    op[0] == 'm' ? " (another GPU's memory needs peer access between the two)" : "");
+    int urc = unmap_opened(drv, o, mapped, imported, reserved);
+    if (urc) tms_driver_fail_append(err, drv, urc, "undoing it failed");
+    return tms_driver_status(drv, rc);
+}
+
+/* Takes one more reference on an opened copy of h, if there is one. */
+static struct opened *reuse(const struct tms_share_handle *h)
+{
+    pthread_mutex_lock(&open_lock);
+    struct opened *o = opened_list;
+    while (o && !same_handle(&o->key, h)) o = o->next;
+    if (o) o->refs++;
+    pthread_mutex_unlock(&open_lock);
+    return o;
+}
+
+int tms_share_open(const unsigned char *handle, int device, uint64_t *va, size_t *size, struct tms_err *err)
+{
+    struct tms_share_handle h;
+    memcpy(&h, handle, sizeof h);
+    if (memcmp(h.magic, TMS_SHARE_MAGIC, sizeof h.magic) != 0)
+        return tms_fail(err, TMS_E_ARG, 0, "open_shared: not a handle of torch_memory_saver");
+    pthread_once(&fork_once, register_fork);
+    struct opened *o = reuse(&h);
+    if (o) {
+        *va = o->va;
+        *size = o->size;
+        return TMS_OK;
+    }
+    if (tms_share_serving_here(h.pid, h.socket_id))
+        return tms_fail(err, TMS_E_ARG, 0,
+                        "open_shared: 0x%llx was shared by this process: use its own memory, a handle is for another "
+                        "process", (unsigned long long)h.va);
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    if (rc) return rc;
+    if (!drv->import_fd)
+        return tms_fail(err, TMS_E_UNSUPPORTED, 0, "open_shared: the %s backend cannot import memory", drv->name);
+    if (device < 0 && (rc = drv->current_device(&device)))
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "open_shared: cannot tell the current device");
+    int count = 0;
+    if ((rc = drv->device_count(&count))) return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "device count failed");
+    if (device >= count) return tms_fail(err, TMS_E_ARG, 0, "open_shared: device %d does not exist (%d devices)", device, count);
+    size_t gran = 0;
+    if ((rc = drv->granularity(device, &gran)))
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "granularity query on device %d failed", device);
+    int conn = -1, fds[TMS_SHARE_MAX_CHUNKS], n_fds = 0;
+    struct tms_share_reply reply;
+    if ((rc = connect_sender(&h, &conn, err))) return rc;
+    rc = ask(conn, &h, &reply, fds, &n_fds, err);
+    if (!rc && reply.status)
+        rc = tms_fail(err, sender_status(reply.status), 0, "open_shared: pid %u refused: %s", (unsigned)h.pid, reply.message);
+    if (!rc) rc = check_reply(&reply, n_fds, gran, &h, err);
+    o = rc ? NULL : calloc(1, sizeof *o);
+    if (!rc && !o) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "open_shared: out of host memory");
+    if (!rc) {
+        *o = (struct opened){.size = reply.size, .reserved = reply.reserved, .chunk = reply.chunk,
+                             .n_chunks = reply.n_chunks, .conn = conn, .refs = 1, .device = device, .key = h};
+        rc = map_opened(drv, o, fds, gran, err);
+    }
+    for (int i = 0; i < n_fds; i++) close(fds[i]);
+    if (rc) {
+        free(o);
+        close(conn);  /* the sender stops counting this process */
+        return rc;
+    }
+    pthread_mutex_lock(&open_lock);
+    o->next = opened_list;
+    opened_list = o;
+    pthread_mutex_unlock(&open_lock);
+    TMS_DEBUG("opened pid %u's 0x%llx at 0x%llx (%zu bytes, device %d)", (unsigned)h.pid, (unsigned long long)h.va,
+              (unsigned long long)o->va, o->size, device);
+    *va = o->va;
+    *size = o->size;
+    return TMS_OK;
+}
+
+int tms_share_is_open(uint64_t va)
+{
+    pthread_mutex_lock(&open_lock);
+    struct opened *o = opened_list;
+    while (o && o->va != va) o = o->next;
+    pthread_mutex_unlock(&open_lock);
+    return o != NULL;
+}
+
+size_t tms_share_open_count(void)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&open_lock);
+    for (struct opened *o = opened_list; o; o = o->next) n++;
+    pthread_mutex_unlock(&open_lock);
+    return n;
+}
+
+int tms_share_close(uint64_t va, struct tms_err *err)
+{
+    pthread_mutex_lock(&open_lock);
+    struct opened **link = &opened_list;
+    while (*link && (*link)->va != va) link = &(*link)->next;
+    struct opened *o = *link;
+    int found = o != NULL, last = found && --o->refs == 0;
+    if (last) *link = o->next;
+    pthread_mutex_unlock(&open_lock);
+    if (!found) return tms_fail(err, TMS_E_NOT_FOUND, 0, "close_shared: 0x%llx is not an opened handle", (unsigned long long)va);
+    if (!last) return TMS_OK;  /* opened more than once: the last close unmaps */
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    if (!rc) {
+        int urc = unmap_opened(drv, o, o->n_chunks, o->n_chunks, 1);
+        if (urc)
+            rc = tms_driver_fail(err, TMS_E_DRIVER, drv, urc, "close_shared: unmap of 0x%llx (%zu bytes) failed",
+                                 (unsigned long long)va, o->reserved);
+    }
+    /* Unmapped first, then the hang-up: the sender may free once told. */
+    close(o->conn);
+    free(o);
+    return rc;
+}

@@ -1,0 +1,288 @@
+# Tests the native module too: open_shared_count, and share() of raw pointers for forged handles.
+"""Sharing pauseable memory with another process on the host backend
+(tests/test_share.py): a sender shares a tensor over its region memory, a receiver
+(this file again, case `receive`) opens it from a pipe, reads and writes it; the
+sender's pause is refused while the receiver holds it and frees the pages once the
+receiver closes, is killed or was never given the memory; forged, replayed and
+foreign handles are errors, never bytes."""
+import ctypes
+import dataclasses
+import gc
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import torch
+
+from torch_memory_saver import Error
+
+from _prelude import MiB, core, expect, fill, read, rss_bytes, run_cases, tms
+
+N = 6 * MiB
+
+
+def region_tensor(tag, n=N):
+    """A uint8 tensor over n bytes of region memory (the host backend's "device" memory is host memory)."""
+    with tms.region(tag):
+        p = tms.malloc(n)
+    return p, torch.frombuffer((ctypes.c_char * n).from_address(p), dtype=torch.uint8)
+
+
+def send(pipe, obj):
+    data = pickle.dumps(obj)
+    pipe.write(struct.pack("<I", len(data)) + data)
+    pipe.flush()
+
+
+def take(pipe):
+    head = pipe.read(4)
+    assert len(head) == 4, "the other side hung up"
+    return pickle.loads(pipe.read(struct.unpack("<I", head)[0]))
+
+
+class Receiver:
+    """This file run as case `receive` in a child process, driven over its stdin/stdout."""
+
+    def __init__(self, shared, user=None):
+        # As another user: started as this one (the interpreter may be out of its
+        # reach), it drops to that user before it opens anything.
+        self.proc = subprocess.Popen([sys.executable, __file__, "receive", *map(str, user or ())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.open(shared)
+
+    def open(self, shared):
+        """Opens shared in the receiver (what it had open before stays open)."""
+        self.opened = self.ask("open", shared)
+        return self.opened
+
+    def ask(self, *request):
+        send(self.proc.stdin, request)
+        return take(self.proc.stdout)
+
+    def finish(self):
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=60) == 0, self.proc.returncode
+
+
+def raw_ask(shared):
+    """What the sender answers a client that skips the library's own checks and asks
+    with the right token: (bytes of the answer, descriptors received)."""
+    import socket
+
+    h = shared.handle
+    pid, sid, va = struct.unpack_from("<I", h, 8)[0], struct.unpack_from("<Q", h, 16)[0], struct.unpack_from("<Q", h, 24)[0]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect(f"\0tms-share-{pid}-{sid:016x}")
+        try:
+            s.send(b"TMSSHR01" + struct.pack("<Q", va) + h[40:56])
+            msg, fds, _, _ = socket.recv_fds(s, 1024, 64)
+        except (ConnectionResetError, BrokenPipeError):  # hung up on before the answer
+            msg, fds = b"", []
+    for fd in fds:
+        os.close(fd)
+    return len(msg), len(fds)
+
+
+def receive():
+    """The receiver: opens what it is sent, then reads, writes, closes or forks on request."""
+    if len(sys.argv) > 2:
+        os.setgroups([])
+        os.setgid(int(sys.argv[3]))
+        os.setuid(int(sys.argv[2]))
+    x, kept, forks = None, [], []
+    while True:
+        head = sys.stdin.buffer.read(4)
+        if len(head) < 4:
+            for pid in forks:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            return
+        op, *args = pickle.loads(sys.stdin.buffer.read(struct.unpack("<I", head)[0]))
+        if op == "open":
+            try:
+                kept.append(x)
+                x = tms.open_shared(args[0])
+                answer = ("ok", tuple(x.shape), str(x.dtype), core().open_shared_count())
+            except Exception as e:  # the sender's test checks the type and message
+                answer = ("error", type(e).__name__, str(e), *(raw_ask(args[0]) if len(sys.argv) > 2 else ()))
+        elif op == "read":
+            answer = x.view(torch.uint8).numpy().tobytes()
+        elif op == "write":
+            data = os.urandom(x.numel() * x.element_size())
+            x.view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            answer = data
+        elif op == "close":
+            view = x[:1]  # a view keeps the mapping too
+            x = None
+            kept.clear()
+            gc.collect()
+            still = core().open_shared_count()
+            del view
+            gc.collect()
+            answer = (still, core().open_shared_count())
+        elif op == "fork":  # a child of the receiver does not hold the sender's memory
+            ready_r, ready_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # past the library's fork handlers once fork() returns here
+                os.write(ready_w, b"r")
+                time.sleep(120)  # killed by its parent when the test is done
+                os._exit(0)
+            os.read(ready_r, 1)
+            os.close(ready_r), os.close(ready_w)
+            forks.append(pid)
+            answer = pid
+        send(sys.stdout.buffer, answer)
+
+
+def round_trip():
+    """The receiver sees the bytes and the sender sees its writes; a pause is refused naming
+    tag and pid while it holds them; after its close the pause frees the pages; resumed
+    memory can be shared again. Then, with the same receiver: forged, paused and freed
+    handles, and the sender's own refusals."""
+    p, t = region_tensor("w")
+    data = fill(p, N)
+    view = t[MiB:].view(torch.int32)
+    r = Receiver(tms.share(view))
+    assert r.opened == ("ok", ((N - MiB) // 4,), "torch.int32", 1), r.opened
+    assert r.ask("read") == data[MiB:]
+    written = r.ask("write")
+    assert read(p + MiB, N - MiB) == written
+    e = expect(Error, tms.pause, "w", match="is mapped by 1 other process")
+    assert f"pid {r.proc.pid}" in str(e) and "tag 'w'" in str(e) and "nothing was paused" in str(e), str(e)
+    assert tms.paused_tags() == []
+    assert r.ask("close") == (1, 0)
+    before = rss_bytes()
+    report = tms.pause("w")  # the close is complete when the receiver answers: nothing to wait for
+    assert report.released_bytes == N, report
+    assert before - rss_bytes() >= N // 2, (before, rss_bytes())
+    tms.resume("w")
+    again = fill(p, N)
+    r.open(tms.share(t))
+    assert r.ask("read") == again
+    forged_token(r)
+    replayed_after_free(r)
+    refused_shapes()
+    r.finish()
+    tms.pause("w")  # the finished receiver's exit let go
+    print("done")
+
+
+def receiver_killed():
+    """A receiver killed by SIGKILL while holding the memory lets go: the sender pauses."""
+    p, t = region_tensor("k")
+    fill(p, N)
+    r = Receiver(tms.share(t))
+    assert r.opened[0] == "ok", r.opened
+    expect(Error, tms.pause, "k", match="is mapped by 1 other process")
+    r.proc.send_signal(signal.SIGKILL)
+    r.proc.wait(timeout=60)  # its descriptors are closed once it is reaped
+    assert tms.pause("k").released_bytes == N
+    assert tms.paused_tags() == ["k"]
+    print("done")
+
+
+def forked_receiver_child_holds_nothing():
+    """A fork of the receiver does not keep the memory held after the receiver closes it."""
+    p, t = region_tensor("f")
+    fill(p, N)
+    r = Receiver(tms.share(t))
+    child = r.ask("fork")
+    os.kill(child, 0)  # alive, and stays so until the receiver finishes
+    assert r.ask("close") == (1, 0)
+    assert tms.pause("f").released_bytes == N
+    os.kill(child, 0)
+    r.finish()
+    print("done")
+
+
+def replayed_after_free(r):
+    """A handle of freed memory opens nothing: the receiver gets an error naming it."""
+    p, t = region_tensor("r")
+    fill(p, N)
+    shared = tms.share(t)
+    del t
+    tms.free(p)
+    opened = r.open(shared)
+    assert opened[0] == "error" and opened[1] == "ValueError", opened
+    assert "was freed (or never shared)" in opened[2], opened
+
+
+def forged_token(r):
+    """A handle with the right socket and a guessed token is refused; so is one of paused memory."""
+    p, t = region_tensor("g")
+    fill(p, N)
+    shared = tms.share(t)
+    handle = bytearray(shared.handle)
+    handle[40:56] = os.urandom(16)  # the token
+    opened = r.open(dataclasses.replace(shared, handle=bytes(handle)))
+    assert opened[0] == "error" and "was freed (or never shared)" in opened[2], opened
+    tms.pause("g")
+    opened = r.open(shared)
+    assert opened[0] == "error" and "is paused: resume it first" in opened[2], opened
+
+
+def sender_exits_first():
+    """The receiver's mapping outlives the sender; a new open then says the sender is gone."""
+    if len(sys.argv) > 2:  # the sender, in a process of its own
+        p, t = region_tensor("s")
+        data = fill(p, N)
+        sys.stdout.buffer.write(pickle.dumps((tms.share(t), data)))
+        sys.stdout.flush()
+        sys.stdin.read()  # until the test lets it go
+        return
+    sender = subprocess.Popen([sys.executable, __file__, "sender_exits_first", "sender"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    shared, data = pickle.load(sender.stdout)
+    x = tms.open_shared(shared)
+    assert x.numpy().tobytes() == data
+    sender.stdin.close()
+    assert sender.wait(timeout=60) == 0
+    assert x.numpy().tobytes() == data  # still mapped: the pages are this process's too
+    del x
+    gc.collect()
+    expect(Error, tms.open_shared, shared, match="is gone")
+    print("done")
+
+
+def refused_shapes():
+    """Not our memory, our own handle, a malformed handle, a non-tensor: errors naming what is wrong (in the sender)."""
+    plain = torch.zeros(16, dtype=torch.uint8)
+    expect(ValueError, tms.share, plain, match="is not memory of torch_memory_saver")
+    expect(TypeError, tms.share, 5, match="share expects a torch.Tensor")
+    p, t = region_tensor("o", 2 * MiB)
+    shared = tms.share(t)
+    expect(ValueError, tms.open_shared, shared, match="was shared by this process")
+    expect(ValueError, core().open_shared, b"x" * 64, match="not a handle of torch_memory_saver")
+    expect(ValueError, core().open_shared, shared.handle[:63], match="not a handle of torch_memory_saver")
+    expect(TypeError, tms.open_shared, shared.handle, match="open_shared expects what share() returned")
+    expect(ValueError, core().close_shared, p, match="is not an opened handle")
+
+
+def not_shareable():
+    """TMS_SHAREABLE=0: memory is made plain, and share says why it cannot."""
+    p, t = region_tensor("n", 2 * MiB)
+    expect(NotImplementedError, tms.share, t, match="without an exportable handle (TMS_SHAREABLE=0")
+    print("done")
+
+
+def other_user():
+    """A receiver running as another user gets nothing: the sender hangs up on it."""
+    p, t = region_tensor("u")
+    fill(p, N)
+    uid, gid = int(sys.argv[2]), int(sys.argv[3])
+    r = Receiver(tms.share(t), user=(uid, gid))
+    assert r.opened[:3] == ("error", "ValueError", f"torch_memory_saver: open_shared: the socket of pid {os.getpid()} "
+                                                   "belongs to another user: refused"), r.opened
+    assert r.opened[3:] == (0, 0), r.opened  # asked past that check, the sender hangs up: no bytes, no descriptor
+    r.finish()
+    tms.pause("u")  # nobody holds it
+    print("done")
+
+
+if __name__ == "__main__":
+    run_cases({f.__name__: f for f in (receive, round_trip, receiver_killed, forked_receiver_child_holds_nothing,
+                                       sender_exits_first, not_shareable, other_user)}, sys.argv[:2])
