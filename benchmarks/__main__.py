@@ -15,6 +15,7 @@ ABOUT = {
     "budget": "a pause under the host backup budget that spills half to disk, beside all in RAM and all on disk",
     "node": "one process per GPU on every GPU, pausing together over NCCL, against the host's concurrent fill",
     "speed": "side by side with the upstream library (--upstream DIR): the rows users compare, and README's plot",
+    "share": "region memory mapped by another process: exportable allocation cost, share/open, moving weights",
 }
 
 

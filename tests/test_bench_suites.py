@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks import report  # noqa: E402
 
 # Each suite's dry run as documented: `python -m benchmarks <suite> --dry-run`.
-DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget", "node", "speed"]
+DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget", "node", "speed", "share"]
 # What each dry run measured, beyond the plumbing: the rows its report names.
 CHECKS = {
     "run": lambda d: (sorted(d["backup"]) == ["mmap", "mmap_retained", "pinned", "pinned_retained"]
@@ -50,12 +50,15 @@ CHECKS = {
                         and d["workers"][0]["sections"]["model"]["tensors"] == 24
                         and all(w["sections"]["retained"]["exact"] and w["sections"]["model"]["exact"]
                                 for w in d["workers"])),
+    "share": lambda d: ([(r["hook_mode"], r["shareable"], len(r["alloc"])) for r in d["rows"]]
+                        == [(m, x, 2) for m in ("torch", "preload") for x in (True, False)]
+                        and all(r["pause_after_move_ok"] and r["open_ms"] > 0 for r in d["rows"] if r["shareable"])),
 }
 STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend-dry-run-2procs-on-1",
          "alloc_count": "alloc_count_host-backend-dry-run",
          "fragmentation": "fragmentation_host-backend-dry-run", "live": "live_host-backend-dry-run",
          "budget": "budget_host-backend-dry-run", "node": "node_host-backend-dry-run-x2",
-         "speed": "speed_host-backend-dry-run"}
+         "speed": "speed_host-backend-dry-run", "share": "share_host-backend-dry-run"}
 
 
 def _bench(*args, timeout=240, tmpdir=None):

@@ -241,6 +241,14 @@ def test_one_process_per_gpu(scenario, hook_mode):
     check_passed(run_scenario(scenario, hook_mode))
 
 
+# A region tensor shared with a spawned child: through torch.multiprocessing's
+# reductions (the runtime's IPC calls on our memory) and share()/open_shared();
+# a pause while the child holds it is refused, after its close it frees.
+@pytest.mark.parametrize("hook_mode", GPU_MODES)
+def test_share_ipc(hook_mode):
+    check_passed(run_scenario("share_ipc", hook_mode))
+
+
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
 @pytest.mark.parametrize("case", ["active", "paused", "paused_backup", "backup_first_use"])
 def test_exit_states(case, hook_mode):

@@ -142,7 +142,7 @@ def round_trip():
     """The receiver sees the bytes and the sender sees its writes; a pause is refused naming
     tag and pid while it holds them; after its close the pause frees the pages; resumed
     memory can be shared again. Then, with the same receiver: forged, paused and freed
-    handles, and the sender's own refusals."""
+    handles, and the sender's own refusals; a receiver killed, and one whose fork outlives its close."""
     p, t = region_tensor("w")
     data = fill(p, N)
     view = t[MiB:].view(torch.int32)
@@ -168,6 +168,8 @@ def round_trip():
     refused_shapes()
     r.finish()
     tms.pause("w")  # the finished receiver's exit let go
+    receiver_killed()
+    forked_receiver_child_holds_nothing()
     print("done")
 
 
@@ -181,8 +183,7 @@ def receiver_killed():
     r.proc.send_signal(signal.SIGKILL)
     r.proc.wait(timeout=60)  # its descriptors are closed once it is reaped
     assert tms.pause("k").released_bytes == N
-    assert tms.paused_tags() == ["k"]
-    print("done")
+    assert "k" in tms.paused_tags()
 
 
 def forked_receiver_child_holds_nothing():
@@ -196,7 +197,6 @@ def forked_receiver_child_holds_nothing():
     assert tms.pause("f").released_bytes == N
     os.kill(child, 0)
     r.finish()
-    print("done")
 
 
 def replayed_after_free(r):
@@ -284,5 +284,5 @@ def other_user():
 
 
 if __name__ == "__main__":
-    run_cases({f.__name__: f for f in (receive, round_trip, receiver_killed, forked_receiver_child_holds_nothing,
-                                       sender_exits_first, not_shareable, other_user)}, sys.argv[:2])
+    run_cases({f.__name__: f for f in (receive, round_trip, sender_exits_first, not_shareable, other_user)},
+              sys.argv[:2])
