@@ -74,7 +74,7 @@ def _receiver(hook_mode, inbox, outbox):
             for dst, src in zip(own, msg[1]):
                 dst.copy_(src)
             torch.cuda.synchronize()
-            del msg, own
+            del msg, own, dst, src  # every reference to what was received: the last one closes its mapping
             gc.collect()
             torch.cuda.ipc_collect()
             outbox.put(time.perf_counter())
@@ -94,7 +94,7 @@ def _gpu(hook_mode, gib, alloc_only):
         return out
     ctx = torch.multiprocessing.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(hook_mode, inbox, outbox))
+    proc = ctx.Process(target=_receiver, args=(hook_mode, inbox, outbox), daemon=True)
     proc.start()
     with tms.region("one", enable_cpu_backup=True):
         one = torch.ones(GiB, dtype=torch.uint8, device="cuda")

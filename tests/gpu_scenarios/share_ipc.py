@@ -33,7 +33,7 @@ def child(hook_mode, inbox, outbox):
         torch.cuda.synchronize()
         outbox.put(("wrote",))
         inbox.get()  # "release"
-        del x
+        del x, msg  # the message holds the received tensor too
         gc.collect()
         torch.cuda.synchronize()
         outbox.put(("released",))
@@ -66,7 +66,7 @@ def main(hook_mode):
     held = tag_bytes(TAG)
     ctx = torch.multiprocessing.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=child, args=(hook_mode, inbox, outbox))
+    proc = ctx.Process(target=child, args=(hook_mode, inbox, outbox), daemon=True)  # a failure here ends it too
     proc.start()
 
     # torch.multiprocessing: the reductions call the runtime's IPC functions on our memory.
