@@ -106,6 +106,10 @@ struct tms_alloc *tms_table_bucket_locked(size_t i);
                                                 : tms_tag_slot_locked(tag_id)->allocs;                       \
              a; a = (tag_id) < 0 ? a->next : a->tag_next)
 
+/* Receivers holding shared allocations (shares.c counts them; a forked child starts at none). */
+void tms_table_share_holders_add(int delta);
+int tms_table_share_holders(void);
+
 /* ---- tags (tags.c), under the table lock ------------------------------------ */
 int tms_tags_intern_locked(const char *tag, int *id, struct tms_err *err);
 /* The id of tag, -1 if it has none. */

@@ -8,7 +8,6 @@
 #include "core/core_internal.h"
 #include "platform/log.h"
 
-static int holders_total;          /* atomic: receivers holding any allocation now */
 static void (*reaper)(void);        /* atomic: set once by the sender's thread (share/serve.c) */
 
 void tms_core_share_set_reaper(void (*fn)(void)) { __atomic_store_n(&reaper, fn, __ATOMIC_RELEASE); }
@@ -16,7 +15,7 @@ void tms_core_share_set_reaper(void (*fn)(void)) { __atomic_store_n(&reaper, fn,
 void tms_core_share_reap(void)
 {
     void (*fn)(void) = __atomic_load_n(&reaper, __ATOMIC_ACQUIRE);
-    if (fn && __atomic_load_n(&holders_total, __ATOMIC_RELAXED) > 0) fn();
+    if (fn && tms_table_share_holders() > 0) fn();
 }
 
 static int token_unset(const unsigned char *token)
@@ -117,7 +116,7 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
     } else if (!rc) {
         if (a->share_holders < TMS_SHARE_PIDS_KEPT) a->share_pids[a->share_holders] = pid;
         a->share_holders++;
-        __atomic_add_fetch(&holders_total, 1, __ATOMIC_RELAXED);
+        tms_table_share_holders_add(1);
     }
     tms_table_settled_locked();
     tms_table_unlock();
@@ -130,7 +129,7 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
 void tms_core_share_detach(uint64_t va, const unsigned char *token, int pid)
 {
     /* Counted per attach, whether or not the allocation is still there. */
-    __atomic_sub_fetch(&holders_total, 1, __ATOMIC_RELAXED);
+    tms_table_share_holders_add(-1);
     tms_table_lock();
     struct tms_alloc *a = tms_table_find_locked(va);
     if (a && a->share_holders > 0 && memcmp(a->share_token, token, TMS_SHARE_TOKEN_BYTES) == 0) {

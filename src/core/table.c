@@ -180,6 +180,13 @@ const struct tms_alloc *tms_table_owner_locked(uint64_t ptr)
  * in the child and their driver work stopped midway, so what those
  * allocations hold there is unknown: the child drops their records (their
  * addresses stay reserved) and keeps every settled allocation. */
+/* Receivers holding any allocation now (shares.c): a pause asks the sender's
+ * thread about hang-ups only while there are some. */
+static int share_holders_total;  /* atomic */
+
+void tms_table_share_holders_add(int delta) { __atomic_add_fetch(&share_holders_total, delta, __ATOMIC_RELAXED); }
+int tms_table_share_holders(void) { return __atomic_load_n(&share_holders_total, __ATOMIC_RELAXED); }
+
 static void fork_prepare(void) { pthread_mutex_lock(&table_lock); }
 static void fork_parent(void) { pthread_mutex_unlock(&table_lock); }
 
@@ -189,6 +196,8 @@ static void fork_child(void)
     for (size_t b = 0; b < bucket_count; b++) {
         for (struct tms_alloc **link = &buckets[b]; *link;) {
             struct tms_alloc *a = *link;
+            /* The parent's receivers hold the parent's memory, not the child's. */
+            a->share_holders = 0;
             if (!a->moving) {
                 link = &a->next;
                 continue;
@@ -198,6 +207,7 @@ static void fork_child(void)
             free(a);  /* its backup's pinned pages belong to the parent's driver state */
         }
     }
+    __atomic_store_n(&share_holders_total, 0, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&table_lock);
 }
 

@@ -173,6 +173,9 @@ static int host_unreserve(tms_va va, size_t size)
     return munmap((void *)(uintptr_t)va, size) ? errno : 0;
 }
 
+/* Another process's memory: its bytes count on the exporter's device, not here. */
+#define HOST_IMPORTED ((tms_phys)1 << 63)
+
 /* A handle is a memfd; its size is what was created (fstat gives it back). */
 static int host_create(int device, size_t size, tms_phys *handle)
 {
@@ -195,8 +198,6 @@ static int host_create(int device, size_t size, tms_phys *handle)
     return 0;
 }
 
-/* Another process's memory: its bytes count on the exporter's device, not here. */
-#define HOST_IMPORTED ((tms_phys)1 << 63)
 
 static int host_release(tms_phys handle)
 {
@@ -243,7 +244,10 @@ static int host_map(int device, tms_va va, size_t size, tms_phys handle)
     if (fault_hit(TMS_FAULT_MAP)) return ENOMEM;
     int fd = (int)(handle & 0xffffffffu);
     void *p = mmap((void *)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
-    return p == MAP_FAILED ? errno : 0;
+    if (p == MAP_FAILED) return errno;
+    /* Another process's memory stays out of a fork's child, as a GPU mapping does. */
+    if ((handle & HOST_IMPORTED) && madvise(p, size, MADV_DONTFORK) != 0) return errno;
+    return 0;
 }
 
 /* Back to an inaccessible reservation: touching it now faults, as on a GPU. */

@@ -24,6 +24,7 @@ struct opened {
     int conn;
     int refs;
     int device;
+    int pending;     /* being opened: listed only so a fork's child closes its connection */
     struct tms_share_handle key;  /* the handle it was opened from */
     tms_phys handles[TMS_SHARE_MAX_CHUNKS];
     struct opened *next;
@@ -54,16 +55,20 @@ static void register_fork(void)
     tms_fork_register(TMS_FORK_SHARE_OPEN, &handlers);
 }
 
-static int same_handle(const struct tms_share_handle *a, const struct tms_share_handle *b)
+static int same_mapping(const struct opened *o, const struct tms_share_handle *h, int device)
 {
-    return a->pid == b->pid && a->socket_id == b->socket_id && a->va == b->va &&
-           memcmp(a->token, b->token, sizeof a->token) == 0;
+    return !o->pending && o->device == device && o->key.pid == h->pid && o->key.socket_id == h->socket_id &&
+           o->key.va == h->va && memcmp(o->key.token, h->token, sizeof h->token) == 0;
 }
 
-/* Connects to the sender named by h and checks it runs as this user. */
-static int connect_sender(const struct tms_share_handle *h, int *out, struct tms_err *err)
+/* Connects o's socket to the sender named by h and checks it runs as this
+ * user. The socket is made under open_lock and kept in o, which is listed:
+ * a fork at any moment finds it and closes the child's copy. */
+static int connect_sender(struct opened *o, const struct tms_share_handle *h, struct tms_err *err)
 {
-    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    pthread_mutex_lock(&open_lock);
+    int fd = o->conn = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    pthread_mutex_unlock(&open_lock);
     if (fd < 0) return tms_fail(err, TMS_E_IO, errno, "open_shared: socket() failed: %s", strerror(errno));
     struct timeval timeout = {.tv_sec = TMS_SHARE_TIMEOUT_S};
     (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
@@ -75,7 +80,6 @@ static int connect_sender(const struct tms_share_handle *h, int *out, struct tms
     while (rc && errno == EINTR);
     if (rc) {
         int e = errno;
-        close(fd);
         if (e == ECONNREFUSED || e == ENOENT)
             return tms_fail(err, TMS_E_STATE, e,
                             "open_shared: the process that shared 0x%llx (pid %u) is gone, or is in another network "
@@ -85,12 +89,9 @@ static int connect_sender(const struct tms_share_handle *h, int *out, struct tms
     }
     struct ucred cred;
     socklen_t clen = sizeof cred;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 || cred.uid != geteuid()) {
-        close(fd);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 || cred.uid != geteuid())
         return tms_fail(err, TMS_E_ARG, 0, "open_shared: the socket of pid %u belongs to another user: refused",
                         (unsigned)h->pid);
-    }
-    *out = fd;
     return TMS_OK;
 }
 
@@ -210,15 +211,28 @@ static int map_opened(const struct tms_driver *drv, struct opened *o, const int 
     return tms_driver_status(drv, rc);
 }
 
-/* Takes one more reference on an opened copy of h, if there is one. */
-static struct opened *reuse(const struct tms_share_handle *h)
+/* Takes one more reference on h opened for device, if it is. */
+static struct opened *reuse(const struct tms_share_handle *h, int device)
 {
     pthread_mutex_lock(&open_lock);
     struct opened *o = opened_list;
-    while (o && !same_handle(&o->key, h)) o = o->next;
+    while (o && !same_mapping(o, h, device)) o = o->next;
     if (o) o->refs++;
     pthread_mutex_unlock(&open_lock);
     return o;
+}
+
+/* Takes o out of the list and closes its connection (under the lock: a fork
+ * either sees both or neither); the sender then stops counting this process. */
+static void drop(struct opened *o)
+{
+    pthread_mutex_lock(&open_lock);
+    struct opened **link = &opened_list;
+    while (*link && *link != o) link = &(*link)->next;
+    if (*link) *link = o->next;
+    if (o->conn >= 0) close(o->conn);
+    pthread_mutex_unlock(&open_lock);
+    free(o);
 }
 
 int tms_share_open(const unsigned char *handle, int device, uint64_t *va, size_t *size, struct tms_err *err)
@@ -228,12 +242,6 @@ int tms_share_open(const unsigned char *handle, int device, uint64_t *va, size_t
     if (memcmp(h.magic, TMS_SHARE_MAGIC, sizeof h.magic) != 0)
         return tms_fail(err, TMS_E_ARG, 0, "open_shared: not a handle of torch_memory_saver");
     pthread_once(&fork_once, register_fork);
-    struct opened *o = reuse(&h);
-    if (o) {
-        *va = o->va;
-        *size = o->size;
-        return TMS_OK;
-    }
     if (tms_share_serving_here(h.pid, h.socket_id))
         return tms_fail(err, TMS_E_ARG, 0,
                         "open_shared: 0x%llx was shared by this process: use its own memory, a handle is for another "
@@ -248,32 +256,42 @@ int tms_share_open(const unsigned char *handle, int device, uint64_t *va, size_t
     int count = 0;
     if ((rc = drv->device_count(&count))) return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "device count failed");
     if (device >= count) return tms_fail(err, TMS_E_ARG, 0, "open_shared: device %d does not exist (%d devices)", device, count);
+    struct opened *o = reuse(&h, device);
+    if (o) {
+        *va = o->va;
+        *size = o->size;
+        return TMS_OK;
+    }
     size_t gran = 0;
     if ((rc = drv->granularity(device, &gran)))
         return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "granularity query on device %d failed", device);
-    int conn = -1, fds[TMS_SHARE_MAX_CHUNKS], n_fds = 0;
+    if (!(o = calloc(1, sizeof *o))) return tms_fail(err, TMS_E_HOST_OOM, 0, "open_shared: out of host memory");
+    *o = (struct opened){.conn = -1, .refs = 1, .device = device, .key = h, .pending = 1};
+    pthread_mutex_lock(&open_lock);
+    o->next = opened_list;
+    opened_list = o;
+    pthread_mutex_unlock(&open_lock);
+    int fds[TMS_SHARE_MAX_CHUNKS], n_fds = 0;
     struct tms_share_reply reply;
-    if ((rc = connect_sender(&h, &conn, err))) return rc;
-    rc = ask(conn, &h, &reply, fds, &n_fds, err);
+    rc = connect_sender(o, &h, err);
+    if (!rc) rc = ask(o->conn, &h, &reply, fds, &n_fds, err);
     if (!rc && reply.status)
         rc = tms_fail(err, sender_status(reply.status), 0, "open_shared: pid %u refused: %s", (unsigned)h.pid, reply.message);
     if (!rc) rc = check_reply(&reply, n_fds, gran, &h, err);
-    o = rc ? NULL : calloc(1, sizeof *o);
-    if (!rc && !o) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "open_shared: out of host memory");
     if (!rc) {
-        *o = (struct opened){.size = reply.size, .reserved = reply.reserved, .chunk = reply.chunk,
-                             .n_chunks = reply.n_chunks, .conn = conn, .refs = 1, .device = device, .key = h};
+        o->size = reply.size;
+        o->reserved = reply.reserved;
+        o->chunk = reply.chunk;
+        o->n_chunks = reply.n_chunks;
         rc = map_opened(drv, o, fds, gran, err);
     }
     for (int i = 0; i < n_fds; i++) close(fds[i]);
     if (rc) {
-        free(o);
-        close(conn);  /* the sender stops counting this process */
+        drop(o);
         return rc;
     }
     pthread_mutex_lock(&open_lock);
-    o->next = opened_list;
-    opened_list = o;
+    o->pending = 0;
     pthread_mutex_unlock(&open_lock);
     TMS_DEBUG("opened pid %u's 0x%llx at 0x%llx (%zu bytes, device %d)", (unsigned)h.pid, (unsigned long long)h.va,
               (unsigned long long)o->va, o->size, device);
@@ -286,7 +304,7 @@ int tms_share_is_open(uint64_t va)
 {
     pthread_mutex_lock(&open_lock);
     struct opened *o = opened_list;
-    while (o && o->va != va) o = o->next;
+    while (o && (o->pending || o->va != va)) o = o->next;
     pthread_mutex_unlock(&open_lock);
     return o != NULL;
 }
@@ -295,7 +313,7 @@ size_t tms_share_open_count(void)
 {
     size_t n = 0;
     pthread_mutex_lock(&open_lock);
-    for (struct opened *o = opened_list; o; o = o->next) n++;
+    for (struct opened *o = opened_list; o; o = o->next) n += !o->pending;
     pthread_mutex_unlock(&open_lock);
     return n;
 }
@@ -303,11 +321,10 @@ size_t tms_share_open_count(void)
 int tms_share_close(uint64_t va, struct tms_err *err)
 {
     pthread_mutex_lock(&open_lock);
-    struct opened **link = &opened_list;
-    while (*link && (*link)->va != va) link = &(*link)->next;
-    struct opened *o = *link;
+    struct opened *o = opened_list;
+    while (o && (o->pending || o->va != va)) o = o->next;
     int found = o != NULL, last = found && --o->refs == 0;
-    if (last) *link = o->next;
+    if (last) o->pending = 1;  /* closing: no reuse, and still listed for a fork until its connection is closed */
     pthread_mutex_unlock(&open_lock);
     if (!found) return tms_fail(err, TMS_E_NOT_FOUND, 0, "close_shared: 0x%llx is not an opened handle", (unsigned long long)va);
     if (!last) return TMS_OK;  /* opened more than once: the last close unmaps */
@@ -319,8 +336,6 @@ int tms_share_close(uint64_t va, struct tms_err *err)
             rc = tms_driver_fail(err, TMS_E_DRIVER, drv, urc, "close_shared: unmap of 0x%llx (%zu bytes) failed",
                                  (unsigned long long)va, o->reserved);
     }
-    /* Unmapped first, then the hang-up: the sender may free once told. */
-    close(o->conn);
-    free(o);
+    drop(o);  /* unmapped first, then the hang-up: the sender may free once told */
     return rc;
 }

@@ -8,6 +8,7 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "core/core.h"
@@ -40,6 +41,7 @@ struct conn {
     int fd;
     int pid;
     int holding;
+    uint64_t ask_by_ms;  /* a connection that has not asked: closed at this time */
     uint64_t va;
     unsigned char token[TMS_SHARE_TOKEN_BYTES];
 };
@@ -75,42 +77,52 @@ static int send_reply(int fd, const struct tms_share_reply *reply, const int *fd
     return n == (ssize_t)sizeof *reply ? 0 : -1;
 }
 
-/* Answers a request: the memory's descriptors, or why not. A receiver that
- * is gone before the answer arrives holds nothing. */
-static void answer(struct conn *c)
+/* What a request ended with: held (the receiver got the descriptors) or to be closed. */
+struct outcome {
+    int fd;
+    int holding;
+    uint64_t va;
+    unsigned char token[TMS_SHARE_TOKEN_BYTES];
+};
+
+/* Answers a request: the memory's descriptors, or why not. Runs without
+ * conns_lock: attaching may wait for a pause of that memory, and other
+ * tags' pauses (which reap first) must not wait with it. */
+static struct outcome answer(int fd, int pid)
 {
+    struct outcome out = {.fd = fd};
     struct tms_share_request req;
     ssize_t n;
-    do n = recv(c->fd, &req, sizeof req, 0);
+    do n = recv(fd, &req, sizeof req, MSG_DONTWAIT);
     while (n < 0 && errno == EINTR);
-    if (n != (ssize_t)sizeof req || memcmp(req.magic, TMS_SHARE_MAGIC, sizeof req.magic) != 0) {
-        hang_up(c);
-        return;
-    }
+    if (n != (ssize_t)sizeof req || memcmp(req.magic, TMS_SHARE_MAGIC, sizeof req.magic) != 0) return out;
     struct tms_share_reply reply = {0};
     struct tms_share_info info;
     struct tms_err err = {0};
     int fds[TMS_SHARE_MAX_CHUNKS];
-    int rc = tms_core_share_attach(req.va, req.token, c->pid, fds, &info, &err);
+    int rc = tms_core_share_attach(req.va, req.token, pid, fds, &info, &err);
     if (rc) {
         reply.status = rc;
         snprintf(reply.message, sizeof reply.message, "%s", err.msg);
-        (void)send_reply(c->fd, &reply, NULL, 0);
-        hang_up(c);
-        return;
+        (void)send_reply(fd, &reply, NULL, 0);
+        return out;
     }
     reply.n_chunks = info.n_chunks;
     reply.device = info.device;
     reply.size = info.size;
     reply.reserved = info.reserved;
     reply.chunk = info.chunk;
-    c->holding = 1;
-    c->va = req.va;
-    memcpy(c->token, req.token, sizeof c->token);
-    int sent = send_reply(c->fd, &reply, fds, info.n_chunks);
+    int sent = send_reply(fd, &reply, fds, info.n_chunks);
     for (int i = 0; i < info.n_chunks; i++) close(fds[i]);
-    if (sent) hang_up(c);
-    else TMS_DEBUG("shared 0x%llx with pid %d", (unsigned long long)req.va, c->pid);
+    if (sent) {
+        tms_core_share_detach(req.va, req.token, pid);
+        return out;
+    }
+    TMS_DEBUG("shared 0x%llx with pid %d", (unsigned long long)req.va, pid);
+    out.holding = 1;
+    out.va = req.va;
+    memcpy(out.token, req.token, sizeof out.token);
+    return out;
 }
 
 /* The receivers, shared by the sender's thread and a pause that asks first
@@ -121,11 +133,30 @@ static pthread_mutex_t conns_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct conn *conns;     /* guarded by conns_lock */
 static size_t n_conns, cap_conns;
 static int changed;
+static uint64_t listen_resume_ms;  /* the thread's own: descriptors ran out, the listener rests until then */
 
-static void accept_one_locked(int lfd)
+/* A connection that has not asked by then is closed: it holds a descriptor
+ * and a slot, and an honest receiver asks at once. */
+#define ASK_WITHIN_MS ((uint64_t)TMS_SHARE_TIMEOUT_S * 1000)
+#define LISTEN_REST_MS 100
+
+static uint64_t now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
+}
+
+static void accept_one_locked(int lfd, uint64_t now)
 {
     int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
-    if (fd < 0) return;
+    if (fd < 0) {
+        /* Out of descriptors or memory: the pending connection stays readable,
+         * so the listener rests rather than spin. */
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+            listen_resume_ms = now + LISTEN_REST_MS;
+        return;
+    }
     struct ucred cred;
     socklen_t len = sizeof cred;
     /* Only this user's processes: anyone can reach an abstract socket. */
@@ -144,7 +175,7 @@ static void accept_one_locked(int lfd)
         conns = more;
         cap_conns = grown;
     }
-    conns[n_conns++] = (struct conn){.fd = fd, .pid = cred.pid};
+    conns[n_conns++] = (struct conn){.fd = fd, .pid = cred.pid, .ask_by_ms = now + ASK_WITHIN_MS};
 }
 
 static void drop_closed_locked(void)
@@ -176,50 +207,109 @@ static void reap(void)
     pthread_mutex_unlock(&conns_lock);
 }
 
+/* What the thread polls: the listener unless it rests, and every connection;
+ * *timeout_ms until the first deadline (a connection's, or the rest's end). */
+static size_t fill_polls_locked(struct pollfd *polls, size_t cap, int lfd, uint64_t now, int *timeout_ms)
+{
+    uint64_t next = UINT64_MAX;
+    size_t n = 0;
+    if (now >= listen_resume_ms) polls[n++] = (struct pollfd){.fd = lfd, .events = POLLIN};
+    else next = listen_resume_ms;
+    for (size_t i = 0; i < n_conns && n < cap; i++) {
+        polls[n++] = (struct pollfd){.fd = conns[i].fd, .events = POLLIN};
+        if (!conns[i].holding && conns[i].ask_by_ms < next) next = conns[i].ask_by_ms;
+    }
+    *timeout_ms = next == UINT64_MAX ? -1 : next <= now ? 0 : (int)(next - now < 60000 ? next - now : 60000);
+    return n;
+}
+
+static struct conn *conn_with_fd_locked(int fd)
+{
+    for (size_t i = 0; i < n_conns; i++)
+        if (conns[i].fd == fd) return &conns[i];
+    return NULL;
+}
+
 static void *serve(void *arg)
 {
     int lfd = (int)(intptr_t)arg;
     struct pollfd *polls = NULL;
-    size_t poll_cap = 0, n = 0;
+    struct conn *asking = NULL;  /* copies of the connections that asked, answered without the lock */
+    size_t poll_cap = 0;
     for (;;) {
         pthread_mutex_lock(&conns_lock);
         if (poll_cap < n_conns + 1) {
             struct pollfd *more = realloc(polls, (n_conns + 16) * sizeof *more);
-            if (more) {
-                polls = more;
+            struct conn *more_asking = more ? realloc(asking, (n_conns + 16) * sizeof *more_asking) : NULL;
+            if (more) polls = more;
+            if (more_asking) {
+                asking = more_asking;
                 poll_cap = n_conns + 16;
             }
         }
-        n = poll_cap < n_conns + 1 ? (poll_cap ? poll_cap - 1 : 0) : n_conns;  /* out of memory: poll fewer */
-        if (polls) {
-            polls[0] = (struct pollfd){.fd = lfd, .events = POLLIN};
-            for (size_t i = 0; i < n; i++) polls[i + 1] = (struct pollfd){.fd = conns[i].fd, .events = POLLIN};
-        }
+        int timeout = -1;
+        size_t n = poll_cap ? fill_polls_locked(polls, poll_cap, lfd, now_ms(), &timeout) : 0;
         changed = 0;
         pthread_mutex_unlock(&conns_lock);
-        if (!polls) {
+        if (!poll_cap) {
             sleep(1);  /* out of host memory before the first poll: nothing is dropped, it waits */
             continue;
         }
-        if (poll(polls, n + 1, -1) < 0) {
+        if (poll(polls, n, timeout) < 0) {
             if (errno == EINTR) continue;
             tms_log_warn("share: the sender's thread stops: poll failed: %s", strerror(errno));
             break;
         }
         pthread_mutex_lock(&conns_lock);
-        if (!changed) {
-            for (size_t i = 0; i < n; i++) {
-                if (!polls[i + 1].revents) continue;
-                /* A holder says nothing more: readable means it hung up (or broke the protocol). */
-                if (conns[i].holding) hang_up(&conns[i]);
-                else answer(&conns[i]);
+        uint64_t now = now_ms();
+        size_t n_asking = 0;
+        int listener_ready = 0;
+        for (size_t k = 0; !changed && k < n; k++) {
+            if (polls[k].fd == lfd) {
+                listener_ready = (polls[k].revents & POLLIN) != 0;
+                continue;
             }
-            drop_closed_locked();
-            if (polls[0].revents & POLLIN) accept_one_locked(lfd);
+            struct conn *c = conn_with_fd_locked(polls[k].fd);
+            if (!c || !polls[k].revents) continue;
+            /* A holder says nothing more: readable means it hung up (or broke the protocol). */
+            if (c->holding) hang_up(c);
+            else asking[n_asking++] = *c;
         }
+        for (size_t i = 0; i < n_conns; i++) {  /* asked nothing in time */
+            if (conns[i].fd < 0 || conns[i].holding || conns[i].ask_by_ms > now) continue;
+            int is_asking = 0;
+            for (size_t k = 0; k < n_asking; k++) is_asking |= asking[k].fd == conns[i].fd;
+            if (!is_asking) hang_up(&conns[i]);
+        }
+        drop_closed_locked();
+        if (listener_ready) accept_one_locked(lfd, now);
         pthread_mutex_unlock(&conns_lock);
+        for (size_t k = 0; k < n_asking; k++) {
+            struct outcome out = answer(asking[k].fd, asking[k].pid);
+            pthread_mutex_lock(&conns_lock);
+            struct conn *c = conn_with_fd_locked(out.fd);
+            if (c && out.holding) {
+                c->holding = 1;
+                c->va = out.va;
+                memcpy(c->token, out.token, sizeof c->token);
+            } else if (c) {
+                hang_up(c);
+                drop_closed_locked();
+            } else if (out.holding) {  /* gone meanwhile (a fork's child closed it): nobody holds it */
+                tms_core_share_detach(out.va, out.token, asking[k].pid);
+            }
+            pthread_mutex_unlock(&conns_lock);
+        }
     }
+    pthread_mutex_lock(&serve_lock);
+    if (listen_fd == lfd) {  /* no new handle names a socket nobody answers */
+        close(lfd);
+        listen_fd = -1;
+        serving_pid = 0;
+    }
+    pthread_mutex_unlock(&serve_lock);
     free(polls);
+    free(asking);
     return NULL;
 }
 
@@ -239,6 +329,10 @@ static void fork_child(void)
 {
     for (size_t i = 0; i < n_conns; i++) close(conns[i].fd);
     n_conns = 0;
+    /* A child that outlives its parent must not keep the name: receivers would wait for an answer. */
+    if (listen_fd >= 0) close(listen_fd);
+    listen_fd = -1;
+    serving_pid = 0;
     pthread_mutex_unlock(&conns_lock);
     pthread_mutex_unlock(&serve_lock);
 }
@@ -256,8 +350,6 @@ static int start_locked(uint64_t *id, struct tms_err *err)
         *id = serving_id;
         return TMS_OK;
     }
-    if (listen_fd >= 0) close(listen_fd);  /* the parent's, inherited over a fork */
-    listen_fd = -1;
     uint64_t fresh;
     if (getrandom(&fresh, sizeof fresh, 0) != (ssize_t)sizeof fresh)
         return tms_fail(err, TMS_E_HOST_OOM, 0, "share: no random bytes for the socket's name");

@@ -64,6 +64,8 @@ def main(hook_mode):
     with tms.region(TAG, enable_cpu_backup=True):
         t = torch.randint(-2**31, 2**31 - 1, (N,), dtype=torch.int32, device="cuda")
     held = tag_bytes(TAG)
+    tms.pause(TAG)  # the first backed-up pause starts the copy streams, which take device memory of their own
+    tms.resume(TAG)
     ctx = torch.multiprocessing.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=child, args=(hook_mode, inbox, outbox), daemon=True)  # a failure here ends it too

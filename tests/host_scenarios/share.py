@@ -154,6 +154,11 @@ def round_trip():
     e = expect(Error, tms.pause, "w", match="is mapped by 1 other process")
     assert f"pid {r.proc.pid}" in str(e) and "tag 'w'" in str(e) and "nothing was paused" in str(e), str(e)
     assert tms.paused_tags() == []
+    pid = os.fork()  # a fork of the sender holds nobody's claims: its own pause goes through
+    if pid == 0:
+        os._exit(0 if tms.pause("w").released_bytes == N else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    expect(Error, tms.pause, "w", match="is mapped by 1 other process")
     assert r.ask("close") == (1, 0)
     before = rss_bytes()
     report = tms.pause("w")  # the close is complete when the receiver answers: nothing to wait for
