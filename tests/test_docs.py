@@ -145,11 +145,13 @@ def test_readme_links_only_to_what_the_sdist_ships():
 
 def test_sdist_model_matches_manifest():
     """The rough model above agrees with MANIFEST.in on what it must: sources in,
-    tests and benchmarks out."""
+    tests and benchmarks out but README's plot."""
     shipped = sdist_files()
     assert "src/build.txt" in shipped and "include/torch_memory_saver.h" in shipped
     assert "src/core/pause.c" in shipped and "README.md" in shipped
-    assert not any(f.startswith(("tests/", "benchmarks/")) for f in shipped)
+    plots = {t for t, _ in _links(README) if t.endswith(".png")}
+    assert len(plots) == 1 and plots <= shipped, plots
+    assert not any(f.startswith(("tests/", "benchmarks/")) for f in shipped - plots)
 
 
 # ---- no history in the README --------------------------------------------------------
