@@ -13,10 +13,10 @@ fourth worker without any library measures the link (pinned copies both ways). R
   beside the same through plain PyTorch just before it; then the first backed-up pause
   of that tag (in the preload-init worker: of every allocation, which is what that mode
   holds);
-- discard pause and resume, 1 x 8 GiB and 64 x 128 MiB (median of 5 after a warm-up);
+- discard pause and resume, 1 x 8 GiB and 64 x 128 MiB (median of 11 after a warm-up);
 - backup kinds: `mmap` and `pinned`, G GiB in 16 tensors, first and second cycle;
 - retained backup (the library's default kind, retain_cpu_backup on), G GiB in 16
-  tensors: first cycle, three pauses each right after a resume (no gap), then one
+  tensors: first cycle, seven pauses each right after a resume (no gap), then one
   after S seconds idle (default 8);
 - a model's resume: a Llama-shaped set of parameter tensors (a backed-up tag) and its
   KV cache (a discarded tag) paused and resumed, beside the same bytes in 512 MiB
@@ -52,7 +52,7 @@ def _sizes(dry_run, gib):
     model = [v * h * 2] + [n * 2 for _ in range(layers) for n in per_layer] + [h * 2]  # bf16
     cache = [8192 * kv * 2] * (2 * layers)  # a static cache of 8192 tokens, k and v per layer
     return {"first": GiB, "latency": [(1, 8 * GiB), (64, 128 * MiB)], "backup": int(gib * GiB), "model": model,
-            "kv": cache, "bulk_tensor": 512 * MiB, "cycles": 5}
+            "kv": cache, "bulk_tensor": 512 * MiB, "cycles": 11}  # the driver's own times spread: medians of 11
 
 
 # ---- the worker's side ---------------------------------------------------------------
@@ -142,7 +142,7 @@ def _retained(env, tms, total, gap_s):
     env.fill_random(block, 4)
     snap = env.snapshot(block, False)
     first = _cycle(env, tms, tag, block, snap)
-    no_gap = [_cycle(env, tms, tag, block, snap) for _ in range(3)]  # each pause right after a resume
+    no_gap = [_cycle(env, tms, tag, block, snap) for _ in range(7)]  # each pause right after a resume
     time.sleep(gap_s)  # an idle gap: the library may finish background work (a benchmark, not a test)
     gap = _cycle(env, tms, tag, block, snap)
     env.dispose(block, tag)

@@ -124,7 +124,7 @@ def test_passes_survive_a_dlclose_on_another_thread(libs, tmp_path, sanitizer):
     if sanitizer:
         cbuild.skip_unless_sanitizer_runs(sanitizer, tmp_path)
     program = cbuild.build("reloc_race", flags=["-O1", *flags])
-    proc = cbuild.run([program, "--seconds", 3, libs / "libuser_lazy.so"], timeout=120,
+    proc = cbuild.run([program, "--seconds", 2, libs / "libuser_lazy.so"], timeout=120,
                       env=cbuild.tool_env(TMPDIR=tmp_path, **env))
     assert proc.returncode == 0, cbuild.detail(proc)
     assert re.fullmatch(r"reloc_race: [1-9]\d* rounds, ok\n", proc.stdout), cbuild.detail(proc)

@@ -3,6 +3,10 @@ protocol between two processes (tests/host_scenarios/share.py), every byte check
 with receivers that close, die, fork, outlive their sender or run as another user,
 and handles forged or replayed. The GPU paths (torch.multiprocessing, both hook
 modes) are in test_gpu.py."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from conftest import check_ok
@@ -22,3 +26,22 @@ def test_another_users_process_gets_nothing(run_scenario, two_users, tmp_path): 
     _, attacker = two_users
     proc = run_scenario("share", "other_user", attacker.pw_uid, attacker.pw_gid)
     assert check_ok(proc) == "done\n"
+
+
+def test_a_receiver_without_the_package_is_told_its_name(run_py):
+    # PyTorch's handle of our memory travels as a bytes subclass whose unpickling imports
+    # this package (and hooks the receiver): a receiver without it fails naming it.
+    sender = run_py("""
+        import pickle
+        from torch_memory_saver import _share
+        handle = b"\\x02c" + _share.MAGIC + bytes(56)
+        marked = _share._HandleBytes(handle)
+        assert _share.is_our_handle(handle) and not _share.is_our_handle(b"\\x02c" + bytes(64))
+        assert pickle.loads(pickle.dumps(marked)) == handle  # here the package is importable
+        print(pickle.dumps((1, marked)).hex())
+        """, prelude=False)
+    assert sender.returncode == 0, sender.stderr
+    proc = subprocess.run([sys.executable, "-S", "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
+                          input=bytes.fromhex(sender.stdout.strip()), capture_output=True, cwd="/", timeout=60,
+                          env={"PATH": os.environ.get("PATH", "")})
+    assert proc.returncode == 1 and b"No module named 'torch_memory_saver'" in proc.stderr, proc.stderr

@@ -134,7 +134,12 @@ def receive():
             os.read(ready_r, 1)
             os.close(ready_r), os.close(ready_w)
             forks.append(pid)
-            answer = pid
+            reader = os.fork()
+            if reader == 0:  # the mapping is not inherited: reading it faults
+                x.view(torch.uint8)[0].item()
+                os._exit(0)
+            _, status = os.waitpid(reader, 0)
+            answer = (pid, os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV)
         send(sys.stdout.buffer, answer)
 
 
@@ -196,7 +201,8 @@ def forked_receiver_child_holds_nothing():
     p, t = region_tensor("f")
     fill(p, N)
     r = Receiver(tms.share(t))
-    child = r.ask("fork")
+    child, reader_faulted = r.ask("fork")
+    assert reader_faulted  # a fork of the receiver does not see the sender's memory
     os.kill(child, 0)  # alive, and stays so until the receiver finishes
     assert r.ask("close") == (1, 0)
     assert tms.pause("f").released_bytes == N
