@@ -47,8 +47,9 @@ def _build(build_dir, *options):
     return build_dir
 
 
-def _ctest(build_dir, env=None):
-    out = _run(["ctest", "--output-on-failure", "-j", JOBS, "--timeout", "120"], cwd=build_dir, env=env)
+def _ctest(build_dir, env=None, exclude=None):
+    out = _run(["ctest", "--output-on-failure", "-j", JOBS, "--timeout", "120", *(["-E", exclude] if exclude else [])],
+               cwd=build_dir, env=env)
     assert "100% tests passed" in out, out
     return out
 
@@ -110,4 +111,6 @@ def test_ctest_address_undefined_sanitizers(tmp_path_factory):
         "ASAN_OPTIONS": f"detect_leaks={int(leaks)}:abort_on_error=0:strict_string_checks=1",
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
     }
-    _ctest(build_dir, env=env)
+    # The same test_core_host in more configurations adds time, not code: one chunked
+    # and one HIP-stub run stay (the plain ctest above runs them all).
+    _ctest(build_dir, env=env, exclude="^(core_host_chunk_4MiB|core_hip_stub_chunk_.*|core_hip_stub_no_register|core_hip_stub_rocm7)$")
