@@ -69,6 +69,8 @@ class _Impl:
         # One build serves CUDA and ROCm: the core picks the backend, told what
         # torch was built for (TMS_BACKEND and TMS_PLATFORM say first).
         self.core.set_platform_hint(_torch_platform())
+        if "torch" in sys.modules:  # a process that shares before its first region marks its handles too
+            _share.mark_storage_sharing()
 
     @property
     def _hook_mode(self) -> str:  # upstream's attribute name

@@ -125,8 +125,8 @@ def mark_storage_sharing():
     import torch
 
     cls = torch.UntypedStorage
-    original = cls._share_cuda_
-    if getattr(original, "_tms_marks_handles", False):
+    original = getattr(cls, "_share_cuda_", None)
+    if original is None or getattr(original, "_tms_marks_handles", False):
         return
 
     def _share_cuda_(self, *args, **kwargs):
