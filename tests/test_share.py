@@ -45,3 +45,15 @@ def test_a_receiver_without_the_package_is_told_its_name(run_py):
                           input=bytes.fromhex(sender.stdout.strip()), capture_output=True, cwd="/", timeout=60,
                           env={"PATH": os.environ.get("PATH", "")})
     assert proc.returncode == 1 and b"No module named 'torch_memory_saver'" in proc.stderr, proc.stderr
+    # With the package, unpickling loads the library and hooks the runtime's IPC calls
+    # before PyTorch opens the handle, and hands PyTorch plain bytes.
+    receiver = run_py(f"""
+        import pickle
+        from torch_memory_saver import torch_memory_saver as tms
+        assert tms._impl is None
+        _, handle = pickle.loads(bytes.fromhex("{sender.stdout.strip()}"))
+        assert type(handle) is bytes and handle[2:10] == b"TMSSHR01", type(handle)
+        assert tms._impl is not None
+        print("hooked")
+        """, prelude=False)
+    assert receiver.returncode == 0 and receiver.stdout == "hooked\n", receiver.stderr

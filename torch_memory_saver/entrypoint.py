@@ -216,8 +216,7 @@ class TorchMemorySaver:
         core = self._ensure_initialized().core
         if x.numel() == 0:
             return torch.empty(x.shape, dtype=x.dtype)
-        item = x.element_size()
-        span = (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * item
+        span = _share.span_bytes(x)
         try:
             view = core.get_cpu_backup(x.data_ptr(), span)
         except ValueError:
