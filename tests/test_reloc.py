@@ -119,12 +119,12 @@ def test_passes_survive_a_dlclose_on_another_thread(libs, tmp_path, sanitizer):
     # One thread dlopens copies of a library through its patched dlopen, each running a
     # pass over every loaded object, while another dlcloses them: a pass reads an
     # object's memory only while the loader keeps it mapped, and every copy is patched
-    # when its dlopen returns, however often it was loaded before. A few seconds.
+    # when its dlopen returns, however often it was loaded before. A second each.
     flags, env = SANITIZERS[sanitizer]
     if sanitizer:
         cbuild.skip_unless_sanitizer_runs(sanitizer, tmp_path)
     program = cbuild.build("reloc_race", flags=["-O1", *flags])
-    proc = cbuild.run([program, "--seconds", 2, libs / "libuser_lazy.so"], timeout=120,
+    proc = cbuild.run([program, "--seconds", 1, libs / "libuser_lazy.so"], timeout=120,
                       env=cbuild.tool_env(TMPDIR=tmp_path, **env))
     assert proc.returncode == 0, cbuild.detail(proc)
     assert re.fullmatch(r"reloc_race: [1-9]\d* rounds, ok\n", proc.stdout), cbuild.detail(proc)

@@ -90,6 +90,9 @@ static size_t patched_count;                           /* atomic: published afte
 static pthread_mutex_t reloc_lock = PTHREAD_MUTEX_INITIALIZER;  /* guards the records and names below */
 static struct target targets[MAX_TARGETS];
 static size_t target_count;  /* atomic: published before the first entry is patched */
+/* First bytes of the targets' names, set with them: most symbols a large
+ * library imports (C++ ones, "_Z...") are passed over without a string compare. */
+static unsigned char target_first[256];
 static int installed;  /* atomic */
 static uintptr_t self_base;  /* set once, before target_count is published */
 static char patched_names[8192];
@@ -161,32 +164,76 @@ static void span_of(const struct object *o, uintptr_t *lo, uintptr_t *hi)
     }
 }
 
-/* The protection of the page at addr now (RELRO made it read-only after
- * relocation, or the loader left it writable): from /proc/self/maps. */
-static int page_prot(uintptr_t addr, int *prot)
+/* The protections of the process's mappings, read from /proc/self/maps once
+ * per pass: a torch process with CUDA maps thousands of ranges, and reading
+ * them again for every entry patched made the pass slow. Taken under
+ * reloc_lock after every planned object is held (loaded and relocated), so
+ * no loader changes those objects' GOT pages meanwhile. */
+struct page_prots {
+    struct prot_range {
+        uintptr_t lo, hi;
+        int prot;
+    } *v;
+    size_t n;
+};
+
+static void page_prots_read(struct page_prots *m)
 {
+    m->v = NULL;
+    m->n = 0;
     FILE *maps = fopen("/proc/self/maps", "re");
-    if (!maps) return -1;
+    if (!maps) return;
+    size_t cap = 0;
     char line[512];
-    int found = -1;
-    while (found < 0 && fgets(line, sizeof line, maps)) {
+    while (fgets(line, sizeof line, maps)) {
+        size_t len = strlen(line);
+        int whole = len && line[len - 1] == '\n';
         unsigned long lo, hi;
         char perms[5];
-        if (sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) != 3 || addr < lo || addr >= hi) continue;
-        *prot = (perms[0] == 'r' ? PROT_READ : 0) | (perms[1] == 'w' ? PROT_WRITE : 0) |
-                (perms[2] == 'x' ? PROT_EXEC : 0);
-        found = 0;
+        int parsed = sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) == 3;
+        while (!whole && fgets(line, sizeof line, maps)) {  /* the rest of a long path */
+            len = strlen(line);
+            whole = len && line[len - 1] == '\n';
+        }
+        if (!parsed) continue;
+        if (m->n == cap) {
+            size_t grown_cap = cap ? cap * 2 : 1024;
+            struct prot_range *grown = realloc(m->v, grown_cap * sizeof *grown);
+            if (!grown) break;  /* entries beyond are not patched (ENOENT) */
+            m->v = grown;
+            cap = grown_cap;
+        }
+        m->v[m->n++] = (struct prot_range){lo, hi,
+                                           (perms[0] == 'r' ? PROT_READ : 0) | (perms[1] == 'w' ? PROT_WRITE : 0) |
+                                               (perms[2] == 'x' ? PROT_EXEC : 0)};
     }
     fclose(maps);
-    return found;
+}
+
+/* The protection of the page at addr (the kernel lists ranges in address order). */
+static int page_prot(const struct page_prots *m, uintptr_t addr, int *prot)
+{
+    size_t lo = 0, hi = m->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (addr < m->v[mid].lo) {
+            hi = mid;
+        } else if (addr >= m->v[mid].hi) {
+            lo = mid + 1;
+        } else {
+            *prot = m->v[mid].prot;
+            return 0;
+        }
+    }
+    return -1;
 }
 
 /* One aligned pointer store: a thread calling through the entry meanwhile
  * sees the old or the new function, both valid. */
-static int store(void **slot, void *value)
+static int store(const struct page_prots *prots, void **slot, void *value)
 {
     int prot;
-    if (page_prot((uintptr_t)slot, &prot) != 0) return ENOENT;
+    if (page_prot(prots, (uintptr_t)slot, &prot) != 0) return ENOENT;
     if (prot & PROT_WRITE) {
         __atomic_store_n(slot, value, __ATOMIC_RELEASE);
         return 0;
@@ -203,6 +250,7 @@ static int store(void **slot, void *value)
 static int target_index(const char *name)
 {
     size_t count = __atomic_load_n(&target_count, __ATOMIC_ACQUIRE);
+    if (!count || !target_first[(unsigned char)name[0]]) return -1;
     for (size_t i = 0; i < count; i++)
         if (strcmp(targets[i].name, name) == 0) return (int)i;
     return -1;
@@ -477,7 +525,7 @@ static struct patched *dead_twin_locked(const struct plan *p, uintptr_t lo, uint
 
 /* Returns what remember keeps: 1 + the index of the object's record, or 0
  * when there is nothing to patch (or patching failed: not tried again). */
-static size_t apply_locked(const struct plan *p)
+static size_t apply_locked(const struct plan *p, const struct page_prots *prots)
 {
     const struct object *o = &p->o;
     if (p->defines) {
@@ -518,7 +566,7 @@ static size_t apply_locked(const struct plan *p)
     int patched = 0, stored = 0;
     for (size_t k = 0; k < p->n_stores; k++) {
         void *hook = targets[p->stores[k].target].hook;
-        int rc = store(p->stores[k].slot, hook);
+        int rc = store(prots, p->stores[k].slot, hook);
         if (rc) {
             tms_log_warn("relocation hooks: cannot patch %s in %s: %s", targets[p->stores[k].target].name,
                          shown(o->name), strerror(rc));
@@ -552,10 +600,14 @@ static void patch_all(void)
         plans[i].o = l.items[i];
         plan_object(&plans[i]);
     }
+    struct page_prots prots = {0};
     pthread_mutex_lock(&reloc_lock);
+    for (size_t i = 0; plans && records && i < l.count && !prots.v; i++)
+        if (plans[i].handle && plans[i].n_stores) page_prots_read(&prots);
     for (size_t i = 0; plans && records && i < l.count; i++)
-        if (plans[i].handle) records[i] = apply_locked(&plans[i]);
+        if (plans[i].handle) records[i] = apply_locked(&plans[i], &prots);
     pthread_mutex_unlock(&reloc_lock);
+    free(prots.v);
     for (size_t i = 0; plans && records && i < l.count; i++)
         if (plans[i].handle) remember(plans[i].o.dynamic, plans[i].o.name, records[i]);
     for (size_t i = 0; plans && i < l.count; i++) {
@@ -748,6 +800,7 @@ int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms
         for (size_t i = 0; i < count; i++) targets[i] = (struct target){t[i].name, t[i].hook};
         targets[count] = (struct target){"dlopen", (void *)reloc_dlopen};
         targets[count + 1] = (struct target){"dlclose", (void *)reloc_dlclose};
+        for (size_t i = 0; i < count + 2; i++) target_first[(unsigned char)targets[i].name[0]] = 1;
         __atomic_store_n(&target_count, count + 2, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&reloc_lock);

@@ -271,6 +271,9 @@ def rank_dies(dying, when):
     of a broken group naming it as lost and what each of them keeps paused, their
     backups whole; a local resume brings their bytes back."""
     dying = int(dying)
+    # The survivors wait this long for a slow live rank's marker before naming the
+    # lost ones; every live rank here is at its marker within milliseconds.
+    tmsd._Exchange.GRACE_S = 2.0
     rank, world = join()
     w = allocate("w", rank)
     if rank == dying:
