@@ -13,7 +13,7 @@ from conftest import check_ok
 from test_budget import two_users  # noqa: F401  (a fixture)
 
 
-@pytest.mark.parametrize("case", ["round_trip", "sender_exits_first"])
+@pytest.mark.parametrize("case", ["round_trip", "sender_exits_first", "fake_sender"])
 def test_share_between_two_processes(run_scenario, case):
     assert check_ok(run_scenario("share", case)) == "done\n"
 

@@ -186,8 +186,11 @@ static int host_create(int device, size_t size, tms_phys *handle)
         __atomic_sub_fetch(&host_used[device], size, __ATOMIC_RELAXED);
         return ENOMEM;
     }
-    int fd = memfd_create("tms-host-device", MFD_CLOEXEC);
-    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+    /* Sealed at its size: a process it is shared with may rely on every byte
+     * staying there (a shrunk file would fault its reads). */
+    int fd = memfd_create("tms-host-device", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0 ||
+        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
         int e = errno;
         if (fd >= 0) close(fd);
         __atomic_sub_fetch(&host_used[device], size, __ATOMIC_RELAXED);
@@ -238,11 +241,22 @@ static int host_import_fd(int device, int fd, tms_phys *handle)
     return 0;
 }
 
+/* Another process's memory is mapped only if it holds size bytes and cannot
+ * shrink: a short or shrinkable file would fault this process's reads. */
+static int sealed_at_least(int fd, size_t size)
+{
+    struct stat st;
+    int seals = fcntl(fd, F_GET_SEALS);
+    return seals >= 0 && (seals & F_SEAL_SHRINK) && fstat(fd, &st) == 0 && st.st_size >= 0 &&
+           (uint64_t)st.st_size >= size;
+}
+
 static int host_map(int device, tms_va va, size_t size, tms_phys handle)
 {
     touch(device);
     if (fault_hit(TMS_FAULT_MAP)) return ENOMEM;
     int fd = (int)(handle & 0xffffffffu);
+    if ((handle & HOST_IMPORTED) && !sealed_at_least(fd, size)) return EBADF;
     void *p = mmap((void *)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
     if (p == MAP_FAILED) return errno;
     /* Another process's memory stays out of a fork's child, as a GPU mapping does. */

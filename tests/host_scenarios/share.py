@@ -7,6 +7,7 @@ receiver closes, is killed or was never given the memory; forged, replayed and
 foreign handles are errors, never bytes."""
 import ctypes
 import dataclasses
+import fcntl
 import gc
 import os
 import pickle
@@ -19,6 +20,8 @@ import time
 import torch
 
 from torch_memory_saver import Error
+from torch_memory_saver import _share as tms_share
+from torch_memory_saver._share import MAGIC
 
 from _prelude import MiB, core, expect, fill, read, rss_bytes, run_cases, tms
 
@@ -273,6 +276,55 @@ def refused_shapes():
     expect(ValueError, core().close_shared, p, match="is not an opened handle")
 
 
+def fake_sender():
+    """A same-user process that answers like a sender but hands over a file shorter than
+    it says, or one it could still shrink: refused, never mapped (its reads would fault).
+    The same fake with a sealed file of the right size opens, so the refusals are the checks'."""
+    import socket
+    import threading
+
+    size = 2 * MiB
+    sid = int.from_bytes(os.urandom(8), "little")
+    handle = MAGIC + struct.pack("<IIQQQ", os.getpid(), 0, sid, 0x7000_0000_0000, size) + bytes(16) + bytes(8)
+    shared = tms_share.SharedTensor(handle, 0, torch.uint8, (size,), (1,), None)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(f"\0tms-share-{os.getpid()}-{sid:016x}")
+    listener.listen(4)
+    data = os.urandom(size)
+
+    def serve(file_bytes, seal):
+        conn, _ = listener.accept()
+        conn.recv(1024)
+        fd = os.memfd_create("fake", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.write(fd, data[:file_bytes])
+        if seal:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        reply = struct.pack("<iiiiQQQ", 0, 1, 0, 0, size, size, size) + bytes(448)
+        socket.send_fds(conn, [reply], [fd])
+        os.close(fd)
+        return conn
+
+    for file_bytes, seal, want in ((4096, True, "short"), (size, False, "unsealed"), (size, True, "ok")):
+        conns = []
+        t = threading.Thread(target=lambda: conns.append(serve(file_bytes, seal)))
+        t.start()
+        try:
+            x = tms.open_shared(shared)
+            got = "ok" if x.numpy().tobytes() == data else "wrong bytes"
+            del x
+            gc.collect()
+        except RuntimeError as e:
+            assert f"open_shared: map of pid {os.getpid()}'s allocation 0x700000000000 ({size} bytes)" in str(e), e
+            assert "Bad file descriptor" in str(e), e
+            got = "short" if file_bytes < size else "unsealed"
+        t.join()
+        conns[0].close()
+        assert got == want, (file_bytes, seal, got)
+        assert core().open_shared_count() == 0
+    listener.close()
+    print("done")
+
+
 def not_shareable():
     """TMS_SHAREABLE=0: memory is made plain, and share says why it cannot."""
     p, t = region_tensor("n", 2 * MiB)
@@ -295,5 +347,6 @@ def other_user():
 
 
 if __name__ == "__main__":
-    run_cases({f.__name__: f for f in (receive, round_trip, sender_exits_first, not_shareable, other_user)},
+    run_cases({f.__name__: f for f in (receive, round_trip, sender_exits_first, fake_sender, not_shareable,
+                                       other_user)},
               sys.argv[:2])
