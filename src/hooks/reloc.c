@@ -234,14 +234,12 @@ static int store(const struct page_prots *prots, void **slot, void *value)
 {
     int prot;
     if (page_prot(prots, (uintptr_t)slot, &prot) != 0) return ENOENT;
-    if (prot & PROT_WRITE) {
-        __atomic_store_n(slot, value, __ATOMIC_RELEASE);
-        return 0;
-    }
+    /* Made writable even where the pass's snapshot says it is: a page another
+     * patcher (UCX's, say) made read-only again since then must not fault the store. */
     uintptr_t page = (uintptr_t)slot & ~((uintptr_t)sysconf(_SC_PAGESIZE) - 1);
     if (mprotect((void *)page, (size_t)sysconf(_SC_PAGESIZE), prot | PROT_WRITE) != 0) return errno;
     __atomic_store_n(slot, value, __ATOMIC_RELEASE);
-    if (mprotect((void *)page, (size_t)sysconf(_SC_PAGESIZE), prot) != 0)
+    if (!(prot & PROT_WRITE) && mprotect((void *)page, (size_t)sysconf(_SC_PAGESIZE), prot) != 0)
         tms_log_warn("relocation hooks: cannot make the GOT page at %p read-only again: %s", (void *)page,
                      strerror(errno));
     return 0;
