@@ -33,6 +33,12 @@ static int state_error(struct tms_err *err, int from, const char *tag, size_t n_
  * leave it reading memory this process no longer owns: refused whole. */
 static int held_error(struct tms_err *err, const struct tms_alloc *a)
 {
+    if (!a->share_holders)
+        return tms_fail(err, TMS_E_STATE, 0,
+                        "pause of tag '%s': allocation 0x%llx (%zu bytes) was exported to another process by its "
+                        "owner (cuMemExportToShareableHandle: PyTorch's expandable-segment sharing) and stays held "
+                        "until freed; nothing was paused",
+                        tms_core_tag_name(a->tag_id), (unsigned long long)a->va, a->size);
     char pids[64] = "";
     size_t used = 0;
     int shown = a->share_holders < TMS_SHARE_PIDS_KEPT ? a->share_holders : TMS_SHARE_PIDS_KEPT;
@@ -70,7 +76,9 @@ int tms_table_claim(const char *const *tags, size_t n_tags, int from, struct tms
             TMS_FOR_EACH_OF_TAG(a, ids[t]) {
                 if (a->moving) moving++;
                 else count[a->state]++;
-                if (from == TMS_ACTIVE && !a->moving && a->state == TMS_ACTIVE && a->share_holders && !held) held = a;
+                if (from == TMS_ACTIVE && !a->moving && a->state == TMS_ACTIVE && (a->share_holders || a->exported_by_owner) &&
+                    !held)
+                    held = a;
             }
             if (moving) {
                 settled = 0;

@@ -39,6 +39,10 @@ struct tms_alloc {
     unsigned char share_token[TMS_SHARE_TOKEN_BYTES];
     int share_holders;
     int share_pids[TMS_SHARE_PIDS_KEPT];
+    /* Its handle went out through the driver's own export (an adopted
+     * segment's cuMemExportToShareableHandle): held until freed, as no
+     * receiver tells when it lets go. */
+    int exported_by_owner;
     tms_phys *handles;       /* n_chunks entries; points at one_handle when n_chunks == 1 */
     tms_phys one_handle;
     struct tms_backup *host_copy;  /* paused with backup, or retained after resume */

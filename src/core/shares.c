@@ -126,6 +126,24 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
     return rc;
 }
 
+int tms_core_mark_exported(uint64_t va, int delta, struct tms_err *err)
+{
+    int rc = TMS_OK;
+    tms_table_lock();
+    struct tms_alloc *a;
+    while ((a = tms_table_find_locked(va)) && a->moving) tms_table_wait_settled();
+    if (!a)
+        rc = tms_fail(err, TMS_E_NOT_FOUND, 0, "export: 0x%llx is not an allocation of torch_memory_saver",
+                      (unsigned long long)va);
+    else if (delta > 0 && a->state != TMS_ACTIVE)
+        rc = tms_fail(err, TMS_E_STATE, 0, "export: allocation 0x%llx (tag '%s') is paused: resume it first",
+                      (unsigned long long)va, tms_core_tag_name(a->tag_id));
+    else if (delta > 0 || a->exported_by_owner > 0)
+        a->exported_by_owner += delta > 0 ? 1 : -1;
+    tms_table_unlock();
+    return rc;
+}
+
 void tms_core_share_detach(uint64_t va, const unsigned char *token, int pid)
 {
     /* Counted per attach, whether or not the allocation is still there. */

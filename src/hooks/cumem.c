@@ -356,13 +356,30 @@ static uint64_t current_handle(tms_CUmemHandle h, int *known)
     return handle;
 }
 
+/* The address of the allocation the core adopted for token h; 0 if none. */
+static uint64_t adopted_va(tms_CUmemHandle h)
+{
+    lock_tokens();
+    struct token *t = token_find_locked(h);
+    uint64_t va = t && t->adopted ? t->va : 0;
+    unlock_tokens();
+    return va;
+}
+
+/* An exported handle of the core's memory keeps that memory alive in the
+ * importer: marked held first, so a pause cannot pretend to free it. */
 static tms_CUresult wrap_export(void *out, tms_CUmemHandle h, int type, unsigned long long flags)
 {
     if (!is_token(h)) return REAL(export_handle)(out, h, type, flags);
+    uint64_t va = adopted_va(h);
+    struct tms_err err = {0};
+    if (va && tms_core_mark_exported(va, 1, &err) != TMS_OK) return TMS_CUDA_ERROR_ILLEGAL_STATE;
     int known;
     uint64_t handle = current_handle(h, &known);
-    if (!handle) return known ? TMS_CUDA_ERROR_ILLEGAL_STATE : TMS_CUDA_ERROR_INVALID_VALUE;
-    return REAL(export_handle)(out, handle, type, flags);
+    tms_CUresult rc = handle ? REAL(export_handle)(out, handle, type, flags)
+                      : known ? TMS_CUDA_ERROR_ILLEGAL_STATE : TMS_CUDA_ERROR_INVALID_VALUE;
+    if (rc != TMS_CUDA_SUCCESS && va) (void)tms_core_mark_exported(va, -1, &err);
+    return rc;
 }
 
 static tms_CUresult wrap_props(tms_CUmemAllocationProp *prop, tms_CUmemHandle h)

@@ -94,6 +94,14 @@ static tms_CUresult real_retain(tms_CUmemHandle *h, void *addr)
     return TMS_CUDA_ERROR_NOT_SUPPORTED;  /* the walk retains region memory only */
 }
 
+static tms_CUresult real_export(void *out, tms_CUmemHandle h, int type, unsigned long long flags)
+{
+    (void)flags;
+    if (!live_handle(h)) return __atomic_add_fetch(&stale_handles, 1, __ATOMIC_RELAXED), TMS_CUDA_ERROR_INVALID_VALUE;
+    if (type != 1) return TMS_CUDA_ERROR_INVALID_VALUE;  /* POSIX file descriptors only */
+    return drv->export_fd(h, (int *)out) ? TMS_CUDA_ERROR_INVALID_VALUE : TMS_CUDA_SUCCESS;
+}
+
 static struct tms_cumem_entry_points cu;  /* the wrappers, as PyTorch would hold them */
 
 static void *wrapped(const char *name, void *real)
@@ -113,6 +121,7 @@ static void look_up_entry_points(void)
     cu.release = (tms_cuMemRelease_fn)wrapped("cuMemRelease", (void *)real_release);
     cu.props = (tms_cuMemGetAllocationPropertiesFromHandle_fn)wrapped("cuMemGetAllocationPropertiesFromHandle", (void *)real_props);
     cu.retain = (tms_cuMemRetainAllocationHandle_fn)wrapped("cuMemRetainAllocationHandle", (void *)real_retain);
+    cu.export_handle = (tms_cuMemExportToShareableHandle_fn)wrapped("cuMemExportToShareableHandle", (void *)real_export);
     void *other = (void *)real_create;
     tms_cumem_wrap("cuMemAddressReserve", &other);  /* not wrapped: left as it is */
     CHECK(other == (void *)real_create);
@@ -297,6 +306,48 @@ static void test_segment_lifecycle(void)
     CHECK(adopted_rows(-1, -1) == 0 && tms_cumem_tokens() == 0);
     CHECK(device_used() == used_before);
     CHECK(drv->unreserve(base, 16 * PAGE) == 0);
+}
+
+/* PyTorch shares an expandable segment by exporting its handles itself: the
+ * importer then keeps that memory alive whatever this process does, so a
+ * pause of it is refused (naming it) until it is freed; a failed export, or
+ * one of paused memory, leaves nothing held. */
+static void test_exported_segment_is_held_until_freed(void)
+{
+    struct tms_err err = {0};
+    tms_va base;
+    CHECK(drv->reserve(4 * PAGE, PAGE, &base) == 0);
+    int t = tag("cm_exported");
+    size_t used_before = device_used();
+    enter_region(t, 1);
+    tms_CUmemHandle h[2];
+    grow(base, 2, PAGE, h);
+    leave_region();
+    fill(at(base), PAGE, 31);
+    fill(at(base + PAGE), PAGE, 32);
+
+    int fd = -1;
+    CHECK(cu.export_handle(&fd, h[0], 2, 0) == TMS_CUDA_ERROR_INVALID_VALUE);  /* refused by the driver */
+    CHECK(tms_core_pause("cm_exported", &err) == TMS_OK);                      /* so nothing was held */
+    CHECK(cu.export_handle(&fd, h[0], 1, 0) == TMS_CUDA_ERROR_ILLEGAL_STATE);  /* paused: no memory to export */
+    CHECK(tms_core_resume("cm_exported", &err) == TMS_OK);
+    CHECK(matches(at(base), PAGE, 31) && matches(at(base + PAGE), PAGE, 32));
+
+    CHECK(cu.export_handle(&fd, h[0], 1, 0) == TMS_CUDA_SUCCESS && fd >= 0);
+    CHECK(close(fd) == 0);
+    CHECK(tms_core_pause("cm_exported", &err) == TMS_E_STATE);
+    CHECK(strstr(err.msg, "pause of tag 'cm_exported'") && strstr(err.msg, "cuMemExportToShareableHandle") &&
+          strstr(err.msg, "nothing was paused"));
+    CHECK(adopted_rows(t, TMS_ACTIVE) == 2 && device_used() == used_before + 2 * PAGE);
+
+    shrink(base, PAGE, h[0]);  /* freed: the other allocation pauses again */
+    CHECK(tms_core_pause("cm_exported", &err) == TMS_OK);
+    CHECK(adopted_rows(t, TMS_PAUSED) == 1 && device_used() == used_before);
+    CHECK(tms_core_resume("cm_exported", &err) == TMS_OK);
+    CHECK(matches(at(base + PAGE), PAGE, 32));
+    shrink(base + PAGE, PAGE, h[1]);
+    CHECK(adopted_rows(-1, -1) == 0 && tms_cumem_tokens() == 0 && device_used() == used_before);
+    CHECK(drv->unreserve(base, 4 * PAGE) == 0);
 }
 
 static void test_margin(void)
@@ -509,6 +560,7 @@ int main(int argc, char **argv)
     look_up_entry_points();
     if (shapes) {
         test_segment_lifecycle();
+        test_exported_segment_is_held_until_freed();
         test_margin();
     }
     for (uint64_t s = seed; s < seed + (uint64_t)walks && !failed; s++) walk(s, steps / walks);
