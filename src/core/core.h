@@ -255,11 +255,12 @@ int tms_core_share_find(uint64_t ptr, struct tms_share_info *out, struct tms_err
 int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int *fds, struct tms_share_info *out,
                           struct tms_err *err);
 void tms_core_share_detach(uint64_t va, const unsigned char *token, int pid);
-/* The owner of the adopted allocation at va is exporting its handle itself
- * (delta 1, before the export; -1 undoes it if the export failed): from then
- * on a pause of it is refused until it is freed. TMS_E_STATE while paused,
- * TMS_E_NOT_FOUND if va is not an allocation's start. */
-int tms_core_mark_exported(uint64_t va, int delta, struct tms_err *err);
+/* The owner of the allocation adopted at va under owner_handle is exporting
+ * its handle itself (delta 1, before the export: *handle gets the handle to
+ * export, read under the same lock; -1 undoes it if the export failed): from
+ * then on a pause of it is refused until it is freed. TMS_E_STATE while
+ * paused, TMS_E_NOT_FOUND if no allocation was adopted there under that handle. */
+int tms_core_mark_exported(uint64_t va, uint64_t owner_handle, int delta, uint64_t *handle, struct tms_err *err);
 /* Before a pause decides: the sender's thread lets go of receivers that have
  * hung up by now (it learns of them on its own time otherwise). */
 void tms_core_share_reap(void);

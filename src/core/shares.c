@@ -126,20 +126,22 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
     return rc;
 }
 
-int tms_core_mark_exported(uint64_t va, int delta, struct tms_err *err)
+int tms_core_mark_exported(uint64_t va, uint64_t owner_handle, int delta, uint64_t *handle, struct tms_err *err)
 {
     int rc = TMS_OK;
     tms_table_lock();
     struct tms_alloc *a;
     while ((a = tms_table_find_locked(va)) && a->moving) tms_table_wait_settled();
-    if (!a)
-        rc = tms_fail(err, TMS_E_NOT_FOUND, 0, "export: 0x%llx is not an allocation of torch_memory_saver",
+    if (!a || !a->adopted || a->owner_handle != owner_handle)
+        rc = tms_fail(err, TMS_E_NOT_FOUND, 0, "export: no allocation adopted at 0x%llx under that handle",
                       (unsigned long long)va);
     else if (delta > 0 && a->state != TMS_ACTIVE)
         rc = tms_fail(err, TMS_E_STATE, 0, "export: allocation 0x%llx (tag '%s') is paused: resume it first",
                       (unsigned long long)va, tms_core_tag_name(a->tag_id));
-    else if (delta > 0 || a->exported_by_owner > 0)
-        a->exported_by_owner += delta > 0 ? 1 : -1;
+    else if (delta > 0)
+        a->exported_by_owner++, *handle = a->one_handle;
+    else if (a->exported_by_owner > 0)
+        a->exported_by_owner--;
     tms_table_unlock();
     return rc;
 }

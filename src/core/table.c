@@ -198,6 +198,7 @@ static void fork_child(void)
             struct tms_alloc *a = *link;
             /* The parent's receivers hold the parent's memory, not the child's. */
             a->share_holders = 0;
+            a->exported_by_owner = 0;
             if (!a->moving) {
                 link = &a->next;
                 continue;

@@ -373,13 +373,22 @@ static tms_CUresult wrap_export(void *out, tms_CUmemHandle h, int type, unsigned
     if (!is_token(h)) return REAL(export_handle)(out, h, type, flags);
     uint64_t va = adopted_va(h);
     struct tms_err err = {0};
-    if (va && tms_core_mark_exported(va, 1, &err) != TMS_OK) return TMS_CUDA_ERROR_ILLEGAL_STATE;
+    uint64_t handle = 0;
+    int rc = va ? tms_core_mark_exported(va, h, 1, &handle, &err) : TMS_E_NOT_FOUND;
+    if (rc == TMS_OK) {
+        tms_CUresult crc = REAL(export_handle)(out, handle, type, flags);
+        if (crc != TMS_CUDA_SUCCESS) (void)tms_core_mark_exported(va, h, -1, &handle, &err);
+        return crc;
+    }
+    if (rc != TMS_E_NOT_FOUND) {
+        tms_core_keep_error(&err);
+        return TMS_CUDA_ERROR_ILLEGAL_STATE;
+    }
+    /* Not (or no longer) the core's: the owner's own handle, as before adoption. */
     int known;
-    uint64_t handle = current_handle(h, &known);
-    tms_CUresult rc = handle ? REAL(export_handle)(out, handle, type, flags)
-                      : known ? TMS_CUDA_ERROR_ILLEGAL_STATE : TMS_CUDA_ERROR_INVALID_VALUE;
-    if (rc != TMS_CUDA_SUCCESS && va) (void)tms_core_mark_exported(va, -1, &err);
-    return rc;
+    handle = current_handle(h, &known);
+    return handle ? REAL(export_handle)(out, handle, type, flags)
+                  : known ? TMS_CUDA_ERROR_ILLEGAL_STATE : TMS_CUDA_ERROR_INVALID_VALUE;
 }
 
 static tms_CUresult wrap_props(tms_CUmemAllocationProp *prop, tms_CUmemHandle h)
