@@ -119,12 +119,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     total = 64 * MiB if args.dry_run else int(args.gib * GiB)
-    meta = report.collect_meta("budget", argv, args.dry_run)
-    if not args.dry_run:
-        import torch
-
-        meta["device_name"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-        meta["torch_version"] = torch.__version__
+    meta = report.torch_meta(report.collect_meta("budget", argv, args.dry_run), args.dry_run)
     rows = [run_row(case, share, args, total) for case, share in CASES]
     doc = {"meta": meta, "total": total, "rows": rows}
     body = "\n".join([
@@ -133,10 +128,7 @@ def main(argv=None):
         "fit go to disk); *disk*, a budget nothing fits. Median of 3 cycles after a warm-up; *exact*: every "
         f"tensor equal bit for bit after every resume. Disk directory: "
         f"{os.environ.get('TMS_BENCH_DISK_DIR') or tempfile.gettempdir()}.", "", table(rows), ""])
-    md = report.write(report.out_dir(args.out, args.dry_run), report.name(meta), doc, TITLE, lambda images: body,
-                      extra_rows=[["torch", meta.get("torch_version", "-")]])
-    print(open(md).read())
-    print(f"written: {md}")
+    report.publish(args, meta, doc, TITLE, body)
     return 1 if any("error" in r or not r["exact"] for r in rows) else 0
 
 

@@ -189,12 +189,7 @@ def main(argv=None):
         args.live_gib = 1 / 16 if args.dry_run else 24
     if args.steps is None:
         args.steps = 100 if args.dry_run else 400
-    meta = report.collect_meta("fragmentation", argv, args.dry_run)
-    if not args.dry_run:
-        import torch
-
-        meta["device_name"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-        meta["torch_version"] = torch.__version__
+    meta = report.torch_meta(report.collect_meta("fragmentation", argv, args.dry_run), args.dry_run)
     rows = [run_row(mode, pattern, expandable, args)
             for pattern in PATTERNS for mode in ("preload", "torch") for expandable in (False, True)]
     doc = {"meta": meta, "steps": args.steps, "live_gib": args.live_gib, "seed": args.seed, "rows": rows}
@@ -205,10 +200,7 @@ def main(argv=None):
         "reserved bytes per live tensor byte (fragmentation). *pause frees*: device memory a pause of the "
         "tag gave back, as a share of the bytes the library held for it.", "",
         table(rows), ""])
-    md = report.write(report.out_dir(args.out, args.dry_run), report.name(meta), doc, TITLE, lambda images: body,
-                      extra_rows=[["torch", meta.get("torch_version", "-")]])
-    print(open(md).read())
-    print(f"written: {md}")
+    report.publish(args, meta, doc, TITLE, body)
     return 1 if any("error" in r for r in rows) else 0
 
 

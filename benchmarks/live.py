@@ -222,12 +222,7 @@ def main(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="no GPU: host backend, plumbing only")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    meta = report.collect_meta("live", argv, args.dry_run)
-    if not args.dry_run:
-        import torch
-
-        meta["device_name"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-        meta["torch_version"] = torch.__version__
+    meta = report.torch_meta(report.collect_meta("live", argv, args.dry_run), args.dry_run)
     shapes = [run_row(kind, mode, where, args) for kind in SHAPES for mode, where in MODES]
     costs = [run_row("cost", "torch", "region", args, blocks) for blocks in BLOCK_COUNTS]
     doc = {"meta": meta, "cached_gib": args.cached_gib, "shapes": shapes, "costs": costs}
@@ -242,10 +237,7 @@ def main(argv=None):
         f"One allocator snapshot (torch.cuda.memory_snapshot, median of 5) with that many live 64 KiB blocks in "
         f"the tag beside {args.cached_gib:g} GiB of free cached memory, against the pause time live-only saves.", "",
         cost_table(costs), ""])
-    md = report.write(report.out_dir(args.out, args.dry_run), report.name(meta), doc, TITLE, lambda images: body,
-                      extra_rows=[["torch", meta.get("torch_version", "-")]])
-    print(open(md).read())
-    print(f"written: {md}")
+    report.publish(args, meta, doc, TITLE, body)
     bad = [r for r in shapes + costs if "error" in r or any(c["exact"] is False for c in r.get("cycles", []))]
     return 1 if bad else 0
 

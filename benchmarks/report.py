@@ -106,6 +106,27 @@ def slug(text):
     return re.sub(r"[^A-Za-z0-9]+", "-", text or "gpu").strip("-") or "gpu"
 
 
+def torch_meta(meta, dry_run):
+    """A device run's GPU name and torch version into meta (a dry run has neither)."""
+    if dry_run:
+        return meta
+    import torch
+
+    meta["device_name"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    meta["torch_version"] = torch.__version__
+    return meta
+
+
+def publish(args, meta, doc, title, body):
+    """A one-table suite's report (write() with the torch version in its header),
+    printed; returns the Markdown path."""
+    md = write(out_dir(args.out, args.dry_run), name(meta), doc, title, lambda images: body,
+               extra_rows=[["torch", meta.get("torch_version", "-")]])
+    print(open(md).read())
+    print(f"written: {md}")
+    return md
+
+
 def name(meta, variant=None):
     """<suite>_<device>[-<variant>]: the variant names what makes a run of the
     suite another report on the same device (processes per GPU, options)."""

@@ -234,12 +234,7 @@ def main(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="no GPU: host backend, plumbing only")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    meta = report.collect_meta("share", argv, args.dry_run)
-    if not args.dry_run:
-        import torch
-
-        meta["device_name"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-        meta["torch_version"] = torch.__version__
+    meta = report.torch_meta(report.collect_meta("share", argv, args.dry_run), args.dry_run)
     # The dry run checks the plumbing: one hook mode is enough there.
     modes = ("torch",) if args.dry_run else ("torch", "preload")
     rows = [run_mode(mode, shareable, args) for mode in modes for shareable in (True, False)]
@@ -255,10 +250,7 @@ def main(argv=None):
         "copies them into tensors of its own, end to end: sent as they are, against first copied into fresh "
         "memory outside any region and that sent. *pause after*: the region then pauses and frees all its bytes.",
         "", move_table(rows), ""])
-    md = report.write(report.out_dir(args.out, args.dry_run), report.name(meta), doc, TITLE, lambda images: body,
-                      extra_rows=[["torch", meta.get("torch_version", "-")]])
-    print(open(md).read())
-    print(f"written: {md}")
+    report.publish(args, meta, doc, TITLE, body)
     return 1 if any("error" in r for r in rows) else 0
 
 
