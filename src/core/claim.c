@@ -29,6 +29,9 @@ static int state_error(struct tms_err *err, int from, const char *tag, size_t n_
                     "list was %s", op, tag, n_tags, why, other, which, from == TMS_ACTIVE ? "paused" : "resumed");
 }
 
+/* Mapped by a receiver of share() or CUDA IPC, or exported by its owner. */
+static int held_elsewhere(const struct tms_alloc *a) { return a->share_holders || a->exported_by_owner; }
+
 /* A pause of memory another process maps would free nothing there and
  * leave it reading memory this process no longer owns: refused whole. */
 static int held_error(struct tms_err *err, const struct tms_alloc *a)
@@ -76,9 +79,7 @@ int tms_table_claim(const char *const *tags, size_t n_tags, int from, struct tms
             TMS_FOR_EACH_OF_TAG(a, ids[t]) {
                 if (a->moving) moving++;
                 else count[a->state]++;
-                if (from == TMS_ACTIVE && !a->moving && a->state == TMS_ACTIVE && (a->share_holders || a->exported_by_owner) &&
-                    !held)
-                    held = a;
+                if (from == TMS_ACTIVE && !a->moving && a->state == TMS_ACTIVE && held_elsewhere(a) && !held) held = a;
             }
             if (moving) {
                 settled = 0;

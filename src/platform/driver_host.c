@@ -201,7 +201,6 @@ static int host_create(int device, size_t size, tms_phys *handle)
     return 0;
 }
 
-
 static int host_release(tms_phys handle)
 {
     int fd = (int)(handle & 0xffffffffu);
