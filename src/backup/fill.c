@@ -45,9 +45,14 @@ int tms_backup_fill(const struct tms_driver *drv, struct tms_backup_plan *p, siz
         rc = tms_backup_for_pause(drv, kind, p[i].device, p[i].size, p[i].va, &p[i].copy, err);
         /* A new backup copied whole and kept is locked by this copy, not later. */
         if (!rc && p[i].retain && !p[i].ranges && p[i].copy != p[i].held) tms_backup_will_be_kept(p[i].copy);
-        if (!rc)
+        if (!rc && p[i].backed_up && !p[i].ranges && p[i].copy == p[i].held) {
+            p[i].n_items = 1;
+            tms_transfer_batch_add_whole(&b, p[i].copy, p[i].device, p[i].va, p[i].size, p[i].backed_up,
+                                         p[i].backed_up_arg, &p[i].first_item);
+        } else if (!rc) {
             tms_transfer_batch_add(&b, p[i].copy, p[i].device, p[i].va, p[i].size, p[i].ranges, p[i].n_ranges, 0,
                                    &p[i].first_item, &p[i].n_items);
+        }
     }
     if (rc) tms_transfer_batch_close(&b);
     else tms_transfer_batch_run(&b);
@@ -62,12 +67,20 @@ int tms_backup_fill(const struct tms_driver *drv, struct tms_backup_plan *p, siz
         tms_backup_set_ranges(p[i].copy, p[i].ranges, p[i].n_ranges);  /* the backup's from now on */
         p[i].ranges = NULL;
     }
+    /* After a failure a whole copy with a hook stays: the hook may have let
+     * its allocation go, and then the copy is all that holds its bytes. */
+    for (size_t i = 0; i < n && rc; i++)
+        if (p[i].backed_up && p[i].copy && p[i].n_items == 1)
+            tms_transfer_batch_done(&b, p[i].first_item, 1, &p[i].whole);
     tms_transfer_batch_end(&b);
     forget_ranges(p, n);
     tms_ledger_copied(reserved);  /* what the backups keep is host memory now: no longer in flight */
     if (rc) {
-        tms_ledger_release(reserved);  /* no backup of this call keeps it */
-        for (size_t i = 0; i < n; i++) discard_copy(&p[i]);
+        tms_ledger_release(reserved);  /* hooks are set only where a copy reuses a backup: nothing new is kept */
+        for (size_t i = 0; i < n; i++) {
+            if (p[i].whole) tms_backup_copied(p[i].copy);
+            else discard_copy(&p[i]);
+        }
     } else {
         tms_budget_settle(p, n);
     }

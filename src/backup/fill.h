@@ -19,9 +19,15 @@ struct tms_backup_plan {
     struct tms_range *ranges;   /* the bytes to copy (NULL: every one); the call takes them */
     size_t n_ranges;
     int retain;                 /* its backup is kept across resume (retain on) */
+    /* Optional, for a plan without ranges: called in the caller's thread once
+     * the whole allocation is in its backup, while the others still copy.
+     * If the fill then fails, a plan whose copy was whole keeps it. */
+    void (*backed_up)(void *arg);
+    void *backed_up_arg;
     /* Out: */
     struct tms_backup *copy;    /* its backup after the pause: held or a new one; NULL on failure */
     size_t copied;              /* bytes copied into it */
+    int whole;                  /* a failed fill: its copy has a hook, is whole and is kept */
     /* The budget's (budget.c): */
     size_t need;                /* host backup bytes it holds from the budget after the pause */
     int spill;                  /* backed up to disk: the budget had no room for it */

@@ -55,6 +55,8 @@ struct job {
     int failed;          /* atomic */
     pthread_mutex_t err_lock;
     struct tms_err err;  /* first error, under err_lock */
+    size_t *backed_up;   /* items whose backed_up is due, in completion order (pool_lock) */
+    size_t n_backed_up;  /* guarded by pool_lock */
 };
 
 struct worker {
@@ -154,6 +156,12 @@ static void credit(struct job *j, struct tms_transfer *it, size_t len)
     size_t done = __atomic_add_fetch(&it->done, len, __ATOMIC_ACQ_REL);
     __atomic_add_fetch(&progress_done, len, __ATOMIC_RELAXED);
     if (!j->to_host && done == it->n && it->restored) it->restored(it->restored_arg);
+    if (j->to_host && done == it->n && it->backed_up) {
+        pthread_mutex_lock(&pool_lock);  /* the thread running the job calls it */
+        j->backed_up[j->n_backed_up++] = (size_t)(it - j->items);
+        pthread_cond_broadcast(&job_finished);
+        pthread_mutex_unlock(&pool_lock);
+    }
 }
 
 /* Waits for the copy of block b in slot to land, then (device->host) moves
@@ -543,6 +551,12 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
     __atomic_store_n(&progress_done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&progress_total, total, __ATOMIC_RELAXED);
     struct job j = {.drv = drv, .to_host = to_host, .items = items, .blocks = blocks, .n_blocks = n_blocks};
+    int hooks = 0;
+    for (size_t i = 0; i < count && to_host; i++) hooks |= items[i].backed_up != NULL;
+    if (hooks && !(j.backed_up = malloc(count * sizeof *j.backed_up))) {
+        free(blocks);
+        return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu copies", count);
+    }
     pthread_mutex_init(&j.err_lock, NULL);
     pthread_mutex_lock(&run_lock);
     pthread_mutex_lock(&pool_lock);
@@ -550,11 +564,23 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
     workers_busy = worker_count;
     job_seq++;
     pthread_cond_broadcast(&job_posted);
-    while (workers_busy > 0) pthread_cond_wait(&job_finished, &pool_lock);
+    /* Items backed up are handed to their hook here, in the caller's thread,
+     * while the workers go on with the rest. */
+    for (size_t handed = 0; workers_busy > 0 || handed < j.n_backed_up;) {
+        if (handed == j.n_backed_up) {
+            pthread_cond_wait(&job_finished, &pool_lock);
+            continue;
+        }
+        struct tms_transfer *it = &items[j.backed_up[handed++]];
+        pthread_mutex_unlock(&pool_lock);
+        it->backed_up(it->backed_up_arg);
+        pthread_mutex_lock(&pool_lock);
+    }
     current_job = NULL;
     pthread_mutex_unlock(&pool_lock);
     pthread_mutex_unlock(&run_lock);
     pthread_mutex_destroy(&j.err_lock);
+    free(j.backed_up);
     free(blocks);
     if (j.failed) {
         if (err) *err = j.err;

@@ -25,6 +25,11 @@ struct tms_transfer {
      * never for an item of 0 bytes. */
     void (*restored)(void *arg);
     void *restored_arg;
+    /* Device->host only, optional: called once, in the thread that runs the
+     * copies, when every byte of the item is in its backup, while the other
+     * items' copies may still run, and also if another item's copy fails. */
+    void (*backed_up)(void *arg);
+    void *backed_up_arg;
     enum tms_backup_path path;  /* private: how its blocks move, chosen when the copy is planned */
 };
 
@@ -61,6 +66,10 @@ int tms_transfer_batch_start(struct tms_transfer_batch *b, const struct tms_driv
 void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
                             size_t size, const struct tms_range *ranges, size_t n_ranges, int release_when_restored,
                             size_t *first, size_t *n);
+/* A pause's copy of a whole allocation (one item) that calls backed_up(arg)
+ * once all of it is in the backup (struct tms_transfer). */
+void tms_transfer_batch_add_whole(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
+                                  size_t size, void (*backed_up)(void *arg), void *arg, size_t *first);
 /* Runs what is queued and closes its backups; a close after a pause's copies
  * that finds a write not durable fails the batch (b->rc, b->err). */
 void tms_transfer_batch_run(struct tms_transfer_batch *b);

@@ -26,6 +26,14 @@ void tms_transfer_batch_run(struct tms_transfer_batch *b)
 
 void tms_transfer_batch_close(struct tms_transfer_batch *b) { close_open(b, 0); }
 
+/* The batch holds backup open now: it runs once it holds the kind's limit. */
+static void opened(struct tms_transfer_batch *b, struct tms_backup *backup)
+{
+    b->open[b->n_open++] = backup;
+    int limit = tms_backup_open_limit(backup);
+    if (limit && b->n_open == (size_t)limit) tms_transfer_batch_run(b);
+}
+
 void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
                             size_t size, const struct tms_range *ranges, size_t n_ranges, int release_when_restored,
                             size_t *first, size_t *n)
@@ -41,9 +49,16 @@ void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *bac
         for (size_t k = *first; k < *first + *n; k++)
             b->items[k].restored = tms_backup_part_restored, b->items[k].restored_arg = backup;
     }
-    b->open[b->n_open++] = backup;
-    int limit = tms_backup_open_limit(backup);
-    if (limit && b->n_open == (size_t)limit) tms_transfer_batch_run(b);
+    opened(b, backup);
+}
+
+void tms_transfer_batch_add_whole(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
+                                  size_t size, void (*backed_up)(void *arg), void *arg, size_t *first)
+{
+    *first = b->count;
+    b->items[b->count++] = (struct tms_transfer){.device = device, .dev = va, .backup = backup, .n = size,
+                                                 .backed_up = backed_up, .backed_up_arg = arg};
+    opened(b, backup);
 }
 
 int tms_transfer_batch_start(struct tms_transfer_batch *b, const struct tms_driver *drv, int to_host, size_t items,

@@ -39,12 +39,90 @@ static int synchronize_devices(const struct tms_driver *drv, const struct tms_mo
     return TMS_OK;
 }
 
+/* ---- letting allocations go while the others copy ------------------------------
+ * A pause whose every backup is a retained one, page-locked and reused whole,
+ * unmaps and releases each allocation as soon as its copy is in: the
+ * driver's clean-up of freed device memory then runs under the copies left
+ * instead of slowing a resume that follows at once (docs/design.md). Such
+ * copies fail only where the driver does; an allocation let go before that
+ * is mapped again and its whole backup copied back. */
+struct early_release {
+    const struct tms_driver *drv;
+    struct tms_move *m;
+    int released;        /* unmapped: it settles paused */
+    int rc;              /* its release's failure: reported, not undone, as unmap_all does */
+    struct tms_err err;
+};
+
+static int releases_early(const struct tms_move *m, size_t n, const struct tms_op_args *args, int retain)
+{
+    if (!retain || args->n_skip) return 0;
+    size_t backed_up = 0;
+    for (size_t i = 0; i < n; i++) {
+        const struct tms_alloc *a = m[i].a;
+        if (!a->backup) continue;
+        const struct tms_backup *held = m[i].copy;
+        if (!held || held->ranges || held->size != a->size || held->kind != a->backup_kind ||
+            tms_backup_path(held, 1, 0, a->size) != TMS_PATH_DIRECT)
+            return 0;
+        backed_up++;
+    }
+    return backed_up > 1;  /* one copy has nothing to run under */
+}
+
+static void release_backed_up(void *arg)
+{
+    struct early_release *e = arg;
+    struct tms_alloc *a = e->m->a;
+    const char *tag = tms_core_tag_name(a->tag_id);
+    struct tms_err unmap_err = {0};
+    if (tms_chunks_unmap(e->drv, a, tag, &unmap_err) != TMS_OK) return;  /* unmap_all tries again and reports it */
+    e->released = 1;
+    e->m->state = TMS_PAUSED;
+    e->rc = tms_chunks_release(e->drv, a, tag, &e->err);
+}
+
+static void unrestore(const struct tms_driver *drv, struct tms_move *m, struct tms_err *err);
+
+/* After a failed pause: each allocation let go is mapped again and its whole
+ * backup copied back; one that cannot be stays paused with that backup. */
+static void restore_released(const struct tms_driver *drv, struct early_release *early, size_t n, struct tms_err *err)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (!early[i].released) continue;
+        struct tms_move *m = early[i].m;
+        struct tms_alloc *a = m->a;
+        const char *tag = tms_core_tag_name(a->tag_id);
+        struct tms_err e = {0};
+        int rc = m->copy ? tms_backup_open(m->copy, &e) : tms_fail(&e, TMS_E_STATE, 0, "its backup is gone");
+        if (rc == TMS_OK) {
+            int mapped = (rc = tms_chunks_map(drv, a, tag, &e)) == TMS_OK;
+            if (mapped) {
+                struct tms_transfer item = {.device = a->device, .dev = a->va, .backup = m->copy, .n = a->size};
+                rc = tms_transfer_run(drv, 0, &item, 1, &e);
+            }
+            (void)tms_backup_close(m->copy, 0, NULL);
+            if (mapped && rc) unrestore(drv, m, &e);
+        }
+        if (rc == TMS_OK) {
+            m->state = TMS_ACTIVE;
+            continue;
+        }
+        if (m->state == TMS_ACTIVE) {  /* left mapped by unrestore, which said how */
+            tms_err_append(err, "%s", e.msg);
+            continue;
+        }
+        tms_err_append(err, "allocation 0x%llx (tag '%s') was already released and stays paused with its backup: %s",
+                       (unsigned long long)a->va, tag, e.msg);
+    }
+}
+
 /* Backs up every backed-up allocation in one call below (backup/fill.h):
  * the core plans the ranges each copies, the backups do the rest. On failure
  * nothing has been unmapped, and a backup the call began to overwrite is
  * dropped (the move's copy NULL). */
 static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n, const struct tms_op_args *args,
-                      int retain, struct tms_err *err)
+                      int retain, struct early_release *early, struct tms_err *err)
 {
     size_t n_plans = 0, k = 0;
     for (size_t i = 0; i < n; i++) n_plans += m[i].a->backup != 0;
@@ -57,6 +135,10 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
         if (!a->backup) continue;
         p[k] = (struct tms_backup_plan){.kind = a->backup_kind, .device = a->device, .va = a->va, .size = a->size,
                                         .held = m[i].copy, .retain = retain};
+        if (early) {
+            early[i] = (struct early_release){.drv = drv, .m = &m[i]};
+            p[k].backed_up = release_backed_up, p[k].backed_up_arg = &early[i];
+        }
         if (args->n_skip)
             rc = tms_live_plan(a->backup_kind, a->va, a->size, args->skip, args->n_skip, &p[k].ranges,
                                &p[k].n_ranges, err);
@@ -80,10 +162,18 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
 
 /* Unmaps and releases each allocation; one whose unmap fails stays active
  * and whole (and keeps its new copy only as a retained one). */
-static int unmap_all(const struct tms_driver *drv, struct tms_move *m, size_t n, int retain, struct tms_err *err)
+static int unmap_all(const struct tms_driver *drv, struct tms_move *m, size_t n, int retain,
+                     const struct early_release *early, struct tms_err *err)
 {
     int rc = TMS_OK;
     for (size_t i = 0; i < n; i++) {
+        if (early && early[i].released) {
+            if (early[i].rc && !rc) {
+                rc = early[i].rc;
+                if (err) *err = early[i].err;
+            }
+            continue;
+        }
         struct tms_alloc *a = m[i].a;
         const char *tag = tms_core_tag_name(a->tag_id);
         struct tms_err one_err = {0};
@@ -125,9 +215,14 @@ static int pause_tags(const char *const *tags, size_t n_tags, const struct tms_o
     tms_report_begin(drv, args->report, m, n);
     int retain = tms_core_retain();  /* once: the backups are planned and kept by the same answer */
     rc = synchronize_devices(drv, m, n, err);
-    /* All backups first: if one fails, nothing has been unmapped yet. */
-    if (!rc) rc = backup_all(drv, m, n, args, retain, err);
-    if (!rc) rc = unmap_all(drv, m, n, retain, err);
+    /* All backups first: if one fails, nothing has been unmapped yet, or
+     * what was let go early is restored. Without memory for the records,
+     * nothing goes early. */
+    struct early_release *early = !rc && releases_early(m, n, args, retain) ? calloc(n, sizeof *early) : NULL;
+    if (!rc) rc = backup_all(drv, m, n, args, retain, early, err);
+    if (rc && early) restore_released(drv, early, n, err);
+    if (!rc) rc = unmap_all(drv, m, n, retain, early, err);
+    free(early);
     if (retain) keep_copies(m, n, 1);
     uint64_t ns = now_ns() - start;
     tms_report_end(drv, args->report, m, n, ns);

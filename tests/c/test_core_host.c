@@ -30,6 +30,7 @@
  * every call's number. CMakeLists.txt's core_host_faults* tests set them. */
 #define FAULT_PLAN "map:2,host_alloc:1,create:12,unmap:8,copy_to_host:11,copy_to_device:13"
 #define FAULT_PLAN_CHUNKED "create:3,map:5,unmap:3"  /* with TMS_CHUNK_BYTES=2MiB */
+#define FAULT_PLAN_EARLY "copy_to_host:7,map:9"        /* with TMS_BACKUP_THREADS=1 */
 
 /* ---- helpers ------------------------------------------------------------------ */
 
@@ -1024,6 +1025,51 @@ static void test_faults(void)
     CHECK(free_bytes(0) == total);
 }
 
+/* Runs under TMS_FAULT=FAULT_PLAN_EARLY with one copy worker, so the copies
+ * run in order. A pause of retained, page-locked backups lets each
+ * allocation go once its copy is in; when a later copy fails, those are
+ * mapped again and their bytes copied back, and one whose map fails stays
+ * paused with its whole backup. */
+static void test_faults_early_release(void)
+{
+    struct tms_err err;
+    size_t total = free_bytes(0);
+    enum { N = 4 };
+    void *x[N];
+    const size_t xs[N] = {gran, gran, gran - 7, gran};
+    struct tms_region r = region("early", 1, TMS_BACKUP_MMAP);
+    for (int i = 0; i < N; i++) {
+        x[i] = alloc_ok(xs[i], 0, &r);  /* [map 1-4] */
+        fill(x[i], xs[i], 300 + i);
+    }
+    tms_core_set_retain(1);
+    CHECK_RC(tms_core_pause("early", &err), TMS_OK);   /* [to_host 1-4]: the backups are locked as they are written */
+    CHECK_RC(tms_core_resume("early", &err), TMS_OK);  /* [map 5-8] */
+    for (int i = 0; i < N; i++) CHECK(matches(x[i], xs[i], 300 + i));
+
+    /* to_host 7 fails: the two allocations copied before it were let go; the
+     * first mapped again fails [map 9] and stays paused with its backup, the
+     * second comes back [map 10] with its bytes, the rest never left. */
+    for (int i = 0; i < N; i++) fill(x[i], xs[i], 310 + i);
+    CHECK_RC(tms_core_pause("early", &err), TMS_E_DRIVER);  /* [to_host 5, 6, 7 fails] */
+    CHECK_MSG("backup copy");
+    CHECK_MSG("was already released and stays paused with its backup");
+    CHECK(count_rows(r.tag_id, TMS_PAUSED) == 1 && count_rows(r.tag_id, TMS_ACTIVE) == N - 1);
+    check_after_failure(x, xs, N, 310, total);
+    CHECK_RC(tms_core_resume("early", &err), TMS_OK);  /* [map 11] */
+    for (int i = 0; i < N; i++) CHECK(matches(x[i], xs[i], 310 + i));
+
+    /* Without faults: every allocation is let go as its copy lands. */
+    for (int i = 0; i < N; i++) fill(x[i], xs[i], 320 + i);
+    CHECK_RC(tms_core_pause("early", &err), TMS_OK);
+    CHECK(count_rows(r.tag_id, TMS_PAUSED) == N && free_bytes(0) == total);
+    CHECK_RC(tms_core_resume("early", &err), TMS_OK);
+    for (int i = 0; i < N; i++) CHECK(matches(x[i], xs[i], 320 + i));
+    tms_core_set_retain(0);
+    for (int i = 0; i < N; i++) free_ok(x[i]);
+    CHECK(free_bytes(0) == total);
+}
+
 /* Runs under TMS_FAULT=FAULT_PLAN_CHUNKED with one physical chunk per
  * granule: failures part-way through one allocation's chunks. */
 static void test_faults_chunked(void)
@@ -1687,9 +1733,12 @@ int main(int argc, char **argv)
             run(&(struct test){"faults", test_faults});
         else if (strcmp(fault, FAULT_PLAN_CHUNKED) == 0 && tms_defaults()->chunk_bytes == gran)
             run(&(struct test){"faults_chunked", test_faults_chunked});
+        else if (strcmp(fault, FAULT_PLAN_EARLY) == 0 && tms_defaults()->backup_threads == 1)
+            run(&(struct test){"faults_early_release", test_faults_early_release});
         else
             check_at(0, __FILE__, __LINE__, "TMS_FAULT is a plan a scenario is written for",
-                     "TMS_FAULT=" FAULT_PLAN ", or TMS_FAULT=" FAULT_PLAN_CHUNKED " with TMS_CHUNK_BYTES=2MiB");
+                     "TMS_FAULT=" FAULT_PLAN ", TMS_FAULT=" FAULT_PLAN_CHUNKED " with TMS_CHUNK_BYTES=2MiB, or "
+                     "TMS_FAULT=" FAULT_PLAN_EARLY " with TMS_BACKUP_THREADS=1");
     } else {
         for (size_t i = 0; i < sizeof tests / sizeof *tests; i++)
             if (selected(tests[i].name, argc, argv)) run(&tests[i]);
