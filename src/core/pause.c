@@ -54,9 +54,9 @@ struct early_release {
     struct tms_err err;
 };
 
-static int releases_early(const struct tms_move *m, size_t n, const struct tms_op_args *args, int retain)
+static int releases_early(const struct tms_move *m, size_t n, int retain)
 {
-    if (!retain || args->n_skip) return 0;
+    if (!retain) return 0;
     size_t backed_up = 0;
     for (size_t i = 0; i < n; i++) {
         const struct tms_alloc *a = m[i].a;
@@ -135,10 +135,6 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
         if (!a->backup) continue;
         p[k] = (struct tms_backup_plan){.kind = a->backup_kind, .device = a->device, .va = a->va, .size = a->size,
                                         .held = m[i].copy, .retain = retain};
-        if (early) {
-            early[i] = (struct early_release){.drv = drv, .m = &m[i]};
-            p[k].backed_up = release_backed_up, p[k].backed_up_arg = &early[i];
-        }
         if (args->n_skip)
             rc = tms_live_plan(a->backup_kind, a->va, a->size, args->skip, args->n_skip, &p[k].ranges,
                                &p[k].n_ranges, err);
@@ -148,6 +144,15 @@ static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n
         for (size_t j = 0; j < k; j++) free(p[j].ranges);
         free(p);
         return rc;
+    }
+    /* Only whole copies go early: a live-only one leaves part of the backup as it was. */
+    for (size_t j = 0; j < n_plans && early; j++)
+        if (p[j].ranges) early = NULL;
+    for (size_t i = 0, j = 0; i < n && early; i++) {
+        if (!m[i].a->backup) continue;
+        early[i] = (struct early_release){.drv = drv, .m = &m[i]};
+        p[j].backed_up = release_backed_up, p[j].backed_up_arg = &early[i];
+        j++;
     }
     rc = tms_backup_fill(drv, p, n_plans, tms_core_spill(), err);
     for (size_t i = 0, j = 0; i < n; i++) {
@@ -218,7 +223,7 @@ static int pause_tags(const char *const *tags, size_t n_tags, const struct tms_o
     /* All backups first: if one fails, nothing has been unmapped yet, or
      * what was let go early is restored. Without memory for the records,
      * nothing goes early. */
-    struct early_release *early = !rc && releases_early(m, n, args, retain) ? calloc(n, sizeof *early) : NULL;
+    struct early_release *early = !rc && releases_early(m, n, retain) ? calloc(n, sizeof *early) : NULL;
     if (!rc) rc = backup_all(drv, m, n, args, retain, early, err);
     if (rc && early) restore_released(drv, early, n, err);
     if (!rc) rc = unmap_all(drv, m, n, retain, early, err);
