@@ -70,7 +70,7 @@ int tms_backup_fill(const struct tms_driver *drv, struct tms_backup_plan *p, siz
     /* After a failure a whole copy with a hook stays: the hook may have let
      * its allocation go, and then the copy is all that holds its bytes. */
     for (size_t i = 0; i < n && rc; i++)
-        if (p[i].backed_up && p[i].copy && p[i].n_items == 1)
+        if (p[i].backed_up && p[i].copy && p[i].copy == p[i].held && p[i].n_items == 1)
             tms_transfer_batch_done(&b, p[i].first_item, 1, &p[i].whole);
     tms_transfer_batch_end(&b);
     forget_ranges(p, n);

@@ -40,8 +40,9 @@ struct tms_backup_plan {
  * them. On failure the budget is as it was, and if copying had begun every
  * backup the call touched is dropped (a file is removed: the device still
  * holds the truth, and a half-written copy must not be served as a backup):
- * each plan's copy is NULL; else each keeps held. pre: the devices are
- * synchronized; the memory stays mapped. */
+ * each plan's copy is NULL (but a whole one with a backed_up hook, kept:
+ * the hook may have let its memory go); else each keeps held. pre: the
+ * devices are synchronized; the memory stays mapped unless a hook unmaps it. */
 int tms_backup_fill(const struct tms_driver *drv, struct tms_backup_plan *plans, size_t n, int spill,
                     struct tms_err *err);
 

@@ -50,7 +50,8 @@ struct early_release {
     const struct tms_driver *drv;
     struct tms_move *m;
     int released;        /* unmapped: it settles paused */
-    int rc;              /* its release's failure: reported, not undone, as unmap_all does */
+    int rc;              /* the hook's failure: of the release (reported, not undone, as unmap_all
+                          * does), or of the unmap (unmap_all tries again; a failed pause reports it) */
     struct tms_err err;
 };
 
@@ -75,8 +76,7 @@ static void release_backed_up(void *arg)
     struct early_release *e = arg;
     struct tms_alloc *a = e->m->a;
     const char *tag = tms_core_tag_name(a->tag_id);
-    struct tms_err unmap_err = {0};
-    if (tms_chunks_unmap(e->drv, a, tag, &unmap_err) != TMS_OK) return;  /* unmap_all tries again and reports it */
+    if ((e->rc = tms_chunks_unmap(e->drv, a, tag, &e->err)) != TMS_OK) return;
     e->released = 1;
     e->m->state = TMS_PAUSED;
     e->rc = tms_chunks_release(e->drv, a, tag, &e->err);
@@ -89,6 +89,8 @@ static void unrestore(const struct tms_driver *drv, struct tms_move *m, struct t
 static void restore_released(const struct tms_driver *drv, struct early_release *early, size_t n, struct tms_err *err)
 {
     for (size_t i = 0; i < n; i++) {
+        /* What the driver said when it was let go: a leaked handle, or chunks left unusable. */
+        if (early[i].rc) tms_err_append(err, "%s", early[i].err.msg);
         if (!early[i].released) continue;
         struct tms_move *m = early[i].m;
         struct tms_alloc *a = m->a;
@@ -119,8 +121,9 @@ static void restore_released(const struct tms_driver *drv, struct early_release 
 
 /* Backs up every backed-up allocation in one call below (backup/fill.h):
  * the core plans the ranges each copies, the backups do the rest. On failure
- * nothing has been unmapped, and a backup the call began to overwrite is
- * dropped (the move's copy NULL). */
+ * nothing has been unmapped but what early let go (restore_released), and a
+ * backup the call began to overwrite is dropped (the move's copy NULL) unless
+ * it was written whole for an allocation early let go. */
 static int backup_all(const struct tms_driver *drv, struct tms_move *m, size_t n, const struct tms_op_args *args,
                       int retain, struct early_release *early, struct tms_err *err)
 {
