@@ -50,7 +50,7 @@ int tms_backup_fill(const struct tms_driver *drv, struct tms_backup_plan *p, siz
             tms_transfer_batch_add_whole(&b, p[i].copy, p[i].device, p[i].va, p[i].size, p[i].backed_up,
                                          p[i].backed_up_arg, &p[i].first_item);
         } else if (!rc) {
-            tms_transfer_batch_add(&b, p[i].copy, p[i].device, p[i].va, p[i].size, p[i].ranges, p[i].n_ranges, 0,
+            tms_transfer_batch_add(&b, p[i].copy, p[i].device, p[i].va, p[i].size, p[i].ranges, p[i].n_ranges, NULL,
                                    &p[i].first_item, &p[i].n_items);
         }
     }

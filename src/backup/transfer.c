@@ -57,6 +57,9 @@ struct job {
     struct tms_err err;  /* first error, under err_lock */
     size_t *backed_up;   /* items whose backed_up is due, in completion order (pool_lock) */
     size_t n_backed_up;  /* guarded by pool_lock */
+    /* Items with a prepare hook become ready one by one: */
+    size_t ready;        /* atomic, set under pool_lock: items [0, ready) may be copied */
+    size_t limit;        /* guarded by pool_lock: items from here on are never copied */
 };
 
 struct worker {
@@ -70,6 +73,7 @@ struct worker {
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;  /* guards all below */
 static pthread_cond_t job_posted = PTHREAD_COND_INITIALIZER;
 static pthread_cond_t job_finished = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t item_ready = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER;   /* one job at a time */
 static struct worker *workers;
 static int worker_count;
@@ -142,11 +146,26 @@ static tms_stream *stream_for(struct worker *w, struct job *j, const struct bloc
 /* Does the DMA of it go straight to its backup's memory, without staging? */
 static int direct(const struct tms_transfer *it) { return it->path != TMS_PATH_STAGED; }
 
+/* Waits until item may be copied (1) or never will be (0). */
+static int wait_ready(struct job *j, size_t item)
+{
+    if (item < __atomic_load_n(&j->ready, __ATOMIC_ACQUIRE)) return 1;
+    pthread_mutex_lock(&pool_lock);
+    while (item >= j->ready && item < j->limit) pthread_cond_wait(&item_ready, &pool_lock);
+    int ready = item < j->ready;
+    pthread_mutex_unlock(&pool_lock);
+    return ready;
+}
+
+/* The next block to copy; blocks of items that will never be ready are passed over. */
 static ssize_t claim(struct job *j)
 {
-    if (__atomic_load_n(&j->failed, __ATOMIC_ACQUIRE)) return -1;
-    size_t b = __atomic_fetch_add(&j->next_block, 1, __ATOMIC_RELAXED);
-    return b < j->n_blocks ? (ssize_t)b : -1;
+    for (;;) {
+        if (__atomic_load_n(&j->failed, __ATOMIC_ACQUIRE)) return -1;
+        size_t b = __atomic_fetch_add(&j->next_block, 1, __ATOMIC_RELAXED);
+        if (b >= j->n_blocks) return -1;
+        if (wait_ready(j, j->blocks[b].item)) return (ssize_t)b;
+    }
 }
 
 /* Counts len more bytes of it as copied. */
@@ -351,6 +370,7 @@ static void pool_forget_in_child(void)
     pthread_mutex_init(&run_lock, NULL);
     pthread_cond_init(&job_posted, NULL);
     pthread_cond_init(&job_finished, NULL);
+    pthread_cond_init(&item_ready, NULL);
     workers = NULL;
     worker_count = 0;
     current_job = NULL;
@@ -496,16 +516,42 @@ static size_t block_len(const struct tms_transfer *it, size_t off, const struct 
     return tms_backup_block_len(it->backup, it->path, it->offset + off, it->n - off, sizes);
 }
 
+/* Runs the items' prepare hooks in order in the caller's thread, each
+ * run of items up to the next hook made ready at once, until one fails or a
+ * copy does: the items from there on are never copied. */
+static void prepare_items(struct job *j, size_t count)
+{
+    for (size_t i = 0; i < count;) {
+        struct tms_transfer *it = &j->items[i];
+        int stop = __atomic_load_n(&j->failed, __ATOMIC_ACQUIRE) || (it->prepare && it->prepare(it->prepare_arg));
+        size_t next = i + 1;
+        while (!stop && next < count && !j->items[next].prepare) next++;
+        pthread_mutex_lock(&pool_lock);
+        if (stop) j->limit = i;
+        else __atomic_store_n(&j->ready, next, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&item_ready);
+        pthread_mutex_unlock(&pool_lock);
+        if (stop) return;
+        i = next;
+    }
+}
+
 static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfer *items, size_t count,
                    struct tms_err *err)
 {
     size_t total = 0, n_blocks = 0;
+    int prepares = 0;
     for (size_t i = 0; i < count; i++) {
         items[i].done = 0;
         items[i].path = tms_backup_path(items[i].backup, to_host, items[i].offset, items[i].n);
         total += items[i].n;
+        prepares |= items[i].prepare != NULL;
     }
-    if (total == 0) return TMS_OK;
+    if (total == 0) {  /* nothing to copy: the hooks still run, in order */
+        for (size_t i = 0; i < count; i++)
+            if (items[i].prepare && items[i].prepare(items[i].prepare_arg)) break;
+        return TMS_OK;
+    }
     int rc = pool_start(drv, items[0].device, 0, err);  /* sets slot_bytes */
     if (rc) return rc;
     size_t fixed = tms_defaults()->backup_block_bytes;  /* a set size is the slots' size too */
@@ -550,7 +596,8 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
 
     __atomic_store_n(&progress_done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&progress_total, total, __ATOMIC_RELAXED);
-    struct job j = {.drv = drv, .to_host = to_host, .items = items, .blocks = blocks, .n_blocks = n_blocks};
+    struct job j = {.drv = drv, .to_host = to_host, .items = items, .blocks = blocks, .n_blocks = n_blocks,
+                    .ready = prepares ? 0 : count, .limit = count};
     int hooks = 0;
     for (size_t i = 0; i < count && to_host; i++) hooks |= items[i].backed_up != NULL;
     if (hooks && !(j.backed_up = malloc(count * sizeof *j.backed_up))) {
@@ -564,6 +611,11 @@ static int run_job(const struct tms_driver *drv, int to_host, struct tms_transfe
     workers_busy = worker_count;
     job_seq++;
     pthread_cond_broadcast(&job_posted);
+    if (prepares) {
+        pthread_mutex_unlock(&pool_lock);
+        prepare_items(&j, count);
+        pthread_mutex_lock(&pool_lock);
+    }
     /* Items backed up are handed to their hook here, in the caller's thread,
      * while the workers go on with the rest. */
     for (size_t handed = 0; workers_busy > 0 || handed < j.n_backed_up;) {

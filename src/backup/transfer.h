@@ -30,6 +30,15 @@ struct tms_transfer {
      * items' copies may still run, and also if another item's copy fails. */
     void (*backed_up)(void *arg);
     void *backed_up_arg;
+    /* Host->device only, optional: called in the thread that runs the copies,
+     * in item order, before any block of this item or a later one is copied,
+     * while the earlier items' copies run (a resume maps its allocations
+     * so). Nonzero leaves this item and every later one uncopied (done 0)
+     * without failing the run; not called once a copy has failed or if the
+     * run fails before its copies start, and then the items not yet prepared
+     * stay uncopied too. */
+    int (*prepare)(void *arg);
+    void *prepare_arg;
     enum tms_backup_path path;  /* private: how its blocks move, chosen when the copy is planned */
 };
 
@@ -55,17 +64,23 @@ struct tms_transfer_batch {
     struct tms_err err;
 };
 
+/* How a resume's copy of one backup goes (tms_transfer_batch_add). */
+struct tms_restore_opts {
+    int release_when_restored;  /* the backup's storage goes once its last item is in (tms_backup_part_restored) */
+    int (*prepare)(void *arg);  /* set on its first item (struct tms_transfer), if it has one */
+    void *prepare_arg;
+};
+
 /* Room for items items of backups backups; TMS_E_HOST_OOM. */
 int tms_transfer_batch_start(struct tms_transfer_batch *b, const struct tms_driver *drv, int to_host, size_t items,
                              size_t backups, struct tms_err *err);
 /* Adds the copy of an open backup between the allocation of size bytes at va
  * on device and the same bytes of the backup: one item per range (ranges
- * NULL: the whole allocation). *first and *n: its items. A restore with
- * release_when_restored releases the backup's storage once its last item is
- * in (tms_backup_part_restored). Runs the batch if it is full. */
+ * NULL: the whole allocation). *first and *n: its items. restore: a
+ * resume's options, NULL for a pause. Runs the batch if it is full. */
 void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
-                            size_t size, const struct tms_range *ranges, size_t n_ranges, int release_when_restored,
-                            size_t *first, size_t *n);
+                            size_t size, const struct tms_range *ranges, size_t n_ranges,
+                            const struct tms_restore_opts *restore, size_t *first, size_t *n);
 /* A pause's copy of a whole allocation (one item) that calls backed_up(arg)
  * once all of it is in the backup (struct tms_transfer). */
 void tms_transfer_batch_add_whole(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,

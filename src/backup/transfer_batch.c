@@ -35,8 +35,8 @@ static void opened(struct tms_transfer_batch *b, struct tms_backup *backup)
 }
 
 void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
-                            size_t size, const struct tms_range *ranges, size_t n_ranges, int release_when_restored,
-                            size_t *first, size_t *n)
+                            size_t size, const struct tms_range *ranges, size_t n_ranges,
+                            const struct tms_restore_opts *restore, size_t *first, size_t *n)
 {
     *first = b->count;
     *n = ranges ? n_ranges : 1;
@@ -44,11 +44,12 @@ void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *bac
         b->items[b->count++] = (struct tms_transfer){
             .device = device, .dev = va, .backup = backup,
             .offset = ranges ? ranges[r].off : 0, .n = ranges ? ranges[r].len : size};
-    if (release_when_restored && *n) {
+    if (restore && restore->release_when_restored && *n) {
         tms_backup_expect_parts(backup, *n);
         for (size_t k = *first; k < *first + *n; k++)
             b->items[k].restored = tms_backup_part_restored, b->items[k].restored_arg = backup;
     }
+    if (restore && *n) b->items[*first].prepare = restore->prepare, b->items[*first].prepare_arg = restore->prepare_arg;
     opened(b, backup);
 }
 

@@ -260,6 +260,40 @@ static void unrestore(const struct tms_driver *drv, struct tms_move *m, struct t
 
 static size_t items_of(const struct tms_backup *copy) { return copy->ranges ? copy->n_ranges : 1; }
 
+/* ---- mapping while the copies run ---------------------------------------------
+ * A resume maps each allocation in the thread that runs the copies, just
+ * before its copy may start: the later allocations map under the first
+ * ones' copies. The first map that fails stops the mapping, so the rest stay
+ * paused with their backups and a retry resumes them. */
+struct resume_maps {
+    const struct tms_driver *drv;
+    struct tms_move *m;
+    size_t mapped;  /* allocations [0, mapped) are mapped */
+    int rc;         /* the map that failed */
+    struct tms_err err;
+};
+
+struct map_through {
+    struct resume_maps *maps;
+    size_t last;  /* maps every allocation up to and including this one */
+};
+
+static int map_upto(struct resume_maps *r, size_t last)
+{
+    for (; !r->rc && r->mapped <= last; r->mapped++) {
+        struct tms_alloc *a = r->m[r->mapped].a;
+        r->rc = tms_chunks_map(r->drv, a, tms_core_tag_name(a->tag_id), &r->err);
+        if (r->rc) return r->rc;
+    }
+    return r->rc;
+}
+
+static int map_for_copy(void *arg)
+{
+    struct map_through *t = arg;
+    return map_upto(t->maps, t->last);
+}
+
 static int resume_tags(const char *const *tags, size_t n_tags, const struct tms_op_args *args, struct tms_err *err)
 {
     const struct tms_driver *drv;
@@ -267,37 +301,44 @@ static int resume_tags(const char *const *tags, size_t n_tags, const struct tms_
     if (rc) return rc;
     uint64_t start = now_ns();
     struct tms_move *m;
-    size_t n, mapped = 0, n_items = 0, n_backups = 0;
+    size_t n, n_items = 0, n_backups = 0;
     if ((rc = tms_table_claim(tags, n_tags, TMS_PAUSED, &m, &n, err)) || n == 0) return rc;
     tms_report_begin(drv, args->report, m, n);
     for (size_t i = 0; i < n; i++)
         if (m[i].copy) n_items += items_of(m[i].copy), n_backups++;
-    struct tms_transfer_batch b;
-    int retain = tms_core_retain(), planned = !(rc = tms_transfer_batch_start(&b, drv, 0, n_items, n_backups, err));
-    /* Map what fits; on the first failure (typically OOM, or a backup file
-     * that cannot be opened) stop, so the rest stay paused with their
-     * backups and a retry resumes them. */
-    for (; !rc && mapped < n; mapped++) {
-        struct tms_alloc *a = m[mapped].a;
-        struct tms_backup *copy = m[mapped].copy;
-        if (copy && (rc = tms_backup_open(copy, err))) break;
-        if ((rc = tms_chunks_map(drv, a, tms_core_tag_name(a->tag_id), err))) {
-            if (copy) (void)tms_backup_close(copy, 0, NULL);
-            break;
-        }
+    struct tms_transfer_batch b = {0};
+    struct resume_maps maps = {.drv = drv, .m = m};
+    struct map_through *through = calloc(n, sizeof *through);
+    int retain = tms_core_retain(), planned = 0;
+    if (!through) rc = tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning the resume of %zu allocations", n);
+    else planned = !(rc = tms_transfer_batch_start(&b, drv, 0, n_items, n_backups, err));
+    /* Each backup is opened here and its allocation mapped by its first
+     * item's hook; a backup file that cannot be opened stops the resume as a
+     * failed map does. */
+    for (size_t i = 0; !rc && !maps.rc && !b.rc && i < n; i++) {
+        struct tms_alloc *a = m[i].a;
+        struct tms_backup *copy = m[i].copy;
+        if (!copy) continue;  /* mapped with the next copy, or at the end */
+        if ((rc = tms_backup_open(copy, err))) break;
+        through[i] = (struct map_through){.maps = &maps, .last = i};
         /* A backup not kept goes once its last item is restored. */
-        if (copy)
-            tms_transfer_batch_add(&b, copy, a->device, a->va, a->size, copy->ranges, copy->n_ranges,
-                                   !tms_backup_kept_while_active(copy, retain), &m[mapped].first_item,
-                                   &m[mapped].n_items);
+        struct tms_restore_opts opts = {.release_when_restored = !tms_backup_kept_while_active(copy, retain),
+                                        .prepare = map_for_copy, .prepare_arg = &through[i]};
+        tms_transfer_batch_add(&b, copy, a->device, a->va, a->size, copy->ranges, copy->n_ranges, &opts,
+                               &m[i].first_item, &m[i].n_items);
     }
     if (planned) tms_transfer_batch_run(&b);
-    if (b.rc && !rc) {
+    if (!rc && planned && !b.rc && n) map_upto(&maps, n - 1);  /* the allocations after the last copy */
+    if (!rc && maps.rc) {
+        rc = maps.rc;
+        if (err) *err = maps.err;
+    }
+    if (planned && b.rc && !rc) {
         rc = b.rc;
         if (err) *err = b.err;
     }
     /* An allocation is active only once all its bytes are back. */
-    for (size_t i = 0; i < mapped; i++) {
+    for (size_t i = 0; i < maps.mapped; i++) {
         int restored = 1;
         if (m[i].copy) m[i].copied = tms_transfer_batch_done(&b, m[i].first_item, m[i].n_items, &restored);
         if (!restored) {
@@ -310,6 +351,7 @@ static int resume_tags(const char *const *tags, size_t n_tags, const struct tms_
     }
     if (retain) keep_copies(m, n, 1);
     if (planned) tms_transfer_batch_end(&b);
+    free(through);
     uint64_t ns = now_ns() - start;
     tms_report_end(drv, args->report, m, n, ns);
     tms_table_settle(drv, m, n, 0, ns);

@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "backup/backup.h"
@@ -1539,6 +1540,104 @@ out:
     }
 }
 
+/* Prepare hooks (a resume maps each allocation so): called in item order in
+ * the caller's thread while the earlier items copy; no block of an item is
+ * copied before the hook at or before it has run; a hook that fails leaves
+ * its item and the later ones uncopied without failing the run. */
+enum { PREP_N = 4 };
+static pthread_t prep_caller;
+static const int prep_hook[PREP_N] = {0, 0, 2, 3};  /* item 1 has none: it is ready with item 0 */
+static struct tms_transfer prep_items[PREP_N];
+static int prep_done;       /* atomic: items [0, prep_done) prepared */
+static int prep_fail_at;    /* the hook that fails, or -1 */
+static int prep_early;      /* atomic: blocks copied before their hook */
+static int prep_calls[PREP_N];
+static pthread_mutex_t prep_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t prep_cond = PTHREAD_COND_INITIALIZER;
+
+static int prep_first_copied;  /* atomic: a block of item 0 went */
+
+/* The last hook waits (boundedly) for item 0's copy: the hooks run while the copies do. */
+static int prepare_item(void *arg)
+{
+    int i = (int)(intptr_t)arg;
+    prep_calls[i]++;
+    CHECK(pthread_equal(pthread_self(), prep_caller));
+    if (i == prep_fail_at) return TMS_E_OOM;
+    pthread_mutex_lock(&prep_lock);
+    if (i == PREP_N - 1) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 20;
+        while (!__atomic_load_n(&prep_first_copied, __ATOMIC_ACQUIRE) &&
+               pthread_cond_timedwait(&prep_cond, &prep_lock, &until) == 0) {
+        }
+        CHECK(__atomic_load_n(&prep_first_copied, __ATOMIC_ACQUIRE));
+    }
+    __atomic_store_n(&prep_done, i == 0 ? 2 : i + 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&prep_lock);
+    return 0;
+}
+
+static int copy_after_prepare(int device, int to_host, void *host, tms_va dev, size_t n, tms_stream stream)
+{
+    for (int i = 0; i < PREP_N; i++) {
+        const struct tms_transfer *it = &prep_items[i];
+        if (dev < it->dev || dev >= it->dev + it->n) continue;
+        if (__atomic_load_n(&prep_done, __ATOMIC_ACQUIRE) <= prep_hook[i]) __atomic_add_fetch(&prep_early, 1, __ATOMIC_RELAXED);
+        if (i == 0) {
+            pthread_mutex_lock(&prep_lock);
+            __atomic_store_n(&prep_first_copied, 1, __ATOMIC_RELEASE);
+            pthread_cond_broadcast(&prep_cond);
+            pthread_mutex_unlock(&prep_lock);
+        }
+    }
+    return drv->copy_async(device, to_host, host, dev, n, stream);
+}
+
+static void test_prepare_hooks(void)
+{
+    const size_t sizes[PREP_N] = {4093, gran, 12345, 5000};
+    struct tms_region r = region("prepared", 0, TMS_BACKUP_MMAP);
+    char *dev[PREP_N] = {0};
+    struct tms_backup *backups[PREP_N] = {0};
+    struct tms_driver hooked = *drv;
+    hooked.copy_async = copy_after_prepare;
+    prep_caller = pthread_self();
+    struct tms_err err = {0};
+    for (int i = 0; i < PREP_N; i++) {
+        dev[i] = alloc_ok(sizes[i], 0, &r);
+        CHECK_RC(tms_backup_new(drv, TMS_BACKUP_MMAP, 0, sizes[i], 0, &backups[i], &err), TMS_OK);
+        if (!dev[i] || !backups[i]) goto out;
+        fill(dev[i], sizes[i], 60 + i);
+        prep_items[i] = (struct tms_transfer){.device = 0, .dev = (tms_va)(uintptr_t)dev[i], .backup = backups[i],
+                                              .n = sizes[i]};
+    }
+    CHECK_RC(tms_transfer_run(drv, 1, prep_items, PREP_N, &err), TMS_OK);
+    for (int round = 0; round < 2; round++) {  /* every hook succeeds; the third fails */
+        prep_fail_at = round == 0 ? -1 : 2;
+        prep_done = 0, prep_early = 0, prep_first_copied = 0;
+        for (int i = 0; i < PREP_N; i++) {
+            memset(dev[i], 0, sizes[i]);
+            prep_calls[i] = 0;
+            if (prep_hook[i] == i) prep_items[i].prepare = prepare_item, prep_items[i].prepare_arg = (void *)(intptr_t)i;
+        }
+        CHECK_RC(tms_transfer_run(&hooked, 0, prep_items, PREP_N, &err), TMS_OK);
+        CHECK(prep_early == 0);
+        for (int i = 0; i < PREP_N; i++) {
+            int copied = round == 0 || i < 2;
+            CHECK(prep_calls[i] == (prep_hook[i] == i && (round == 0 || i <= 2)));
+            CHECK(prep_items[i].done == (copied ? sizes[i] : 0));
+            if (copied) CHECK(matches(dev[i], sizes[i], 60 + i));
+        }
+    }
+out:
+    for (int i = 0; i < PREP_N; i++) {
+        if (dev[i]) free_ok(dev[i]);
+        tms_backup_unref(backups[i]);
+    }
+}
+
 /* Released once restored: only while the owner's reference is the last,
  * never a file; the record stays for the owner to drop. */
 static void test_release_restored(void)
@@ -1666,6 +1765,7 @@ static const struct test tests[] = {
     {"retained_pageable_locked_by_first_copy", test_retained_pageable_locked_by_first_copy},
     {"restored_callback", test_restored_callback},
     {"release_restored", test_release_restored},
+    {"prepare_hooks", test_prepare_hooks},
     {"topology", test_topology},
 };
 
