@@ -315,11 +315,16 @@ static int resume_tags(const char *const *tags, size_t n_tags, const struct tms_
     /* Each backup is opened here and its allocation mapped by its first
      * item's hook; a backup file that cannot be opened stops the resume as a
      * failed map does. */
+    size_t open_failed = n;  /* the allocation whose backup could not be opened */
+    struct tms_err open_err = {0};
     for (size_t i = 0; !rc && !maps.rc && !b.rc && i < n; i++) {
         struct tms_alloc *a = m[i].a;
         struct tms_backup *copy = m[i].copy;
         if (!copy) continue;  /* mapped with the next copy, or at the end */
-        if ((rc = tms_backup_open(copy, err))) break;
+        if ((rc = tms_backup_open(copy, &open_err))) {
+            open_failed = i;
+            break;
+        }
         through[i] = (struct map_through){.maps = &maps, .last = i};
         /* A backup not kept goes once its last item is restored. */
         struct tms_restore_opts opts = {.release_when_restored = !tms_backup_kept_while_active(copy, retain),
@@ -329,9 +334,13 @@ static int resume_tags(const char *const *tags, size_t n_tags, const struct tms_
     }
     if (planned) tms_transfer_batch_run(&b);
     if (!rc && planned && !b.rc && n) map_upto(&maps, n - 1);  /* the allocations after the last copy */
-    if (!rc && maps.rc) {
+    /* The first failure in allocation order is the one that stopped the resume. */
+    if (maps.rc && maps.mapped < open_failed) {
         rc = maps.rc;
         if (err) *err = maps.err;
+        if (open_failed < n) tms_err_append(err, "%s", open_err.msg);
+    } else if (open_failed < n && err) {
+        *err = open_err;
     }
     if (planned && b.rc && !rc) {
         rc = b.rc;

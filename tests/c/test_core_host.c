@@ -31,7 +31,7 @@
  * every call's number. CMakeLists.txt's core_host_faults* tests set them. */
 #define FAULT_PLAN "map:2,host_alloc:1,create:12,unmap:8,copy_to_host:11,copy_to_device:13"
 #define FAULT_PLAN_CHUNKED "create:3,map:5,unmap:3"  /* with TMS_CHUNK_BYTES=2MiB */
-#define FAULT_PLAN_EARLY "copy_to_host:7,map:9"        /* with TMS_BACKUP_THREADS=1 */
+#define FAULT_PLAN_EARLY "copy_to_host:7,map:9,create:19" /* with TMS_BACKUP_THREADS=1 */
 
 /* ---- helpers ------------------------------------------------------------------ */
 
@@ -1069,6 +1069,43 @@ static void test_faults_early_release(void)
     tms_core_set_retain(0);
     for (int i = 0; i < N; i++) free_ok(x[i]);
     CHECK(free_bytes(0) == total);
+
+    /* create 19: a resume whose first map runs out of memory while a later
+     * disk backup cannot be opened reports the out-of-memory map, which is
+     * what stopped it (the backups are opened before the maps run). */
+    char dir[] = "/tmp/tms-early-disk-XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    CHECK_RC(tms_core_set_disk_dir(dir, &err), TMS_OK);
+    const size_t ds[3] = {gran, 2 * gran, 3 * gran};  /* told apart by their files' sizes */
+    struct tms_region rd = {.active = 1, .tag_id = -1, .disk_backup = 1};
+    CHECK_RC(tms_core_tag_id("early-disk", &rd.tag_id, &err), TMS_OK);
+    for (int i = 0; i < 3; i++) {
+        x[i] = alloc_ok(ds[i], 0, &rd);  /* [create 16-18] */
+        fill(x[i], ds[i], 330 + i);
+    }
+    /* A resume takes them in address order: hide the file of the last one. */
+    int hi = 0;
+    for (int i = 1; i < 3; i++)
+        if ((char *)x[i] > (char *)x[hi]) hi = i;
+    CHECK_RC(tms_core_pause("early-disk", &err), TMS_OK);
+    char cmd[200], last[400] = "", aside[420];
+    snprintf(cmd, sizeof cmd, "ls -S %s/*.bin | sed -n %dp", dir, 3 - hi);  /* largest first */
+    FILE *f = popen(cmd, "r");
+    if (f && fgets(last, sizeof last, f)) last[strcspn(last, "\n")] = 0;
+    if (f) pclose(f);
+    snprintf(aside, sizeof aside, "%s.aside", last);
+    CHECK(last[0] && rename(last, aside) == 0);
+    CHECK_RC(tms_core_resume("early-disk", &err), TMS_E_OOM);  /* [create 19 fails] */
+    CHECK_MSG("create");
+    CHECK_MSG("opening");
+    CHECK(count_rows(rd.tag_id, TMS_PAUSED) == 3);
+    CHECK(last[0] && rename(aside, last) == 0);
+    CHECK_RC(tms_core_resume("early-disk", &err), TMS_OK);
+    for (int i = 0; i < 3; i++) CHECK(matches(x[i], ds[i], 330 + i));
+    for (int i = 0; i < 3; i++) free_ok(x[i]);
+    CHECK(free_bytes(0) == total);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0);
 }
 
 /* Runs under TMS_FAULT=FAULT_PLAN_CHUNKED with one physical chunk per
