@@ -193,8 +193,8 @@ class TorchMemorySaver:
         skip = None
         if op == "pause" and self.backup_live_only and impl.on_gpu() and core.selects_backup(tag):
             skip = _live.free_spans()
-        call = (lambda: core.pause(tag, skip)) if op == "pause" else (lambda: core.resume(tag))
-        return _observe.logged(core, call, op, tag, lambda raw: _report.Report(op, raw), self.progress)
+        fn, args = (core.pause, (tag, skip)) if op == "pause" else (core.resume, (tag,))
+        return _observe.logged(core, fn, args, op, tag, lambda raw: _report.Report(op, raw), self.progress)
 
     def _check_region(self, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup):
         """The CPU backup backend the region gets; the core's policy decides the rest
