@@ -10,6 +10,7 @@ int tms_fail(struct tms_err *err, int status, int driver_code, const char *fmt, 
     if (err) {
         err->status = status;
         err->driver_code = driver_code;
+        err->flags = 0;
         va_list ap;
         va_start(ap, fmt);
         vsnprintf(err->msg, sizeof err->msg, fmt, ap);
