@@ -230,6 +230,18 @@ def test_the_backend_name_is_read_in_any_case(run_py, value):
     assert check_ok(run_py("print(core.backend())", backend=value)) == "host\n"
 
 
+def test_errors_give_huge_byte_counts_in_gib_too(run_py):
+    out = check_ok(run_py("""
+        import torch_memory_saver
+        tms.memory_margin_bytes = 15 << 30
+        with tms.region("w"):
+            e = expect(torch_memory_saver.OutOfMemoryError, tms.malloc, 64 << 30)
+        print(e)
+        """, load_core=False))
+    assert ("allocation of 68719476736 bytes (64.00 GiB) (tag 'w', device 0) would leave 0 of 17179869184 free bytes "
+            "(16.00 GiB), below memory_margin_bytes=16106127360 (15.00 GiB)") in out, out
+
+
 def test_native_argument_errors(run_scenario):
     out = check_ok(run_scenario("api", "native_argument_errors"))
     assert out == "done\n"

@@ -194,3 +194,21 @@ def test_make_builds_what_changed_and_reinstalls_from_any_state(tmp_path):
                    env=env, capture_output=True, timeout=600)
     assert installed().endswith("{}") and "site-packages" in installed()  # a regular install
     reinstall()
+
+
+def test_a_wheel_build_without_the_wheel_package_says_to_install_it():
+    # As in a fresh venv of Python 3.11 (setuptools 65, no wheel), where setuptools' own
+    # message is "invalid command 'bdist_wheel'": here neither has bdist_wheel.
+    code = """if True:
+        import runpy, sys
+        class NoWheel:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "wheel" or name == "setuptools.command.bdist_wheel":
+                    raise ImportError(f"no {name} here")
+        sys.meta_path.insert(0, NoWheel())
+        sys.argv = ["setup.py", "-q", "bdist_wheel"]
+        runpy.run_path("setup.py", run_name="__main__")
+    """
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc
+    assert "needs the 'wheel' package" in proc.stderr and "`pip install wheel`" in proc.stderr, proc.stderr
