@@ -1,6 +1,7 @@
 """What README tells a new user holds: every member it lists exists on the module as
 on the singleton, its calls are shown as they are used, the command line answers in
 one line, a misspelt variable is named, and the Makefile's commands do what they say."""
+import importlib.util
 import os
 import re
 import shutil
@@ -212,3 +213,20 @@ def test_a_wheel_build_without_the_wheel_package_says_to_install_it():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc
     assert "needs the 'wheel' package" in proc.stderr and "`pip install wheel`" in proc.stderr, proc.stderr
+
+
+def test_a_test_run_leaves_nothing_in_the_temporary_directory(tmp_path):
+    # A run of two tests that write temporary files (tmp_path, a child's script),
+    # on two workers as `make test` runs them, with a temporary directory of its own.
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "TMS_"))}
+    env["TMPDIR"] = str(temp)
+    nodes = ["tests/test_api.py::test_without_ld_preload_the_hook_is_not_active",
+             "tests/test_docs.py::test_link_checker_catches_a_broken_link"]
+    workers = ["-n", "2"] if importlib.util.find_spec("xdist") else []
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, *nodes],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 passed" in proc.stdout, proc.stdout
+    assert sorted(os.listdir(temp)) == [], sorted(os.listdir(temp))
