@@ -116,6 +116,7 @@ def child_env(env=None, backend="host"):
     return out
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmp_path factory reads --basetemp
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes a few seconds (builds a wheel)")
     _use_a_temp_dir_of_the_run(config)
@@ -271,10 +272,16 @@ def module_spec_origin(mode):
 
 def _use_a_temp_dir_of_the_run(config):
     if hasattr(config, "workerinput"):
-        return  # a pytest-xdist worker: the controller's TMPDIR is already its own
-    run_dir = tempfile.mkdtemp(prefix="tms-tests-")
+        return  # a pytest-xdist worker: the controller's TMPDIR and basetemp are already the run's
+    run_dir = tempfile.mkdtemp(prefix="tms-")
+    # Shared and sticky, as /tmp is: the tests that run a process as another user give it
+    # a directory of its own in here. pytest's folders inside stay private (0700).
+    os.chmod(run_dir, 0o1777)
     os.environ["TMPDIR"] = run_dir  # children, and pytest-xdist's workers, started from now on
-    tempfile.tempdir = run_dir      # this process: pytest's basetemp is made under it on first use
+    tempfile.tempdir = run_dir      # this process
+    if config.option.basetemp is None:
+        # A short path: messages that name a test's directory twice stay within their buffer.
+        config.option.basetemp = os.path.join(run_dir, "t")
     config._tms_run_dir = run_dir
 
 

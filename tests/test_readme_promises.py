@@ -44,7 +44,7 @@ def readme_calls():
     table = README.split("| member of `torch_memory_saver.torch_memory_saver` |", 1)[1].split("\n\n", 1)[0]
     calls = []
     for line in table.splitlines()[2:]:
-        for name, params in re.findall(r"`([a-z_]+)\(([^)`]*)\)`", line.split("|")[1]):
+        for name, params in re.findall(r"`([a-z_]+)\((.*?)\)`", line.split("|")[1]):
             shown = [p.strip() for p in params.split(",") if p.strip()]
             calls.append((name, [(p.split("=", 1)[0], p.split("=", 1)[1] if "=" in p else None) for p in shown]))
     return calls
