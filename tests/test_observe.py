@@ -124,4 +124,5 @@ def test_demo_on_the_host_backend_times_every_step():
     assert proc.returncode == 0, proc.stderr
     rows = [l for l in proc.stdout.splitlines() if l.startswith("| allocate")]
     assert len(rows) == 1 and float(rows[0].rsplit("|", 2)[1]) > 0, proc.stdout
+    assert rows[0].startswith("| allocate+touch 256 MiB kv_cache + 256 MiB weights "), rows  # as --help and README say
     assert "weights restored exactly: True" in proc.stdout

@@ -270,9 +270,7 @@ def test_readme_and_the_demo_name_what_the_demo_moves():
     assert said == "pauses and resumes 5 GiB in two tags on a GPU (512 MiB on the host backend, where there is none)"
     assert said.split(" (")[0] in " ".join(README.split()) and "512 MiB on the host backend" in " ".join(README.split())
     assert said in " ".join(_cli("--help", backend="host").stdout.split())
-    proc = _cli("demo", backend="host")
-    assert proc.returncode == 0, proc.stderr
-    assert "| allocate+touch 256 MiB kv_cache + 256 MiB weights " in proc.stdout, proc.stdout
+    # The host demo's table names these sizes: tests/test_observe.py runs it.
 
 
 @pytest.mark.skipif(libcuda_present(), reason="a CUDA driver is here: the demo may find a GPU")
