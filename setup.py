@@ -182,7 +182,32 @@ class BuildExt(build_ext):
 
 
 COMMANDS = {"build_ext": BuildExt}
-if bdist_wheel is not None:
+if bdist_wheel is None:
+    from setuptools import Command
+
+    class NoBdistWheel(Command):
+        """Stands in for bdist_wheel where neither setuptools (>= 70.1) nor the wheel
+        package has it: pip's wheel and metadata steps ask for it, and setuptools'
+        own message ("invalid command 'bdist_wheel'") does not say what is missing."""
+
+        user_options = []
+
+        def initialize_options(self):
+            import setuptools
+
+            raise SystemExit(f"error: building a wheel of torch_memory_saver with setuptools {setuptools.__version__} "
+                             f"needs the 'wheel' package, which this environment lacks: `pip install wheel` (or "
+                             f"setuptools >= 70.1), then install again; or leave out --no-build-isolation, so that "
+                             f"pip fetches both")
+
+        def finalize_options(self):
+            pass
+
+        def run(self):
+            pass
+
+    COMMANDS["bdist_wheel"] = NoBdistWheel
+else:
 
     class BdistWheel(bdist_wheel):
         """One wheel for every CPython from 3.10 (abi3), tagged with the glibc it needs."""

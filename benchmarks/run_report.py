@@ -581,6 +581,12 @@ def markdown(results, images):
         for e in errs:
             out.append(f"- **{e.get('where')}**: {str(e.get('error'))[:400]}")
         out.append("")
+    for key, heading, field in (("skipped", "Skipped", "why"), ("notes", "Notes", "note")):
+        if results.get(key):
+            out.append(f"## {heading}\n")
+            for e in results[key]:
+                out.append(f"- **{e.get('where')}**: {str(e.get(field))[:400]}")
+            out.append("")
     return "\n".join(out) + "\n"
 
 

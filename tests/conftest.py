@@ -5,7 +5,6 @@ their scenario in a fresh Python process on the host backend: a case of a progra
 in tests/host_scenarios/ (`run_scenario`), or a snippet of a line or two (`run_py`).
 """
 import contextlib
-import hashlib
 import importlib.util
 import inspect
 import itertools
@@ -117,8 +116,10 @@ def child_env(env=None, backend="host"):
     return out
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmp_path factory reads --basetemp
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes a few seconds (builds a wheel)")
+    _use_a_temp_dir_of_the_run(config)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -218,8 +219,10 @@ def tree_build_lock():
     other's half-written files (a shim of 0 bytes)."""
     import fcntl
 
-    key = hashlib.sha1(str(REPO).encode()).hexdigest()[:12]
-    with open(os.path.join(tempfile.gettempdir(), f"tms-tree-build-{key}.lock"), "w") as lock:
+    # In the tree's build/ folder, where pip builds: every run on this tree sees it, and
+    # the temporary directory holds nothing of the run after it.
+    (REPO / "build").mkdir(exist_ok=True)
+    with open(REPO / "build" / "tms-tree-build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
@@ -259,3 +262,32 @@ def libcuda_present():
 def module_spec_origin(mode):
     spec = importlib.util.find_spec(f"torch_memory_saver._tms_{mode}")
     return spec.origin if spec else None
+
+
+# ---- the run's temporary files ---------------------------------------------------------
+# Everything the run puts in the temporary directory (pytest's tmp_path folders, the
+# children's files, pip's builds, disk backups in the default directory) goes into
+# one directory of its own, which the run removes when it ends, failed or not:
+# `make test` leaves nothing behind. (--basetemp DIR keeps the tmp_path folders there.)
+
+def _use_a_temp_dir_of_the_run(config):
+    if hasattr(config, "workerinput"):
+        return  # a pytest-xdist worker: the controller's TMPDIR and basetemp are already the run's
+    run_dir = tempfile.mkdtemp(prefix="tms-")
+    # Shared and sticky, as /tmp is: the tests that run a process as another user give it
+    # a directory of its own in here. pytest's folders inside stay private (0700).
+    os.chmod(run_dir, 0o1777)
+    os.environ["TMPDIR"] = run_dir  # children, and pytest-xdist's workers, started from now on
+    tempfile.tempdir = run_dir      # this process
+    if config.option.basetemp is None:
+        # A short path: messages that name a test's directory twice stay within their buffer.
+        config.option.basetemp = os.path.join(run_dir, "t")
+    config._tms_run_dir = run_dir
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    run_dir = getattr(config, "_tms_run_dir", None)
+    if run_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)

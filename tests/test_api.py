@@ -133,6 +133,33 @@ def test_get_cpu_backup_needs_a_tensor(fresh):
         fresh.get_cpu_backup(bytearray(8))
 
 
+def test_a_misspelt_setting_is_an_attribute_error_naming_the_closest(fresh):
+    with pytest.raises(AttributeError, match="no setting 'retain_cpu_backups'; did you mean 'retain_cpu_backup'") as e:
+        fresh.retain_cpu_backups = True
+    assert "memory_margin_bytes" in str(e.value) and not hasattr(fresh, "retain_cpu_backups")
+    with pytest.raises(AttributeError, match="no setting 'hookmode'; did you mean 'hook_mode'"):
+        fresh.hookmode = "torch"
+    # What frameworks set stays as it was: the settings, private names, a replaced method.
+    fresh.hook_mode, fresh.memory_margin_bytes, fresh.retain_cpu_backup, fresh.progress = "torch", 1 << 30, True, True
+    fresh._impl_ctor_kwargs = {}
+    fresh.pause = lambda tag=None: "replaced"
+    assert (fresh.hook_mode, fresh.memory_margin_bytes, fresh.retain_cpu_backup, fresh.pause()) == (
+        "torch", 1 << 30, True, "replaced")
+
+
+def test_a_misspelt_setting_on_the_module_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="did you mean 'retain_cpu_backup'"):
+        torch_memory_saver.retain_cpu_backups = True
+    assert "retain_cpu_backups" not in vars(torch_memory_saver)
+    torch_memory_saver.a_name_of_the_caller = 1           # a name close to no setting is the caller's own
+    del torch_memory_saver.a_name_of_the_caller
+
+
+def test_dir_of_the_module_shows_no_imported_modules():
+    names = dir(torch_memory_saver)
+    assert "sys" not in names and "types" not in names, names
+
+
 # ---- validation once the core is loaded (subprocess) ----------------------------
 
 
@@ -144,6 +171,75 @@ def test_hook_mode_cannot_change_after_first_use(run_scenario):
 def test_settings_made_before_first_use_reach_the_core(run_scenario):
     out = check_ok(run_scenario("api", "settings_before_first_use"))
     assert out == "done\n"
+
+
+def test_an_unknown_tag_warns_once_naming_the_tags_used(run_scenario):
+    out = check_ok(run_scenario("api", "unknown_tag_warns_once"))
+    said = "does nothing: no region or allocation of this process has used it"
+    assert out.splitlines() == [
+        f"torch_memory_saver: pause of the tag 'wieghts' {said}; did you mean 'weights'? "
+        "Tags used here: 'weights', 'kv_cache', 'set_through_the_core'.",
+        f"torch_memory_saver: resume of the tag 'kv_cach' {said}; did you mean 'kv_cache'? "
+        "Tags used here: 'kv_cache', 'set_through_the_core', 'weights'."], out
+
+
+def test_without_torch_the_calls_that_need_it_say_so(run_py):
+    # torch absent (None in sys.modules: its import raises ImportError, as when it is not installed).
+    out = check_ok(run_py("""
+        import sys
+        sys.modules["torch"] = None
+        from torch_memory_saver import torch_memory_saver as tms
+        calls = {"get_cpu_backup": lambda: tms.get_cpu_backup(b"x"), "share": lambda: tms.share(123),
+                 "open_shared": lambda: tms.open_shared(1), "cuda_graph": lambda: tms.cuda_graph(object()).__enter__()}
+        for name, call in calls.items():
+            try:
+                call()
+            except Exception as e:
+                print(name, type(e).__name__, e)
+        """, prelude=False))
+    lines = out.splitlines()
+    assert lines[:3] == ["get_cpu_backup TypeError torch_memory_saver: get_cpu_backup expects a torch.Tensor, not bytes",
+                         "share TypeError torch_memory_saver: share expects a torch.Tensor, not int",
+                         "open_shared TypeError torch_memory_saver: open_shared expects what share() returned, not int"]
+    assert lines[3].startswith("cuda_graph ImportError torch_memory_saver: cuda_graph needs PyTorch, which cannot be "
+                               "imported here") and lines[3].endswith("pip install torch (>= 2.3)"), out
+
+
+def test_a_nested_region_of_the_same_tag_with_another_backup_is_refused(run_scenario):
+    out = check_ok(run_scenario("api", "nested_region_with_another_policy"))
+    inside = "a tag has one backup policy; give the inner block another tag, or the outer one's settings"
+    assert out.splitlines() == [
+        f"torch_memory_saver: region(tag='w') with no backup inside a region of the same tag with CPU backup (mmap): "
+        f"{inside}",
+        f"torch_memory_saver: region(tag='w') with CPU backup (pinned) inside a region of the same tag with CPU backup "
+        f"(mmap): {inside}",
+        f"torch_memory_saver: region(tag='w') with disk backup inside a region of the same tag with CPU backup (mmap): "
+        f"{inside}"], out
+
+
+def test_memory_report_in_a_fresh_process_reports_the_current_device(run_scenario):
+    assert check_ok(run_scenario("api", "memory_report_in_a_fresh_process")) == "done\n"
+
+
+def test_a_report_shows_its_devices_as_the_dict_they_are(run_scenario):
+    assert check_ok(run_scenario("api", "report_repr")) == "done\n"
+
+
+@pytest.mark.parametrize("value", ["HOST", "Host"])
+def test_the_backend_name_is_read_in_any_case(run_py, value):
+    assert check_ok(run_py("print(core.backend())", backend=value)) == "host\n"
+
+
+def test_errors_give_huge_byte_counts_in_gib_too(run_py):
+    out = check_ok(run_py("""
+        import torch_memory_saver
+        tms.memory_margin_bytes = 15 << 30
+        with tms.region("w"):
+            e = expect(torch_memory_saver.OutOfMemoryError, tms.malloc, 64 << 30)
+        print(e)
+        """, load_core=False))
+    assert ("allocation of 68719476736 bytes (64.00 GiB) (tag 'w', device 0) would leave 0 of 17179869184 free bytes "
+            "(16.00 GiB), below memory_margin_bytes=16106127360 (15.00 GiB)") in out, out
 
 
 def test_native_argument_errors(run_scenario):

@@ -137,6 +137,26 @@ def test_environment_defaults(run_disk, tmp_path):
     assert out == "/tmp\n"
 
 
+@pytest.mark.parametrize("source", ["TMS_DISK_BACKUP_DIR", "TMPDIR"])
+@pytest.mark.parametrize("kind", ["writable by all", "a file", "under a file"])
+def test_an_unusable_directory_is_a_disk_backup_dir_error_whatever_names_it(run_disk, tmp_path, source, kind):
+    target = tmp_path / "d"
+    if kind == "writable by all":
+        target.mkdir()
+        target.chmod(0o777)
+        said = f"disk backup directory {target} is not safe"
+    elif kind == "a file":
+        target.write_text("")
+        said = f"opening directory {target} failed: Not a directory"
+    else:
+        (tmp_path / "f").write_text("")
+        target = tmp_path / "f" / "d"
+        said = f"creating directory {target} failed: Not a directory"
+    env = {"TMS_DISK_BACKUP_DIR": None, source: target}
+    out = check_ok(run_disk("unusable_dir_from_the_environment", env=env))
+    assert out.startswith("torch_memory_saver: ") and said in out, out
+
+
 @pytest.mark.parametrize("var,value", [
     ("TMS_DISK_BACKUP_CHUNK_MB", "0"), ("TMS_DISK_BACKUP_CHUNK_MB", "256MiB"), ("TMS_DISK_BACKUP_CHUNK_MB", "5000"),
     ("TMS_INIT_ENABLE_DISK_BACKUP", "on"),

@@ -239,6 +239,43 @@ def test_the_docs_list_every_benchmark_suite():
                 assert word == NUMBERS.get(len(suites)), f"{path.name} says {word} suites; there are {len(suites)}"
 
 
+def test_the_usage_line_of_the_benchmarks_lists_every_suite():
+    suites = _benchmark_suites()
+    text = _section(DOCS / "performance.md", "Running the benchmarks")
+    line = next(l for l in text.splitlines() if l.startswith("python -m benchmarks <suite> [options]"))
+    listed = [w.strip() for w in line.split("#", 1)[1].split("|")]
+    assert listed == suites, (listed, suites)
+
+
+def test_performance_md_names_a_constant_where_it_is_defined():
+    """A TMS_ name that no code reads from the environment is a constant: its line says
+    which file defines it, so no one takes it for a variable to set."""
+    sources = [p for p in (REPO / "src").rglob("*.[ch]")]
+    code = "".join(p.read_text(encoding="utf-8", errors="replace")
+                   for p in [*sources, *(REPO / "benchmarks").glob("*.py"), *(REPO / "torch_memory_saver").glob("*.py")])
+    variables = set(re.findall(r'"(TMS_[A-Z0-9_]+)"', code))
+    wrong = []
+    for n, line in enumerate((DOCS / "performance.md").read_text(encoding="utf-8").splitlines(), 1):
+        for name in re.findall(r"`(TMS_[A-Z0-9_]+)`", line):
+            if name in variables:
+                continue
+            defined = [p.relative_to(REPO / "src").as_posix() for p in sources
+                       if re.search(rf"#define {name}\b", p.read_text(encoding="utf-8", errors="replace"))]
+            if not defined or not any(d in line for d in defined):
+                wrong.append(f"performance.md:{n}: {name} (defined in {defined or 'nothing'})")
+    assert not wrong, "constants not named with their file (or names that are nothing):\n" + "\n".join(wrong)
+
+
+def test_performance_md_marks_every_report_that_is_not_in_the_results():
+    text = (DOCS / "performance.md").read_text(encoding="utf-8")
+    assert "A report name marked †" in text and "git show" in text
+    results = {p.name for p in (REPO / "benchmarks" / "results").iterdir()}
+    gone = [f"{n}: {name}" for n, line in enumerate(text.splitlines(), 1)
+            for name in re.findall(r"`([\w.-]+\.(?:md|json|png))`", line)
+            if re.match(r"\d{8}-\d{6}_", name) and name not in results and "†" not in line]
+    assert not gone, "reports named that exist only in history, unmarked: " + "; ".join(gone)
+
+
 def test_design_source_map_names_every_source_file():
     block = next(b for b in re.findall(r"```\n(.*?)```", (DOCS / "design.md").read_text(encoding="utf-8"), re.S)
                  if "include/torch_memory_saver.h" in b)

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, check_ok, child_env
 
 
@@ -45,6 +47,17 @@ def test_progress_lines_for_a_long_backed_up_pause(run_scenario, tmp_path):
     progress = [l for l in out.splitlines() if "% (" in l]
     assert progress, out
     assert all(l.startswith(("pause tag=w: ", "resume tag=w: ")) and "of 256.00 MiB copied" in l for l in progress)
+
+
+@pytest.mark.parametrize("op, progress", [("pause", "on"), ("resume", "on"), ("pause", "off")])
+def test_ctrl_c_lets_the_call_finish_logs_its_summary_then_raises(run_scenario, tmp_path, op, progress):
+    # With progress lines the call runs in a thread: Ctrl-C must not abandon it there either.
+    out = check_ok(run_scenario("observe", "interrupt_mid_call", op, progress, timeout=120,
+                                env={"TMS_HOST_COPY_GATE": tmp_path / "gate"}))
+    done, what = ("paused", "released") if op == "pause" else ("active", "mapped")
+    assert out.splitlines() == [f"KeyboardInterrupt [('w', '{done}')]",
+                                f"logged: {op} tag=w: {what} 64.00 MiB, 64.00 MiB",
+                                "same bytes: True"], out
 
 
 def test_progress_needs_a_bool(run_scenario):
@@ -111,4 +124,5 @@ def test_demo_on_the_host_backend_times_every_step():
     assert proc.returncode == 0, proc.stderr
     rows = [l for l in proc.stdout.splitlines() if l.startswith("| allocate")]
     assert len(rows) == 1 and float(rows[0].rsplit("|", 2)[1]) > 0, proc.stdout
+    assert rows[0].startswith("| allocate+touch 256 MiB kv_cache + 256 MiB weights "), rows  # as --help and README say
     assert "weights restored exactly: True" in proc.stdout

@@ -1,11 +1,13 @@
 """What README tells a new user holds: every member it lists exists on the module as
 on the singleton, its calls are shown as they are used, the command line answers in
 one line, a misspelt variable is named, and the Makefile's commands do what they say."""
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,33 @@ def test_readme_member_table_is_read():
 def test_every_member_readme_lists_is_on_the_module_and_acts_on_the_singleton(run_scenario):
     out = check_ok(run_scenario("api", "module_level_calls", ",".join(readme_members())))
     assert out == "done\n"
+
+
+def readme_calls():
+    """(name, [(parameter, default text or None)]) of each call README's member table shows."""
+    table = README.split("| member of `torch_memory_saver.torch_memory_saver` |", 1)[1].split("\n\n", 1)[0]
+    calls = []
+    for line in table.splitlines()[2:]:
+        for name, params in re.findall(r"`([a-z_]+)\((.*?)\)`", line.split("|")[1]):
+            shown = [p.strip() for p in params.split(",") if p.strip()]
+            calls.append((name, [(p.split("=", 1)[0], p.split("=", 1)[1] if "=" in p else None) for p in shown]))
+    return calls
+
+
+def test_readme_shows_each_call_with_its_parameter_names_and_defaults():
+    import ast
+    import inspect
+
+    from torch_memory_saver import TorchMemorySaver
+
+    calls = readme_calls()
+    assert {"region", "get_cpu_backup", "memory_report", "share", "malloc"} <= {n for n, _ in calls}, calls
+    for name, shown in calls:
+        real = [p for p in inspect.signature(getattr(TorchMemorySaver, name)).parameters.values() if p.name != "self"]
+        assert [p for p, _ in shown] == [p.name for p in real], (name, shown, [p.name for p in real])
+        for (param, default), p in zip(shown, real):
+            if default is not None:
+                assert ast.literal_eval(default) == p.default, (name, param, default, p.default)
 
 
 def test_module_level_names_readme_promises_exist():
@@ -194,3 +223,104 @@ def test_make_builds_what_changed_and_reinstalls_from_any_state(tmp_path):
                    env=env, capture_output=True, timeout=600)
     assert installed().endswith("{}") and "site-packages" in installed()  # a regular install
     reinstall()
+
+
+def test_a_wheel_build_without_the_wheel_package_says_to_install_it():
+    # As in a fresh venv of Python 3.11 (setuptools 65, no wheel), where setuptools' own
+    # message is "invalid command 'bdist_wheel'": here neither has bdist_wheel.
+    code = """if True:
+        import runpy, sys
+        class NoWheel:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "wheel" or name == "setuptools.command.bdist_wheel":
+                    raise ImportError(f"no {name} here")
+        sys.meta_path.insert(0, NoWheel())
+        sys.argv = ["setup.py", "-q", "bdist_wheel"]
+        runpy.run_path("setup.py", run_name="__main__")
+    """
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc
+    assert "needs the 'wheel' package" in proc.stderr and "`pip install wheel`" in proc.stderr, proc.stderr
+
+
+def test_a_test_run_leaves_nothing_in_the_temporary_directory(tmp_path):
+    # A run of two tests that write temporary files (tmp_path, a child's script),
+    # on two workers as `make test` runs them, with a temporary directory of its own.
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "TMS_"))}
+    env["TMPDIR"] = str(temp)
+    nodes = ["tests/test_api.py::test_without_ld_preload_the_hook_is_not_active",
+             "tests/test_docs.py::test_link_checker_catches_a_broken_link"]
+    workers = ["-n", "2"] if importlib.util.find_spec("xdist") else []
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, *nodes],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 passed" in proc.stdout, proc.stdout
+    assert sorted(os.listdir(temp)) == [], sorted(os.listdir(temp))
+
+
+# ---- what README says of the demo, the command line and the files ------------------------
+
+
+def test_readme_and_the_demo_name_what_the_demo_moves():
+    from torch_memory_saver import _demo
+
+    said = _demo.what_it_does()
+    assert said == "pauses and resumes 5 GiB in two tags on a GPU (512 MiB on the host backend, where there is none)"
+    assert said.split(" (")[0] in " ".join(README.split()) and "512 MiB on the host backend" in " ".join(README.split())
+    assert said in " ".join(_cli("--help", backend="host").stdout.split())
+    # The host demo's table names these sizes: tests/test_observe.py runs it.
+
+
+@pytest.mark.skipif(libcuda_present(), reason="a CUDA driver is here: the demo may find a GPU")
+def test_the_demo_asked_for_a_gpu_backend_without_a_gpu_stops_and_says_why():
+    proc = _cli("demo", env={"TMS_BACKEND": "cuda"})
+    assert proc.returncode == 1 and proc.stdout == "", proc
+    assert proc.stderr.startswith("torch_memory_saver demo: TMS_BACKEND=cuda asks for a GPU, but PyTorch sees none"), \
+        proc.stderr
+    assert "to run the demo on the host backend" in proc.stderr
+
+
+def test_readme_names_the_console_command_and_the_group_errors_failures():
+    from torch_memory_saver.distributed import GroupError
+
+    scripts = (REPO / "pyproject.toml").read_text().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    assert 'torch-memory-saver = "torch_memory_saver.__main__:main"' in scripts and "`torch-memory-saver`" in README
+    assert "`GroupError.failures`" in README and GroupError("x", failures={1: "Error: no"}).failures == {1: "Error: no"}
+
+
+def test_every_file_of_a_disk_backup_is_one_readme_names(run_py, tmp_path):
+    bullet = README.split("- **Files**:", 1)[1].split("\n- ", 1)[0].split("\n\n", 1)[0]
+    patterns = re.findall(r"`(tms-<pid>-[^`]+)`", bullet)
+    assert len(patterns) == 2, bullet
+    names = [re.escape(p).replace(re.escape("<pid>"), r"\d+").replace(re.escape("<token>"), "[0-9a-f]{16}")
+             .replace(re.escape("<random>"), "[0-9a-f]{16}") for p in patterns]
+    out = check_ok(run_py(f"""
+        tms.set_disk_backup_dir({str(tmp_path / "d")!r})
+        with tms.region("w", enable_disk_backup=True):
+            p = tms.malloc(2 * MiB)
+        tms.pause("w")
+        print(" ".join(sorted(os.listdir({str(tmp_path / "d")!r}))))
+        tms.resume("w")
+        """))
+    files = out.split()
+    assert {next((i for i, rx in enumerate(names) if re.fullmatch(rx, f)), None) for f in files} == {0, 1}, (files, names)
+
+
+def test_readme_shows_tensors_on_the_host_backend_backed_up_and_shared(run_py):
+    pytest.importorskip("torch")
+    block = README.split("## Without a GPU: the host backend", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "tms.get_cpu_backup(t)" in block and "tms.share(t)" in block and "tms.open_shared(s)" in block, block
+    out = check_ok(run_py(block + textwrap.dedent("""
+        import pickle, subprocess, sys
+        tms.pause("weights")
+        assert tms.get_cpu_backup(t)[-1] == 7
+        tms.resume("weights")
+        other = ("import os, pickle, sys; os.environ['TMS_BACKEND'] = 'host'; "
+                 "from torch_memory_saver import torch_memory_saver as tms; "
+                 "x = tms.open_shared(pickle.loads(sys.stdin.buffer.read())); print(int(x[5])); x[5] = 9")
+        print(subprocess.run([sys.executable, "-c", other], input=pickle.dumps(s), capture_output=True,
+                             check=True).stdout.decode().strip(), int(t[5]))
+        """), prelude=False))
+    assert out == "7 9\n", out

@@ -1,22 +1,23 @@
 """Release the GPU memory behind chosen tensors and give it back later at the
 same virtual addresses, optionally keeping the contents on the host."""
-import sys
-import types
+import difflib as _difflib
+import sys as _sys
+import types as _types
 
 from . import _library
 from ._errors import DiskBackupDirError, Error, OutOfMemoryError
 from ._preload import configure_subprocess
 from ._report import DeviceReport, Report
-from .entrypoint import TorchMemorySaver
+from .entrypoint import TorchMemorySaver, _unknown_setting, setting_names as _setting_names
 
 
 def _started_as_command():
     """True while this package is imported to run its command line (`python -m
     torch_memory_saver`, the torch-memory-saver script): there a malformed
     variable is one line on stderr, not a traceback."""
-    argv = getattr(sys, "orig_argv", [])
+    argv = getattr(_sys, "orig_argv", [])
     as_module = any(argv[i] == "-m" and argv[i + 1] == __name__ for i in range(len(argv) - 1))
-    script = bool(sys.argv) and sys.argv[0].rsplit("/", 1)[-1] == "torch-memory-saver"
+    script = bool(_sys.argv) and _sys.argv[0].rsplit("/", 1)[-1] == "torch-memory-saver"
     return as_module or script
 
 
@@ -33,10 +34,17 @@ __version__ = "0.1.0"
 torch_memory_saver = TorchMemorySaver()
 
 
-class _Module(types.ModuleType):
+class _Module(_types.ModuleType):
     """The module answers for the singleton: its functions are the singleton's
     bound methods, its settings and read-only properties forward to it (a plain
     module attribute would be set and silently ignored)."""
+
+    def __setattr__(self, name, value):
+        # A new name close to a setting is a misspelt one: it would be set and ignored.
+        if (not name.startswith("_") and not isinstance(value, _types.ModuleType) and name not in vars(self)
+                and not hasattr(type(self), name) and _difflib.get_close_matches(name, _setting_names(), n=1, cutoff=0.8)):
+            raise AttributeError(_unknown_setting(name))
+        super().__setattr__(name, value)
 
 
 def _forward(name, member):
@@ -51,7 +59,7 @@ def _forward(name, member):
 for _name, _member in vars(TorchMemorySaver).items():
     if not _name.startswith("_"):
         _forward(_name, _member)
-sys.modules[__name__].__class__ = _Module
+_sys.modules[__name__].__class__ = _Module
 del _name, _member
 
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "Error", "OutOfMemoryError",

@@ -95,8 +95,10 @@ def _parser():
                     "at the same addresses. These commands show what the library does and how it is installed.")
     parser.add_argument("--version", action="version", version=f"torch_memory_saver {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="{demo,info,memory-report,preload-path,run}")
-    demo = sub.add_parser("demo", help="pause/resume a few GiB and print free memory and timings "
-                                       "(the host backend's RSS where there is no GPU)")
+    from . import _demo
+
+    demo = sub.add_parser("demo", help=f"{_demo.what_it_does()}, printing free memory (the host backend: "
+                                       f"RSS) and timings")
     demo.add_argument("--hook-mode", choices=_library.HOOK_MODES, default="preload",
                       help="how allocations reach the library: 'preload' (LD_PRELOAD interposition of cudaMalloc, "
                            "the library's default; the demo restarts itself under it) or 'torch' (a PyTorch "

@@ -1,9 +1,24 @@
 """The walk-through `python -m torch_memory_saver demo` runs: GPU if present, host backend otherwise."""
 import ctypes
 import os
+import sys
 import time
 
 GiB = 1 << 30
+MiB = 1 << 20
+# What the demo pauses and resumes: (kv_cache, weights) bytes on a GPU, and on the host backend.
+GPU_BYTES = (4 * GiB, 1 * GiB)
+HOST_BYTES = (256 * MiB, 256 * MiB)
+
+
+def _size(n):
+    return f"{n // GiB} GiB" if n % GiB == 0 else f"{n // MiB} MiB"
+
+
+def what_it_does():
+    """One line on what the demo moves, for --help and README."""
+    return (f"pauses and resumes {_size(sum(GPU_BYTES))} in two tags on a GPU ({_size(sum(HOST_BYTES))} on the "
+            f"host backend, where there is none)")
 
 
 def gpu_available() -> bool:
@@ -39,12 +54,13 @@ def _gpu_demo(hook_mode):
     print(f"|{'-' * 42}|-----------:|----------:|")
     _row("start", free(), 0)
     t0 = time.perf_counter()
+    kv_bytes, weight_bytes = GPU_BYTES
     with tms.region(tag="kv_cache"):
-        kv = torch.empty(4 * GiB, dtype=torch.uint8, device="cuda")
+        kv = torch.empty(kv_bytes, dtype=torch.uint8, device="cuda")
     with tms.region(tag="weights", enable_cpu_backup=True):
-        weights = torch.randn(GiB // 4, device="cuda")  # 1 GiB of float32
+        weights = torch.randn(weight_bytes // 4, device="cuda")  # float32
     expected = weights[:1000].cpu()
-    _row("allocate 4 GiB kv_cache + 1 GiB weights", free(), (time.perf_counter() - t0) * 1e3)
+    _row(f"allocate {_size(kv_bytes)} kv_cache + {_size(weight_bytes)} weights", free(), (time.perf_counter() - t0) * 1e3)
     _step("pause kv_cache (discard)", lambda: tms.pause("kv_cache"), free)
     _step("pause weights (backup to host)", lambda: tms.pause("weights"), free)
     _step("resume weights (restore)", lambda: tms.resume("weights"), free)
@@ -70,7 +86,8 @@ def _host_demo(hook_mode):
     tms.hook_mode = hook_mode
     core = tms._core
     core.use_backend("host")
-    size = GiB // 4
+    size, weight_size = HOST_BYTES
+    assert size == weight_size, "the host walk-through fills both tags alike"
     print("No GPU here: the same walk-through on the host backend (VMM emulated on memfd),")
     print("showing this process's resident memory (RSS) instead of free GPU memory.\n")
     print(f"| {'step':<40} | RSS (GiB)  | time (ms) |")
@@ -85,7 +102,7 @@ def _host_demo(hook_mode):
     pattern = os.urandom(1 << 20)
     for off in range(0, size, len(pattern)):
         ctypes.memmove(weights + off, pattern, len(pattern))
-    _row("allocate+touch 256 MiB + 256 MiB", _rss(), (time.perf_counter() - t0) * 1e3)
+    _row(f"allocate+touch {_size(size)} kv_cache + {_size(size)} weights", _rss(), (time.perf_counter() - t0) * 1e3)
     _step("pause kv_cache (discard)", lambda: tms.pause("kv_cache"), _rss)
     _step("pause weights (backup to host)", lambda: tms.pause("weights"), _rss)
     _step("resume weights (restore)", lambda: tms.resume("weights"), _rss)
@@ -100,4 +117,11 @@ def _host_demo(hook_mode):
 def main(hook_mode="preload"):
     if gpu_available():
         return _gpu_demo(hook_mode)
+    asked = os.environ.get("TMS_BACKEND", "")
+    if asked and asked.lower() != "host":
+        # Asked for a GPU backend: running on the host one instead would answer another question.
+        print(f"torch_memory_saver demo: TMS_BACKEND={asked} asks for a GPU, but PyTorch sees none here (or is not "
+              f"installed); unset TMS_BACKEND, or set TMS_BACKEND=host, to run the demo on the host backend",
+              file=sys.stderr)
+        return 1
     return _host_demo(hook_mode)

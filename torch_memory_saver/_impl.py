@@ -69,7 +69,7 @@ class _Impl:
         # One build serves CUDA and ROCm: the core picks the backend, told what
         # torch was built for (TMS_BACKEND and TMS_PLATFORM say first).
         self.core.set_platform_hint(_torch_platform())
-        if "torch" in sys.modules:  # a process that shares before its first region marks its handles too
+        if sys.modules.get("torch") is not None:  # a process that shares before its first region marks its handles too
             _share.mark_storage_sharing()
 
     @property
@@ -193,8 +193,7 @@ class _Impl:
 
     @contextlib.contextmanager
     def cuda_graph(self, graph, pool, stream, capture_error_mode, tag, backup, kind):
-        import torch
-
+        torch = _library.torch_module("cuda_graph")
         if not self.on_gpu():
             raise RuntimeError("torch_memory_saver: cuda_graph needs a GPU backend (cuda or hip) and a torch that sees the GPU")
         if pool is None and self.hook_mode == "torch":

@@ -2,6 +2,7 @@
 import importlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 HOOK_MODES = ("preload", "torch")
@@ -45,6 +46,24 @@ def warn_unknown_variables():
         elif os.environ.get("TMS_LOG") == "debug":
             print(f"[torch_memory_saver {os.getpid()}] {name} is not a variable of this library; ignored",
                   file=sys.stderr)
+
+
+def torch_module(what: str):
+    """PyTorch, imported for `what` (a call that cannot work without it), or an
+    ImportError saying so."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(f"torch_memory_saver: {what} needs PyTorch, which cannot be imported here ({e}); "
+                          f"pip install torch (>= 2.3)") from None
+    return torch
+
+
+def is_tensor(x) -> bool:
+    """Whether x is a torch.Tensor, without importing torch (a tensor exists only once
+    torch is imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, getattr(torch, "Tensor", ()))
 
 
 def path(hook_mode: str) -> str:

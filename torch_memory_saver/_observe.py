@@ -1,4 +1,5 @@
 """What the library holds and did: stats(), memory_summary(), pause/resume log lines."""
+import _thread
 import logging
 import threading
 import time
@@ -77,43 +78,82 @@ PROGRESS_AFTER_S = 1.0
 PROGRESS_EVERY_S = 0.5
 
 
-def _run_with_progress(core, call, op, tag):
-    """Runs call() in a thread (the core releases the GIL) and, once it has
-    taken PROGRESS_AFTER_S, logs the copy progress every PROGRESS_EVERY_S."""
+def _call_keeping_result(fn, args):
+    """(fn(*args), None), or (its result, the KeyboardInterrupt) if Ctrl-C came while
+    it ran: the core finishes a pause or resume whatever the signal (it runs without
+    the GIL), and the interpreter raises the interrupt as soon as the call returns,
+    before a Python-level assignment could keep the result. list.extend() over map()
+    stores it in C first, so the report survives to be logged."""
+    box = []
+    try:
+        box.extend(map(fn, *([a] for a in args)))
+    except KeyboardInterrupt as interrupt:
+        if not box:
+            raise  # it came before the call started: nothing was done
+        return box[0], interrupt
+    return box[0], None
+
+
+def _run_with_progress(core, fn, args, op, tag):
+    """(result, KeyboardInterrupt or None): runs fn(*args) in a thread (the core
+    releases the GIL) and, once it has taken PROGRESS_AFTER_S, logs the copy progress
+    every PROGRESS_EVERY_S. Ctrl-C does not abandon the call: as without progress
+    lines, it finishes and the first interrupt is returned with its result (more
+    interrupts while it runs are the same request)."""
     outcome = {}
+    finished = threading.Event()
 
     def run():
         try:
-            outcome["result"] = call()
+            outcome["result"] = fn(*args)
         except BaseException as e:  # re-raised in the caller's thread
             outcome["error"] = e
+        finally:
+            finished.set()
 
-    worker = threading.Thread(target=run, name=f"tms-{op}")
+    # A plain thread started from C: an interrupt can come at any line of
+    # Thread.start(), after which nothing would say whether the thread runs.
+    started, interrupt = [], None
+    try:
+        started.extend(map(_thread.start_new_thread, [run], [()]))
+    except KeyboardInterrupt as e:
+        if not started:
+            raise  # it came before the thread started: nothing was done
+        interrupt = e
     t0 = time.perf_counter()
-    worker.start()
-    worker.join(PROGRESS_AFTER_S)
-    while worker.is_alive():
-        done, total = core.copy_progress()
-        if total:
-            logger.info("%s tag=%s: %.0f%% (%s of %s copied, %.1f s)", op, _name(tag),
-                        100.0 * done / total, _fmt_bytes(done), _fmt_bytes(total), time.perf_counter() - t0)
-        worker.join(PROGRESS_EVERY_S)
+    wait = PROGRESS_AFTER_S
+    while not finished.is_set():
+        try:
+            if finished.wait(wait):
+                break
+            wait = PROGRESS_EVERY_S
+            done, total = core.copy_progress()
+            if total:
+                logger.info("%s tag=%s: %.0f%% (%s of %s copied, %.1f s)", op, _name(tag),
+                            100.0 * done / total, _fmt_bytes(done), _fmt_bytes(total), time.perf_counter() - t0)
+        except KeyboardInterrupt as e:
+            interrupt = interrupt or e
     if "error" in outcome:
+        if interrupt is not None:
+            interrupt.__context__ = outcome["error"]  # Ctrl-C still stops the program; the failure shows with it
+            raise interrupt
         raise outcome["error"]
-    return outcome["result"]
+    return outcome["result"], interrupt
 
 
-def logged(core, call, op, tag, report, progress):
-    """Runs call() (the core's pause or resume of tag) and returns
+def logged(core, fn, args, op, tag, report, progress):
+    """Runs fn(*args) (the core's pause or resume of tag) and returns
     report(its result), logging a summary at INFO (with progress lines while it
     runs if progress) and the allocations at DEBUG, only when those levels are
-    enabled."""
+    enabled. A Ctrl-C while it runs is raised once the call has finished and its
+    summary is logged."""
     if not logger.isEnabledFor(logging.INFO):
-        return report(call())
+        return report(fn(*args))
     if progress:
-        out = report(_run_with_progress(core, call, op, tag))
+        result, interrupt = _run_with_progress(core, fn, args, op, tag)
     else:
-        out = report(call())
+        result, interrupt = _call_keeping_result(fn, args)
+    out = report(result)
     moved, seconds = out.copied_bytes, out.seconds
     rate = f", {out.gb_per_s:.1f} GB/s" if out.gb_per_s else ""
     skipped = f", {_fmt_bytes(out.skipped_bytes)} skipped as free" if out.skipped_bytes else ""
@@ -126,4 +166,6 @@ def logged(core, call, op, tag, report, progress):
                 logger.debug("  0x%x %s tag=%s device=%d %s backup=%s", a["ptr"], _fmt_bytes(a["size"]), a["tag"],
                              a["device"], a["state"],
                              a["cpu_backup_backend"] if a["has_cpu_backup"] or a["has_disk_backup"] else "none")
+    if interrupt is not None:
+        raise interrupt
     return out

@@ -88,7 +88,7 @@ class Report:
     def __repr__(self):
         return (f"Report(op={self.op!r}, seconds={self.seconds:.6f}, released_bytes={self.released_bytes}, "
                 f"copied_bytes={self.copied_bytes}, skipped_bytes={self.skipped_bytes}, "
-                f"devices={sorted(self.devices)})")
+                f"devices={dict(sorted(self.devices.items()))!r})")
 
 
 def memory_report(core, use_torch, devices=()):

@@ -5,6 +5,8 @@ import dataclasses
 import weakref
 from typing import Optional, Tuple
 
+from . import _library
+
 MAGIC = b"TMSSHR01"
 _HANDLE_BYTES = 64
 
@@ -30,9 +32,7 @@ def span_bytes(tensor) -> int:
 
 
 def share(core, tensor) -> SharedTensor:
-    import torch
-
-    if not isinstance(tensor, torch.Tensor):
+    if not _library.is_tensor(tensor):
         raise TypeError(f"torch_memory_saver: share expects a torch.Tensor, not {type(tensor).__name__}")
     ptr = tensor.data_ptr()
     handle, base, size = core.share(ptr)
@@ -71,11 +71,10 @@ def _host_bytes(mapping):
 
 
 def open_shared(core, shared: SharedTensor, device: Optional[int], on_gpu: bool):
-    import torch
-
     if not isinstance(shared, SharedTensor):
         raise TypeError(f"torch_memory_saver: open_shared expects what share() returned, not "
                         f"{type(shared).__name__}")
+    torch = _library.torch_module("open_shared")
     if device is not None and (not isinstance(device, int) or isinstance(device, bool) or device < 0):
         raise ValueError(f"torch_memory_saver: open_shared: device must be a device index, not {device!r}")
     if on_gpu and device is None:

@@ -1,9 +1,11 @@
 """The process singleton's public face: argument types converted here, what they mean
 checked by the core, the work done by _impl.py."""
 import contextlib
+import difflib
 import logging
 import os
 import threading
+import warnings
 from typing import Optional
 
 from . import _library, _live, _observe, _preload, _report, _share
@@ -27,6 +29,24 @@ def _check_type(value, types, what):
         raise TypeError(f"torch_memory_saver: {what} must be {names}, not {type(value).__name__}")
 
 
+def setting_names():
+    """The names of the singleton's settings: its properties with a setter."""
+    return sorted(n for n, v in vars(TorchMemorySaver).items() if isinstance(v, property) and v.fset is not None)
+
+
+def _unknown_setting(name):
+    """What setting `name` on the singleton says: the closest setting, and them all."""
+    close = difflib.get_close_matches(name, setting_names(), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return (f"torch_memory_saver has no setting {name!r}{hint} Its settings: {', '.join(setting_names())}")
+
+
+def _policy(policy):
+    """A region's (enable_cpu_backup, cpu_backup_backend, enable_disk_backup) in words."""
+    backup, kind, disk = policy
+    return "disk backup" if disk else f"CPU backup ({kind})" if backup else "no backup"
+
+
 class TorchMemorySaver:
     """Process-wide entry point (use the `torch_memory_saver` instance)."""
 
@@ -35,6 +55,17 @@ class TorchMemorySaver:
         self._impl: Optional[_Impl] = None
         self._init_lock = threading.Lock()
         self._settings = Settings(lambda: _library.load(self._hook_mode).defaults())
+        self._tags_seen = set()    # every tag a region of this process entered or an allocation carried
+        self._tags_warned = set()  # the unknown tags pause/resume already warned about
+        self._entered = threading.local()  # per thread: [(tag, backup policy)] of the region blocks it is in
+
+    def __setattr__(self, name, value):
+        # A misspelt setting would otherwise be a new attribute that nothing reads.
+        # Members of the class (settings, methods a test replaces) and private names
+        # (upstream's and frameworks' own) are set as ever.
+        if not name.startswith("_") and not hasattr(type(self), name):
+            raise AttributeError(_unknown_setting(name))
+        object.__setattr__(self, name, value)
 
     # ---- configuration -------------------------------------------------------
 
@@ -138,8 +169,10 @@ class TorchMemorySaver:
         set_disk_backup_dir), with host memory flat. (Upstream's parameter order.)"""
         kind = self._check_region(tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup)
         impl = self._ensure_initialized()
-        with impl.region(tag, enable_cpu_backup, kind, enable_disk_backup):
-            yield
+        self._tags_seen.add(tag)
+        with self._nested("region", tag, (enable_cpu_backup, kind, enable_disk_backup)):
+            with impl.region(tag, enable_cpu_backup, kind, enable_disk_backup):
+                yield
 
     @contextlib.contextmanager
     def disable(self):
@@ -155,8 +188,27 @@ class TorchMemorySaver:
         """Like `torch.cuda.graph`, with the graph's memory pauseable under `tag`."""
         kind = self._check_region(tag, enable_cpu_backup, cpu_backup_backend, False)
         impl = self._ensure_initialized()
-        with impl.cuda_graph(cuda_graph, pool, stream, capture_error_mode, tag, enable_cpu_backup, kind):
+        self._tags_seen.add(tag)
+        with self._nested("cuda_graph", tag, (enable_cpu_backup, kind, False)):
+            with impl.cuda_graph(cuda_graph, pool, stream, capture_error_mode, tag, enable_cpu_backup, kind):
+                yield
+
+    @contextlib.contextmanager
+    def _nested(self, what, tag, policy):
+        """Keeps this thread's stack of region blocks. Re-entering a tag inside a
+        block of the same tag with another backup policy would give one tag
+        allocations backed up two ways, which pause() treats as one: refused."""
+        stack = self._entered.__dict__.setdefault("stack", [])
+        for outer_tag, outer in stack:
+            if outer_tag == tag and outer != policy:
+                raise ValueError(f"torch_memory_saver: {what}(tag={tag!r}) with {_policy(policy)} inside a region "
+                                 f"of the same tag with {_policy(outer)}: a tag has one backup policy; give the inner "
+                                 f"block another tag, or the outer one's settings")
+        stack.append((tag, policy))
+        try:
             yield
+        finally:
+            stack.pop()
 
     # ---- pause / resume ------------------------------------------------------
 
@@ -190,11 +242,31 @@ class TorchMemorySaver:
         _library.load(self._hook_mode).check_tags(op, tag)  # before first use: a bad tag starts nothing
         impl = self._ensure_initialized()
         core, tag = impl.core, list(tag) if isinstance(tag, tuple) else tag
+        if tag is not None:
+            self._warn_unknown_tags(op, [tag] if isinstance(tag, str) else tag, core)
         skip = None
         if op == "pause" and self.backup_live_only and impl.on_gpu() and core.selects_backup(tag):
             skip = _live.free_spans()
-        call = (lambda: core.pause(tag, skip)) if op == "pause" else (lambda: core.resume(tag))
-        return _observe.logged(core, call, op, tag, lambda raw: _report.Report(op, raw), self.progress)
+        fn, args = (core.pause, (tag, skip)) if op == "pause" else (core.resume, (tag,))
+        return _observe.logged(core, fn, args, op, tag, lambda raw: _report.Report(op, raw), self.progress)
+
+    def _warn_unknown_tags(self, op, tags, core):
+        """A tag no region or allocation of this process has used is most likely a
+        misspelt one: pause/resume of it does nothing, so a RuntimeWarning (once per
+        tag) names the tags that exist, the closest first."""
+        if all(t in self._tags_seen for t in tags):
+            return
+        self._tags_seen.update(row["tag"] for row in core.stats())  # the C ABI's and TMS_INIT_ENABLE's tags too
+        for tag in tags:
+            if tag in self._tags_seen or tag in self._tags_warned:
+                continue
+            self._tags_warned.add(tag)
+            close = difflib.get_close_matches(tag, sorted(self._tags_seen), n=3, cutoff=0.6)
+            known = close + sorted(self._tags_seen.difference(close))
+            hint = f"; did you mean {close[0]!r}?" if close else "."
+            exist = f"Tags used here: {', '.join(map(repr, known))}." if known else "No tag is used here yet."
+            warnings.warn(f"torch_memory_saver: {op} of the tag {tag!r} does nothing: no region or allocation of this "
+                          f"process has used it{hint} {exist}", RuntimeWarning, stacklevel=4)
 
     def _check_region(self, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup):
         """The CPU backup backend the region gets; the core's policy decides the rest
@@ -209,10 +281,10 @@ class TorchMemorySaver:
     def get_cpu_backup(self, x, zero_copy: bool = False):
         """Host copy of tensor `x` while its allocation is paused with backup (or
         retained), else None. zero_copy=True aliases the backup instead of copying."""
+        if not _library.is_tensor(x):
+            raise TypeError(f"torch_memory_saver: get_cpu_backup expects a torch.Tensor, not {type(x).__name__}")
         import torch
 
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"torch_memory_saver: get_cpu_backup expects a torch.Tensor, not {type(x).__name__}")
         core = self._ensure_initialized().core
         if x.numel() == 0:
             return torch.empty(x.shape, dtype=x.dtype)
@@ -269,8 +341,9 @@ class TorchMemorySaver:
         of which torch_outside_free is free blocks), and the rest (other: CUDA
         context, NCCL, cuBLAS workspaces, other processes). ours_paused: bytes
         reserved whose memory is released. Asks the driver and, with torch,
-        takes one allocator snapshot: not for every step. Devices with nothing
-        of ours or PyTorch's appear only if listed in `devices`."""
+        takes one allocator snapshot: not for every step. Every device holding
+        memory of ours or PyTorch's appears, and the current device, even in a
+        process that allocated nothing yet; others only if listed in `devices`."""
         if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
             raise TypeError(f"torch_memory_saver: memory_report(devices=...) takes device indices (a list of ints), "
                             f"not {type(devices).__name__}")
@@ -278,7 +351,9 @@ class TorchMemorySaver:
         for d in devices:
             _check_type(d, (int,), f"memory_report(devices=...): device {d!r}")
         impl = self._ensure_initialized()
-        return _report.memory_report(impl.core, impl.on_gpu(), devices)
+        on_gpu = impl.on_gpu()
+        current = _library.torch_module("memory_report").cuda.current_device() if on_gpu else impl.core.current_device()
+        return _report.memory_report(impl.core, on_gpu, [current, *devices])
 
     def memory_summary(self) -> str:
         """A readable table of stats(), like torch.cuda.memory_summary()."""

@@ -552,16 +552,25 @@ static void install_handlers(void)
 
 /* ---- API ------------------------------------------------------------------ */
 
+/* rc, with err marked as being about the directory where the directory was
+ * what failed (not the host memory for its record). */
+static int dir_failed(int rc, struct tms_err *err)
+{
+    if (err && (rc == TMS_E_ARG || rc == TMS_E_IO)) err->flags |= TMS_ERR_DISK_DIR;
+    return rc;
+}
+
 int tms_disk_set_dir(const char *dir, struct tms_err *err)
 {
-    if (!dir || !*dir) return tms_fail(err, TMS_E_ARG, 0, "the disk backup directory must be a non-empty path");
+    if (!dir || !*dir)
+        return dir_failed(tms_fail(err, TMS_E_ARG, 0, "the disk backup directory must be a non-empty path"), err);
     pthread_once(&handlers_once, install_handlers);
     char *abs = absolute(dir);
-    if (!abs) return tms_files_fail_errno(err, errno, "resolving directory", dir, NULL);
+    if (!abs) return dir_failed(tms_files_fail_errno(err, errno, "resolving directory", dir, NULL), err);
     struct tms_disk_dir *d = NULL;
     int rc = get_dir(abs, &d, err);
     free(abs);
-    if (rc) return rc;
+    if (rc) return dir_failed(rc, err);
     pthread_mutex_lock(&disk_lock);
     struct tms_disk_dir *previous = chosen;
     chosen = d;
@@ -596,14 +605,14 @@ int tms_files_dir_for_new(struct tms_disk_dir **out, struct tms_err *err)
     pthread_mutex_unlock(&disk_lock);
     int rc = TMS_OK;
     if (!d && !dflt)
-        return tms_fail(err, TMS_E_IO, e, "disk backup: the default directory cannot be made absolute (the "
-                        "working directory is unknown): %s (errno %d)", strerror(e), e);
+        return dir_failed(tms_fail(err, TMS_E_IO, e, "disk backup: the default directory cannot be made absolute "
+                                   "(the working directory is unknown): %s (errno %d)", strerror(e), e), err);
     if (!d && !abs) return tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a path");
     if (!d) rc = get_dir(abs, &d, err);
     free(abs);
     if (!rc) rc = tms_files_ensure_lock(d, err);
     if (!rc) *out = d;
-    return rc;
+    return dir_failed(rc, err);
 }
 
 unsigned long long tms_files_token(struct tms_disk_dir *d)

@@ -316,6 +316,8 @@ int tms_core_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes, s
  * the context of the caller's current device), once per process; the first
  * backed-up allocation does the same. */
 int tms_core_warm_backups(struct tms_err *err);
+/* The calling thread's device: the one its regions' allocations land on (loads the backend). */
+int tms_core_current_device(int *device, struct tms_err *err);
 /* *active: 1 if the process already uses device (a context is active on it),
  * else 0; asks without creating anything on the device. */
 int tms_core_device_active(int device, int *active, struct tms_err *err);

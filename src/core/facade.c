@@ -77,6 +77,16 @@ int tms_core_warm_backups(struct tms_err *err)
     return TMS_OK;
 }
 
+int tms_core_current_device(int *device, struct tms_err *err)
+{
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    if (rc) return rc;
+    if ((rc = drv->current_device(device)))
+        return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "current device query failed");
+    return TMS_OK;
+}
+
 int tms_core_device_active(int device, int *active, struct tms_err *err)
 {
     const struct tms_driver *drv;

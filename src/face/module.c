@@ -41,6 +41,7 @@ PyObject *tms_py_raise(PyObject *module, const struct tms_err *err)
         PyErr_Format(st->error, "torch_memory_saver: unrecognised status %d: %s", err->status, err->msg);
         return NULL;
     }
+    if (err->flags & TMS_ERR_DISK_DIR) type = st->disk_dir_error;
     PyErr_Format(type, "torch_memory_saver: %s", err->msg[0] ? err->msg : tms_status_name(err->status));
     return NULL;
 }
@@ -88,8 +89,9 @@ static int import_error_types(module_state *st)
     if (errors) {
         st->error = PyObject_GetAttrString(errors, "Error");
         st->oom_error = st->error ? PyObject_GetAttrString(errors, "OutOfMemoryError") : NULL;
+        st->disk_dir_error = st->oom_error ? PyObject_GetAttrString(errors, "DiskBackupDirError") : NULL;
         Py_DECREF(errors);
-        return st->oom_error ? 0 : -1;
+        return st->disk_dir_error ? 0 : -1;
     }
     if (!PyErr_ExceptionMatches(PyExc_ImportError)) return -1;
     PyErr_Clear();
@@ -103,6 +105,7 @@ static int import_error_types(module_state *st)
                                               "Device or host memory ran out (or the margin was reached).",
                                               oom_bases, NULL);
     Py_DECREF(oom_bases);
+    st->disk_dir_error = Py_NewRef(PyExc_ValueError);
     return st->oom_error ? 0 : -1;
 }
 
@@ -142,6 +145,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg)
     module_state *st = tms_py_state(module);
     Py_VISIT(st->error);
     Py_VISIT(st->oom_error);
+    Py_VISIT(st->disk_dir_error);
     Py_VISIT(st->view_type);
     Py_VISIT(st->make_view);
     return 0;
@@ -152,6 +156,7 @@ static int module_clear(PyObject *module)
     module_state *st = tms_py_state(module);
     Py_CLEAR(st->error);
     Py_CLEAR(st->oom_error);
+    Py_CLEAR(st->disk_dir_error);
     Py_CLEAR(st->view_type);
     Py_CLEAR(st->make_view);
     return 0;

@@ -175,6 +175,20 @@ static PyObject *py_device_active(PyObject *module, PyObject *args)
     return PyBool_FromLong(active);
 }
 
+PyDoc_STRVAR(current_device_doc,
+"current_device($module, /)\n--\n\n"
+"The calling thread's device, where its regions' allocations land (loads the backend).");
+static PyObject *py_current_device(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    struct tms_err err = {0};
+    int rc, device = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_core_current_device(&device, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return tms_py_raise(module, &err);
+    return PyLong_FromLong(device);
+}
+
 PyDoc_STRVAR(mem_get_info_doc,
 "mem_get_info($module, device, /)\n--\n\n"
 "(free bytes, total bytes) of a device, as the backend reports them (loads it).");
@@ -328,6 +342,7 @@ PyMethodDef tms_py_process_methods[] = {
     {"copy_progress", py_copy_progress, METH_NOARGS, copy_progress_doc},
     {"mem_get_info", py_mem_get_info, METH_VARARGS, mem_get_info_doc},
     {"device_active", py_device_active, METH_VARARGS, device_active_doc},
+    {"current_device", py_current_device, METH_NOARGS, current_device_doc},
 #if TMS_VARIANT_IS_PRELOAD
     {"preload_active", py_preload_active, METH_NOARGS, preload_active_doc},
     {"install_relocation_hooks", py_install_relocation_hooks, METH_NOARGS, install_relocation_hooks_doc},

@@ -45,6 +45,7 @@
 #pragma weak PyLong_AsSsize_t
 #pragma weak PyLong_AsLong
 #pragma weak PyLong_AsVoidPtr
+#pragma weak PyLong_FromLong
 #pragma weak PyLong_FromSize_t
 #pragma weak PyLong_FromVoidPtr
 #pragma weak PyMemoryView_FromObject

@@ -124,15 +124,18 @@ static void load_defaults(void)
         tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
                  "TMS_INIT_CPU_BACKUP_BACKEND='%s' is not a backup backend (use 'pinned' or 'mmap')", kind);
     env_threads();
-    static const struct { const char *var; const char *allowed[4]; } choices[] = {
-        {"TMS_LOG", {"debug", "off", "0", NULL}},
-        {"TMS_PLATFORM", {"cuda", "rocm", "hip", NULL}},
-        {"TMS_BACKEND", {"cuda", "hip", "host", NULL}},
+    /* The backend and platform names are read in any letter case (platform/driver.c
+     * chooses with the same comparison); the log level exactly. */
+    static const struct { const char *var; int any_case; const char *allowed[4]; } choices[] = {
+        {"TMS_LOG", 0, {"debug", "off", "0", NULL}},
+        {"TMS_PLATFORM", 1, {"cuda", "rocm", "hip", NULL}},
+        {"TMS_BACKEND", 1, {"cuda", "hip", "host", NULL}},
     };
     for (size_t i = 0; i < sizeof choices / sizeof *choices; i++) {
         const char *v = getenv(choices[i].var);
         int ok = !v || !*v;
-        for (int k = 0; !ok && choices[i].allowed[k]; k++) ok = !strcmp(v, choices[i].allowed[k]);
+        for (int k = 0; !ok && choices[i].allowed[k]; k++)
+            ok = choices[i].any_case ? tms_ascii_case_equal(v, choices[i].allowed[k]) : !strcmp(v, choices[i].allowed[k]);
         if (!ok && !defaults.parse_error.status)
             tms_fail(&defaults.parse_error, TMS_E_ARG, 0, "%s='%s' is not one of: %s, %s, %s", choices[i].var, v,
                      choices[i].allowed[0], choices[i].allowed[1], choices[i].allowed[2]);

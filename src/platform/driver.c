@@ -2,6 +2,7 @@
 #include "platform/driver.h"
 
 #include "platform/fork.h"
+#include "platform/parse.h"
 
 #include <pthread.h>
 #include <stdarg.h>
@@ -33,9 +34,9 @@ static void lock_driver(void)
 
 static const struct tms_driver *driver_by_name(const char *name)
 {
-    if (strcmp(name, "cuda") == 0) return &tms_driver_cuda;
-    if (strcmp(name, "hip") == 0) return &tms_driver_hip;
-    if (strcmp(name, "host") == 0) return &tms_driver_host;
+    if (tms_ascii_case_equal(name, "cuda")) return &tms_driver_cuda;
+    if (tms_ascii_case_equal(name, "hip")) return &tms_driver_hip;
+    if (tms_ascii_case_equal(name, "host")) return &tms_driver_host;
     return NULL;
 }
 
@@ -71,8 +72,9 @@ int tms_driver_get(const struct tms_driver **out, struct tms_err *err)
             const char *env = getenv("TMS_BACKEND");
             const char *platform = getenv("TMS_PLATFORM");
             if (env && *env) d = driver_by_name(env);
-            else if (platform && (!strcmp(platform, "rocm") || !strcmp(platform, "hip"))) d = &tms_driver_hip;
-            else if (platform && !strcmp(platform, "cuda")) d = &tms_driver_cuda;
+            else if (platform && (tms_ascii_case_equal(platform, "rocm") || tms_ascii_case_equal(platform, "hip")))
+                d = &tms_driver_hip;
+            else if (platform && tms_ascii_case_equal(platform, "cuda")) d = &tms_driver_cuda;
             else d = platform_hint ? platform_hint : &tms_driver_cuda;
             if (!d)
                 rc = tms_fail(err, TMS_E_ARG, 0,

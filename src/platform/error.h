@@ -24,8 +24,13 @@ enum tms_status {
 struct tms_err {
     int status;
     int driver_code;
+    unsigned flags;  /* TMS_ERR_*: what the status alone does not say; tms_fail clears them */
     char msg[384];
 };
+
+/* The disk backup directory itself cannot be used (made, opened, trusted or
+ * locked), whichever path named it: the Python face raises DiskBackupDirError. */
+#define TMS_ERR_DISK_DIR 1u
 
 /* Records status + formatted message; returns status so callers can
  * `return tms_fail(err, ...)`. err may be NULL (hooks that only need the code). */

@@ -63,6 +63,17 @@ int tms_parse_bool(const char *s, int *out)
     return TMS_E_ARG;
 }
 
+int tms_ascii_case_equal(const char *a, const char *b)
+{
+    for (;; a++, b++) {
+        unsigned char x = (unsigned char)*a, y = (unsigned char)*b;
+        if (x >= 'A' && x <= 'Z') x = (unsigned char)(x - 'A' + 'a');
+        if (y >= 'A' && y <= 'Z') y = (unsigned char)(y - 'A' + 'a');
+        if (x != y) return 0;
+        if (!x) return 1;
+    }
+}
+
 int tms_utf8_valid(const char *s, size_t *bad)
 {
     const unsigned char *p = (const unsigned char *)s;

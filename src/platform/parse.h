@@ -16,6 +16,10 @@ int tms_parse_bytes(const char *s, size_t *out);
  * false, FALSE, no, NO. */
 int tms_parse_bool(const char *s, int *out);
 
+/* 1 if a and b are the same text but for the case of ASCII letters (the locale
+ * plays no part: a name means the same in every process). */
+int tms_ascii_case_equal(const char *a, const char *b);
+
 /* 1 if s is valid UTF-8; else 0 and *bad the offset of the first byte that
  * is not. */
 int tms_utf8_valid(const char *s, size_t *bad);

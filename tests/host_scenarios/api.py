@@ -30,7 +30,7 @@ def enabled_without_starting_the_core():
 def hook_mode_after_first_use():
     """hook_mode is fixed by the first use: the same value is fine, another raises."""
     tms.hook_mode = "torch"
-    tms.pause("nothing")                               # first use
+    tms.pause()                                        # first use
     assert core().VARIANT == "torch"
     tms.hook_mode = "torch"                            # same value: fine
     e = expect(RuntimeError, setattr, tms, "hook_mode", "preload", match="set hook_mode before first use")
@@ -236,6 +236,75 @@ def help_as(argv0):
         main(["--help"])
     except SystemExit as e:
         assert e.code == 0
+
+
+def unknown_tag_warns_once():
+    """pause/resume of a tag no region or allocation of this process used warns once per
+    tag, naming the tags that exist, the closest first; known tags never warn."""
+    import warnings
+
+    with tms.region("weights"):
+        p = tms.malloc(2 * MiB)
+    with tms.region("kv_cache"):
+        tms.free(tms.malloc(2 * MiB))                  # freed: the tag was still used
+    with raw_region("set_through_the_core"):           # as the C ABI sets a tag
+        q = core().malloc(2 * MiB)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert tms.pause("wieghts").devices == {}      # still a no-op
+        tms.pause("wieghts")
+        tms.resume(["wieghts", "kv_cach"])
+        tms.pause("weights")
+        tms.pause("set_through_the_core")
+        tms.resume("kv_cache")                         # no allocation now, but used
+        tms.resume(None)
+        tms.pause(None)
+        tms.resume(None)
+    for w in caught:
+        assert w.category is RuntimeWarning and w.filename == __file__, (w.category, w.filename)
+        print(w.message)
+    tms.free(p)
+    core().free(q)
+
+
+def _enter(cm):
+    with cm:
+        pass
+
+
+def nested_region_with_another_policy():
+    """Re-entering a tag inside a region of that tag with other backup settings raises
+    naming the tag and both settings, and changes nothing; the same settings nest."""
+    with tms.region("w", enable_cpu_backup=True):
+        with tms.region("w", enable_cpu_backup=True):     # the same settings: fine
+            pass
+        with tms.region("other"):
+            print(expect(ValueError, _enter, tms.region("w")))
+            assert core().get_region() == (True, "other", False, "mmap", False), core().get_region()
+        print(expect(ValueError, _enter, tms.region("w", enable_cpu_backup=True, cpu_backup_backend="pinned")))
+        print(expect(ValueError, _enter, tms.region("w", enable_disk_backup=True)))
+        p = tms.malloc(2 * MiB)
+    assert (row(p)["cpu_backup"], row(p)["cpu_backup_backend"]) == (True, "mmap"), row(p)
+    assert core().get_region()[0] is False
+    tms.free(p)
+
+
+def memory_report_in_a_fresh_process():
+    """memory_report() before any allocation: the current device, as the driver counts it."""
+    r = tms.memory_report()
+    assert list(r) == [0], r
+    assert (r[0]["total"], r[0]["ours_active"], r[0]["ours_paused"]) == (16 << 30, 0, 0), r
+    print("done")
+
+
+def report_repr():
+    """A Report shows its devices as the dict .devices is."""
+    with tms.region("w", enable_cpu_backup=True):
+        tms.malloc(2 * MiB)
+    r = tms.pause("w")
+    assert isinstance(r.devices, dict) and list(r.devices) == [0], r.devices
+    assert repr(r).endswith(f", devices={{0: {r.devices[0]!r}}})"), repr(r)
+    print("done")
 
 
 if __name__ == "__main__":

@@ -363,5 +363,18 @@ def forked_child(d, mode):
     print("done")
 
 
+def unusable_dir_from_the_environment(d, mode):
+    """The directory the environment names cannot be used: a backed-up pause raises
+    DiskBackupDirError naming it, and keeps the allocation active and whole (d unused)."""
+    begin(d, mode, set_dir=False)
+    with tms.region("w", enable_disk_backup=True):
+        p = tms.malloc(2 * MiB)
+    data = fill(p, 2 * MiB)
+    e = expect(torch_memory_saver.DiskBackupDirError, tms.pause, "w")
+    assert isinstance(e, ValueError) and isinstance(e, OSError)
+    assert tms.allocations()[0]["state"] == "active" and read(p, 2 * MiB) == data
+    print(e)
+
+
 if __name__ == "__main__":
     run_cases(globals(), sys.argv)

@@ -130,6 +130,8 @@ def reports_of_the_public_calls():
     back = tms.resume()
     assert back.op == "resume" and back.released_bytes == 10 * MiB and back.copied_bytes == 6 * MiB, back
     assert back.devices[1].free_before - back.devices[1].free_after == 4 * MiB, back.devices[1]
+    with tms.region("nothing-here"):                  # a tag used, with nothing in it
+        pass
     empty = tms.pause("nothing-here")
     assert empty.devices == {} and empty.copied_bytes == 0 and "Report(op='pause'" in repr(empty)
     assert kv

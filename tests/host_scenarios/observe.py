@@ -4,10 +4,13 @@ memory_summary(), the pause/resume log lines and the progress lines of a long co
 import faulthandler
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 
 import torch_memory_saver
-from _prelude import MiB, core, fill, read, run_cases, start, tms
+from _prelude import MiB, core, fill, read, run_cases, start, states, tms
 
 
 def stats_follow_every_state_change():
@@ -133,6 +136,84 @@ def progress_needs_a_bool():
         assert "progress must be a bool" in str(e)
     else:
         raise AssertionError("no TypeError on the module")
+
+
+def _interrupt_handler(on_interrupt):
+    """Installs a SIGINT handler that runs on_interrupt() in the main thread and then
+    raises KeyboardInterrupt, as Python's own handler does; returns the main thread's id."""
+    def handler(signum, frame):
+        on_interrupt()
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, handler)
+    return threading.main_thread().ident
+
+
+def interrupt_mid_call(op, progress):
+    """Ctrl-C while a 64 MiB backed-up pause (op=pause) or resume (op=resume) runs, with
+    progress lines on or off: prints the state after the KeyboardInterrupt, the summary
+    lines logged and whether the bytes came back. pause: its first copy waits at the
+    gate (TMS_HOST_COPY_GATE) until the interrupt has reached Python. resume (progress
+    on): the call waits in its thread until then; the gate opens when the handler runs."""
+    import torch_memory_saver._observe as observe
+
+    faulthandler.dump_traceback_later(60, exit=True)
+    progress = progress == "on"
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logging.getLogger("torch_memory_saver").addHandler(Keep())
+    logging.getLogger("torch_memory_saver").setLevel(logging.INFO)
+    observe.PROGRESS_AFTER_S = observe.PROGRESS_EVERY_S = 0.05
+    tms.progress = progress
+    with tms.region("w", enable_cpu_backup=True):
+        p = tms.malloc(64 * MiB)
+    d = fill(p, 64 * MiB)
+    reached = threading.Event()
+    if op == "pause":
+        gate = os.open(os.environ["TMS_HOST_COPY_GATE"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        main = _interrupt_handler(lambda: (reached.set(), os.write(gate, b"x")))
+        if progress:
+            class Interrupt(logging.Handler):  # the first progress line: the copy waits at the gate
+                def emit(self, record):
+                    if "% (" in record.getMessage() and not reached.is_set():
+                        signal.pthread_kill(main, signal.SIGINT)
+            logging.getLogger("torch_memory_saver").addHandler(Interrupt())
+        else:
+            def interrupt_once_pausing():  # the main thread is in the core's pause, held at the gate
+                while states() != [("w", "pausing")]:
+                    time.sleep(0.005)
+                signal.pthread_kill(main, signal.SIGINT)
+                os.write(gate, b"x")  # the handler runs once the call returns
+            threading.Thread(target=interrupt_once_pausing, daemon=True).start()
+    else:
+        assert progress, "a resume is interrupted with progress on only"
+        tms.pause("w")
+        lines.clear()
+        main = _interrupt_handler(reached.set)
+        native = core()
+        real = native.resume
+
+        def gated(*args):  # the progress thread's call: starts once the interrupt reached Python
+            signal.pthread_kill(main, signal.SIGINT)
+            assert reached.wait(30)
+            return real(*args)
+        native.resume = gated
+    try:
+        getattr(tms, op)("w")
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", states())
+    else:
+        print("no KeyboardInterrupt", states())
+    for line in lines:
+        if "% (" not in line:
+            print("logged:", line.split(" copied")[0])
+    if op == "pause":
+        tms.resume("w")
+    print("same bytes:", read(p, 64 * MiB) == d)
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":
