@@ -63,10 +63,10 @@ LAUNCH = ("import os, sys\nsys.path.insert(0, sys.argv[1])\nfrom torch_memory_sa
 def _state(target, cfg):
     """The trainer's tensors (bytes each) for about target bytes: bf16 weights, fp32
     gradients and Adam's two moments (14 bytes a parameter) of as many of cfg's layers
-    as fit, the embedding only where it is a small part of the total."""
+    as fit, the embedding only where it is under a third of the total."""
     h, i, kv = cfg["hidden"], cfg["intermediate"], cfg["kv_heads"] * cfg["head_dim"]
     layer = [h * h, h * kv, h * kv, h * h, h * i, h * i, i * h, h, h]  # q k v o gate up down, two norms
-    embed = [cfg["vocab"] * h] if cfg["vocab"] * h * 14 * 4 < target else []
+    embed = [cfg["vocab"] * h] if cfg["vocab"] * h * 14 * 3 < target else []
     layers = max(1, round((target / 14 - sum(embed) - h) / sum(layer)))
     params = embed + layer * layers + [h]
     return {"weights": [2 * p for p in params], "rest": [4 * p for p in params] * 3, "layers": layers}
