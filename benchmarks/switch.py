@@ -152,7 +152,7 @@ class Trainer(Engine):
         a = self.torch.ones(wbytes, dtype=self.torch.uint8, device=None if self.dry else self.env.device)
         b = self.torch.empty_like(a)
         d2d = median([self.timed(lambda: b.copy_(a))["s"] for _ in range(4)][1:])
-        del a, b
+        a = b = None  # given back before the state is allocated
         if not self.dry:
             self.torch.cuda.empty_cache()
         sizes = shapes["weights"] + shapes["rest"]
@@ -431,7 +431,8 @@ class Proc:
 
     def __init__(self, label, role, library, args, tmp, until, peer=None):
         ours, theirs = socket.socketpair()
-        self.label, self.conn, self.until, self.tail = label, Connection(ours.detach()), until, collections.deque(maxlen=8)
+        self.label, self.conn, self.until = label, Connection(ours.detach()), until
+        self.tail = collections.deque(maxlen=8)
         fds = (theirs.fileno(),) + ((peer.fileno(),) if peer else ())
         cmd = worker_cmd("switch", os.path.join(tmp, f"{label.replace(' ', '-')}.json"),
                          {"role": role, "fd": fds[0], "library": library, "mode": args.mode, "dry_run": args.dry_run,
@@ -474,7 +475,8 @@ class Proc:
         except subprocess.TimeoutExpired:
             raise Broken(f"{self.label}: no answer to {what} in {limit:.0f} s")
         self.pump.join(5)
-        raise Broken(f"{self.label} ended (exit {self.proc.returncode}) during {what}: " + " / ".join(self.tail)[-1500:])
+        raise Broken(f"{self.label} ended (exit {self.proc.returncode}) during {what}: "
+                     + " / ".join(self.tail)[-1500:])
 
     def call(self, request, timeout=120, **kw):
         self.send(request, **kw)
@@ -722,8 +724,8 @@ def switch_table(parts, idle_s):
     rows = []
     for name, (label, what) in list(PHASES.items()) + [("switch", ("whole switch, (1) to (6)", "sum of the floors"))]:
         floor = _floor_sum(parts[labels[0]]) if name == "switch" else floors.get(name)
-        vals = [(_switch(parts[k]), None) if name == "switch" else (_phase(parts[k], name), _phase(parts[k], name, "idle"))
-                for k in labels]
+        vals = [(_switch(parts[k]), None) if name == "switch" else
+                (_phase(parts[k], name), _phase(parts[k], name, "idle")) for k in labels]
         rows.append([label, what, _ms(floor)] + [_ms(v) for pair in vals for v in pair] + [_x(_div(vals[0][0], floor))]
                     + ([_x(_div(vals[0][0], vals[1][0]))] if len(labels) > 1 else []))
     return report.table(head, rows, "ll" + "r" * (len(head) - 2))
@@ -733,7 +735,8 @@ def ratios(doc):
     """The targets: name -> (value, wanted)."""
     out, parts = {}, doc["switch"]
     for k, p in parts.items():
-        for name, what, by in (("kv_resume", "KV resume", "trainer's"), ("trainer_resume", "trainer resume", "rollout's")):
+        for name, what, by in (("kv_resume", "KV resume", "trainer's"),
+                               ("trainer_resume", "trainer resume", "rollout's")):
             out[f"{k}: {what} right after the {by} pause ÷ after 2 s idle"] = (
                 _div(_phase(p, name), _phase(p, name, "idle")), "≤ 1.2")
         out[f"{k}: whole switch ÷ sum of its floors"] = (_div(_switch(p), _floor_sum(p)), "≤ 1.2")
@@ -825,7 +828,8 @@ def plot(doc, out, stem):
     ax1.legend(fontsize=7)
     rows = [r for r in (doc.get("wait") or {}).get("rows", []) if r["n"] == r["m"] and not r["chunk"]]
     for who, full, when in sorted({(r["who"], r["full"], r["when"]) for r in rows}):
-        pts = sorted((r["n"] / GiB, r["s"] * 1e3) for r in rows if (r["who"], r["full"], r["when"]) == (who, full, when))
+        pts = sorted((r["n"] / GiB, r["s"] * 1e3) for r in rows
+                     if (r["who"], r["full"], r["when"]) == (who, full, when))
         ax2.plot(*zip(*pts), ("C3" if full else "C0") + ("-" if who == "driver" else "--"),
                  marker="o" if when == "after" else "x", label=f"{who}, {'full' if full else 'empty'}, {when}")
     ax2.set_xscale("log", base=2)
@@ -853,8 +857,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     meta, sizes, start = report.collect_meta("switch", argv, args.dry_run), _sizes(args), time.time()
     out, stem = report.out_dir(args.out, args.dry_run), report.name(meta)
-    doc = {"meta": meta, "settings": {k: getattr(args, k) for k in ("gib", "kv_fraction", "cycles", "mode", "deadline")},
-           "switch": {}, "wait": None}
+    doc = {"meta": meta, "switch": {}, "wait": None,
+           "settings": {k: getattr(args, k) for k in ("gib", "kv_fraction", "cycles", "mode", "deadline")}}
     save = lambda: write_json_atomic(os.path.join(out, f"{stem}.json"), doc, strip=REPO + os.sep)  # noqa: E731
     # Each part gets its weight's share of the time left; what one leaves goes to the next.
     parts = [("ours", REPO, 1.0)] if args.part != "wait" else []

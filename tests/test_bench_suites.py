@@ -56,10 +56,10 @@ CHECKS = {
     "switch": lambda d: (list(d["switch"]) == ["ours"] and not d["switch"]["ours"]["errors"]
                          and [c["kind"] for c in d["switch"]["ours"]["cycles"]] == ["warm", "after", "idle"]
                          and all(c["refresh_exact"] and c["trainer_exact"] and c["switch_s"] > 0
-                                 and sorted(c["phases"]) == sorted(switch.PHASES) for c in d["switch"]["ours"]["cycles"])
-                         and [(r["who"], r["when"]) for r in d["wait"]["rows"]] == [("library", "after"),
-                                                                                     ("library", "idle")] * 2
-                         and not d["wait"]["errors"]),
+                                 and sorted(c["phases"]) == sorted(switch.PHASES)
+                                 for c in d["switch"]["ours"]["cycles"])
+                         and [(r["who"], r["when"]) for r in d["wait"]["rows"]]
+                         == [("library", "after"), ("library", "idle")] * 2 and not d["wait"]["errors"]),
 }
 STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend-dry-run-2procs-on-1",
          "alloc_count": "alloc_count_host-backend-dry-run",
