@@ -10,12 +10,13 @@ weights; (2) it receives the trainer's (this library: share() / open_shared(); u
 torch.multiprocessing's CUDA IPC), copies them into its own and closes them; (3) the
 trainer pauses; (4) the rollout resumes its KV cache; (5) it pauses both tags; (6) the
 trainer resumes. Each phase is timed in its process, synchronised; the whole switch runs
-from (1)'s start to (6)'s end. After a warm-up, cycles where (4) and (6) follow the other
-process's pause at once alternate with cycles where they come after 2 s idle. Floors,
-from the same run: pinned copies for (3) and (6); a device copy of the weights for (2);
-the driver's own create + map of the rollout's allocations on the idle device for (1)
-and (4), their unmap + release for (5). Checked: the rollout's weights equal the
-trainer's after (2); the trainer's state is exact after (6).
+from (1)'s start to (6)'s end, less the rollout's check of the weights. After a warm-up,
+cycles where (4) and (6) follow the other process's pause at once alternate with cycles
+where they come after 2 s idle. Floors, from the same run: pinned copies for (3) and
+(6); a device copy of the weights for (2); the driver's own create + map of the
+rollout's allocations on the idle device for (1) and (4), their unmap + release for (5).
+Checked: the rollout's weights equal the trainer's after (2); the trainer's state is
+exact after (6).
 
 *wait*: create + map of N GiB right after another process freed M, against the same
 after 2 s idle, with the device nearly full (that process holds a ballast) or nearly
@@ -223,6 +224,7 @@ class Rollout(Engine):
     def refresh(self, payload):
         out = self.timed(lambda: self._copy_in(payload))
         out["sums"] = self.env.snapshot(self.block, False)["sums"]
+        out["check_s"] = time.monotonic() - out["t1"]
         return out
 
     def _copy_in(self, payload):
@@ -547,7 +549,7 @@ def cycle(tr, ro, c, kind, idle_s):
             dr = tr.call("unshare")
         ph["refresh"] = {"s": sh["s"] + cp["s"] + dr["s"], "t0": sh["t0"], "t1": dr["t1"], "share_s": sh["s"],
                          "copy_s": cp["s"], "drop_s": dr["s"], "how": sh["how"]}
-        out["refresh_exact"] = cp["sums"] == sums
+        out["refresh_exact"], check_s = cp["sums"] == sums, cp["check_s"]
     except Failed as e:
         ph["refresh"] = {"error": str(e)}
     step("trainer_pause", tr, "pause")
@@ -556,8 +558,8 @@ def cycle(tr, ro, c, kind, idle_s):
     step("rollout_pause", ro, "pause")
     time.sleep(idle_s if kind == "idle" else 0)
     out["trainer_exact"] = step("trainer_resume", tr, "resume").get("exact")
-    if not any("error" in p for p in ph.values()):
-        out["switch_s"] = ph["trainer_resume"]["t1"] - ph["weights_resume"]["t0"]
+    if not any("error" in p for p in ph.values()):  # less the rollout's check of what it received
+        out["switch_s"] = ph["trainer_resume"]["t1"] - ph["weights_resume"]["t0"] - check_s
     return out
 
 
