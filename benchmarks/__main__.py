@@ -16,6 +16,7 @@ ABOUT = {
     "node": "one process per GPU on every GPU, pausing together over NCCL, against the host's concurrent fill",
     "speed": "side by side with the upstream library (--upstream DIR): the rows users compare, and README's plot",
     "share": "region memory mapped by another process: exportable allocation cost, share/open, moving weights",
+    "switch": "a trainer and a rollout trading one GPU as RL stacks do, phase by phase against floors and upstream",
 }
 
 

@@ -16,7 +16,7 @@ import sys
 
 from .common import DRY_RUN_OUT, REPO, RESULTS, GiB, error_record, read_json, write_json_atomic
 
-SUITES = ("run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget", "node", "speed", "share")
+SUITES = ("run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget", "node", "speed", "share", "switch")
 DRY_RUN_DEVICE = "host backend (dry run)"
 
 

@@ -12,10 +12,10 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import report  # noqa: E402
+from benchmarks import report, switch  # noqa: E402
 
 # Each suite's dry run as documented: `python -m benchmarks <suite> --dry-run`.
-DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget", "node", "speed", "share"]
+DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget", "node", "speed", "share", "switch"]
 # What each dry run measured, beyond the plumbing: the rows its report names.
 CHECKS = {
     "run": lambda d: (sorted(d["backup"]) == ["mmap", "mmap_retained", "pinned", "pinned_retained"]
@@ -53,12 +53,20 @@ CHECKS = {
     "share": lambda d: ([(r["hook_mode"], r["shareable"], len(r["alloc"])) for r in d["rows"]]
                         == [("torch", True, 2), ("torch", False, 2)]
                         and all(r["pause_after_move_ok"] and r["open_ms"] > 0 for r in d["rows"] if r["shareable"])),
+    "switch": lambda d: (list(d["switch"]) == ["ours"] and not d["switch"]["ours"]["errors"]
+                         and [c["kind"] for c in d["switch"]["ours"]["cycles"]] == ["warm", "after", "idle"]
+                         and all(c["refresh_exact"] and c["trainer_exact"] and c["switch_s"] > 0
+                                 and sorted(c["phases"]) == sorted(switch.PHASES)
+                                 for c in d["switch"]["ours"]["cycles"])
+                         and [(r["who"], r["when"]) for r in d["wait"]["rows"]]
+                         == [("library", "after"), ("library", "idle")] * 2 and not d["wait"]["errors"]),
 }
 STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend-dry-run-2procs-on-1",
          "alloc_count": "alloc_count_host-backend-dry-run",
          "fragmentation": "fragmentation_host-backend-dry-run", "live": "live_host-backend-dry-run",
          "budget": "budget_host-backend-dry-run", "node": "node_host-backend-dry-run-x2",
-         "speed": "speed_host-backend-dry-run", "share": "share_host-backend-dry-run"}
+         "speed": "speed_host-backend-dry-run", "share": "share_host-backend-dry-run",
+         "switch": "switch_host-backend-dry-run"}
 
 
 def _bench(*args, timeout=240, tmpdir=None):
