@@ -320,7 +320,9 @@ struct tms_host_budget {
     size_t mine;           /* reserved by this process */
     size_t mem_total, mem_available;  /* the host's, from /proc/meminfo (0 if unreadable) */
     int safety;            /* without a budget: pauses keep 5 % of the host's memory available */
+    int alone;             /* no private place for the ledger: the budget counts this process alone */
     char name[65];
+    char ledger[4096];     /* the ledger's file ("" while alone): PATH_MAX */
 };
 int tms_core_host_budget(struct tms_host_budget *info, struct tms_err *err);
 
