@@ -98,30 +98,27 @@ _SCRUB_PREFIXES = ("TMS_",)
 _SCRUB = ("LD_PRELOAD", "LD_BIND_NOW", "PYTHONFAULTHANDLER", "PYTHONSTARTUP", "PYTHONWARNINGS")
 
 
-_runtime_dir = None
+def _private_runtime_dir():
+    """A private directory (0700), gone when this process ends."""
+    import atexit
+    import shutil
+
+    path = tempfile.mkdtemp(prefix="tms-run-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
-def runtime_dir():
-    """A private directory (0700) that every child takes for the user's runtime
-    directory (XDG_RUNTIME_DIR), where the host backup ledger lives: children share
-    no ledger with the user's own processes, and it goes when the run ends."""
-    global _runtime_dir
-    if _runtime_dir is None:
-        import atexit
-        import shutil
-
-        _runtime_dir = tempfile.mkdtemp(prefix="tms-run-")
-        atexit.register(shutil.rmtree, _runtime_dir, True)
-    return _runtime_dir
+# Every child of the run takes this for the user's runtime directory (XDG_RUNTIME_DIR),
+# the host backup ledger's first place: none shares a ledger with the user's own
+# processes, and none leaves one in the user's home or /dev/shm.
+os.environ["XDG_RUNTIME_DIR"] = _private_runtime_dir()
 
 
 def child_env(env=None, backend="host"):
-    """os.environ minus TMS_*/LD_PRELOAD, with PYTHONPATH = repo root,
-    XDG_RUNTIME_DIR = runtime_dir() and TMS_BACKEND=backend (None: unset); `env`
-    entries override, None removes."""
+    """os.environ minus TMS_*/LD_PRELOAD, with PYTHONPATH = repo root and
+    TMS_BACKEND=backend (None: unset); `env` entries override, None removes."""
     out = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB}
     out["PYTHONPATH"] = str(REPO)
-    out["XDG_RUNTIME_DIR"] = runtime_dir()
     out["PYTHONDONTWRITEBYTECODE"] = "1"
     # Two copy workers whatever the machine: the pool's pinned staging (two
     # 8 MiB slots per worker) stays small and host_alloc calls are countable.
