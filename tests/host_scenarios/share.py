@@ -390,7 +390,7 @@ def refusal_flood(*user):
     it can for 1.5 s: the sender's thread refuses at most REFUSALS_PER_WINDOW connections
     per window, so the attacker gets at most that many connects through (plus the
     backlog) and the thread's CPU time stays a small share of the flood's; a receiver
-    opens the memory once it ends."""
+    opens the memory while it runs."""
     p, t = region_tensor("c")
     data = fill(p, N)
     threads = set(os.listdir("/proc/self/task"))
