@@ -54,6 +54,8 @@ def src(paths):
 
 # Every header: a change to one rebuilds the extensions (setuptools compares times).
 HEADERS = sorted(str(p.relative_to(ROOT)) for p in [*(ROOT / "src").rglob("*.h"), *(ROOT / "include").glob("*.h")])
+# What a module is built from besides its sources: a changed link flag relinks it.
+DEPENDS = HEADERS + ["src/build.txt"]
 
 
 def upstream_names(variant):
@@ -74,7 +76,7 @@ def _variant(variant):
         f"{NAME}._tms_{variant}",
         sources=src(BUILD["core"] + BUILD["hooks"] + [VARIANTS[variant]] + BUILD["face"]),
         include_dirs=["include"],
-        depends=HEADERS,
+        depends=DEPENDS,
         define_macros=[("TMS_VARIANT", variant), LIMITED_API],
         extra_compile_args=_compile_flags(),
         extra_link_args=[BUILD["soname"][0].format(variant=variant)] + BUILD["ldflags"][0].split()
@@ -86,7 +88,7 @@ def _variant(variant):
 # _tms_env checks the TMS_* variables at package import without loading a core.
 # Not sanitized: it loads before torch, and a sanitizer runtime loaded that early
 # breaks torch's static initialisers; its sources are sanitized in the variants.
-ENV_MODULE = Extension(f"{NAME}._tms_env", sources=src(BUILD["env"]), depends=HEADERS, define_macros=[LIMITED_API],
+ENV_MODULE = Extension(f"{NAME}._tms_env", sources=src(BUILD["env"]), depends=DEPENDS, define_macros=[LIMITED_API],
                        extra_compile_args=_compile_flags(sanitized=False),
                        extra_link_args=BUILD["ldflags"][0].split(),
                        py_limited_api=True)
@@ -147,6 +149,9 @@ class BuildExt(build_ext):
         # (pyenv, conda): no path of the build machine goes into the libraries.
         self.compiler.linker_so = [a for a in self.compiler.linker_so if not a.startswith("-Wl,-rpath")]
         _incremental_parallel(self.compiler)
+        # A link flag changed in build.txt relinks what is otherwise up to date.
+        need_link, build_txt = self.compiler._need_link, str(ROOT / "src" / "build.txt")
+        self.compiler._need_link = lambda objects, output: need_link([*objects, build_txt], output)
         super().build_extensions()
 
     def build_extension(self, ext):

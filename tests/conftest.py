@@ -97,6 +97,22 @@ _SCRUB_PREFIXES = ("TMS_",)
 _SCRUB = ("LD_PRELOAD", "LD_BIND_NOW", "PYTHONFAULTHANDLER", "PYTHONSTARTUP", "PYTHONWARNINGS")
 
 
+def _private_runtime_dir():
+    """A private directory (0700), gone when this process ends."""
+    import atexit
+    import shutil
+
+    path = tempfile.mkdtemp(prefix="tms-run-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+# Every child of the run takes this for the user's runtime directory (XDG_RUNTIME_DIR),
+# the host backup ledger's first place: none shares a ledger with the user's own
+# processes, and none leaves one in the user's home or /dev/shm.
+os.environ["XDG_RUNTIME_DIR"] = _private_runtime_dir()
+
+
 def child_env(env=None, backend="host"):
     """os.environ minus TMS_*/LD_PRELOAD, with PYTHONPATH = repo root and
     TMS_BACKEND=backend (None: unset); `env` entries override, None removes."""
@@ -291,3 +307,77 @@ def pytest_unconfigure(config):
     run_dir = getattr(config, "_tms_run_dir", None)
     if run_dir:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# ---- other users -----------------------------------------------------------------------
+# A test that plays another user never touches the user database unless asked to:
+#   TMS_TEST_USERS=victim,attacker   two existing accounts to act as (the suite runs as root);
+#   TMS_TEST_CREATE_USERS=1          the suite may make two throwaway accounts (useradd, as
+#                                    root) and removes them (userdel) when it ends.
+# Elsewhere such a test skips, naming both. A case that needs only another uid's processes
+# and files (no name, no home) uses `other_uids`, which needs root and nothing else.
+TEST_USERS_VAR = "TMS_TEST_USERS"
+CREATE_USERS_VAR = "TMS_TEST_CREATE_USERS"
+
+
+@pytest.fixture(scope="session")
+def two_users():
+    """(victim, attacker): two accounts with homes, as pwd entries, that root acts as."""
+    import pwd
+    import shutil
+    import uuid
+
+    named = os.environ.get(TEST_USERS_VAR, "")
+    if named:
+        names = [n.strip() for n in named.split(",") if n.strip()]
+        if len(names) != 2:
+            pytest.fail(f"{TEST_USERS_VAR}={named!r}: name two existing accounts, victim,attacker")
+        if os.geteuid() != 0:
+            pytest.skip(f"acting as the users of {TEST_USERS_VAR} needs root")
+        try:
+            users = tuple(pwd.getpwnam(n) for n in names)
+        except KeyError as e:
+            pytest.fail(f"{TEST_USERS_VAR}: no account {e}")
+        yield users
+        return
+    if os.environ.get(CREATE_USERS_VAR) != "1":
+        pytest.skip(f"needs two other users: {TEST_USERS_VAR}=victim,attacker (existing accounts) or "
+                    f"{CREATE_USERS_VAR}=1 (root makes two with useradd and removes them)")
+    if os.geteuid() != 0:
+        pytest.skip(f"{CREATE_USERS_VAR}=1 needs root (useradd)")
+    if not shutil.which("useradd") or not shutil.which("userdel"):
+        pytest.skip(f"{CREATE_USERS_VAR}=1: no useradd/userdel here")
+    tag = uuid.uuid4().hex[:6]
+    made = []
+    try:
+        for role in ("v", "a"):
+            name = f"tms{role}{tag}"
+            proc = subprocess.run(["useradd", "-m", "-U", "-s", "/bin/sh", name], capture_output=True, text=True,
+                                  timeout=60)
+            if proc.returncode != 0:
+                pytest.skip(f"useradd is not permitted here: {proc.stderr.strip()}")
+            made.append(name)
+        yield tuple(pwd.getpwnam(n) for n in made)
+    finally:
+        for name in made:
+            subprocess.run(["userdel", "-r", name], capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def other_uids():
+    """(victim uid, attacker uid): two uids no account of the user database has, for root
+    to switch a process to (they have no name and no home)."""
+    import pwd
+    import random
+
+    if os.geteuid() != 0:
+        pytest.skip("acting as another uid needs root")
+    free = []
+    for uid in random.Random().sample(range(61000, 65000), 64):
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            free.append(uid)
+        if len(free) == 2:
+            return tuple(free)
+    pytest.skip("no free uid in 61000..65000")

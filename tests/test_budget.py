@@ -4,7 +4,6 @@ Each process is started, pauses, reports where its backups went and what the
 ledger holds, and waits; the test then resumes (or kills) them in turn."""
 import json
 import os
-import pwd
 import select
 import shutil
 import signal
@@ -149,107 +148,155 @@ def test_a_budget_as_a_share_of_the_host(tmp_path):
 # ---- trust: what another user, a container, a zombie or an environment value can do ----
 
 
-def _ledger_dir():
-    """Where the ledger of this (root) user lives: its first place, /dev/shm/tms-ledger-<uid>."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    return Path(base) / f"tms-ledger-{os.geteuid()}"
+def _shared_names(uid):
+    """The ledger's last places, names under /dev/shm (or /tmp) anyone may make first."""
+    base = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+    return [base / f"tms-ledger-{uid}"] + [base / f"tms-ledger-{uid}-{k}" for k in range(1, 8)]
 
 
 def _home_ledger_dir(home):
-    """The ledger's place in the user's home, for when its first place is taken."""
+    """The ledger's place in the user's home."""
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     return Path(home) / ".cache" / "torch_memory_saver" / f"ledger-{boot}"
 
 
-def _as(user, *cmd):
-    subprocess.run(cmd, user=user.pw_uid, group=user.pw_gid, extra_groups=[], check=True, timeout=30,
-                   capture_output=True)
+def _remove(path):
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def two_users():
-    """A victim and an attacker: two throwaway users (root only), removed afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("two users need root (useradd) to make them")
-    if not shutil.which("useradd") or not shutil.which("userdel"):
-        pytest.skip("no useradd/userdel to make two users")
-    tag = uuid.uuid4().hex[:6]
-    made = []
-    try:
-        for role in ("v", "a"):
-            name = f"tms{role}{tag}"
-            proc = subprocess.run(["useradd", "-m", "-U", "-s", "/bin/sh", name], capture_output=True, text=True,
-                                  timeout=60)
-            if proc.returncode != 0:
-                pytest.skip(f"useradd is not permitted here: {proc.stderr.strip()}")
-            made.append(name)
-        victim, attacker = (pwd.getpwnam(n) for n in made)
-        yield victim, attacker
-    finally:
-        for name in made:
-            uid = pwd.getpwnam(name).pw_uid
-            for base in ("/dev/shm", "/tmp"):
-                p = Path(base) / f"tms-ledger-{uid}"
-                if p.is_symlink() or p.is_file():
-                    p.unlink()
-                elif p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-            subprocess.run(["userdel", "-r", name], capture_output=True, timeout=60)
+def _as(uid, gid, *cmd):
+    subprocess.run(cmd, user=uid, group=gid, extra_groups=[], check=True, timeout=30, capture_output=True)
+
+
+def _squat(attacker, path, shape="their_directory", target="/"):
+    """What another user leaves at one of the victim's names before the victim comes."""
+    if shape == "their_directory":
+        _as(attacker, attacker, "mkdir", "-m", "700", str(path))
+    elif shape == "a_0777_directory":
+        _as(attacker, attacker, "mkdir", "-m", "777", str(path))
+    elif shape == "a_symlink":
+        _as(attacker, attacker, "ln", "-s", str(target), str(path))
+    else:
+        _as(attacker, attacker, "touch", str(path))
 
 
 @pytest.fixture
-def victim_env(two_users, tmp_path):
-    """The victim's environment: a TMPDIR of its own (for disk backups) and a fresh first place."""
-    victim, _ = two_users
-    tmp = Path(tempfile.mkdtemp(prefix="tms-victim-"))
-    os.chown(tmp, victim.pw_uid, victim.pw_gid)
-    taken = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp") / f"tms-ledger-{victim.pw_uid}"
-    yield lambda **extra: child_env({"TMS_HOST_BACKUP_LIMIT_NAME": f"test-{uuid.uuid4().hex[:12]}", "TMPDIR": tmp,
-                                     **extra}), taken
-    shutil.rmtree(tmp, ignore_errors=True)
-    if taken.is_symlink() or taken.is_file():
-        taken.unlink()
-    elif taken.is_dir():
-        shutil.rmtree(taken, ignore_errors=True)
+def victim_env(tmp_path):
+    """make_env(uid, gid, **extra): a victim's environment, with a TMPDIR of its own (for
+    disk backups) and no runtime directory; its names under /dev/shm are removed after."""
+    made = []
+
+    def make_env(uid, gid, **extra):
+        tmp = Path(tempfile.mkdtemp(prefix="tms-victim-"))
+        os.chown(tmp, uid, gid)
+        made.append((tmp, uid))
+        return child_env({"TMS_HOST_BACKUP_LIMIT_NAME": f"test-{uuid.uuid4().hex[:12]}", "TMPDIR": tmp,
+                          "XDG_RUNTIME_DIR": None, **extra})
+
+    yield make_env
+    for tmp, uid in made:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for name in _shared_names(uid):
+            _remove(name)
 
 
-@pytest.mark.parametrize("shape", ["their_directory", "a_0777_directory", "a_symlink_to_the_victims_home", "a_file"])
-def test_another_user_cannot_switch_the_budget_off(two_users, victim_env, shape):
-    # The attacker makes the victim's first place (/dev/shm/tms-ledger-<victim uid>) before the victim:
-    # the victim's pauses go on, with a warning, on a ledger in its home.
-    victim, attacker = two_users
-    make_env, taken = victim_env
-    if shape == "their_directory":
-        _as(attacker, "mkdir", "-m", "700", str(taken))
-    elif shape == "a_0777_directory":
-        _as(attacker, "mkdir", "-m", "777", str(taken))
-    elif shape == "a_symlink_to_the_victims_home":
-        _as(attacker, "ln", "-s", victim.pw_dir, str(taken))
-    else:
-        _as(attacker, "touch", str(taken))
-    env = make_env(TMS_HOST_BACKUP_LIMIT="48MiB")
-    h = Holder(env, as_user=(victim.pw_uid, victim.pw_gid))
+@pytest.fixture
+def squatted(other_uids):
+    """(victim uid, attacker uid), and every name the attacker made removed after."""
+    victim, attacker = other_uids
+    yield victim, attacker
+    for name in _shared_names(victim) + _shared_names(attacker):
+        _remove(name)
+
+
+@pytest.mark.parametrize("shape", ["their_directory", "a_0777_directory", "a_symlink", "a_file"])
+def test_another_user_cannot_switch_the_budget_off(squatted, victim_env, shape):
+    # A victim with no home (a uid the user database does not know, as in many containers)
+    # and no runtime directory: the attacker makes its first name under /dev/shm before it.
+    # Its pauses go on, with a warning, on a ledger under the next name, made by the victim.
+    victim, attacker = squatted
+    taken, second = _shared_names(victim)[:2]
+    _squat(attacker, taken, shape, target=tempfile.gettempdir())
+    env = victim_env(victim, victim, TMS_HOST_BACKUP_LIMIT="48MiB")
+    h = Holder(env, as_user=(victim, victim))
     assert h.state["error"] is None and h.state["cpu"] == 2, h.state
     assert h.state["budget"]["reserved"] == 32 * MiB, h.state
-    ledger = _home_ledger_dir(victim.pw_dir) / f"{env['TMS_HOST_BACKUP_LIMIT_NAME']}.ledger"
-    assert ledger.is_file() and ledger.stat().st_uid == victim.pw_uid
+    ledger = second / f"{env['TMS_HOST_BACKUP_LIMIT_NAME']}.ledger"
+    assert h.state["budget"]["ledger"] == str(ledger), h.state
+    assert ledger.is_file() and ledger.stat().st_uid == victim and (second.stat().st_mode & 0o777) == 0o700
+    # A second process of the victim finds the same ledger: the budget is shared.
+    other = Holder(env, as_user=(victim, victim))
+    assert other.state["error"] is not None and "host backup budget" in other.state["error"], other.state
+    assert other.finish(stderr=[f"the host backup ledger skips {taken}: "]) == "done\n"
     assert h.finish(stderr=[f"the host backup ledger skips {taken}: "]) == "done\n"
 
 
+def test_with_every_place_taken_each_process_keeps_its_own_budget(squatted, victim_env):
+    # Every name under /dev/shm taken as well: no pause fails; each process counts its own
+    # backups against the budget, and says so once.
+    victim, attacker = squatted
+    for name in _shared_names(victim):
+        _squat(attacker, name)
+    env = victim_env(victim, victim, TMS_HOST_BACKUP_LIMIT="48MiB")
+    first, second = Holder(env, as_user=(victim, victim)), Holder(env, as_user=(victim, victim))
+    for h in (first, second):
+        assert h.state["error"] is None and h.state["cpu"] == 2, h.state
+        assert h.state["budget"]["ledger"] is None and h.state["budget"]["reserved"] == 32 * MiB, h.state
+    for h in (first, second):
+        out, err = h.proc.communicate("resume\n\n", timeout=60)
+        assert h.proc.returncode == 0 and out == "done\n", err
+        assert err.count("no private place for the host backup ledger") == 1, err
+        assert "count this process's backups alone" in err, err
+        assert err.count("the host backup ledger skips") == 1, err  # the first name stands for the rest
+
+
+def test_the_users_runtime_directory_comes_first(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    env = _env(tmp_path, TMS_HOST_BACKUP_LIMIT="48MiB", XDG_RUNTIME_DIR=run)
+    first, second = Holder(env), Holder(env)
+    ledger = run / "torch_memory_saver" / f"{env['TMS_HOST_BACKUP_LIMIT_NAME']}.ledger"
+    assert first.state["error"] is None and first.state["budget"]["ledger"] == str(ledger), first.state
+    assert second.state["error"] is not None and "host backup budget" in second.state["error"], second.state
+    assert second.finish() == "done\n" and first.finish() == "done\n"
+
+
+def test_a_runtime_directory_others_can_use_is_skipped(squatted, victim_env, tmp_path):
+    victim, attacker = squatted
+    run = Path(tempfile.mkdtemp(prefix="tms-run-"))
+    os.chown(run, victim, victim)
+    os.chmod(run, 0o777)
+    try:
+        env = victim_env(victim, victim, TMS_HOST_BACKUP_LIMIT="48MiB", XDG_RUNTIME_DIR=run)
+        h = Holder(env, as_user=(victim, victim))
+        assert h.state["error"] is None, h.state
+        assert h.state["budget"]["ledger"].startswith(str(_shared_names(victim)[0]) + "/"), h.state
+        assert h.finish(stderr=[f"the host backup ledger skips {run}: it is not this user's alone"]) == "done\n"
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+
+
 def test_processes_of_one_user_find_one_ledger_whatever_their_environment(two_users, victim_env):
-    # The first place taken, two processes of the victim with different environments share the budget.
+    # The names under /dev/shm taken, two processes of the victim with different
+    # environments share the budget (the home's place comes from the user database).
     victim, attacker = two_users
-    make_env, taken = victim_env
-    _as(attacker, "mkdir", "-m", "700", str(taken))
-    env = make_env(TMS_HOST_BACKUP_LIMIT="48MiB")
+    for name in _shared_names(victim.pw_uid):
+        _squat(attacker.pw_uid, name)
+    env = victim_env(victim.pw_uid, victim.pw_gid, TMS_HOST_BACKUP_LIMIT="48MiB")
     first = Holder({**env, "XDG_RUNTIME_DIR": f"/run/user/{victim.pw_uid}", "HOME": "/nonexistent"},
                    as_user=(victim.pw_uid, victim.pw_gid))
     second_env = {k: v for k, v in env.items() if k not in ("XDG_RUNTIME_DIR", "HOME")}
     second = Holder(second_env, as_user=(victim.pw_uid, victim.pw_gid))
     assert first.state["error"] is None, first.state
+    ledger = _home_ledger_dir(victim.pw_dir) / f"{env['TMS_HOST_BACKUP_LIMIT_NAME']}.ledger"
+    assert first.state["budget"]["ledger"] == str(ledger), first.state
+    assert ledger.is_file() and ledger.stat().st_uid == victim.pw_uid
     assert second.state["error"] is not None and "host backup budget" in second.state["error"], second.state
-    assert second.finish(stderr=["skips"]) == "done\n"
-    assert first.finish(stderr=["skips"]) == "done\n"
+    assert second.finish() == "done\n"
+    assert first.finish() == "done\n"
 
 
 def _unshare_pid():
@@ -362,7 +409,7 @@ def test_without_a_limit_pauses_in_flight_count_against_the_five_percent(tmp_pat
 
 def test_a_run_leaves_no_ledger_file_behind(tmp_path):
     env = _env(tmp_path, TMS_HOST_BACKUP_LIMIT="80MiB")
-    ledger = _ledger_dir() / f"{env['TMS_HOST_BACKUP_LIMIT_NAME']}.ledger"
+    ledger = Path(env["XDG_RUNTIME_DIR"]) / "torch_memory_saver" / f"{env['TMS_HOST_BACKUP_LIMIT_NAME']}.ledger"
     killed, stays, resumes = Holder(env), Holder(env), Holder(env)
     assert ledger.is_file()
     killed.kill()                                      # its record stays behind, dead
@@ -372,4 +419,4 @@ def test_a_run_leaves_no_ledger_file_behind(tmp_path):
     env = _env(tmp_path)                               # no limit: the 5 % safety's ledger
     h = Holder(env)
     assert h.finish() == "done\n"
-    assert not (_ledger_dir() / f"{env['TMS_HOST_BACKUP_LIMIT_NAME']}.ledger").exists()
+    assert not (ledger.parent / f"{env['TMS_HOST_BACKUP_LIMIT_NAME']}.ledger").exists()

@@ -42,6 +42,8 @@ def libs(tmp_path_factory):
            C / "reloc_runtime_stub.c")
         cc("-shared", "-fPIC", "-O2", "-fno-optimize-sibling-calls", "-o", d / f"libuser_on_{k}.so", C / "reloc_user.c",
            f"-L{d}", f"-lcudart_{k}", f"-Wl,-rpath,{d}", "-ldl")
+    # Another party changing page protections during a pass (LD_PRELOAD).
+    cc("-shared", "-fPIC", "-O2", "-o", d / "libreloc_mprotect.so", C / "reloc_mprotect.c")
     # Many copies, dlopen'ed one after the other while passes run.
     for i in range(24):
         (d / f"libuser_copy{i}.so").write_bytes((d / "libuser_now.so").read_bytes())
@@ -74,6 +76,15 @@ def test_a_statically_linked_runtime_is_named(run_scenario, libs):
 
 def test_reloc_hooks_off_leaves_objects_alone(run_scenario, libs):
     out = check_ok(run_scenario("reloc", "hooks_off", libs, env={"TMS_RELOC_HOOKS": "0"}))
+    assert out == "done\n"
+
+
+@pytest.mark.parametrize("change", ["made_writable", "made_read_only"])
+def test_a_store_keeps_a_protection_changed_since_the_pass_began(run_scenario, libs, change):
+    # Restoring what a snapshot taken at the pass's start said would undo another
+    # patcher's change, or leave a read-only GOT page writable.
+    out = check_ok(run_scenario("reloc", "protection_changed_during_pass", libs, change,
+                                env={"LD_PRELOAD": libs / "libreloc_mprotect.so"}))
     assert out == "done\n"
 
 

@@ -128,7 +128,36 @@ def test_the_sweep_removes_only_what_is_dead_and_ours(run_scenario, tmp_path):
 
 
 # ---- relocation hooks ----------------------------------------------------------------
-# (tests/test_reloc.py: a dlopen returns patched; two runtimes each keep their own.)
+# (tests/test_reloc.py: a dlopen returns patched; two runtimes each keep their own; a
+# store keeps a protection someone changed since its pass began.)
+
+
+def test_the_library_stays_mapped_after_its_last_dlclose_while_its_threads_live(run_py, built_libs):
+    # Loaded with dlopen alone (as a C program or ctypes may), its copy workers started by a
+    # backed-up pause, then closed: they stay parked in its code, so it must stay mapped.
+    out = check_ok(run_py(f"""
+        import _ctypes, ctypes, os
+        path = {str(built_libs["preload"])!r}
+        before = set(os.listdir("/proc/self/task"))
+        lib = ctypes.CDLL(path)
+        assert lib.tms_set_interesting_region(True) == 0 and lib.tms_set_enable_cpu_backup(True) == 0
+        ptr = ctypes.c_void_p()
+        assert lib.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(4 << 20)) == 0 and ptr.value
+        assert lib.tms_set_interesting_region(False) == 0
+        assert lib.tms_pause(None) == 0 and lib.tms_resume(None) == 0
+        threads = set(os.listdir("/proc/self/task")) - before
+        assert threads, "no thread of the library's"
+        _ctypes.dlclose(lib._handle)                    # its only reference
+        ctypes.CDLL(path, mode=os.RTLD_NOLOAD)          # raises if it was unloaded
+        assert path in open("/proc/self/maps").read()
+        assert threads <= set(os.listdir("/proc/self/task"))
+        pid = os.fork()                                 # its fork handlers still run
+        if pid == 0:
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        print("mapped")
+        """, prelude=False))
+    assert out == "mapped\n"
 
 
 # ---- input from outside ----------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Sharing pauseable memory with other processes, on the host backend: the handle
 protocol between two processes (tests/host_scenarios/share.py), every byte checked,
-with receivers that close, die, fork, outlive their sender or run as another user,
-and handles forged or replayed. The GPU paths (torch.multiprocessing, both hook
-modes) are in test_gpu.py."""
+with receivers that close, die, fork, outlive their sender, hang up without letting go
+or run as another user, handles forged or replayed, and floods of connections. The GPU
+paths (torch.multiprocessing, both hook modes) are in test_gpu.py."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from conftest import check_ok
-from test_budget import two_users  # noqa: F401  (a fixture)
 
 
 @pytest.mark.parametrize("case", ["round_trip", "sender_exits_first", "fake_sender"])
@@ -22,9 +21,32 @@ def test_memory_made_without_exportable_handles_says_so(run_scenario):
     assert check_ok(run_scenario("share", "not_shareable", env={"TMS_SHAREABLE": "0"})) == "done\n"
 
 
-def test_another_users_process_gets_nothing(run_scenario, two_users, tmp_path):  # noqa: F811
-    _, attacker = two_users
-    proc = run_scenario("share", "other_user", attacker.pw_uid, attacker.pw_gid)
+def test_another_users_process_gets_nothing(run_scenario, other_uids):
+    _, attacker = other_uids
+    proc = run_scenario("share", "other_user", attacker, attacker)
+    assert check_ok(proc) == "done\n"
+
+
+def test_a_receiver_that_hangs_up_without_letting_go_is_reported_not_released(run_scenario):
+    # It keeps the memory's descriptor and lives: the pause goes ahead, its report lists the
+    # allocation and the receiver's pid, and counts none of it released.
+    assert check_ok(run_scenario("share", "hung_up_receiver")) == "done\n"
+
+
+def test_idle_connections_of_this_user_cannot_take_the_senders_descriptors(run_scenario):
+    # 1,100 connections that never ask, against a sender limited to 1,024 descriptors.
+    proc = run_scenario("share", "idle_flood", timeout=120)
+    assert check_ok(proc) == "done\n"
+
+
+def test_a_flood_of_connections_costs_the_sender_a_bounded_share_of_a_core(run_scenario):
+    proc = run_scenario("share", "refusal_flood", timeout=120)
+    assert check_ok(proc) == "done\n"
+
+
+def test_another_users_flood_is_refused_within_the_same_bound(run_scenario, other_uids):
+    _, attacker = other_uids
+    proc = run_scenario("share", "refusal_flood", attacker, attacker, timeout=120)
     assert check_ok(proc) == "done\n"
 
 

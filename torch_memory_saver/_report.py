@@ -44,14 +44,18 @@ class DeviceReport:
 class Report:
     """What one pause() or resume() did: `devices` maps each device it touched
     to a DeviceReport; the totals sum them. A call that found nothing to do has
-    no devices and zero totals."""
+    no devices and zero totals. `unconfirmed`: the allocations a pause unmapped
+    that another process may still map (a receiver of share() hung up without
+    saying it let go, and its process lived), as dicts of ptr, bytes, device,
+    tag, receivers and pids (the first 64); their bytes are not in released_bytes."""
 
-    __slots__ = ("op", "seconds", "devices")
+    __slots__ = ("op", "seconds", "devices", "unconfirmed")
 
     def __init__(self, op, raw):
         self.op = op
         self.seconds = raw["ns"] / 1e9
         self.devices = {row["device"]: DeviceReport(row, self.seconds) for row in raw["devices"]}
+        self.unconfirmed = raw.get("unconfirmed", [])
 
     def _sum(self, field):
         return sum(getattr(d, field) for d in self.devices.values())
@@ -83,7 +87,7 @@ class Report:
     def as_dict(self):
         return {"op": self.op, "seconds": self.seconds, "released_bytes": self.released_bytes,
                 "copied_bytes": self.copied_bytes, "skipped_bytes": self.skipped_bytes,
-                "devices": {d: r.as_dict() for d, r in self.devices.items()}}
+                "devices": {d: r.as_dict() for d, r in self.devices.items()}, "unconfirmed": self.unconfirmed}
 
     def __repr__(self):
         return (f"Report(op={self.op!r}, seconds={self.seconds:.6f}, released_bytes={self.released_bytes}, "

@@ -40,9 +40,9 @@ struct record {
 #define GUARD_BYTE 0
 #define LIVE_BYTE(slot) ((off_t)(slot) + 1)
 #define REOPEN_TRIES 8
-#define CANDIDATES 2
-#define WARN_SAFETY (1u << 8)
-#define WARN_WRITE (1u << 9)
+#define SHARED_NAMES 8
+#define WARN_SAFETY (1u << 16)
+#define WARN_WRITE (1u << 17)
 
 static pthread_mutex_t ledger_lock = PTHREAD_MUTEX_INITIALIZER;
 static int ledger_fd = -1;                  /* guarded by ledger_lock; -1 until first use */
@@ -55,6 +55,7 @@ static struct record my_record;             /* guarded by ledger_lock: what that
 static struct record scanned[MAX_RECORDS];  /* guarded by ledger_lock: the records as the last scan left them */
 static size_t scanned_n;                    /* guarded by ledger_lock */
 static unsigned warned;                     /* guarded by ledger_lock: a bit per warning given once */
+static int ledger_alone;                    /* guarded by ledger_lock: no place could be had, for good */
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
 static void drop_ledger_locked(void)
@@ -174,18 +175,77 @@ static int read_boot_id(char out[37])
     return 0;
 }
 
-/* Candidate i of the ledger's directory, in the order every process of the
- * user tries them whatever its environment: 0 and the path, else why none. */
-static int candidate(int i, char *path, size_t size, char *why, size_t why_size)
+/* The ledger's places, in the order every process of the user tries them:
+ * the user's runtime directory, its home's cache, then names under /dev/shm
+ * (or /tmp) made by the first process that needs them. A place is used only
+ * if it is the user's alone; none: this process counts alone. */
+enum { PLACE_RUNTIME, PLACE_HOME, PLACE_SHARED, PLACES = PLACE_SHARED + SHARED_NAMES };
+
+/* Opens path (relative to at) as a directory of this user's alone: owned by
+ * the effective uid, no access for others, a directory and not a link. make:
+ * made (mode 0700) if missing. Its descriptor, else -1 with why, and
+ * *refused 1 if something stood there that is not the user's alone (another
+ * user's, a link, a file, a mode others can use), 0 if nothing did. */
+static int open_private_at(int at, const char *path, int make, int *refused, char *why, size_t why_size)
 {
-    struct statx st;
-    if (i == 0) {
-        const char *base = stat_path("/dev/shm", 0, &st) == 0 && S_ISDIR(st.stx_mode) ? "/dev/shm" : "/tmp";
-        snprintf(path, size, "%s/tms-ledger-%u", base, (unsigned)geteuid());
-        return 0;
+    *refused = 0;
+    if (make && mkdirat(at, path, 0700) != 0 && errno != EEXIST) {
+        snprintf(why, why_size, "cannot make it: %s", strerror(errno));
+        return -1;
     }
+    int fd = openat(at, path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int e = errno;
+    struct statx st;
+    if (fd < 0 ? statx(at, path, AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, &st) : stat_fd(fd, &st)) {
+        snprintf(why, why_size, "%s", strerror(fd < 0 ? e : errno));
+        return -1;
+    }
+    *refused = 1;
+    if (S_ISLNK(st.stx_mode)) {
+        snprintf(why, why_size, "it is a symbolic link");
+    } else if (!S_ISDIR(st.stx_mode)) {
+        snprintf(why, why_size, "it is not a directory");
+    } else if (st.stx_uid != geteuid() || (st.stx_mode & 077)) {
+        snprintf(why, why_size, "it is not this user's alone (owner uid %u, mode %04o)", (unsigned)st.stx_uid,
+                 (unsigned)(st.stx_mode & 07777));
+    } else if (fd < 0) {
+        *refused = 0;
+        snprintf(why, why_size, "%s", strerror(e));
+    } else {
+        *refused = 0;
+        return fd;
+    }
+    if (fd >= 0) close(fd);
+    return -1;
+}
+
+/* The runtime directory: $XDG_RUNTIME_DIR, else where logind makes it
+ * (/run/user/<uid>, which the variable names in a login session): it must
+ * exist and be the user's alone; the ledger takes a directory inside it. */
+static int open_runtime(char *path, size_t size, int *refused, char *why, size_t why_size)
+{
+    const char *xdg = secure_getenv("XDG_RUNTIME_DIR");
+    int n = xdg && xdg[0] == '/' ? snprintf(path, size, "%s", xdg) : snprintf(path, size, "/run/user/%u",
+                                                                                 (unsigned)geteuid());
+    if (n < 0 || (size_t)n + 32 >= size) {
+        snprintf(why, why_size, "its path is too long");
+        return -1;
+    }
+    int top = open_private_at(AT_FDCWD, path, 0, refused, why, why_size);
+    if (top < 0) return -1;
+    snprintf(path + n, size - (size_t)n, "/torch_memory_saver");
+    int fd = open_private_at(top, "torch_memory_saver", 1, refused, why, why_size);
+    close(top);
+    return fd;
+}
+
+/* <home>/.cache/torch_memory_saver/ledger-<boot id>, the home from the user
+ * database (no other user can make names in it, whatever the environment says). */
+static int open_home(char *path, size_t size, int *refused, char *why, size_t why_size)
+{
     struct passwd pw, *found = NULL;
     char buf[4096], boot[37];
+    *refused = 0;
     if (getpwuid_r(geteuid(), &pw, buf, sizeof buf, &found) != 0 || !found || pw.pw_dir[0] != '/') {
         snprintf(path, size, "~/.cache/torch_memory_saver");
         snprintf(why, why_size, "uid %u has no home directory in the user database", (unsigned)geteuid());
@@ -206,69 +266,77 @@ static int candidate(int i, char *path, size_t size, char *why, size_t why_size)
     snprintf(path + n, size - (size_t)n, "/torch_memory_saver");
     (void)mkdir(path, 0700);
     snprintf(path + n, size - (size_t)n, "/torch_memory_saver/ledger-%s", boot);
-    return 0;
+    return open_private_at(AT_FDCWD, path, 1, refused, why, why_size);
 }
 
-/* Opens path, a directory of this user's alone (made if missing): its
- * descriptor, else -1 and why not. */
-static int open_private_dir(const char *path, char *why, size_t why_size)
+/* A name under /dev/shm (or /tmp), the first of them made by the first process
+ * of the user that needs it. Anyone can make names there, and another user's
+ * name stays (the directory is sticky): each name taken sends the user's
+ * processes to the next, in the same order for all of them. */
+static int open_shared_name(int k, char *path, size_t size, int *refused, char *why, size_t why_size)
 {
-    if (mkdir(path, 0700) != 0 && errno != EEXIST) {
-        snprintf(why, why_size, "cannot make it: %s", strerror(errno));
-        return -1;
-    }
-    int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    int e = errno;
     struct statx st;
-    if (fd < 0 ? stat_path(path, AT_SYMLINK_NOFOLLOW, &st) : stat_fd(fd, &st)) {
-        snprintf(why, why_size, "%s", strerror(fd < 0 ? e : errno));
-    } else if (S_ISLNK(st.stx_mode)) {
-        snprintf(why, why_size, "it is a symbolic link");
-    } else if (!S_ISDIR(st.stx_mode)) {
-        snprintf(why, why_size, "it is not a directory");
-    } else if (st.stx_uid != geteuid() || (st.stx_mode & 077)) {
-        snprintf(why, why_size, "it is not this user's alone (owner uid %u, mode %04o)", (unsigned)st.stx_uid,
-                 (unsigned)(st.stx_mode & 07777));
-    } else if (fd < 0) {
-        snprintf(why, why_size, "%s", strerror(e));
-    } else {
-        return fd;
+    const char *base = stat_path("/dev/shm", 0, &st) == 0 && S_ISDIR(st.stx_mode) ? "/dev/shm" : "/tmp";
+    if (k) snprintf(path, size, "%s/tms-ledger-%u-%d", base, (unsigned)geteuid(), k);
+    else snprintf(path, size, "%s/tms-ledger-%u", base, (unsigned)geteuid());
+    return open_private_at(AT_FDCWD, path, 1, refused, why, why_size);
+}
+
+/* The ledger's directory: the first place that is the user's alone. Another
+ * user's name in a place the user shares is skipped with one warning (the
+ * first of the names under /dev/shm only); where no place can be had,
+ * *alone is set and why says why for each kind of place. */
+static int open_place_locked(char *dir, size_t dir_size, int *alone, char *why_all, size_t why_size)
+{
+    char why[200];
+    size_t used = 0;
+    *alone = 0;
+    why_all[0] = 0;
+    for (int i = 0; i < PLACES; i++) {
+        int refused = 0, fd, bit = i < PLACE_SHARED ? i : PLACE_SHARED;
+        why[0] = 0;
+        if (i == PLACE_RUNTIME) fd = open_runtime(dir, dir_size, &refused, why, sizeof why);
+        else if (i == PLACE_HOME) fd = open_home(dir, dir_size, &refused, why, sizeof why);
+        else fd = open_shared_name(i - PLACE_SHARED, dir, dir_size, &refused, why, sizeof why);
+        if (fd >= 0) return fd;
+        if (refused && !(warned & (1u << bit))) {
+            warned |= 1u << bit;
+            tms_log_warn("the host backup ledger skips %s: %s", dir, why);
+        }
+        if (i > PLACE_SHARED) continue;  /* the first name under /dev/shm stands for all of them */
+        int n = snprintf(why_all + used, why_size - used, "%s%s%s: %s", used ? "; " : "", dir,
+                         i == PLACE_SHARED ? " and the next names" : "", why);
+        if (n > 0) used = (size_t)n < why_size - used ? used + (size_t)n : why_size - 1;
     }
-    if (fd >= 0) close(fd);
+    *alone = 1;
     return -1;
 }
 
 static int open_ledger_locked(struct tms_err *err)
 {
     if (ledger_fd >= 0) return TMS_OK;
-    char dirs[CANDIDATES][512], why[CANDIDATES][160], name[80];
-    int dfd = -1, i;
-    for (i = 0; i < CANDIDATES; i++) {
-        why[i][0] = 0;
-        if (candidate(i, dirs[i], sizeof dirs[i], why[i], sizeof why[i]) == 0 &&
-            (dfd = open_private_dir(dirs[i], why[i], sizeof why[i])) >= 0)
-            break;
-        /* Another user may have taken the name first: the next place is the user's own. */
-        if (i + 1 < CANDIDATES && !(warned & (1u << i))) {
-            warned |= 1u << i;
-            tms_log_warn("the host backup ledger skips %s: %s", dirs[i], why[i]);
-        }
+    if (ledger_alone)
+        return tms_fail(err, TMS_E_IO, EACCES, "no private place for the host backup ledger: this process counts alone");
+    char dir[PATH_MAX - 80], why[1024], name[80];
+    int alone = 0, dfd = open_place_locked(dir, sizeof dir, &alone, why, sizeof why);
+    if (dfd < 0) {
+        ledger_alone = 1;
+        tms_log_warn("no private place for the host backup ledger: the budget and the 5 %% kept free count this "
+                     "process's backups alone (%s)", why);
+        return tms_fail(err, TMS_E_IO, EACCES, "no private place for the host backup ledger: this process counts alone");
     }
-    if (dfd < 0)
-        return tms_fail(err, TMS_E_IO, EACCES, "no private directory for the host backup ledger: %s: %s; %s: %s",
-                        dirs[0], why[0], dirs[1], why[1]);
     snprintf(name, sizeof name, "%s.ledger", tms_defaults()->host_limit_name);
     int fd = openat(dfd, name, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
     int e = errno;
     close(dfd);
     if (fd < 0)
-        return tms_fail(err, TMS_E_IO, e, "cannot open the host backup ledger %s/%s: %s", dirs[i], name, strerror(e));
+        return tms_fail(err, TMS_E_IO, e, "cannot open the host backup ledger %s/%s: %s", dir, name, strerror(e));
     struct statx st;
     if (stat_fd(fd, &st) != 0 || !S_ISREG(st.stx_mode) || st.stx_uid != geteuid()) {
         close(fd);
-        return tms_fail(err, TMS_E_IO, EPERM, "the host backup ledger %s/%s is not a file of this user", dirs[i], name);
+        return tms_fail(err, TMS_E_IO, EPERM, "the host backup ledger %s/%s is not a file of this user", dir, name);
     }
-    snprintf(ledger_path, sizeof ledger_path, "%s/%s", dirs[i], name);
+    snprintf(ledger_path, sizeof ledger_path, "%s/%s", dir, name);
     ledger_id = st;
     ledger_fd = fd;
     return TMS_OK;
@@ -460,6 +528,8 @@ int tms_ledger_reserve(size_t bytes, size_t *free_bytes, struct tms_err *err)
         if ((rc = guard_locked(&why)) == TMS_OK) {
             guarded = 1;
             rc = scan_locked(&others, &why);
+        } else if (ledger_alone) {
+            rc = TMS_OK;  /* no place could be had (said once): this process alone */
         }
         if (rc && budget) {
             if (guarded) unguard_locked();
@@ -555,10 +625,17 @@ int tms_ledger_info(struct tms_ledger_info *info, struct tms_err *err)
     info->mine = mine;
     int rc = TMS_OK;
     struct sums others = {0};
-    if (info->limit && (rc = guard_locked(err)) == TMS_OK) {
-        rc = scan_locked(&others, err);
+    struct tms_err why = {0};
+    if (info->limit && (rc = guard_locked(&why)) == TMS_OK) {
+        rc = scan_locked(&others, &why);
         unguard_locked();
+    } else if (!info->limit) {
+        (void)open_ledger_locked(&why);  /* only to say where it is */
     }
+    if (rc && ledger_alone) rc = TMS_OK;
+    if (rc && err) *err = why;
+    info->alone = ledger_alone;
+    if (ledger_fd >= 0) snprintf(info->ledger, sizeof info->ledger, "%s", ledger_path);
     info->reserved = add_saturating(others.reserved, mine);
     pthread_mutex_unlock(&ledger_lock);
     return rc;

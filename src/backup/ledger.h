@@ -13,7 +13,9 @@ struct tms_ledger_info {
     size_t mine;           /* reserved by this process */
     size_t mem_total, mem_available;  /* the host's, from /proc/meminfo (0 if unreadable) */
     int safety;            /* without a budget: pauses keep 5 % of the host's memory available */
+    int alone;             /* no private place for the ledger: the budget counts this process alone */
     char name[65];
+    char ledger[4096];     /* the ledger's file ("" until opened, or alone): PATH_MAX */
 };
 
 /* Reserves bytes of host backups for this process, in flight until
@@ -29,7 +31,8 @@ int tms_ledger_reserve(size_t bytes, size_t *free_bytes, struct tms_err *err);
 void tms_ledger_copied(size_t bytes);
 /* Gives back bytes reserved earlier. */
 void tms_ledger_release(size_t bytes);
-/* The budget now (with one, reads the ledger: a file lock and a read). */
+/* The budget now (with one, reads the ledger: a file lock and a read), and
+ * where the ledger is (opened if it was not). */
 int tms_ledger_info(struct tms_ledger_info *info, struct tms_err *err);
 
 #endif

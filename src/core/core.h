@@ -146,10 +146,27 @@ struct tms_op_device {
     size_t free_before, free_after;  /* the driver's free bytes around the call (0 if it could not say) */
 };
 
+#define TMS_REPORT_UNCONFIRMED 64
+#define TMS_REPORT_PIDS 4
+
+/* An allocation a pause unmapped while a receiver may still map its memory:
+ * the receiver hung up without saying it let go, and its process lived. Its
+ * bytes are not in its device's `released`. */
+struct tms_op_unconfirmed {
+    uint64_t va;
+    size_t reserved;      /* bytes unmapped here */
+    int device;
+    int receivers;        /* that hung up without letting go */
+    int pids[TMS_REPORT_PIDS];  /* the first of them; 0 past `receivers` */
+    const char *tag;      /* pooled: valid for the process's life */
+};
+
 struct tms_op_report {
     uint64_t ns;
     size_t n_devices;     /* devices beyond TMS_REPORT_DEVICES are left out */
     struct tms_op_device devices[TMS_REPORT_DEVICES];
+    size_t n_unconfirmed; /* all of them; the first TMS_REPORT_UNCONFIRMED are listed */
+    struct tms_op_unconfirmed unconfirmed[TMS_REPORT_UNCONFIRMED];
 };
 
 /* How one pause or resume runs; every field optional (zeroed: as tms_core_pause). */
@@ -233,7 +250,9 @@ int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, uint64_t *handle);
 /* ---- sharing with other processes (shares.c; the wire and the threads: share/) ----------
  * A shared allocation carries a random token in its handles; a process that
  * opens one holds it until it closes, and a pause of memory someone holds is
- * refused (TMS_E_STATE naming the tag and the processes). */
+ * refused (TMS_E_STATE naming the tag and the processes). A receiver that
+ * hangs up without saying it let go, while its process lives, may still map
+ * the memory: the next pause goes ahead but reports it (tms_op_unconfirmed). */
 #define TMS_SHARE_TOKEN_BYTES 16
 #define TMS_SHARE_MAX_CHUNKS 64  /* physical handles one share carries (descriptors in one message) */
 
@@ -254,15 +273,22 @@ int tms_core_share_find(uint64_t ptr, struct tms_share_info *out, struct tms_err
  * until tms_core_share_detach. */
 int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int *fds, struct tms_share_info *out,
                           struct tms_err *err);
-void tms_core_share_detach(uint64_t va, const unsigned char *token, int pid);
+/* pid holds it no more. let_go 1: it said it let go, or its process ended;
+ * 0: it hung up without saying so while its process lives, and is marked
+ * until tms_core_share_gone or the pause that unmaps the memory; returns
+ * what tms_core_share_gone is to be given for that mark. */
+uint32_t tms_core_share_detach(uint64_t va, const unsigned char *token, int pid, int let_go);
+/* The process of a receiver marked by tms_core_share_detach(..., 0) ended: its mark goes. */
+void tms_core_share_gone(uint64_t va, const unsigned char *token, int pid, uint32_t mark);
 /* The owner of the allocation adopted at va under owner_handle is exporting
  * its handle itself (delta 1, before the export: *handle gets the handle to
  * export, read under the same lock; -1 undoes it if the export failed): from
  * then on a pause of it is refused until it is freed. TMS_E_STATE while
  * paused, TMS_E_NOT_FOUND if no allocation was adopted there under that handle. */
 int tms_core_mark_exported(uint64_t va, uint64_t owner_handle, int delta, uint64_t *handle, struct tms_err *err);
-/* Before a pause decides: the sender's thread lets go of receivers that have
- * hung up by now (it learns of them on its own time otherwise). */
+/* Before a pause decides: the sender's thread settles receivers that have
+ * hung up by now, and those marked whose process has ended (it learns of
+ * them on its own time otherwise). */
 void tms_core_share_reap(void);
 void tms_core_share_set_reaper(void (*fn)(void));
 
@@ -294,7 +320,9 @@ struct tms_host_budget {
     size_t mine;           /* reserved by this process */
     size_t mem_total, mem_available;  /* the host's, from /proc/meminfo (0 if unreadable) */
     int safety;            /* without a budget: pauses keep 5 % of the host's memory available */
+    int alone;             /* no private place for the ledger: the budget counts this process alone */
     char name[65];
+    char ledger[4096];     /* the ledger's file ("" while alone): PATH_MAX */
 };
 int tms_core_host_budget(struct tms_host_budget *info, struct tms_err *err);
 

@@ -39,6 +39,12 @@ struct tms_alloc {
     unsigned char share_token[TMS_SHARE_TOKEN_BYTES];
     int share_holders;
     int share_pids[TMS_SHARE_PIDS_KEPT];
+    /* Receivers that hung up without saying they let go while their process
+     * lived: they may still map the memory, so the pause that unmaps it
+     * reports them instead of counting it released (and drops the marks). */
+    int share_hung_up;
+    int share_hung_up_pids[TMS_SHARE_PIDS_KEPT];
+    uint32_t share_marks_taken;  /* times a pause took the marks: an older mark's end is no news */
     /* Its handle went out through the driver's own export (an adopted
      * segment's cuMemExportToShareableHandle): held until freed, as no
      * receiver tells when it lets go. */
@@ -110,7 +116,8 @@ struct tms_alloc *tms_table_bucket_locked(size_t i);
                                                 : tms_tag_slot_locked(tag_id)->allocs;                       \
              a; a = (tag_id) < 0 ? a->next : a->tag_next)
 
-/* Receivers holding shared allocations (shares.c counts them; a forked child starts at none). */
+/* Receivers holding shared allocations or marked as hung up (shares.c counts
+ * them; a forked child starts at none). */
 void tms_table_share_holders_add(int delta);
 int tms_table_share_holders(void);
 
@@ -165,9 +172,17 @@ int tms_chunks_unmap(const struct tms_driver *drv, struct tms_alloc *a, const ch
  * and changes nothing else: it is reported, not undone. */
 int tms_chunks_release(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
 
+/* Under the table lock: takes a's marks of receivers that hung up without
+ * letting go (shares.c): returns how many, the first of their pids in pids
+ * (TMS_SHARE_PIDS_KEPT entries, 0 past the count). */
+int tms_shares_take_hung_up_locked(struct tms_alloc *a, int *pids);
+
 /* The report of a call (report.c; r NULL: none): the devices of the claimed
  * allocations with their free memory now; then what changed, before
- * tms_table_settle applies it, and the free memory after. */
+ * tms_table_settle applies it, and the free memory after. The end also takes,
+ * from each allocation a pause unmapped, the marks of receivers that hung up
+ * without letting go (with r NULL too): r lists those allocations instead of
+ * counting their bytes released. */
 void tms_report_begin(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n);
 void tms_report_end(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n,
                     uint64_t ns);

@@ -28,8 +28,9 @@ int tms_core_host_budget(struct tms_host_budget *out, struct tms_err *err)
     int rc = tms_ledger_info(&info, err);
     *out = (struct tms_host_budget){.limit = info.limit, .reserved = info.reserved, .mine = info.mine,
                                     .mem_total = info.mem_total, .mem_available = info.mem_available,
-                                    .safety = info.safety};
+                                    .safety = info.safety, .alone = info.alone};
     snprintf(out->name, sizeof out->name, "%s", info.name);
+    snprintf(out->ledger, sizeof out->ledger, "%s", info.ledger);
     return rc;
 }
 

@@ -1,4 +1,4 @@
-/* What a pause or resume did, per device: allocations it changed, bytes released or mapped, copied and skipped, free memory around it. */
+/* What a pause or resume did, per device: allocations it changed, bytes released or mapped, copied and skipped, free memory around it, memory receivers may still map. */
 #include "core/core_internal.h"
 
 static struct tms_op_device *report_device(struct tms_op_report *r, int device)
@@ -23,20 +23,40 @@ void tms_report_begin(const struct tms_driver *drv, struct tms_op_report *r, con
     for (size_t k = 0; k < r->n_devices; k++) r->devices[k].allocations = 0;
 }
 
+/* An allocation the pause unmapped that receivers may still map: listed, not released. */
+static void add_unconfirmed(struct tms_op_report *r, const struct tms_alloc *a, int receivers, const int *pids)
+{
+    if (r->n_unconfirmed++ >= TMS_REPORT_UNCONFIRMED) return;
+    struct tms_op_unconfirmed *u = &r->unconfirmed[r->n_unconfirmed - 1];
+    *u = (struct tms_op_unconfirmed){.va = a->va, .reserved = a->reserved, .device = a->device,
+                                     .receivers = receivers, .tag = tms_core_tag_name(a->tag_id)};
+    for (int k = 0; k < TMS_REPORT_PIDS && k < TMS_SHARE_PIDS_KEPT; k++) u->pids[k] = pids[k];
+}
+
 void tms_report_end(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n,
                        uint64_t ns)
 {
-    if (!r) return;
-    r->ns = ns;
+    /* Marks of receivers that hung up are the unmapped memory's: taken even
+     * without a report, so the memory mapped next is not blamed on them. */
+    int locked = 0;
     for (size_t i = 0; i < n; i++) {
-        if (m[i].state == m[i].a->state) continue;  /* left as it was */
+        int hung_up = 0, pids[TMS_SHARE_PIDS_KEPT];
+        if (m[i].state == TMS_PAUSED && m[i].a->state == TMS_ACTIVE) {
+            if (!locked) tms_table_lock(), locked = 1;
+            hung_up = tms_shares_take_hung_up_locked(m[i].a, pids);
+        }
+        if (!r || m[i].state == m[i].a->state) continue;  /* left as it was */
         struct tms_op_device *d = report_device(r, m[i].a->device);
         if (!d) continue;
         d->allocations++;
-        d->released += m[i].a->reserved;
+        if (hung_up) add_unconfirmed(r, m[i].a, hung_up, pids);
+        else d->released += m[i].a->reserved;
         d->copied += m[i].copied;
         d->skipped += m[i].skipped;
     }
+    if (locked) tms_table_unlock();
+    if (!r) return;
+    r->ns = ns;
     for (size_t k = 0; k < r->n_devices; k++) {
         size_t total;
         if (drv->mem_get_info(r->devices[k].device, &r->devices[k].free_after, &total)) r->devices[k].free_after = 0;

@@ -1,4 +1,4 @@
-/* Allocations shared with other processes: the token a handle carries, the handles exported to a receiver, and who maps what. */
+/* Allocations shared with other processes: the token a handle carries, the handles exported to a receiver, who maps what, and who hung up without letting go. */
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
@@ -15,7 +15,7 @@ void tms_core_share_set_reaper(void (*fn)(void)) { __atomic_store_n(&reaper, fn,
 void tms_core_share_reap(void)
 {
     void (*fn)(void) = __atomic_load_n(&reaper, __ATOMIC_ACQUIRE);
-    if (fn && tms_table_share_holders() > 0) fn();
+    if (fn && tms_table_share_holders() > 0) fn();  /* holders, or receivers marked as hung up */
 }
 
 static int token_unset(const unsigned char *token)
@@ -146,20 +146,72 @@ int tms_core_mark_exported(uint64_t va, uint64_t owner_handle, int delta, uint64
     return rc;
 }
 
-void tms_core_share_detach(uint64_t va, const unsigned char *token, int pid)
+/* One entry of pid out of a count whose first TMS_SHARE_PIDS_KEPT pids are
+ * listed: its pid leaves the list if listed (past the list, pids are not kept). */
+static void drop_pid(int *count, int *pids, int pid)
 {
+    int kept = *count < TMS_SHARE_PIDS_KEPT ? *count : TMS_SHARE_PIDS_KEPT;
+    for (int i = 0; i < kept; i++) {
+        if (pids[i] != pid) continue;
+        memmove(&pids[i], &pids[i + 1], (size_t)(kept - i - 1) * sizeof *pids);
+        break;
+    }
+    (*count)--;
+}
+
+static void add_pid(int *count, int *pids, int pid)
+{
+    if (*count < TMS_SHARE_PIDS_KEPT) pids[*count] = pid;
+    (*count)++;
+}
+
+static struct tms_alloc *shared_locked(uint64_t va, const unsigned char *token)
+{
+    struct tms_alloc *a = tms_table_find_locked(va);
+    return a && memcmp(a->share_token, token, TMS_SHARE_TOKEN_BYTES) == 0 ? a : NULL;
+}
+
+uint32_t tms_core_share_detach(uint64_t va, const unsigned char *token, int pid, int let_go)
+{
+    uint32_t mark = 0;
     /* Counted per attach, whether or not the allocation is still there. */
     tms_table_share_holders_add(-1);
     tms_table_lock();
-    struct tms_alloc *a = tms_table_find_locked(va);
-    if (a && a->share_holders > 0 && memcmp(a->share_token, token, TMS_SHARE_TOKEN_BYTES) == 0) {
-        int kept = a->share_holders < TMS_SHARE_PIDS_KEPT ? a->share_holders : TMS_SHARE_PIDS_KEPT;
-        for (int i = 0; i < kept; i++) {
-            if (a->share_pids[i] != pid) continue;
-            memmove(&a->share_pids[i], &a->share_pids[i + 1], (size_t)(kept - i - 1) * sizeof *a->share_pids);
-            break;
+    struct tms_alloc *a = shared_locked(va, token);
+    if (a && a->share_holders > 0) {
+        drop_pid(&a->share_holders, a->share_pids, pid);
+        if (!let_go) {
+            /* It may still map what this allocation holds now: marked until its
+             * process ends, or the pause that unmaps the memory reports it. */
+            add_pid(&a->share_hung_up, a->share_hung_up_pids, pid);
+            tms_table_share_holders_add(1);
+            mark = a->share_marks_taken;
         }
-        a->share_holders--;
     }
     tms_table_unlock();
+    return mark;
+}
+
+void tms_core_share_gone(uint64_t va, const unsigned char *token, int pid, uint32_t mark)
+{
+    tms_table_lock();
+    struct tms_alloc *a = shared_locked(va, token);
+    /* A pause since took every mark (and counted them): nothing left of this one. */
+    if (a && a->share_hung_up > 0 && a->share_marks_taken == mark) {
+        drop_pid(&a->share_hung_up, a->share_hung_up_pids, pid);
+        tms_table_share_holders_add(-1);
+    }
+    tms_table_unlock();
+}
+
+int tms_shares_take_hung_up_locked(struct tms_alloc *a, int *pids)
+{
+    int n = a->share_hung_up;
+    for (int i = 0; i < TMS_SHARE_PIDS_KEPT; i++) pids[i] = i < n ? a->share_hung_up_pids[i] : 0;
+    if (n) {
+        tms_table_share_holders_add(-n);
+        a->share_marks_taken++;
+    }
+    a->share_hung_up = 0;
+    return n;
 }

@@ -180,8 +180,8 @@ const struct tms_alloc *tms_table_owner_locked(uint64_t ptr)
  * in the child and their driver work stopped midway, so what those
  * allocations hold there is unknown: the child drops their records (their
  * addresses stay reserved) and keeps every settled allocation. */
-/* Receivers holding any allocation now (shares.c): a pause asks the sender's
- * thread about hang-ups only while there are some. */
+/* Receivers holding any allocation now, or marked as hung up (shares.c): a
+ * pause asks the sender's thread about hang-ups only while there are some. */
 static int share_holders_total;  /* atomic */
 
 void tms_table_share_holders_add(int delta) { __atomic_add_fetch(&share_holders_total, delta, __ATOMIC_RELAXED); }
@@ -198,6 +198,7 @@ static void fork_child(void)
             struct tms_alloc *a = *link;
             /* The parent's receivers hold the parent's memory, not the child's. */
             a->share_holders = 0;
+            a->share_hung_up = 0;
             a->exported_by_owner = 0;
             if (!a->moving) {
                 link = &a->next;

@@ -121,10 +121,34 @@ static PyObject *device_report_dict(const void *row)
                          (Py_ssize_t)d->free_after);
 }
 
+static PyObject *unconfirmed_dict(const void *row)
+{
+    const struct tms_op_unconfirmed *u = row;
+    int shown = u->receivers < TMS_REPORT_PIDS ? u->receivers : TMS_REPORT_PIDS;
+    PyObject *pids = PyList_New(shown);
+    for (int i = 0; pids && i < shown; i++) {
+        PyObject *pid = PyLong_FromSize_t(u->pids[i] > 0 ? (size_t)u->pids[i] : 0);
+        if (!pid || PyList_SetItem(pids, i, pid) < 0) Py_CLEAR(pids);  /* steals pid */
+    }
+    return pids ? Py_BuildValue("{s:K,s:n,s:i,s:s,s:i,s:N}", "ptr", (unsigned long long)u->va, "bytes",
+                                (Py_ssize_t)u->reserved, "device", u->device, "tag", u->tag, "receivers",
+                                u->receivers, "pids", pids)
+                : NULL;
+}
+
 static PyObject *report_dict(const struct tms_op_report *r)
 {
+    size_t listed = r->n_unconfirmed < TMS_REPORT_UNCONFIRMED ? r->n_unconfirmed : TMS_REPORT_UNCONFIRMED;
     PyObject *devices = tms_py_list_of_dicts(r->devices, r->n_devices, sizeof *r->devices, device_report_dict);
-    return devices ? Py_BuildValue("{s:K,s:N}", "ns", (unsigned long long)r->ns, "devices", devices) : NULL;
+    PyObject *unconfirmed = devices ? tms_py_list_of_dicts(r->unconfirmed, listed, sizeof *r->unconfirmed,
+                                                           unconfirmed_dict)
+                                    : NULL;
+    if (!unconfirmed) {
+        Py_XDECREF(devices);
+        return NULL;
+    }
+    return Py_BuildValue("{s:K,s:N,s:N}", "ns", (unsigned long long)r->ns, "devices", devices, "unconfirmed",
+                         unconfirmed);
 }
 
 /* tag: None (every tag), a str, or a list or tuple of them (all or nothing).

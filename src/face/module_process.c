@@ -60,7 +60,8 @@ SETTINGS(SETTING_FUNCTIONS)
 PyDoc_STRVAR(host_budget_doc,
 "host_budget($module, /)\n--\n\n"
 "The host backup budget: {'name', 'limit' (0: none), 'reserved' (every process of the ledger),\n"
-"'mine' (this process), 'free', 'mem_total', 'mem_available', 'safety', 'spill_to_disk'}.");
+"'mine' (this process), 'free', 'mem_total', 'mem_available', 'safety', 'spill_to_disk',\n"
+"'ledger' (its file; None where no private place could be had: this process counts alone)}.");
 static PyObject *py_host_budget(PyObject *module, PyObject *unused)
 {
     (void)unused;
@@ -72,11 +73,12 @@ static PyObject *py_host_budget(PyObject *module, PyObject *unused)
     Py_END_ALLOW_THREADS
     if (rc) return tms_py_raise(module, &err);
     size_t free_bytes = info.limit > info.reserved ? info.limit - info.reserved : 0;
-    return Py_BuildValue("{s:s,s:n,s:n,s:n,s:n,s:n,s:n,s:O,s:O}", "name", info.name, "limit", (Py_ssize_t)info.limit,
-                         "reserved", (Py_ssize_t)info.reserved, "mine", (Py_ssize_t)info.mine, "free",
-                         (Py_ssize_t)free_bytes, "mem_total", (Py_ssize_t)info.mem_total, "mem_available",
+    return Py_BuildValue("{s:s,s:n,s:n,s:n,s:n,s:n,s:n,s:O,s:O,s:z}", "name", info.name, "limit",
+                         (Py_ssize_t)info.limit, "reserved", (Py_ssize_t)info.reserved, "mine", (Py_ssize_t)info.mine,
+                         "free", (Py_ssize_t)free_bytes, "mem_total", (Py_ssize_t)info.mem_total, "mem_available",
                          (Py_ssize_t)info.mem_available, "safety", info.safety ? Py_True : Py_False,
-                         "spill_to_disk", tms_core_spill() ? Py_True : Py_False);
+                         "spill_to_disk", tms_core_spill() ? Py_True : Py_False, "ledger",
+                         info.alone || !info.ledger[0] ? NULL : info.ledger);
 }
 
 PyDoc_STRVAR(use_backend_doc, "use_backend($module, name, /)\n--\n\nChoose 'cuda', 'hip' or 'host' before first use.");

@@ -164,27 +164,18 @@ static void span_of(const struct object *o, uintptr_t *lo, uintptr_t *hi)
     }
 }
 
-/* The protections of the process's mappings, read from /proc/self/maps once
- * per pass: a torch process with CUDA maps thousands of ranges, and reading
- * them again for every entry patched made the pass slow. Taken under
- * reloc_lock after every planned object is held (loaded and relocated), so
- * no loader changes those objects' GOT pages meanwhile. */
-struct page_prots {
-    struct prot_range {
-        uintptr_t lo, hi;
-        int prot;
-    } *v;
-    size_t n;
-};
-
-static void page_prots_read(struct page_prots *m)
+/* The protection of the page holding addr now: /proc/self/maps read up to
+ * that address (the kernel lists mappings in address order). Read at each
+ * store, not once per pass: another thread (another patcher, the loader of
+ * another object) may change a page's protection at any time, and restoring
+ * what an earlier read said would undo its change or leave the page
+ * writable. ENOENT if no mapping holds addr. */
+static int page_prot_now(uintptr_t addr, int *prot)
 {
-    m->v = NULL;
-    m->n = 0;
     FILE *maps = fopen("/proc/self/maps", "re");
-    if (!maps) return;
-    size_t cap = 0;
+    if (!maps) return errno ? errno : EIO;
     char line[512];
+    int rc = ENOENT;
     while (fgets(line, sizeof line, maps)) {
         size_t len = strlen(line);
         int whole = len && line[len - 1] == '\n';
@@ -196,46 +187,27 @@ static void page_prots_read(struct page_prots *m)
             whole = len && line[len - 1] == '\n';
         }
         if (!parsed) continue;
-        if (m->n == cap) {
-            size_t grown_cap = cap ? cap * 2 : 1024;
-            struct prot_range *grown = realloc(m->v, grown_cap * sizeof *grown);
-            if (!grown) break;  /* entries beyond are not patched (ENOENT) */
-            m->v = grown;
-            cap = grown_cap;
-        }
-        m->v[m->n++] = (struct prot_range){lo, hi,
-                                           (perms[0] == 'r' ? PROT_READ : 0) | (perms[1] == 'w' ? PROT_WRITE : 0) |
-                                               (perms[2] == 'x' ? PROT_EXEC : 0)};
+        if (addr < lo) break;
+        if (addr >= hi) continue;
+        *prot = (perms[0] == 'r' ? PROT_READ : 0) | (perms[1] == 'w' ? PROT_WRITE : 0) | (perms[2] == 'x' ? PROT_EXEC : 0);
+        rc = 0;
+        break;
     }
     fclose(maps);
-}
-
-/* The protection of the page at addr (the kernel lists ranges in address order). */
-static int page_prot(const struct page_prots *m, uintptr_t addr, int *prot)
-{
-    size_t lo = 0, hi = m->n;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        if (addr < m->v[mid].lo) {
-            hi = mid;
-        } else if (addr >= m->v[mid].hi) {
-            lo = mid + 1;
-        } else {
-            *prot = m->v[mid].prot;
-            return 0;
-        }
-    }
-    return -1;
+    return rc;
 }
 
 /* One aligned pointer store: a thread calling through the entry meanwhile
- * sees the old or the new function, both valid. */
-static int store(const struct page_prots *prots, void **slot, void *value)
+ * sees the old or the new function, both valid. The page's protection is
+ * read just before and put back just after; a change by someone else in
+ * those microseconds is the one window left (no call sets a protection
+ * conditionally). */
+static int store(void **slot, void *value)
 {
     int prot;
-    if (page_prot(prots, (uintptr_t)slot, &prot) != 0) return ENOENT;
-    /* Made writable even where the pass's snapshot says it is: a page another
-     * patcher (UCX's, say) made read-only again since then must not fault the store. */
+    int rc = page_prot_now((uintptr_t)slot, &prot);
+    if (rc) return rc;
+    /* Made writable even where it is: a page made read-only since the read must not fault the store. */
     uintptr_t page = (uintptr_t)slot & ~((uintptr_t)sysconf(_SC_PAGESIZE) - 1);
     if (mprotect((void *)page, (size_t)sysconf(_SC_PAGESIZE), prot | PROT_WRITE) != 0) return errno;
     __atomic_store_n(slot, value, __ATOMIC_RELEASE);
@@ -523,7 +495,7 @@ static struct patched *dead_twin_locked(const struct plan *p, uintptr_t lo, uint
 
 /* Returns what remember keeps: 1 + the index of the object's record, or 0
  * when there is nothing to patch (or patching failed: not tried again). */
-static size_t apply_locked(const struct plan *p, const struct page_prots *prots)
+static size_t apply_locked(const struct plan *p)
 {
     const struct object *o = &p->o;
     if (p->defines) {
@@ -564,7 +536,7 @@ static size_t apply_locked(const struct plan *p, const struct page_prots *prots)
     int patched = 0, stored = 0;
     for (size_t k = 0; k < p->n_stores; k++) {
         void *hook = targets[p->stores[k].target].hook;
-        int rc = store(prots, p->stores[k].slot, hook);
+        int rc = store(p->stores[k].slot, hook);
         if (rc) {
             tms_log_warn("relocation hooks: cannot patch %s in %s: %s", targets[p->stores[k].target].name,
                          shown(o->name), strerror(rc));
@@ -598,14 +570,10 @@ static void patch_all(void)
         plans[i].o = l.items[i];
         plan_object(&plans[i]);
     }
-    struct page_prots prots = {0};
     pthread_mutex_lock(&reloc_lock);
-    for (size_t i = 0; plans && records && i < l.count && !prots.v; i++)
-        if (plans[i].handle && plans[i].n_stores) page_prots_read(&prots);
     for (size_t i = 0; plans && records && i < l.count; i++)
-        if (plans[i].handle) records[i] = apply_locked(&plans[i], &prots);
+        if (plans[i].handle) records[i] = apply_locked(&plans[i]);
     pthread_mutex_unlock(&reloc_lock);
-    free(prots.v);
     for (size_t i = 0; plans && records && i < l.count; i++)
         if (plans[i].handle) remember(plans[i].o.dynamic, plans[i].o.name, records[i]);
     for (size_t i = 0; plans && i < l.count; i++) {

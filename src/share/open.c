@@ -30,6 +30,10 @@ struct opened {
     struct opened *next;
 };
 
+/* Connections a sender closed before answering (it had too many that had not
+ * asked yet) are tried again this many times in all. */
+#define OPEN_TRIES 3
+
 static pthread_mutex_t open_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct opened *opened_list;  /* guarded by open_lock */
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
@@ -67,6 +71,7 @@ static int same_mapping(const struct opened *o, const struct tms_share_handle *h
 static int connect_sender(struct opened *o, const struct tms_share_handle *h, struct tms_err *err)
 {
     pthread_mutex_lock(&open_lock);
+    if (o->conn >= 0) close(o->conn);  /* a try before this one */
     int fd = o->conn = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     pthread_mutex_unlock(&open_lock);
     if (fd < 0) return tms_fail(err, TMS_E_IO, errno, "open_shared: socket() failed: %s", strerror(errno));
@@ -95,19 +100,20 @@ static int connect_sender(struct opened *o, const struct tms_share_handle *h, st
     return TMS_OK;
 }
 
-/* Sends the request and takes the answer with its descriptors. */
+/* Sends the request and takes the answer with its descriptors. *unanswered:
+ * the sender hung up before any answer (it closes a connection that came
+ * while it kept too many that had not asked: another try may get in). */
 static int ask(int fd, const struct tms_share_handle *h, struct tms_share_reply *reply, int *fds, int *n_fds,
-               struct tms_err *err)
+               int *unanswered, struct tms_err *err)
 {
     struct tms_share_request req = {.va = h->va};
     memcpy(req.magic, TMS_SHARE_MAGIC, sizeof req.magic);
     memcpy(req.token, h->token, sizeof req.token);
     ssize_t n;
+    *unanswered = 0;
     do n = send(fd, &req, sizeof req, MSG_NOSIGNAL);
     while (n < 0 && errno == EINTR);
-    if (n != (ssize_t)sizeof req)
-        return tms_fail(err, TMS_E_IO, errno, "open_shared: cannot ask pid %u: %s", (unsigned)h->pid,
-                        strerror(errno));
+    int send_errno = n == (ssize_t)sizeof req ? 0 : n < 0 ? errno : EIO;
     union {
         char buf[CMSG_SPACE(sizeof(int) * TMS_SHARE_MAX_CHUNKS)];
         struct cmsghdr align;
@@ -115,7 +121,8 @@ static int ask(int fd, const struct tms_share_handle *h, struct tms_share_reply 
     struct iovec iov = {.iov_base = reply, .iov_len = sizeof *reply};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
                          .msg_controllen = sizeof control.buf};
-    do n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    /* A request that could not be sent may have crossed the sender's refusal: read it. */
+    do n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC | (send_errno ? MSG_DONTWAIT : 0));
     while (n < 0 && errno == EINTR);
     *n_fds = 0;
     for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); n >= 0 && cm; cm = CMSG_NXTHDR(&msg, cm)) {
@@ -124,7 +131,15 @@ static int ask(int fd, const struct tms_share_handle *h, struct tms_share_reply 
         for (size_t i = 0; i < count && *n_fds < TMS_SHARE_MAX_CHUNKS; i++)
             memcpy(&fds[(*n_fds)++], CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
     }
-    if (n == 0) return tms_fail(err, TMS_E_STATE, 0, "open_shared: pid %u hung up without an answer", (unsigned)h->pid);
+    if (send_errno && n <= 0) {
+        *unanswered = send_errno == EPIPE || send_errno == ECONNRESET;
+        return tms_fail(err, TMS_E_IO, send_errno, "open_shared: cannot ask pid %u: %s", (unsigned)h->pid,
+                        strerror(send_errno));
+    }
+    if (n == 0 || (n < 0 && errno == ECONNRESET)) {
+        *unanswered = 1;
+        return tms_fail(err, TMS_E_STATE, 0, "open_shared: pid %u hung up without an answer", (unsigned)h->pid);
+    }
     if (n < 0)
         return tms_fail(err, TMS_E_IO, errno, "open_shared: no answer from pid %u%s: %s", (unsigned)h->pid,
                         errno == EAGAIN ? " within the timeout" : "", strerror(errno));
@@ -184,8 +199,10 @@ static int unmap_opened(const struct tms_driver *drv, struct opened *o, int mapp
     return first;
 }
 
-static int map_opened(const struct tms_driver *drv, struct opened *o, const int *fds, size_t gran, struct tms_err *err)
+static int map_opened(const struct tms_driver *drv, struct opened *o, const int *fds, size_t gran, int *left,
+                      struct tms_err *err)
 {
+    *left = 0;
     int imported = 0, mapped = 0, reserved = 0, rc = 0;
     const char *op = "import";
     for (; imported < o->n_chunks; imported++)
@@ -208,6 +225,7 @@ static int map_opened(const struct tms_driver *drv, struct opened *o, const int 
                     op[0] == 'm' ? " (another GPU's memory needs peer access between the two)" : "");
     int urc = unmap_opened(drv, o, mapped, imported, reserved);
     if (urc) tms_driver_fail_append(err, drv, urc, "undoing it failed");
+    *left = urc != 0;
     return tms_driver_status(drv, rc);
 }
 
@@ -223,14 +241,23 @@ static struct opened *reuse(const struct tms_share_handle *h, int device)
 }
 
 /* Takes o out of the list and closes its connection (under the lock: a fork
- * either sees both or neither); the sender then stops counting this process. */
-static void drop(struct opened *o)
+ * either sees both or neither); the sender then stops counting this process.
+ * let_go: nothing of it is mapped here, and the sender is told so first (a
+ * hang-up alone leaves it unsure, for as long as this process lives). */
+static void drop(struct opened *o, int let_go)
 {
     pthread_mutex_lock(&open_lock);
     struct opened **link = &opened_list;
     while (*link && *link != o) link = &(*link)->next;
     if (*link) *link = o->next;
-    if (o->conn >= 0) close(o->conn);
+    if (o->conn >= 0) {
+        if (let_go) {
+            struct tms_share_let_go msg = {.va = o->key.va};
+            memcpy(msg.magic, TMS_SHARE_LET_GO, sizeof msg.magic);
+            (void)send(o->conn, &msg, sizeof msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        }
+        close(o->conn);
+    }
     pthread_mutex_unlock(&open_lock);
     free(o);
 }
@@ -271,10 +298,13 @@ int tms_share_open(const unsigned char *handle, int device, uint64_t *va, size_t
     o->next = opened_list;
     opened_list = o;
     pthread_mutex_unlock(&open_lock);
-    int fds[TMS_SHARE_MAX_CHUNKS], n_fds = 0;
+    int fds[TMS_SHARE_MAX_CHUNKS], n_fds = 0, unanswered = 1, left = 0;
     struct tms_share_reply reply;
-    rc = connect_sender(o, &h, err);
-    if (!rc) rc = ask(o->conn, &h, &reply, fds, &n_fds, err);
+    for (int tries = 0; unanswered && tries < OPEN_TRIES; tries++) {
+        unanswered = 0;
+        rc = connect_sender(o, &h, err);
+        if (!rc) rc = ask(o->conn, &h, &reply, fds, &n_fds, &unanswered, err);
+    }
     if (!rc && reply.status)
         rc = tms_fail(err, sender_status(reply.status), 0, "open_shared: pid %u refused: %s", (unsigned)h.pid, reply.message);
     if (!rc) rc = check_reply(&reply, n_fds, gran, &h, err);
@@ -283,11 +313,11 @@ int tms_share_open(const unsigned char *handle, int device, uint64_t *va, size_t
         o->reserved = reply.reserved;
         o->chunk = reply.chunk;
         o->n_chunks = reply.n_chunks;
-        rc = map_opened(drv, o, fds, gran, err);
+        rc = map_opened(drv, o, fds, gran, &left, err);
     }
     for (int i = 0; i < n_fds; i++) close(fds[i]);
     if (rc) {
-        drop(o);
+        drop(o, !left);
         return rc;
     }
     pthread_mutex_lock(&open_lock);
@@ -336,6 +366,6 @@ int tms_share_close(uint64_t va, struct tms_err *err)
             rc = tms_driver_fail(err, TMS_E_DRIVER, drv, urc, "close_shared: unmap of 0x%llx (%zu bytes) failed",
                                  (unsigned long long)va, o->reserved);
     }
-    drop(o);  /* unmapped first, then the hang-up: the sender may free once told */
+    drop(o, rc == TMS_OK);  /* unmapped first, then told: the sender may free once told */
     return rc;
 }

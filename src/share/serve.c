@@ -5,8 +5,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -36,24 +39,47 @@ static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
 static void register_fork(void);
 
-/* One receiver: it asks once, then holds what it got until it hangs up. */
+/* One receiver's connection, or what is left of one that hung up. */
+enum conn_state {
+    ASKING,   /* accepted; it has not asked yet */
+    HOLDING,  /* got the memory's descriptors: holds it until it says it let go */
+    HUNG_UP,  /* hung up without saying so while its process lived: its pidfd is watched */
+    DONE,     /* closed: dropped from the list */
+};
+
 struct conn {
-    int fd;
-    int pid;
-    int holding;
-    uint64_t ask_by_ms;  /* a connection that has not asked: closed at this time */
+    int fd;          /* the socket (ASKING, HOLDING), the process's pidfd (HUNG_UP) */
+    int pid;         /* SO_PEERCRED's: 0 where its process is outside this PID namespace */
+    int state;
+    int ready;       /* ASKING: it is being answered, or its request was there when accepted */
+    uint32_t mark;   /* HUNG_UP: for tms_core_share_gone */
+    uint64_t ask_by_ms;
     uint64_t va;
     unsigned char token[TMS_SHARE_TOKEN_BYTES];
 };
 
-static void hang_up(struct conn *c)
-{
-    if (c->holding) tms_core_share_detach(c->va, c->token, c->pid);
-    close(c->fd);
-    c->fd = -1;
-}
+/* A connection that has not asked by then is closed: an honest receiver asks
+ * as soon as it is connected. */
+#define ASK_WITHIN_MS 2000
+/* Connections that have not asked, in all and per peer process: what a
+ * process of this user can make this one keep open without a handle. */
+#define ASKING_MAX 16
+#define ASKING_PER_PEER 4
+/* Descriptors the thread keeps (receivers' sockets, pidfds) at most: a
+ * quarter of RLIMIT_NOFILE, so the process's own calls keep the rest. */
+#define HELD_MIN 16
+#define HELD_MAX 4096
+/* Connections refused (another user's, over a cap, malformed, asked nothing
+ * in time): at most this many per window, then the listener is not polled
+ * until the window ends. A flood costs this process a bounded share of a
+ * core, and no more than the backlog waits ahead of an honest receiver. */
+#define REFUSALS_PER_WINDOW 64
+#define REFUSAL_WINDOW_MS 100
+#define LISTEN_BACKLOG 64
+#define ACCEPTS_PER_WAKE 16
+#define LISTEN_REST_MS 100  /* out of descriptors or memory */
 
-static int send_reply(int fd, const struct tms_share_reply *reply, const int *fds, int n_fds)
+static int send_reply(int fd, const struct tms_share_reply *reply, const int *fds, int n_fds, int flags)
 {
     struct iovec iov = {.iov_base = (void *)reply, .iov_len = sizeof *reply};
     union {
@@ -72,7 +98,7 @@ static int send_reply(int fd, const struct tms_share_reply *reply, const int *fd
         memcpy(CMSG_DATA(cm), fds, sizeof(int) * (size_t)n_fds);
     }
     ssize_t n;
-    do n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    do n = sendmsg(fd, &msg, MSG_NOSIGNAL | flags);
     while (n < 0 && errno == EINTR);
     return n == (ssize_t)sizeof *reply ? 0 : -1;
 }
@@ -81,6 +107,7 @@ static int send_reply(int fd, const struct tms_share_reply *reply, const int *fd
 struct outcome {
     int fd;
     int holding;
+    int refused;     /* malformed, or the memory could not be given: counts against the flood budget */
     uint64_t va;
     unsigned char token[TMS_SHARE_TOKEN_BYTES];
 };
@@ -90,7 +117,7 @@ struct outcome {
  * tags' pauses (which reap first) must not wait with it. */
 static struct outcome answer(int fd, int pid)
 {
-    struct outcome out = {.fd = fd};
+    struct outcome out = {.fd = fd, .refused = 1};
     struct tms_share_request req;
     ssize_t n;
     do n = recv(fd, &req, sizeof req, MSG_DONTWAIT);
@@ -104,7 +131,7 @@ static struct outcome answer(int fd, int pid)
     if (rc) {
         reply.status = rc;
         snprintf(reply.message, sizeof reply.message, "%s", err.msg);
-        (void)send_reply(fd, &reply, NULL, 0);
+        (void)send_reply(fd, &reply, NULL, 0, 0);
         return out;
     }
     reply.n_chunks = info.n_chunks;
@@ -112,14 +139,15 @@ static struct outcome answer(int fd, int pid)
     reply.size = info.size;
     reply.reserved = info.reserved;
     reply.chunk = info.chunk;
-    int sent = send_reply(fd, &reply, fds, info.n_chunks);
+    int sent = send_reply(fd, &reply, fds, info.n_chunks, 0);
     for (int i = 0; i < info.n_chunks; i++) close(fds[i]);
     if (sent) {
-        tms_core_share_detach(req.va, req.token, pid);
+        (void)tms_core_share_detach(req.va, req.token, pid, 1);  /* nothing reached it */
         return out;
     }
     TMS_DEBUG("shared 0x%llx with pid %d", (unsigned long long)req.va, pid);
     out.holding = 1;
+    out.refused = 0;
     out.va = req.va;
     memcpy(out.token, req.token, sizeof out.token);
     return out;
@@ -133,12 +161,11 @@ static pthread_mutex_t conns_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct conn *conns;     /* guarded by conns_lock */
 static size_t n_conns, cap_conns;
 static int changed;
-static uint64_t listen_resume_ms;  /* the thread's own: descriptors ran out, the listener rests until then */
-
-/* A connection that has not asked by then is closed: it holds a descriptor
- * and a slot, and an honest receiver asks at once. */
-#define ASK_WITHIN_MS ((uint64_t)TMS_SHARE_TIMEOUT_S * 1000)
-#define LISTEN_REST_MS 100
+/* The thread's own (under conns_lock): until when the listener rests, and
+ * the refusals of the current window. */
+static uint64_t listen_resume_ms;
+static uint64_t window_end_ms;
+static unsigned window_refusals;
 
 static uint64_t now_ms(void)
 {
@@ -147,58 +174,192 @@ static uint64_t now_ms(void)
     return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
 }
 
-static void accept_one_locked(int lfd, uint64_t now)
+static void refused_locked(uint64_t now)
 {
-    int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
-    if (fd < 0) {
-        /* Out of descriptors or memory: the pending connection stays readable,
-         * so the listener rests rather than spin. */
-        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
-            listen_resume_ms = now + LISTEN_REST_MS;
-        return;
+    if (now >= window_end_ms) {
+        window_end_ms = now + REFUSAL_WINDOW_MS;
+        window_refusals = 0;
     }
-    struct ucred cred;
-    socklen_t len = sizeof cred;
-    /* Only this user's processes: anyone can reach an abstract socket. */
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != geteuid()) {
-        TMS_DEBUG("share: refused a connection from uid %d", len == sizeof cred ? (int)cred.uid : -1);
+    if (++window_refusals >= REFUSALS_PER_WINDOW && listen_resume_ms < window_end_ms) listen_resume_ms = window_end_ms;
+}
+
+static void close_conn(struct conn *c)
+{
+    if (c->fd >= 0) close(c->fd);
+    c->fd = -1;
+    c->state = DONE;
+}
+
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77
+#endif
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
+/* 1 if the process behind a socket has ended, 0 if not; else -1 (the
+ * kernel cannot say) and *pidfd gets a descriptor to watch it by, or -1. */
+static int peer_ended(int sock, int pid, int *pidfd)
+{
+    *pidfd = -1;
+    int fd = -1;
+    socklen_t len = sizeof fd;
+    /* The pid the socket was connected with: no reuse can fool it. */
+    if (getsockopt(sock, SOL_SOCKET, SO_PEERPIDFD, &fd, &len) != 0) {
+        if (errno == ESRCH) return 1;
+        fd = -1;
+        /* Older kernels: by number. A number reused meanwhile reads as alive,
+         * never the other way round. */
+        long r = pid > 0 ? syscall(SYS_pidfd_open, pid, 0) : -1;
+        if (r < 0 && pid > 0 && errno == ESRCH) return 1;
+        if (r >= 0) fd = (int)r;
+    }
+    if (fd < 0) return -1;
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, 0) > 0) {
         close(fd);
-        return;
+        return 1;
     }
-    if (n_conns == cap_conns) {
-        size_t grown = cap_conns ? cap_conns * 2 : 16;
-        struct conn *more = realloc(conns, grown * sizeof *more);
-        if (!more) {
-            close(fd);
+    *pidfd = fd;
+    return 0;
+}
+
+/* A holder's socket is readable: it said it let go (and hangs up), or it
+ * hung up without saying so. Only a process that has ended is taken to have
+ * let go without saying it: its mappings went with it. */
+static void holder_spoke_locked(struct conn *c)
+{
+    struct tms_share_let_go msg;
+    ssize_t n;
+    do n = recv(c->fd, &msg, sizeof msg, MSG_DONTWAIT);
+    while (n < 0 && errno == EINTR);
+    if (n < 0 && errno == EAGAIN) return;
+    int said = n == (ssize_t)sizeof msg && memcmp(msg.magic, TMS_SHARE_LET_GO, sizeof msg.magic) == 0 &&
+               msg.va == c->va;
+    int pidfd = -1, ended = said ? 1 : peer_ended(c->fd, c->pid, &pidfd);
+    uint32_t mark = tms_core_share_detach(c->va, c->token, c->pid, ended == 1);
+    close_conn(c);
+    if (ended == 1) return;
+    TMS_DEBUG("share: pid %d hung up on 0x%llx without saying it let go", c->pid, (unsigned long long)c->va);
+    if (pidfd < 0) return;  /* marked until the memory's next pause */
+    c->fd = pidfd;
+    c->state = HUNG_UP;
+    c->mark = mark;
+}
+
+/* A watched process has ended: whatever it mapped went with it. */
+static void ended_locked(struct conn *c)
+{
+    tms_core_share_gone(c->va, c->token, c->pid, c->mark);
+    close_conn(c);
+}
+
+static size_t held_cap(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur / 4 >= HELD_MAX)
+        return HELD_MAX;
+    return rl.rlim_cur / 4 > HELD_MIN ? (size_t)rl.rlim_cur / 4 : HELD_MIN;
+}
+
+/* Tells a receiver of this user why it gets nothing, if it listens, and hangs up. */
+static void refuse_busy(int fd, size_t held)
+{
+    struct tms_share_reply reply = {.status = TMS_E_STATE};
+    snprintf(reply.message, sizeof reply.message,
+             "share: pid %d keeps %zu receivers' connections, its limit (a quarter of its RLIMIT_NOFILE, at most %d): "
+             "close some, or raise its limit", (int)getpid(), held, HELD_MAX);
+    (void)send_reply(fd, &reply, NULL, 0, MSG_DONTWAIT);
+    close(fd);
+}
+
+/* Accepts what waits, within the caps: another user's connection is closed
+ * at once; one of this user's that has not asked yet takes a place only
+ * within ASKING_MAX and ASKING_PER_PEER (the oldest of those that have not
+ * asked makes room for a new one). */
+static void accept_some_locked(int lfd, uint64_t now)
+{
+    size_t cap = held_cap();
+    for (int k = 0; k < ACCEPTS_PER_WAKE && now >= listen_resume_ms; k++) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            /* Out of descriptors or memory: the pending connection stays readable,
+             * so the listener rests rather than spin. */
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+                listen_resume_ms = now + LISTEN_REST_MS;
+            if (errno == EINTR || errno == ECONNABORTED) continue;
             return;
         }
-        conns = more;
-        cap_conns = grown;
+        struct ucred cred;
+        socklen_t len = sizeof cred;
+        /* Only this user's processes: anyone can reach an abstract socket. */
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != geteuid()) {
+            close(fd);
+            refused_locked(now);
+            continue;
+        }
+        size_t held = 0, asking = 0, of_peer = 0, oldest = SIZE_MAX;
+        for (size_t i = 0; i < n_conns; i++) {
+            if (conns[i].state == DONE) continue;
+            held++;
+            if (conns[i].state != ASKING || conns[i].ready) continue;
+            asking++;
+            of_peer += conns[i].pid == cred.pid;
+            if (oldest == SIZE_MAX || conns[i].ask_by_ms < conns[oldest].ask_by_ms) oldest = i;
+        }
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int ready = poll(&p, 1, 0) > 0;  /* asked already: answered next, it takes no place */
+        if (held >= cap) {
+            refuse_busy(fd, held);
+            refused_locked(now);
+            continue;
+        }
+        if (!ready && of_peer >= ASKING_PER_PEER) {
+            close(fd);
+            refused_locked(now);
+            continue;
+        }
+        if (!ready && asking >= ASKING_MAX) {
+            close_conn(&conns[oldest]);
+            refused_locked(now);
+        }
+        if (n_conns == cap_conns) {
+            size_t grown = cap_conns ? cap_conns * 2 : 16;
+            struct conn *more = realloc(conns, grown * sizeof *more);
+            if (!more) {
+                close(fd);
+                return;
+            }
+            conns = more;
+            cap_conns = grown;
+        }
+        conns[n_conns++] = (struct conn){.fd = fd, .pid = cred.pid, .state = ASKING, .ready = ready,
+                                         .ask_by_ms = now + ASK_WITHIN_MS};
     }
-    conns[n_conns++] = (struct conn){.fd = fd, .pid = cred.pid, .ask_by_ms = now + ASK_WITHIN_MS};
 }
 
 static void drop_closed_locked(void)
 {
     size_t kept = 0;
     for (size_t i = 0; i < n_conns; i++)
-        if (conns[i].fd >= 0) conns[kept++] = conns[i];
+        if (conns[i].state != DONE) conns[kept++] = conns[i];
     n_conns = kept;
 }
 
-/* Holders that hung up, let go now: a receiver's close (or exit) is complete
- * when it returns, so a pause that follows it finds the memory free. */
+/* Holders that hung up, and watched processes that ended, settled now: a
+ * receiver's close (or exit) is complete when it returns, so a pause that
+ * follows it finds the memory free. */
 static void reap(void)
 {
     pthread_mutex_lock(&conns_lock);
     int closed = 0;
     for (size_t i = 0; i < n_conns; i++) {
-        if (!conns[i].holding) continue;
+        if (conns[i].state != HOLDING && conns[i].state != HUNG_UP) continue;
         struct pollfd p = {.fd = conns[i].fd, .events = POLLIN};
-        if (poll(&p, 1, 0) > 0) {
-            hang_up(&conns[i]);
-            closed = 1;
-        }
+        if (poll(&p, 1, 0) <= 0) continue;
+        if (conns[i].state == HOLDING) holder_spoke_locked(&conns[i]);
+        else ended_locked(&conns[i]);
+        closed = 1;
     }
     if (closed) {
         drop_closed_locked();
@@ -207,17 +368,20 @@ static void reap(void)
     pthread_mutex_unlock(&conns_lock);
 }
 
-/* What the thread polls: the listener unless it rests, and every connection;
- * *timeout_ms until the first deadline (a connection's, or the rest's end). */
-static size_t fill_polls_locked(struct pollfd *polls, size_t cap, int lfd, uint64_t now, int *timeout_ms)
+/* What the thread polls: the listener unless it rests, every receiver's
+ * socket, every watched process, with of[k] the index in conns of polls[k]
+ * (SIZE_MAX: the listener); *timeout_ms until the first deadline (a
+ * connection's, or the rest's end). */
+static size_t fill_polls_locked(struct pollfd *polls, size_t *of, size_t cap, int lfd, uint64_t now, int *timeout_ms)
 {
     uint64_t next = UINT64_MAX;
     size_t n = 0;
-    if (now >= listen_resume_ms) polls[n++] = (struct pollfd){.fd = lfd, .events = POLLIN};
+    if (now >= listen_resume_ms) of[n] = SIZE_MAX, polls[n++] = (struct pollfd){.fd = lfd, .events = POLLIN};
     else next = listen_resume_ms;
     for (size_t i = 0; i < n_conns && n < cap; i++) {
+        of[n] = i;
         polls[n++] = (struct pollfd){.fd = conns[i].fd, .events = POLLIN};
-        if (!conns[i].holding && conns[i].ask_by_ms < next) next = conns[i].ask_by_ms;
+        if (conns[i].state == ASKING && conns[i].ask_by_ms < next) next = conns[i].ask_by_ms;
     }
     *timeout_ms = next == UINT64_MAX ? -1 : next <= now ? 0 : (int)(next - now < 60000 ? next - now : 60000);
     return n;
@@ -226,29 +390,34 @@ static size_t fill_polls_locked(struct pollfd *polls, size_t cap, int lfd, uint6
 static struct conn *conn_with_fd_locked(int fd)
 {
     for (size_t i = 0; i < n_conns; i++)
-        if (conns[i].fd == fd) return &conns[i];
+        if (conns[i].fd == fd && conns[i].state != DONE) return &conns[i];
     return NULL;
 }
 
 static void *serve(void *arg)
 {
     int lfd = (int)(intptr_t)arg;
+    (void)prctl(PR_SET_NAME, "tms-share", 0, 0, 0);  /* named for a person reading /proc (a libc symbol older than pthread_setname_np's) */
     struct pollfd *polls = NULL;
+    size_t *of = NULL;
     struct conn *asking = NULL;  /* copies of the connections that asked, answered without the lock */
     size_t poll_cap = 0;
     for (;;) {
         pthread_mutex_lock(&conns_lock);
         if (poll_cap < n_conns + 1) {
-            struct pollfd *more = realloc(polls, (n_conns + 16) * sizeof *more);
-            struct conn *more_asking = more ? realloc(asking, (n_conns + 16) * sizeof *more_asking) : NULL;
+            size_t want = n_conns + 16;
+            struct pollfd *more = realloc(polls, want * sizeof *more);
+            size_t *more_of = more ? realloc(of, want * sizeof *more_of) : NULL;
+            struct conn *more_asking = more_of ? realloc(asking, want * sizeof *more_asking) : NULL;
             if (more) polls = more;
+            if (more_of) of = more_of;
             if (more_asking) {
                 asking = more_asking;
-                poll_cap = n_conns + 16;
+                poll_cap = want;
             }
         }
         int timeout = -1;
-        size_t n = poll_cap ? fill_polls_locked(polls, poll_cap, lfd, now_ms(), &timeout) : 0;
+        size_t n = poll_cap ? fill_polls_locked(polls, of, poll_cap, lfd, now_ms(), &timeout) : 0;
         changed = 0;
         pthread_mutex_unlock(&conns_lock);
         if (!poll_cap) {
@@ -264,40 +433,48 @@ static void *serve(void *arg)
         uint64_t now = now_ms();
         size_t n_asking = 0;
         int listener_ready = 0;
+        /* By index, not by descriptor: a socket closed here may come back as a
+         * pidfd of the same number. Nothing but a reap (`changed`) moves conns
+         * between the poll and this loop. */
         for (size_t k = 0; !changed && k < n; k++) {
-            if (polls[k].fd == lfd) {
+            if (of[k] == SIZE_MAX) {
                 listener_ready = (polls[k].revents & POLLIN) != 0;
                 continue;
             }
-            struct conn *c = conn_with_fd_locked(polls[k].fd);
-            if (!c || !polls[k].revents) continue;
-            /* A holder says nothing more: readable means it hung up (or broke the protocol). */
-            if (c->holding) hang_up(c);
-            else asking[n_asking++] = *c;
+            struct conn *c = &conns[of[k]];
+            if (!polls[k].revents || c->fd != polls[k].fd || c->state == DONE) continue;
+            if (c->state == HOLDING) {  /* a holder says one thing more: that it let go */
+                holder_spoke_locked(c);
+            } else if (c->state == HUNG_UP) {
+                ended_locked(c);
+            } else {
+                c->ready = 1;  /* being answered: no new connection takes its place */
+                asking[n_asking++] = *c;
+            }
         }
         for (size_t i = 0; i < n_conns; i++) {  /* asked nothing in time */
-            if (conns[i].fd < 0 || conns[i].holding || conns[i].ask_by_ms > now) continue;
-            int is_asking = 0;
-            for (size_t k = 0; k < n_asking; k++) is_asking |= asking[k].fd == conns[i].fd;
-            if (!is_asking) hang_up(&conns[i]);
+            if (conns[i].state != ASKING || conns[i].ready || conns[i].ask_by_ms > now) continue;
+            close_conn(&conns[i]);
+            refused_locked(now);
         }
         drop_closed_locked();
-        if (listener_ready) accept_one_locked(lfd, now);
+        if (listener_ready) accept_some_locked(lfd, now);
         pthread_mutex_unlock(&conns_lock);
         for (size_t k = 0; k < n_asking; k++) {
             struct outcome out = answer(asking[k].fd, asking[k].pid);
             pthread_mutex_lock(&conns_lock);
             struct conn *c = conn_with_fd_locked(out.fd);
             if (c && out.holding) {
-                c->holding = 1;
+                c->state = HOLDING;
                 c->va = out.va;
                 memcpy(c->token, out.token, sizeof c->token);
             } else if (c) {
-                hang_up(c);
+                close_conn(c);
                 drop_closed_locked();
             } else if (out.holding) {  /* gone meanwhile (a fork's child closed it): nobody holds it */
-                tms_core_share_detach(out.va, out.token, asking[k].pid);
+                (void)tms_core_share_detach(out.va, out.token, asking[k].pid, 1);
             }
+            if (out.refused) refused_locked(now_ms());
             pthread_mutex_unlock(&conns_lock);
         }
     }
@@ -309,6 +486,7 @@ static void *serve(void *arg)
     }
     pthread_mutex_unlock(&serve_lock);
     free(polls);
+    free(of);
     free(asking);
     return NULL;
 }
@@ -327,7 +505,8 @@ static void fork_parent(void)
  * parent's stay), and its first share starts a thread of its own. */
 static void fork_child(void)
 {
-    for (size_t i = 0; i < n_conns; i++) close(conns[i].fd);
+    for (size_t i = 0; i < n_conns; i++)
+        if (conns[i].state != DONE) close(conns[i].fd);
     n_conns = 0;
     /* A child that outlives its parent must not keep the name: receivers would wait for an answer. */
     if (listen_fd >= 0) close(listen_fd);
@@ -353,11 +532,12 @@ static int start_locked(uint64_t *id, struct tms_err *err)
     uint64_t fresh;
     if (getrandom(&fresh, sizeof fresh, 0) != (ssize_t)sizeof fresh)
         return tms_fail(err, TMS_E_HOST_OOM, 0, "share: no random bytes for the socket's name");
-    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    /* Non-blocking: the thread accepts what waits until none is left. */
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return tms_fail(err, TMS_E_IO, errno, "share: socket() failed: %s", strerror(errno));
     struct sockaddr_un addr;
     size_t len = tms_share_address(&addr, (uint32_t)pid, fresh);
-    if (bind(fd, (struct sockaddr *)&addr, (socklen_t)len) != 0 || listen(fd, SOMAXCONN) != 0) {
+    if (bind(fd, (struct sockaddr *)&addr, (socklen_t)len) != 0 || listen(fd, LISTEN_BACKLOG) != 0) {
         int e = errno;
         close(fd);
         return tms_fail(err, TMS_E_IO, e, "share: cannot listen on the abstract socket @%s: %s", addr.sun_path + 1,

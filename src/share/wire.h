@@ -30,6 +30,15 @@ struct tms_share_request {
     unsigned char token[TMS_SHARE_TOKEN_BYTES];
 };
 
+/* What a receiver sends once it has unmapped the memory, before it hangs up:
+ * the one sign the sender takes for "let go". A hang-up without it while the
+ * receiver's process lives may leave the memory mapped there. */
+#define TMS_SHARE_LET_GO "TMSLETGO"
+struct tms_share_let_go {
+    char magic[8];
+    uint64_t va;    /* the allocation's start in the sender, as the handle says */
+};
+
 /* One reply; status 0 comes with n_chunks descriptors (SCM_RIGHTS). */
 struct tms_share_reply {
     int32_t status;

@@ -243,5 +243,58 @@ def tail_call_after_dlclose(d):
     print("done")
 
 
+def _mapping_of(addr):
+    """(start, end, perms) of the mapping holding addr, from /proc/self/maps now."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return lo, hi, perms
+    raise AssertionError(f"nothing maps {addr:#x}")
+
+
+def _got_slot(path, value):
+    """The address of the pointer-sized word holding value in the mappings of the object at path."""
+    with open("/proc/self/maps") as f:
+        spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f
+                 if line.rstrip().endswith(path) and line.split()[1].startswith("r")]
+    for lo, hi in spans:
+        words = (ctypes.c_uint64 * ((hi - lo) // 8)).from_address(lo)
+        for i, w in enumerate(words):
+            if w == value:
+                return lo + 8 * i
+    raise AssertionError(f"no word {value:#x} in {path}")
+
+
+def protection_changed_during_pass(d, change):
+    """Another party changes the protection of a library's GOT page after the pass began
+    and before the pass stores into it (tests/c/reloc_mprotect.c, on LD_PRELOAD): the
+    store keeps that change, whether it made the page writable or read-only again."""
+    begin(d)
+    load("libuser_lazy.so")                            # patched before the next one
+    lib = load("libuser_now.so")                       # full RELRO: its GOT is read-only
+    path = os.path.join(D, "libuser_now.so")
+    slot = _got_slot(path, ctypes.cast(STUB.cudaMalloc, ctypes.c_void_p).value)
+    page = slot & ~(os.sysconf("SC_PAGESIZE") - 1)
+    assert _mapping_of(slot)[2].startswith("r--"), _mapping_of(slot)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    other = ctypes.CDLL(os.environ["LD_PRELOAD"])
+    other.reloc_mprotect_arm.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    if change == "made_writable":                      # as another patcher starting its store
+        other.reloc_mprotect_arm(page, 3)              # PROT_READ | PROT_WRITE
+        want = "rw-"
+    else:                                              # writable when the pass began, read-only again since
+        assert libc.mprotect(page, os.sysconf("SC_PAGESIZE"), 3) == 0, ctypes.get_errno()
+        other.reloc_mprotect_arm(page, 1)              # PROT_READ
+        want = "r--"
+    core().install_relocation_hooks()
+    assert other.reloc_mprotect_fired_first() == 1     # the change came before the store into that page
+    assert _mapping_of(slot)[2].startswith(want), (change, _mapping_of(slot))
+    check_routes(lib, change)                          # and the store happened
+    print("done")
+
+
 if __name__ == "__main__":
     run_cases(globals(), sys.argv)

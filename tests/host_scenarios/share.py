@@ -26,6 +26,7 @@ from torch_memory_saver._share import MAGIC
 from _prelude import MiB, core, expect, fill, read, rss_bytes, run_cases, tms
 
 N = 6 * MiB
+PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "share_peers.py")  # attackers, without torch
 
 
 def region_tensor(tag, n=N):
@@ -71,6 +72,31 @@ class Receiver:
         assert self.proc.wait(timeout=60) == 0, self.proc.returncode
 
 
+def socket_name(shared):
+    """The abstract name (less its leading NUL) of the sender's socket a handle names:
+    anyone reads these in /proc/net/unix."""
+    h = shared.handle
+    return f"tms-share-{struct.unpack_from('<I', h, 8)[0]}-{struct.unpack_from('<Q', h, 16)[0]:016x}"
+
+
+def thread_cpu(tid):
+    """CPU seconds a thread of this process has used."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def socket_descriptors():
+    """This process's descriptors that are sockets."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
 def raw_ask(shared):
     """What the sender answers a client that skips the library's own checks and asks
     with the right token: (bytes of the answer, descriptors received)."""
@@ -90,7 +116,7 @@ def raw_ask(shared):
     return len(msg), len(fds)
 
 
-def receive():
+def receive(*_):  # reads its arguments from sys.argv
     """The receiver: opens what it is sent, then reads, writes, closes or forks on request."""
     if len(sys.argv) > 2:
         os.setgroups([])
@@ -170,7 +196,7 @@ def round_trip():
     assert r.ask("close") == (1, 0)
     before = rss_bytes()
     report = tms.pause("w")  # the close is complete when the receiver answers: nothing to wait for
-    assert report.released_bytes == N, report
+    assert report.released_bytes == N and report.unconfirmed == [], report  # it said it let go
     assert before - rss_bytes() >= N // 2, (before, rss_bytes())
     tms.resume("w")
     again = fill(p, N)
@@ -195,7 +221,8 @@ def receiver_killed():
     expect(Error, tms.pause, "k", match="is mapped by 1 other process")
     r.proc.send_signal(signal.SIGKILL)
     r.proc.wait(timeout=60)  # its descriptors are closed once it is reaped
-    assert tms.pause("k").released_bytes == N
+    report = tms.pause("k")  # it said nothing, but its process ended: nothing of it maps the memory
+    assert report.released_bytes == N and report.unconfirmed == [], report
     assert "k" in tms.paused_tags()
 
 
@@ -239,7 +266,7 @@ def forged_token(r):
     assert opened[0] == "error" and "is paused: resume it first" in opened[2], opened
 
 
-def sender_exits_first():
+def sender_exits_first(*_):  # reads its arguments from sys.argv
     """The receiver's mapping outlives the sender; a new open then says the sender is gone."""
     if len(sys.argv) > 2:  # the sender, in a process of its own
         p, t = region_tensor("s")
@@ -325,6 +352,111 @@ def fake_sender():
     print("done")
 
 
+def idle_flood():
+    """A process of this user (no handle needed: the socket's name is in /proc/net/unix)
+    opens 1,100 connections and asks nothing, against a sender limited to 1,024
+    descriptors: the sender keeps a handful, its own file calls keep working, and a
+    receiver with the handle opens the memory and reads its bytes."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    p, t = region_tensor("i")
+    data = fill(p, N)
+    shared = tms.share(t)
+    _, warm = region_tensor("j", 2 * MiB)
+    r = Receiver(tms.share(warm))  # started and importing before the flood
+    attacker = subprocess.Popen([sys.executable, PEERS, "flooder", socket_name(shared), "idle", "1100"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert attacker.stdout.readline() == "flooding\n"
+    assert attacker.stdout.readline() == "held 1100\n"
+    kept = socket_descriptors()
+    assert kept <= 2 + 16, kept  # the listener, the warm receiver's and at most ASKING_MAX that have not asked
+    files = [os.open("/dev/null", os.O_RDONLY) for _ in range(64)]  # this process's own calls
+    for fd in files:
+        os.close(fd)
+    os.close(os.memfd_create("mine"))
+    opened = r.open(shared)
+    assert opened[0] == "ok", opened
+    assert r.ask("read") == data
+    r.finish()
+    attacker.stdin.close()
+    assert attacker.wait(timeout=60) == 0
+    print("done")
+
+
+def refusal_flood(*user):
+    """A process (of this user, or of another given one) connects and hangs up as fast as
+    it can for 1.5 s: the sender's thread refuses at most REFUSALS_PER_WINDOW connections
+    per window, so the attacker gets at most that many connects through (plus the
+    backlog) and the thread's CPU time stays a small share of the flood's; a receiver
+    opens the memory while it runs."""
+    p, t = region_tensor("c")
+    data = fill(p, N)
+    threads = set(os.listdir("/proc/self/task"))
+    shared = tms.share(t)  # the first share starts the sender's thread
+    (sender,) = set(os.listdir("/proc/self/task")) - threads
+    _, warm = region_tensor("j", 2 * MiB)
+    r = Receiver(tms.share(warm))  # started and importing before the flood
+    before = thread_cpu(sender)
+    attacker = subprocess.Popen([sys.executable, PEERS, "flooder", socket_name(shared), "churn", "1.5", *user],
+                                stdout=subprocess.PIPE, text=True)
+    assert attacker.stdout.readline() == "flooding\n"
+    opened = r.open(shared)  # while the flood runs
+    assert opened[0] == "ok", opened
+    connected, seconds = attacker.stdout.readline().split()
+    connected, seconds = int(connected), float(seconds)
+    assert attacker.wait(timeout=60) == 0
+    cpu = thread_cpu(sender) - before
+    windows = seconds / 0.1 + 2  # REFUSAL_WINDOW_MS; the first and last in part
+    # Each refusal frees a place in the backlog (LISTEN_BACKLOG + 1); at most a wake's
+    # accepts (ACCEPTS_PER_WAKE) pass the window's budget (REFUSALS_PER_WINDOW).
+    assert connected <= (64 + 16) * windows + 65, (connected, seconds)
+    assert cpu <= 0.25 * seconds + 0.05, (cpu, seconds)
+    assert r.ask("read") == data
+    r.finish()
+    print("done")
+
+
+def hung_up_receiver():
+    """A receiver that hangs up without saying it let go, its process alive and still
+    reading the memory: the sender's pause goes ahead, releases nothing it can vouch for
+    and lists the allocation, the receiver's pid and bytes as unconfirmed. One that hangs
+    up and ends before the pause: released. The library's own receiver says it let go."""
+    p, t = region_tensor("h")
+    data = fill(p, N)
+    shared = tms.share(t)
+    taker_proc = subprocess.Popen([sys.executable, PEERS, "taker", shared.handle.hex(), "stay"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert taker_proc.stdout.readline() == "hung up\n"
+    report = tms.pause("h")
+    assert report.released_bytes == 0, report
+    assert [(u["ptr"], u["bytes"], u["tag"], u["receivers"], u["pids"]) for u in report.unconfirmed] == \
+        [(p, N, "h", 1, [taker_proc.pid])], report.unconfirmed
+    taker_proc.stdin.write("read\n")
+    taker_proc.stdin.flush()
+    assert bytes.fromhex(taker_proc.stdout.readline()) == data  # what the pause did not free
+    tms.resume("h")
+    report = tms.pause("h")  # the marks went with the memory they were about
+    assert report.released_bytes == N and report.unconfirmed == [], report
+    taker_proc.stdin.close()
+    assert taker_proc.wait(timeout=60) == 0
+    tms.resume("h")
+    data = fill(p, N)
+    gone = subprocess.run([sys.executable, PEERS, "taker", shared.handle.hex(), "exit"], capture_output=True,
+                          text=True, timeout=60)
+    assert gone.returncode == 0 and gone.stdout == "hung up\n", gone.stderr
+    report = tms.pause("h")  # its process ended: what it mapped went with it
+    assert report.released_bytes == N and report.unconfirmed == [], report
+    tms.resume("h")
+    r = Receiver(tms.share(t))
+    assert r.ask("close") == (1, 0)
+    report = tms.pause("h")
+    assert report.released_bytes == N and report.unconfirmed == [], report
+    r.finish()
+    print("done")
+
+
 def not_shareable():
     """TMS_SHAREABLE=0: memory is made plain, and share says why it cannot."""
     p, t = region_tensor("n", 2 * MiB)
@@ -332,7 +464,7 @@ def not_shareable():
     print("done")
 
 
-def other_user():
+def other_user(*_):  # reads its arguments from sys.argv
     """A receiver running as another user gets nothing: the sender hangs up on it."""
     p, t = region_tensor("u")
     fill(p, N)
@@ -348,5 +480,5 @@ def other_user():
 
 if __name__ == "__main__":
     run_cases({f.__name__: f for f in (receive, round_trip, sender_exits_first, fake_sender, not_shareable,
-                                       other_user)},
-              sys.argv[:2])
+                                       other_user, idle_flood, refusal_flood, hung_up_receiver)},
+              sys.argv)
