@@ -149,6 +149,10 @@ class BuildExt(build_ext):
         # (pyenv, conda): no path of the build machine goes into the libraries.
         self.compiler.linker_so = [a for a in self.compiler.linker_so if not a.startswith("-Wl,-rpath")]
         _incremental_parallel(self.compiler)
+        # One extension at a time (each compiles its sources in parallel already):
+        # build_extension points build_temp at the variant's own folder, which
+        # setuptools' --parallel would change under another variant's build.
+        self.parallel = None
         # A link flag changed in build.txt relinks what is otherwise up to date.
         need_link, build_txt = self.compiler._need_link, str(ROOT / "src" / "build.txt")
         self.compiler._need_link = lambda objects, output: need_link([*objects, build_txt], output)

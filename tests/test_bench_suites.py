@@ -2,6 +2,7 @@
 suite end to end on the host backend (no GPU), and every suite's report comes
 from the one writer: the same header (device, date, commit, command line), the
 same naming (<suite>_<device>[-<variant>].{md,json}) and an index of the folder."""
+import os
 import json
 import subprocess
 import sys
@@ -70,7 +71,8 @@ STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend
 
 
 def _bench(*args, timeout=240, tmpdir=None):
-    env = {"TMS_BACKEND": "host", "PATH": "/usr/bin:/bin"}
+    # The run's private runtime directory (conftest.py): the budget's ledger goes there.
+    env = {"TMS_BACKEND": "host", "PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": os.environ["XDG_RUNTIME_DIR"]}
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
     return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO_ROOT, capture_output=True,
