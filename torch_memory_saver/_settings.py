@@ -9,6 +9,7 @@ TABLE = {
     "memory_margin_bytes": (int, ("get_memory_margin_bytes", "set_memory_margin_bytes")),
     "retain_cpu_backup": (bool, ("get_retain_cpu_backup", "set_retain_cpu_backup")),
     "spill_to_disk": (bool, ("get_spill_to_disk", "set_spill_to_disk")),
+    "skip_unchanged": (bool, ("get_skip_unchanged", "set_skip_unchanged")),
     "progress": (bool, None),
     "backup_live_only": (bool, None),
 }

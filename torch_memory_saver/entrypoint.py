@@ -140,6 +140,17 @@ class TorchMemorySaver:
         self._settings.set("retain_cpu_backup", value)
 
     @property
+    def skip_unchanged(self) -> bool:
+        """Backed-up pauses copy only the chunks that changed since the backup was
+        written (found on the GPU), keeping each backup between cycles; a region's
+        skip_unchanged overrides it. Default TMS_SKIP_UNCHANGED (off)."""
+        return self._settings.get("skip_unchanged")
+
+    @skip_unchanged.setter
+    def skip_unchanged(self, value: bool):
+        self._settings.set("skip_unchanged", value)
+
+    @property
     def spill_to_disk(self) -> bool:
         """When a backed-up pause would exceed the host backup budget
         (TMS_HOST_BACKUP_LIMIT, or 5 % of the host's memory kept available), the
@@ -162,16 +173,22 @@ class TorchMemorySaver:
 
     @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, enable_disk_backup: bool = False,
-               cpu_backup_backend: Optional[str] = None):
+               cpu_backup_backend: Optional[str] = None, skip_unchanged: Optional[bool] = None):
         """Allocations made by this thread inside are pauseable under `tag`.
         enable_cpu_backup keeps their contents in host memory across a pause;
         enable_disk_backup in a file each, in the disk backup directory (see
         set_disk_backup_dir), with host memory flat. (Upstream's parameter order.)"""
         kind = self._check_region(tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup)
+        if skip_unchanged is not None and not isinstance(skip_unchanged, bool):
+            raise TypeError(f"torch_memory_saver: region(skip_unchanged=...) must be a bool or None, "
+                            f"not {type(skip_unchanged).__name__}")
+        if skip_unchanged and not enable_cpu_backup:
+            raise ValueError(f"torch_memory_saver: region(tag={tag!r}, skip_unchanged=True) needs "
+                             f"enable_cpu_backup=True: unchanged memory is found by comparing with a host backup")
         impl = self._ensure_initialized()
         self._tags_seen.add(tag)
         with self._nested("region", tag, (enable_cpu_backup, kind, enable_disk_backup)):
-            with impl.region(tag, enable_cpu_backup, kind, enable_disk_backup):
+            with impl.region(tag, enable_cpu_backup, kind, enable_disk_backup, skip_unchanged):
                 yield
 
     @contextlib.contextmanager
@@ -298,7 +315,7 @@ class TorchMemorySaver:
             return torch.empty(x.shape, dtype=x.dtype)
         span = _share.span_bytes(x)
         try:
-            view = core.get_cpu_backup(x.data_ptr(), span)
+            view = core.get_cpu_backup(x.data_ptr(), span, zero_copy)
         except ValueError:
             # An expandable segment's pages are allocations of their own: a tensor
             # may span several, each with its own backup.

@@ -55,6 +55,8 @@ struct tms_region {
     int backup;       /* keep a host copy across pause */
     int backup_kind;  /* the CPU backup's kind (tms_core_backup_kind_parse): pinned or mmap */
     int disk_backup;  /* back up to a file instead; wins over backup when both are set */
+    int skip_unchanged; /* a pause copies only chunks changed since the backup was written (keeping the
+                         * backup while active): 1, 0, or -1: the process's setting decides at the pause */
 };
 
 /* The calling thread's region. */
@@ -64,6 +66,7 @@ void tms_core_region_set_active(int active);
 void tms_core_region_set_backup(int backup);
 void tms_core_region_set_backup_kind(int kind);
 void tms_core_region_set_disk_backup(int disk);
+void tms_core_region_set_skip_unchanged(int skip);  /* 1, 0 or -1 (the process's setting) */
 /* Makes tag (checked as for a region) the calling thread's region tag,
  * holding a reference on it until the thread names another or ends. */
 int tms_core_set_region_tag(const char *tag, struct tms_err *err);
@@ -143,6 +146,7 @@ struct tms_op_device {
     size_t released;      /* bytes unmapped by a pause, or mapped by a resume */
     size_t copied;        /* bytes moved to (from) backups */
     size_t skipped;       /* bytes of backed-up allocations not copied: free in the caller's cache */
+    size_t unchanged;     /* bytes not copied because they had not changed since their backup was written */
     size_t free_before, free_after;  /* the driver's free bytes around the call (0 if it could not say) */
     int free_measured;    /* free_before and free_after were asked for (tms_op_args.measure_free) */
 };
@@ -168,6 +172,8 @@ struct tms_op_report {
     struct tms_op_device devices[TMS_REPORT_DEVICES];
     size_t n_unconfirmed; /* all of them; the first TMS_REPORT_UNCONFIRMED are listed */
     struct tms_op_unconfirmed unconfirmed[TMS_REPORT_UNCONFIRMED];
+    uint64_t fingerprint_ns;  /* a pause's time spent finding unchanged memory */
+    char why_not_skipped[160];  /* "" or why memory that was to skip unchanged chunks was copied whole */
 };
 
 /* How one pause or resume runs; every field optional (zeroed: as tms_core_pause). */
@@ -197,8 +203,11 @@ int tms_core_resume_ex(const char *const *tags, size_t n_tags, const struct tms_
  * releases it) and *offset the position of ptr in it; *out = NULL if ptr is in
  * no allocation or the allocation has no host copy now. TMS_E_ARG if the range
  * starts inside an allocation and runs past its end. Waits while a pause or
- * resume is moving that allocation (its backup is being written). */
-int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *offset, struct tms_err *err);
+ * resume is moving that allocation (its backup is being written). writable:
+ * the caller may write the bytes (a zero-copy view), so the backup's record of
+ * what it holds is no longer trusted (tms_backup_viewed). */
+int tms_core_backup_of(uint64_t ptr, size_t n, int writable, struct tms_backup **out, size_t *offset,
+                       struct tms_err *err);
 /* The bytes a host backup holds (a view of it aliases them), and letting go
  * of the view's reference. */
 void *tms_core_backup_bytes(const struct tms_backup *b);
@@ -303,12 +312,16 @@ int tms_core_retain(void);
 /* Host backups that do not fit the host backup budget go to disk instead. */
 void tms_core_set_spill(int spill);
 int tms_core_spill(void);
+/* A pause of an allocation whose region did not say copies only what changed
+ * since its backup was written (and keeps that backup while active). */
+void tms_core_set_skip_unchanged(int skip);
+int tms_core_skip_unchanged(void);
 
 /* The TMS_* settings the process started with, as the faces report them. */
 struct tms_core_defaults {
     int init_enable, init_backup, init_backup_kind, init_disk_backup, retain_backup;
     size_t chunk_bytes, disk_block_bytes;
-    int progress, backup_live_only, spill_to_disk, reloc_hooks;
+    int progress, backup_live_only, spill_to_disk, reloc_hooks, skip_unchanged;
 };
 void tms_core_defaults(struct tms_core_defaults *out);
 /* The first malformed TMS_* variable of the process (TMS_OK if none): what

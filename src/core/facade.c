@@ -14,6 +14,7 @@ void tms_core_defaults(struct tms_core_defaults *out)
     *out = (struct tms_core_defaults){
         .init_enable = d->init_enable, .init_backup = d->init_backup, .init_backup_kind = tms_backup_default_kind(),
         .init_disk_backup = d->init_disk_backup, .retain_backup = d->retain_backup, .chunk_bytes = d->chunk_bytes,
+        .skip_unchanged = d->skip_unchanged,
         .disk_block_bytes = d->disk_block_bytes, .progress = d->progress, .backup_live_only = d->backup_live_only,
         .spill_to_disk = d->spill_to_disk, .reloc_hooks = d->reloc_hooks,
     };

@@ -13,7 +13,9 @@
       "Allocations fail with OOM if they would leave fewer than n bytes free.")                    \
     X(retain_cpu_backup, bool, retain, tms_core_set_retain, tms_core_retain,                       \
       "Keep host backups across resume.")                                                          \
-    X(spill_to_disk, bool, spill, tms_core_set_spill, tms_core_spill, "Backups past the host budget go to disk.")
+    X(spill_to_disk, bool, spill, tms_core_set_spill, tms_core_spill, "Backups past the host budget go to disk.") \
+    X(skip_unchanged, bool, skip, tms_core_set_skip_unchanged, tms_core_skip_unchanged,                \
+      "Pauses copy only the chunks that changed since the backup was written.")
 
 static PyObject *set_size(const char *name, PyObject *arg, void (*set)(size_t))
 {
@@ -288,14 +290,15 @@ static PyObject *py_defaults(PyObject *module, PyObject *unused)
     (void)module, (void)unused;
     struct tms_core_defaults defaults, *d = &defaults;
     tms_core_defaults(d);
-    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
+    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O,s:O,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
                          "init_enable_cpu_backup", d->init_backup ? Py_True : Py_False,
                          "init_cpu_backup_backend", tms_core_backup_kind_name(d->init_backup_kind),
                          "init_enable_disk_backup", d->init_disk_backup ? Py_True : Py_False,
                          "retain_cpu_backup", d->retain_backup ? Py_True : Py_False, "chunk_bytes",
                          (Py_ssize_t)d->chunk_bytes, "disk_backup_chunk_bytes", (Py_ssize_t)d->disk_block_bytes,
                          "progress", d->progress ? Py_True : Py_False, "backup_live_only",
-                         d->backup_live_only ? Py_True : Py_False, "spill_to_disk", d->spill_to_disk ? Py_True : Py_False);
+                         d->backup_live_only ? Py_True : Py_False, "spill_to_disk", d->spill_to_disk ? Py_True : Py_False,
+                         "skip_unchanged", d->skip_unchanged ? Py_True : Py_False);
 }
 
 PyDoc_STRVAR(set_disk_backup_dir_doc,

@@ -37,15 +37,18 @@ PyType_Spec tms_py_view_spec = {
 };
 
 PyDoc_STRVAR(get_cpu_backup_doc,
-"get_cpu_backup($module, ptr, nbytes, /)\n--\n\n"
+"get_cpu_backup($module, ptr, nbytes, zero_copy=True, /)\n--\n\n"
 "A writable memoryview of the host backup of [ptr, ptr+nbytes), or None if the\n"
-"allocation holding ptr has no host copy now. The view keeps the bytes alive.");
+"allocation holding ptr has no host copy now. The view keeps the bytes alive.\n"
+"zero_copy: the caller may write it, so unchanged memory is never again found by\n"
+"comparing with this backup; False: the caller only copies out of it.");
 
 static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
 {
     PyObject *ptr_obj;
     Py_ssize_t nbytes;
-    if (!PyArg_ParseTuple(args, "O!n:get_cpu_backup", &PyLong_Type, &ptr_obj, &nbytes)) return NULL;
+    int zero_copy = 1;
+    if (!PyArg_ParseTuple(args, "O!n|p:get_cpu_backup", &PyLong_Type, &ptr_obj, &nbytes, &zero_copy)) return NULL;
     unsigned long long ptr = PyLong_AsUnsignedLongLong(ptr_obj);  /* checks sign and range */
     if (ptr == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear();
@@ -57,7 +60,7 @@ static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
     size_t offset = 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS  /* waits while a pause or resume moves that allocation */
-    rc = tms_core_backup_of(ptr, (size_t)nbytes, &b, &offset, &err);
+    rc = tms_core_backup_of(ptr, (size_t)nbytes, zero_copy, &b, &offset, &err);
     Py_END_ALLOW_THREADS
     if (rc) return tms_py_raise(module, &err);
     if (!b) Py_RETURN_NONE;

@@ -11,6 +11,7 @@
 #pragma weak PyArg_ParseTupleAndKeywords
 #pragma weak PyArg_UnpackTuple
 #pragma weak PyBool_FromLong
+#pragma weak PyBool_Type
 #pragma weak PyBuffer_FillInfo
 #pragma weak PyBytes_AsString
 #pragma weak PyBytes_Size

@@ -101,6 +101,7 @@ static void load_defaults(void)
     env_bool("TMS_INIT_ENABLE", &defaults.init_enable);
     env_bool("TMS_INIT_ENABLE_CPU_BACKUP", &defaults.init_backup);
     env_bool("TMS_RETAIN_CPU_BACKUP", &defaults.retain_backup);
+    env_bool("TMS_SKIP_UNCHANGED", &defaults.skip_unchanged);
     env_bool("TMS_INIT_ENABLE_DISK_BACKUP", &defaults.init_disk_backup);
     defaults.reloc_hooks = 1;
     env_bool("TMS_RELOC_HOOKS", &defaults.reloc_hooks);
@@ -219,7 +220,7 @@ static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
 {
     static const char *const names[TMS_FAULT_OPS] = {
         "create", "map", "unmap", "copy_to_host", "copy_to_device", "host_alloc",
-        "disk_write", "disk_read", "disk_short_write", "disk_no_direct", "disk_sync",
+        "disk_write", "disk_read", "disk_short_write", "disk_no_direct", "disk_sync", "fingerprint",
     };
     const char *s = getenv("TMS_FAULT");
     if (!s || !*s) return TMS_OK;
@@ -240,7 +241,7 @@ static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
             return tms_fail(err, TMS_E_ARG, 0,
                             "TMS_FAULT='%s' is malformed (expected op:n with op one of create, map, "
                             "unmap, copy_to_host, copy_to_device, host_alloc, disk_write, disk_read, "
-                            "disk_short_write, disk_no_direct, disk_sync)", s);
+                            "disk_short_write, disk_no_direct, disk_sync, fingerprint)", s);
         at[op] = (long)n;
     }
     return TMS_OK;
@@ -286,7 +287,7 @@ int tms_env_check(struct tms_err *err)
 static const char *const env_names[] = {
     /* the process defaults and the host backend, above */
     "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "TMS_INIT_ENABLE_DISK_BACKUP", "TMS_INIT_CPU_BACKUP_BACKEND",
-    "TMS_RETAIN_CPU_BACKUP", "TMS_RELOC_HOOKS", "TMS_SHAREABLE", "TMS_DISK_BACKUP_TRUST_DIR", "TMS_DISK_BACKUP_CHUNK_MB",
+    "TMS_RETAIN_CPU_BACKUP", "TMS_SKIP_UNCHANGED", "TMS_RELOC_HOOKS", "TMS_SHAREABLE", "TMS_DISK_BACKUP_TRUST_DIR", "TMS_DISK_BACKUP_CHUNK_MB",
     "TMS_PROGRESS", "TMS_BACKUP_LIVE_ONLY", "TMS_SPILL_TO_DISK", "TMS_HOST_MEMORY_SAFETY",
     "TMS_HOST_BACKUP_LIMIT", "TMS_HOST_BACKUP_LIMIT_NAME", "TMS_BACKUP_THREADS", "TMS_BACKUP_BLOCK_BYTES",
     "TMS_CHUNK_BYTES", "TMS_LOG", "TMS_PLATFORM", "TMS_BACKEND", "TMS_HOST_DEVICE_BYTES", "TMS_HOST_DEVICES",

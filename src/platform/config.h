@@ -25,6 +25,7 @@ struct tms_defaults {
     int spill_to_disk;           /* TMS_SPILL_TO_DISK: what does not fit the budget goes to disk */
     int host_memory_safety;      /* TMS_HOST_MEMORY_SAFETY (default 1): no limit, yet keep 5 % of the host available */
     int retain_backup;           /* TMS_RETAIN_CPU_BACKUP */
+    int skip_unchanged;          /* TMS_SKIP_UNCHANGED: pauses copy only what changed since the backup was written */
     size_t chunk_bytes;          /* TMS_CHUNK_BYTES (<= TMS_CHUNK_BYTES_MAX); 0 = one handle per allocation */
     int chunk_bytes_set;         /* else the backend's default applies */
     int backup_threads;          /* TMS_BACKUP_THREADS; 0 = one per core, at most 16 */
@@ -50,6 +51,7 @@ enum tms_fault_op {
      * a file created without O_DIRECT (as on a filesystem that has none), a write-back failing with EIO */
     TMS_FAULT_DISK_WRITE, TMS_FAULT_DISK_READ, TMS_FAULT_DISK_SHORT_WRITE, TMS_FAULT_DISK_NO_DIRECT,
     TMS_FAULT_DISK_SYNC,
+    TMS_FAULT_FINGERPRINT,  /* the host backend's fingerprint, failing as a kernel the driver cannot load */
     TMS_FAULT_OPS
 };
 struct tms_host_env {
