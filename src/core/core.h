@@ -366,6 +366,16 @@ int tms_core_current_device(int *device, struct tms_err *err);
 int tms_core_device_active(int device, int *active, struct tms_err *err);
 /* Bytes copied so far by the backup copy running now (or the last), and its size. */
 void tms_core_copy_progress(size_t *done, size_t *total);
+/* Fingerprints of the n chunks of 2 MiB from va on device as a pause takes
+ * them (platform/fingerprint.h), for tests: TMS_E_UNSUPPORTED where the
+ * backend has none, TMS_E_DRIVER with the code where its kernel fails. */
+#define TMS_CORE_FP_CHUNK ((size_t)2 << 20)
+int tms_core_fingerprint(int device, uint64_t va, size_t n, uint64_t (*out)[4], struct tms_err *err);
+/* The same on the CPU over len bytes (a multiple of 256 KiB, n = len / 256 KiB
+ * blocks of the chunk size given), under the process's key, or under key
+ * (4 x 256 uint32 NH words, then 4 uint64 points) where it is not NULL. */
+int tms_core_fingerprint_bytes(const void *data, size_t len, size_t chunk, const void *key, uint64_t (*out)[4],
+                               struct tms_err *err);
 /* The message of this thread's last failed hook or C ABI call ("" if none). */
 const char *tms_core_last_error(void);
 void tms_core_keep_error(const struct tms_err *err);

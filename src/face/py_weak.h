@@ -15,6 +15,7 @@
 #pragma weak PyBuffer_FillInfo
 #pragma weak PyBytes_AsString
 #pragma weak PyBytes_Size
+#pragma weak PyBytes_Type
 #pragma weak PyDict_SetItemString
 #pragma weak PyErr_Format
 #pragma weak PyLong_Type
