@@ -271,11 +271,30 @@ def test_the_call_graph_sees_the_calls_it_should():
     graph = call_graph(sources(SRC))
     assert "core/table.c" in graph["core/claim.c"] or "core/table.c" in graph["core/alloc.c"]
     assert "platform/driver.c" in graph["core/pause.c"]
-    assert "backup/transfer_batch.c" in graph["backup/fill.c"] and "backup/transfer.c" in graph["backup/transfer_batch.c"]
+    assert "backup/transfer_batch.c" in graph["backup/save.c"] and "backup/transfer.c" in graph["backup/transfer_batch.c"]
+    assert "backup/save.c" in graph["core/pause.c"] and "backup/restore.c" in graph["core/resume.c"]
     assert "hooks/reloc.c" in graph["hooks/shim.c"]       # a call inside a header's macro counts for its user
     assert "core/alloc.c" in graph["hooks/hook.c"]
     assert {"platform/os_host.c", "platform/os_dir.c", "platform/os_file.c"} <= graph["backup/ledger.c"]
     assert {"platform/os_dir.c", "platform/os_file.c"} <= graph["backup/files_dir.c"]
+
+
+def test_the_core_reaches_backups_through_one_entry_each_way():
+    """The core saves with tms_backup_save and restores with tms_backup_restore: it calls
+    no copy worker (tms_transfer_*) and sees no backup's record (struct tms_backup is
+    complete only in backup/kind.h, which no core file includes)."""
+    internals = ("backup/kind.h", "backup/transfer.h", "backup/save.h", "backup/host.h", "backup/files.h",
+                 "backup/files_dir.h")
+    for rel, text in sources(SRC).items():
+        if not rel.startswith("core/"):
+            continue
+        code = code_of(text)
+        assert not re.search(r"\btms_transfer_\w+\s*\(", code), f"{rel} calls the copy workers directly"
+        for header in INCLUDE.findall(text):
+            assert header not in internals, f"{rel} includes {header}, a backup layer's internal header"
+    calls = call_graph(sources(SRC))
+    backup_users = {f for f in calls if f.startswith("core/") and any(g.startswith("backup/") for g in calls[f])}
+    assert "core/pause.c" in backup_users and "core/resume.c" in backup_users
 
 
 def test_design_md_states_the_same_table():

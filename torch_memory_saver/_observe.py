@@ -141,6 +141,11 @@ def _run_with_progress(core, fn, args, op, tag):
     return outcome["result"], interrupt
 
 
+def logs_calls():
+    """Is the summary line of a pause or resume logged (INFO enabled)?"""
+    return logger.isEnabledFor(logging.INFO)
+
+
 def logged(core, fn, args, op, tag, report, progress):
     """Runs fn(*args) (the core's pause or resume of tag) and returns
     report(its result), logging a summary at INFO (with progress lines while it

@@ -9,7 +9,8 @@ def gb_per_s(nbytes, seconds):
 class DeviceReport:
     """One device's part of a pause or resume. Bytes are exact counts from the
     core; free_before/free_after are the driver's free memory around the call
-    (0 where it could not say)."""
+    (0 where it could not say), measured only when the call was given
+    measure_free=True or logged at INFO (else None)."""
 
     __slots__ = ("device", "allocations", "released_bytes", "copied_bytes", "skipped_bytes", "seconds",
                  "free_before", "free_after")

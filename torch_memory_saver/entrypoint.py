@@ -212,16 +212,17 @@ class TorchMemorySaver:
 
     # ---- pause / resume ------------------------------------------------------
 
-    def pause(self, tag=None):
+    def pause(self, tag=None, *, measure_free: bool = False):
         """Release the memory of `tag` (a tag, a list of tags, or None: every tag);
         backed-up tags copy to host first (only PyTorch's live blocks, see
-        backup_live_only). Returns a Report of what it did."""
-        return self._pause_or_resume("pause", tag)
+        backup_live_only). Returns a Report of what it did; measure_free (or the
+        INFO log line) also asks the driver for its free memory around the call."""
+        return self._pause_or_resume("pause", tag, measure_free)
 
-    def resume(self, tag=None):
+    def resume(self, tag=None, *, measure_free: bool = False):
         """Map the memory of `tag` (a tag, a list of tags, or None: every tag) back at
         the same addresses; backed-up contents are restored. Returns a Report."""
-        return self._pause_or_resume("resume", tag)
+        return self._pause_or_resume("resume", tag, measure_free)
 
     def is_paused(self, tag: str) -> bool:
         """True if `tag` holds paused memory and nothing active (so pause(tag) would
@@ -236,18 +237,25 @@ class TorchMemorySaver:
         rows = _observe.tag_bytes(self._ensure_initialized().core)
         return sorted(t for t, (mapped, paused) in rows.items() if paused and not mapped)
 
-    def _pause_or_resume(self, op, tag):
+    def _pause_or_resume(self, op, tag, measure_free):
         # A list or tuple of tags (ours beyond upstream) is all or nothing: the core
-        # decides for all of them under one lock.
-        _library.load(self._hook_mode).check_tags(op, tag)  # before first use: a bad tag starts nothing
+        # decides for all of them under one lock. One call into the core checks the
+        # tags, asks for PyTorch's free blocks only if the pause backs something up,
+        # and pauses; the first use checks the tags before it loads anything.
+        if self._impl is None:
+            _library.load(self._hook_mode).check_tags(op, tag)
         impl = self._ensure_initialized()
         core, tag = impl.core, list(tag) if isinstance(tag, tuple) else tag
         if tag is not None:
             self._warn_unknown_tags(op, [tag] if isinstance(tag, str) else tag, core)
-        skip = None
-        if op == "pause" and self.backup_live_only and impl.on_gpu() and core.selects_backup(tag):
-            skip = _live.free_spans()
-        fn, args = (core.pause, (tag, skip)) if op == "pause" else (core.resume, (tag,))
+        if not isinstance(measure_free, bool):
+            raise TypeError(f"torch_memory_saver: {op}: measure_free must be a bool, not {type(measure_free).__name__}")
+        measure_free = measure_free or _observe.logs_calls()
+        if op == "pause":
+            skip = _live.free_spans if self.backup_live_only and impl.on_gpu() else None
+            fn, args = core.pause, (tag, skip, measure_free)
+        else:
+            fn, args = core.resume, (tag, measure_free)
         return _observe.logged(core, fn, args, op, tag, lambda raw: _report.Report(op, raw), self.progress)
 
     def _warn_unknown_tags(self, op, tags, core):

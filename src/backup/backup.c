@@ -1,5 +1,5 @@
 /* Backups of paused allocations: the contract's dispatch, references and statistics; each kind is its own file. */
-#include "backup/backup.h"
+#include "backup/kind.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -186,3 +186,7 @@ void tms_backup_part_restored(void *backup)
     struct tms_backup *b = backup;
     if (__atomic_sub_fetch(&b->parts_left, 1, __ATOMIC_ACQ_REL) == 0) tms_backup_release_restored(b);
 }
+
+int tms_backup_kind(const struct tms_backup *b) { return b->kind; }
+
+size_t tms_backup_size(const struct tms_backup *b) { return b->size; }

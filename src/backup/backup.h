@@ -1,4 +1,4 @@
-/* Backups of paused allocations: one contract, one file per kind (pageable, pinned, retained, disk). */
+/* Backups of paused allocations as the core sees them: one call saves, one restores, one record says what moved. */
 #ifndef TMS_BACKUP_H
 #define TMS_BACKUP_H
 
@@ -9,11 +9,12 @@
 #include "platform/error.h"
 
 /*
- * The core asks for a backup of an allocation, fills it on pause and reads it
- * on resume; the copy workers (transfer.c) move its blocks. Neither knows how
- * a kind keeps its bytes: each kind is one table of operations below, in a
- * file of its own. Adding a kind is adding such a file, its entry below and
- * its case in tms_backup_ops_of (backup.c).
+ * A pause hands its backed-up allocations to tms_backup_save, a resume hands
+ * its paused ones to tms_backup_restore; each describes one allocation by a
+ * struct tms_backup_move. What a backup is (host memory, page-locked or not,
+ * a file) and how its bytes move (the copy workers of transfer.c) stays in
+ * this layer: the core holds a backup only as a pointer and asks about it
+ * through the functions below.
  */
 
 enum tms_backup_kind {
@@ -26,24 +27,6 @@ enum tms_backup_kind {
  * between cycles; pinning a large backup fresh costs seconds (docs/performance.md). */
 #define TMS_BACKUP_DEFAULT TMS_BACKUP_MMAP
 
-/* The granule of a kind's partial copies unless it names its own: a huge
- * page, so that a range left out leaves whole pages of a backup untouched. */
-#define TMS_BACKUP_GRANULE ((size_t)2 << 20)
-
-/* How the copy workers move a backup's blocks, chosen when a copy is planned. */
-enum tms_backup_path {
-    TMS_PATH_STAGED,    /* through the workers' pinned staging: write_block / read_block */
-    TMS_PATH_DIRECT,    /* a DMA straight to or from page-locked host memory (direct_at) */
-    TMS_PATH_PREPARED,  /* device->host: the kind prepares each block first (prepare_block), then as DIRECT, or
-                         * as STAGED where it could not */
-};
-
-/* Block sizes the copy workers offer: staged copies, direct ones, and a
- * staging slot's size (the most one staged block can be). */
-struct tms_block_sizes {
-    size_t staged, direct, slot;
-};
-
 struct tms_backup;
 
 /* Bytes [off, off + len) of a backup (offsets from its allocation's start). */
@@ -51,137 +34,87 @@ struct tms_range {
     size_t off, len;
 };
 
-struct tms_backup_ops {
-    const char *name;
-    /* A pause that copies part of an allocation copies ranges that start and
-     * end on multiples of this (or at the allocation's end). */
-    size_t granule;
-    int host_memory;     /* its bytes are host memory a CPU view may alias (get_cpu_backup) */
-    int must_lock;       /* page-locked is what it promises: lacking the memory to lock a piece fails the copy
-                          * (else that piece, and so the backup, only stays pageable) */
-    int open_limit;      /* at most this many open at once in one copy (descriptors), 0: no limit */
-    int interleave;      /* a copy takes its backups' blocks in turns (I/O in flight on several at once) */
-    /* Makes b's storage for b->size bytes of the allocation at va on device. */
-    int (*create)(struct tms_backup *b, int device, uint64_t va, struct tms_err *err);
-    /* A pause may write into b again. */
-    int (*reusable)(const struct tms_backup *b);
-    /* Around a copy's blocks (NULL: nothing to do). close after writes makes them durable. */
-    int (*open)(struct tms_backup *b, struct tms_err *err);
-    int (*close)(struct tms_backup *b, int wrote, struct tms_err *err);
-    /* How the bytes [off, off+len) move (a range a copy takes as one item). */
-    enum tms_backup_path (*path)(const struct tms_backup *b, int to_host, size_t off, size_t len);
-    /* The length of the block at off on path, at most left. */
-    size_t (*block_len)(const struct tms_backup *b, enum tms_backup_path path, size_t off, size_t left,
-                        const struct tms_block_sizes *sizes);
-    /* DIRECT: the host address of byte off. */
-    void *(*direct_at)(const struct tms_backup *b, size_t off);
-    /* PREPARED: 1 if the block now takes a DMA directly, 0 if it must be staged,
-     * or a status (< 0 as -status) with err filled. */
-    int (*prepare_block)(struct tms_backup *b, size_t off, size_t len, struct tms_err *err);
-    /* STAGED: len bytes between the staging and the backup at off. */
-    int (*write_block)(struct tms_backup *b, const void *staging, size_t len, size_t off, struct tms_err *err);
-    int (*read_block)(struct tms_backup *b, void *staging, size_t len, size_t off, struct tms_err *err);
-    /* A pause's copy into b succeeded (NULL: nothing to record). */
-    void (*copied)(struct tms_backup *b);
-    /* An active allocation keeps b (to be written again by its next pause). */
-    int (*kept_while_active)(const struct tms_backup *b, int retain);
-    /* A pause just made b to copy all of an allocation, and b is kept across
-     * resume: it will be copied every cycle (NULL: nothing to prepare). */
-    void (*will_be_kept)(struct tms_backup *b);
-    /* After a pause or resume that keeps b (NULL: nothing). */
-    void (*kept)(struct tms_backup *b, int retain);
-    /* Frees b's storage (once, at the last reference or on restore). */
-    void (*release)(struct tms_backup *b);
-    /* A DMA can go straight to b now (page-locked). NULL: never. */
-    int (*page_locked)(const struct tms_backup *b);
-};
-
-extern const struct tms_backup_ops tms_backup_ops_pageable, tms_backup_ops_pinned, tms_backup_ops_disk;
-
-enum tms_pinning { TMS_PIN_NONE, TMS_PIN_RUNNING, TMS_PIN_DONE, TMS_PIN_FAILED };
-
-/* Reference-counted so a zero-copy view handed to Python keeps the bytes
- * alive after the core has dropped them (resume without retain, free). */
-struct tms_backup {
-    const struct tms_backup_ops *ops;
-    int kind;                        /* enum tms_backup_kind */
+/* One allocation a save or a restore moves. The caller fills the first part. */
+struct tms_backup_move {
+    int kind;                   /* the allocation's backup kind */
+    int device;
+    tms_va va;
     size_t size;
-    int device;                      /* the allocation's: host memory calls run in its context */
-    int refs;                        /* atomic */
-    const struct tms_driver *drv;
-    /* Host-memory kinds (host.h): */
-    void *host;                      /* the bytes; NULL once released */
-    int pinning;                     /* atomic, enum tms_pinning: TMS_PIN_DONE once page-locked */
-    unsigned char *locked;           /* per piece: registered now; NULL until a piece may be */
-    struct tms_backup *pin_next;     /* in the queue of backups to page-lock (retained.c) */
-    /* Other kinds' own state (disk.c: its file). */
-    void *kind_state;
-    /* What its last pause wrote: n_ranges ranges, or every byte if ranges is
-     * NULL. Set by the core while it owns the allocation (moving). */
+    struct tms_backup *held;    /* its backup now (a save may write into it again; a restore reads it), or NULL */
+    /* Save: the bytes to copy (NULL: every one; tms_backup_granule says how
+     * ranges are cut); the call takes them. */
     struct tms_range *ranges;
     size_t n_ranges;
-    int parts_left;                  /* atomic: a resume's items still copying (tms_backup_part_restored) */
-    size_t reserved;                 /* bytes of the host backup budget it holds (backup/ledger.h) */
+    /* Out: */
+    struct tms_backup *copy;    /* its backup after the call: held or a new one, NULL if it has none */
+    size_t copied;              /* bytes copied */
+    int whole;                  /* save: failed, yet its copy is whole and kept; restore: every byte is back */
 };
 
-/* The kind of an allocation's backup, by enum tms_backup_kind. */
-const struct tms_backup_ops *tms_backup_ops_of(int kind);
+/* What a save or a restore tells its caller while it runs (each optional). */
+struct tms_backup_hooks {
+    void *arg;
+    /* Save: move i is wholly in its backup while the others still copy, in
+     * the caller's thread. Called only where every move of the call is saved
+     * whole into a backup it reuses and can DMA to at once (a retained,
+     * page-locked one), so that the caller may release the device memory
+     * early; if the save then fails, such a move's copy is kept (whole). */
+    void (*saved)(void *arg, size_t i);
+    /* Restore: called in the caller's thread, in move order, before any byte
+     * of move i (or of a later move) is copied back, while earlier moves'
+     * copies run, and for moves without a backup too. Nonzero stops the
+     * restore: move i and the later ones are left unrestored. */
+    int (*before_restore)(void *arg, size_t i);
+};
 
-/* New backup of size bytes for the allocation at va on device, with one
- * reference. TMS_E_HOST_OOM naming size and kind; TMS_E_IO for a file. */
-int tms_backup_new(const struct tms_driver *drv, int kind, int device, size_t size, uint64_t va,
-                   struct tms_backup **out, struct tms_err *err);
+/* Saves the device's bytes of the n moves m[0..n) point to: reserves
+ * from the host backup budget what they need beyond what the backups they
+ * reuse hold (spilling the largest to disk where spill is on and the budget
+ * has no room), makes or reuses each backup, and copies. On success each
+ * copy holds the move's ranges (every byte if none). On failure the budget is
+ * as it was and every backup the call began to overwrite is dropped (a file
+ * is removed: the device still holds the truth), so each copy is NULL, but a
+ * whole one the saved hook reported, which is kept (whole = 1); a failure
+ * before any copy started leaves each copy = held. pre: the devices are
+ * synchronized; the memory stays mapped unless the hook lets it go. */
+int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const *m, size_t n, int retain, int spill,
+                    const struct tms_backup_hooks *hooks, struct tms_err *err);
 
-/* What a pause writes into: *b itself if it can be written again (opened),
- * else a new one (opened; the old one stays for the caller to drop). */
-int tms_backup_for_pause(const struct tms_driver *drv, int kind, int device, size_t size, uint64_t va,
-                         struct tms_backup **b, struct tms_err *err);
+/* Copies each move's held backup (what its last save wrote) back to the
+ * device, calling before_restore first (that is where the caller maps the
+ * memory). A move whose every byte is back has whole = 1, and copy = held if
+ * the backup is kept while active (retain, or its kind keeps it), else NULL
+ * (its storage went as soon as its bytes were back). A backup that cannot be
+ * opened stops the restore there as a failed hook does. Returns the first
+ * failure in move order (a hook's own is the caller's to report: the call
+ * returns TMS_OK for it); a move left with whole = 0 keeps copy = held.
+ * pre: nothing else writes the device ranges. */
+int tms_backup_restore(const struct tms_driver *drv, struct tms_backup_move *const *m, size_t n, int retain,
+                       const struct tms_backup_hooks *hooks, struct tms_err *err);
 
-/* ---- the operations of b's kind, for the copy workers and the core ---------- */
-int tms_backup_open(struct tms_backup *b, struct tms_err *err);
-int tms_backup_close(struct tms_backup *b, int wrote, struct tms_err *err);
-int tms_backup_open_limit(const struct tms_backup *b);
-int tms_backup_interleaves(const struct tms_backup *b);
-enum tms_backup_path tms_backup_path(const struct tms_backup *b, int to_host, size_t off, size_t len);
-size_t tms_backup_block_len(const struct tms_backup *b, enum tms_backup_path path, size_t off, size_t left,
-                            const struct tms_block_sizes *sizes);
-void *tms_backup_direct_at(const struct tms_backup *b, size_t off);
-int tms_backup_prepare_block(struct tms_backup *b, size_t off, size_t len, struct tms_err *err);
-int tms_backup_write_block(struct tms_backup *b, const void *staging, size_t len, size_t off, struct tms_err *err);
-int tms_backup_read_block(struct tms_backup *b, void *staging, size_t len, size_t off, struct tms_err *err);
+/* Drops the backup a move would install if it is not the one it held. */
+void tms_backup_move_discard(struct tms_backup_move *m);
 
+/* ---- asking about a backup -------------------------------------------------- */
+int tms_backup_kind(const struct tms_backup *b);
+size_t tms_backup_size(const struct tms_backup *b);
+/* Bytes its last save wrote (its ranges). */
+size_t tms_backup_held(const struct tms_backup *b);
 /* The bytes of a host-memory backup (a CPU view aliases them), else NULL. */
 void *tms_backup_host(const struct tms_backup *b);
 /* Is b page-locked now (a DMA can go straight to it)? */
 int tms_backup_pinned(const struct tms_backup *b);
-
-void tms_backup_copied(struct tms_backup *b);
+/* Does an active allocation keep b (to be written again by its next pause)? */
 int tms_backup_kept_while_active(const struct tms_backup *b, int retain);
-void tms_backup_will_be_kept(struct tms_backup *b);
+/* After a pause or resume that keeps b (a retained one is page-locked in the background). */
 void tms_backup_kept(struct tms_backup *b, int retain);
 
 void tms_backup_ref(struct tms_backup *b);
 void tms_backup_unref(struct tms_backup *b);
 
-/* A resume restored every byte of backup (a struct tms_backup *) and drops
- * it: its storage goes now, on the copy worker, while other allocations'
- * copies still run, unless a zero-copy view still holds it. The record stays
- * until the last reference. */
-void tms_backup_release_restored(void *backup);
-/* As tms_backup_release_restored once the last of n items is restored
- * (tms_backup_part_restored, once per item). */
-void tms_backup_expect_parts(struct tms_backup *b, size_t n);
-void tms_backup_part_restored(void *backup);
-
+/* ---- kinds -------------------------------------------------------------------- */
 /* The granule of kind's partial copies. */
 size_t tms_backup_granule(int kind);
-/* b holds ranges (taken, NULL: every byte) from now on. */
-void tms_backup_set_ranges(struct tms_backup *b, struct tms_range *ranges, size_t n_ranges);
-/* Bytes its ranges hold. */
-size_t tms_backup_held(const struct tms_backup *b);
-
-/* The kind a host backup is made as when the host backup budget has no room for it. */
-int tms_backup_spill_kind(void);
 /* Does kind keep a host copy (a CPU backup), rather than a file? */
 int tms_backup_kind_is_host(int kind);
 /* The name of kind: "pinned", "mmap" or "disk". */
@@ -190,12 +123,19 @@ const char *tms_backup_kind_name(int kind);
 int tms_backup_kind_parse(const char *name, int *kind);
 /* The kind of TMS_INIT_CPU_BACKUP_BACKEND, else TMS_BACKUP_DEFAULT. */
 int tms_backup_default_kind(void);
+/* The kind a region's allocations are backed up as: a disk backup wins over a
+ * CPU one of cpu_kind (the upstream library's rule for settings made one at a time). */
+int tms_backup_kind_of_region(int cpu_kind, int disk);
 /* The directory of the disk kind's files from now on, and the one in use
  * (disk.c; backup/files.h says what is checked). */
 int tms_backup_set_disk_dir(const char *dir, struct tms_err *err);
 void tms_backup_disk_dir(char *buf, size_t n);
-/* The kind a region's allocations are backed up as: a disk backup wins over a
- * CPU one of cpu_kind (the upstream library's rule for settings made one at a time). */
-int tms_backup_kind_of_region(int cpu_kind, int disk);
+
+/* ---- the copy workers ------------------------------------------------------------ */
+/* Starts them and pins their staging ahead of the first pause, on a thread of
+ * their own, once per process, in the context of device (one the process uses). */
+void tms_backup_warm_later(const struct tms_driver *drv, int device);
+/* Bytes copied so far by the copy running now (or the last), and its size. */
+void tms_backup_copy_progress(size_t *done, size_t *total);
 
 #endif

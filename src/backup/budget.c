@@ -1,37 +1,37 @@
 /* The host backup budget of a backed-up pause: what it reserves, what spills to disk, what each backup holds after. */
-#include "backup/fill.h"
+#include "backup/save.h"
 
 #include <stdlib.h>
 
 #include "backup/ledger.h"
 
-static size_t planned_bytes(const struct tms_backup_plan *p)
+static size_t planned_bytes(const struct tms_save_plan *p)
 {
-    if (!p->ranges) return p->size;
+    if (!p->m->ranges) return p->m->size;
     size_t n = 0;
-    for (size_t r = 0; r < p->n_ranges; r++) n += p->ranges[r].len;
+    for (size_t r = 0; r < p->m->n_ranges; r++) n += p->m->ranges[r].len;
     return n;
 }
 
 /* The budget the plan's backup holds now, if the pause reuses it. */
-static size_t held_now(const struct tms_backup_plan *p)
+static size_t held_now(const struct tms_save_plan *p)
 {
-    return p->held && p->held->kind == p->kind ? p->held->reserved : 0;
+    return p->m->held && p->m->held->kind == p->m->kind ? p->m->held->reserved : 0;
 }
 
 static int by_need_desc(const void *x, const void *y)
 {
-    const struct tms_backup_plan *a = *(struct tms_backup_plan *const *)x, *b = *(struct tms_backup_plan *const *)y;
+    const struct tms_save_plan *a = *(struct tms_save_plan *const *)x, *b = *(struct tms_save_plan *const *)y;
     return (a->need < b->need) - (a->need > b->need);
 }
 
-int tms_budget_reserve(struct tms_backup_plan *p, size_t n, int spill, size_t *reserved, struct tms_err *err)
+int tms_budget_reserve(struct tms_save_plan *p, size_t n, int spill, size_t *reserved, struct tms_err *err)
 {
     size_t need = 0, room = 0, candidates = 0;
     *reserved = 0;
     for (size_t i = 0; i < n; i++) {
         p[i].need = 0;
-        if (!tms_backup_kind_is_host(p[i].kind)) continue;
+        if (!tms_backup_kind_is_host(p[i].m->kind)) continue;
         p[i].need = planned_bytes(&p[i]);
         size_t have = held_now(&p[i]);
         if (p[i].need > have) need += p[i].need - have, candidates++;
@@ -46,7 +46,7 @@ int tms_budget_reserve(struct tms_backup_plan *p, size_t n, int spill, size_t *r
         if (err) *err = why;
         return rc;
     }
-    struct tms_backup_plan **order = calloc(candidates ? candidates : 1, sizeof *order);
+    struct tms_save_plan **order = calloc(candidates ? candidates : 1, sizeof *order);
     if (!order) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", candidates);
     size_t k = 0;
     for (size_t i = 0; i < n; i++)
@@ -61,10 +61,10 @@ int tms_budget_reserve(struct tms_backup_plan *p, size_t n, int spill, size_t *r
     return rc;
 }
 
-void tms_budget_settle(struct tms_backup_plan *p, size_t n)
+void tms_budget_settle(struct tms_save_plan *p, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
-        struct tms_backup *b = p[i].copy;
+        struct tms_backup *b = p[i].m->copy;
         if (!b || !tms_backup_kind_is_host(b->kind)) continue;
         if (b->reserved > p[i].need) tms_ledger_release(b->reserved - p[i].need);
         b->reserved = p[i].need;

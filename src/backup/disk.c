@@ -2,7 +2,7 @@
 #include <errno.h>
 #include <stdlib.h>
 
-#include "backup/backup.h"
+#include "backup/kind.h"
 #include "backup/files.h"
 #include "platform/config.h"
 

@@ -4,7 +4,7 @@
 
 #include <stddef.h>
 
-#include "backup/backup.h"
+#include "backup/kind.h"
 
 /* Page-locked host memory is registered in pieces of this many bytes, each
  * unregistered as one range; a direct copy block never crosses a piece's end. */

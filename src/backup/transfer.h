@@ -4,7 +4,7 @@
 
 #include <stddef.h>
 
-#include "backup/backup.h"
+#include "backup/kind.h"
 #include "platform/driver.h"
 
 /* Page-locked host memory needs no staging: copies to and from it move in

@@ -1,4 +1,4 @@
-/* The copies of a pause or resume in batches that keep at most a kind's open limit of backups open. */
+/* The copies of a pause or resume in batches that keep at most a kind's open limit of backups open; what the core asks of the copy workers. */
 #include "backup/transfer.h"
 
 #include <stdlib.h>
@@ -90,3 +90,8 @@ void tms_transfer_batch_end(struct tms_transfer_batch *b)
     free(b->items);
     free(b->open);
 }
+
+/* The core's two questions of the copy workers (backup.h). */
+void tms_backup_warm_later(const struct tms_driver *drv, int device) { tms_transfer_warm_later(drv, device); }
+
+void tms_backup_copy_progress(size_t *done, size_t *total) { tms_transfer_progress(done, total); }

@@ -6,7 +6,6 @@
 #include <string.h>
 
 #include "core/core.h"
-#include "backup/transfer.h"
 #include "core/core_internal.h"
 #include "platform/config.h"
 #include "platform/driver.h"
@@ -122,7 +121,7 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     *ptr = (void *)(uintptr_t)a->va;
     /* The first pause of a process that never entered a Python region
      * (TMS_INIT_ENABLE, the C ABI) finds its copy workers ready too. */
-    if (a->backup) tms_transfer_warm_later(drv, device);
+    if (a->backup) tms_backup_warm_later(drv, device);
     TMS_DEBUG("alloc 0x%llx size %zu reserved %zu chunks %d device %d tag '%s' backup %s", (unsigned long long)a->va,
               size, reserved, a->n_chunks, device, tag, a->backup ? tms_backup_kind_name(a->backup_kind) : "none");
     return TMS_OK;

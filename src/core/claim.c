@@ -100,7 +100,7 @@ int tms_table_claim(const char *const *tags, size_t n_tags, int from, struct tms
         TMS_FOR_EACH_OF_TAG(a, ids[t]) {
             if (a->state != from) continue;
             a->moving = 1;
-            m[i++] = (struct tms_move){.a = a, .state = from, .copy = a->host_copy};
+            m[i++] = (struct tms_move){.a = a, .state = from, .b = {.held = a->host_copy, .copy = a->host_copy}};
         }
     }
     *moves = m;
@@ -120,14 +120,14 @@ void tms_table_settle(const struct tms_driver *drv, struct tms_move *m, size_t n
         int changed = a->state != m[i].state;
         tms_stats_account_locked(a, -1);
         m[i].drop = NULL;
-        if (m[i].copy != a->host_copy) {
+        if (m[i].b.copy != a->host_copy) {
             m[i].drop = a->host_copy;
-            a->host_copy = m[i].copy;
+            a->host_copy = m[i].b.copy;
         }
         a->state = m[i].state;
         tms_stats_account_locked(a, +1);
         a->moving = 0;
-        if (changed) tms_stats_count_change_locked(a, m[i].copied, m[i].skipped, is_pause, ns, call_seq);
+        if (changed) tms_stats_count_change_locked(a, m[i].b.copied, m[i].skipped, is_pause, ns, call_seq);
         if (a->free_requested) tms_table_unlink_locked(tms_table_link_locked(a->va));
         else m[i].a = NULL;  /* what is left in m[].a: frees to finish */
     }

@@ -144,6 +144,7 @@ struct tms_op_device {
     size_t copied;        /* bytes moved to (from) backups */
     size_t skipped;       /* bytes of backed-up allocations not copied: free in the caller's cache */
     size_t free_before, free_after;  /* the driver's free bytes around the call (0 if it could not say) */
+    int free_measured;    /* free_before and free_after were asked for (tms_op_args.measure_free) */
 };
 
 #define TMS_REPORT_UNCONFIRMED 64
@@ -177,6 +178,7 @@ struct tms_op_args {
     const struct tms_free_span *skip;
     size_t n_skip;
     struct tms_op_report *report;  /* filled on success and on failure */
+    int measure_free;              /* the report asks the driver for its free memory before and after */
 };
 
 /* Would a pause of the tags (NULL: every tag) back up anything: does one of

@@ -57,15 +57,15 @@ struct tms_alloc {
 };
 
 /* One allocation in a pause or resume. The mover fills it outside the table
- * lock; tms_table_settle applies it. */
+ * lock; tms_table_settle applies it. Its backup's part is the backup layer's
+ * record of the same move (b.held: what a->host_copy is at the claim, b.copy:
+ * what it becomes). */
 struct tms_move {
     struct tms_alloc *a;
     int state;                  /* the state it settles in */
-    struct tms_backup *copy;    /* what a->host_copy becomes */
-    size_t copied;              /* bytes moved to or from the host by this call */
+    struct tms_backup_move b;
     size_t skipped;             /* bytes of its backup this call left out (free in the caller's cache) */
     struct tms_backup *drop;    /* tms_table_settle: the backup a no longer holds */
-    size_t first_item, n_items; /* the mover's own: a resume's items of its copy */
 };
 
 /* A tag's slot (tags.c). Its fields are guarded by the table lock. */
@@ -161,6 +161,19 @@ int tms_table_claim(const char *const *tags, size_t n_tags, int from, struct tms
  * meanwhile. Frees moves. */
 void tms_table_settle(const struct tms_driver *drv, struct tms_move *moves, size_t n, int is_pause, uint64_t ns);
 
+/* ---- pause (pause.c) and resume (resume.c), the checks done (op.c) ---------- */
+int tms_core_pause_moves(const char *const *tags, size_t n_tags, const struct tms_op_args *args, struct tms_err *err);
+int tms_core_resume_moves(const char *const *tags, size_t n_tags, const struct tms_op_args *args, struct tms_err *err);
+/* Maps the claimed paused allocations m[0..n) in order, each just before its
+ * backup (b.held) is copied back, and settles each: active once every byte is
+ * back; one whose restore failed paused again with its backup (or, if it
+ * cannot even be unmapped, left active and said so in err). The first map
+ * that fails stops the mapping: the rest stay paused. Returns the first
+ * failure. */
+int tms_core_restore_moves(const struct tms_driver *drv, struct tms_move *const *m, size_t n, int retain,
+                           struct tms_err *err);
+uint64_t tms_core_now_ns(void);
+
 /* Physical memory of one allocation (chunks.c). tag names it in messages. */
 size_t tms_chunk_size(const struct tms_alloc *a, int i);
 /* Creates and maps every chunk; on failure leaves none created or mapped. */
@@ -177,14 +190,12 @@ int tms_chunks_release(const struct tms_driver *drv, struct tms_alloc *a, const 
  * (TMS_SHARE_PIDS_KEPT entries, 0 past the count). */
 int tms_shares_take_hung_up_locked(struct tms_alloc *a, int *pids);
 
-/* The report of a call (report.c; r NULL: none): the devices of the claimed
- * allocations with their free memory now; then what changed, before
- * tms_table_settle applies it, and the free memory after. The end also takes,
- * from each allocation a pause unmapped, the marks of receivers that hung up
- * without letting go (with r NULL too): r lists those allocations instead of
- * counting their bytes released. */
-void tms_report_begin(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n);
-void tms_report_end(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n,
+/* The report of a call (report.c; args->report NULL: none): the devices of
+ * the claimed allocations (with their free memory now, if args asks); then
+ * what changed, before tms_table_settle applies it, and the free memory after. */
+void tms_report_begin(const struct tms_driver *drv, const struct tms_op_args *args, const struct tms_move *m,
+                      size_t n);
+void tms_report_end(const struct tms_driver *drv, const struct tms_op_args *args, const struct tms_move *m, size_t n,
                     uint64_t ns);
 
 /* The ranges (offsets) of the allocation [va, va+size) a pause backing it up

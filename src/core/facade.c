@@ -4,7 +4,6 @@
 
 #include "backup/backup.h"
 #include "backup/ledger.h"
-#include "backup/transfer.h"
 #include "core/core.h"
 #include "platform/config.h"
 #include "platform/driver.h"
@@ -74,7 +73,7 @@ int tms_core_warm_backups(struct tms_err *err)
     if (rc) return rc;
     if ((rc = drv->current_device(&device)))
         return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "current device query failed");
-    tms_transfer_warm_later(drv, device);
+    tms_backup_warm_later(drv, device);
     return TMS_OK;
 }
 
@@ -102,7 +101,7 @@ int tms_core_device_active(int device, int *active, struct tms_err *err)
     return TMS_OK;
 }
 
-void tms_core_copy_progress(size_t *done, size_t *total) { tms_transfer_progress(done, total); }
+void tms_core_copy_progress(size_t *done, size_t *total) { tms_backup_copy_progress(done, total); }
 
 void *tms_core_backup_bytes(const struct tms_backup *b) { return tms_backup_host(b); }
 

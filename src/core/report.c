@@ -11,12 +11,15 @@ static struct tms_op_device *report_device(struct tms_op_report *r, int device)
     return d;
 }
 
-void tms_report_begin(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n)
+void tms_report_begin(const struct tms_driver *drv, const struct tms_op_args *args, const struct tms_move *m, size_t n)
 {
+    struct tms_op_report *r = args->report;
     if (!r) return;
     for (size_t i = 0; i < n; i++) {
         struct tms_op_device *d = report_device(r, m[i].a->device);
         if (!d || d->allocations++) continue;
+        /* The driver's answer costs a call per device: only where the caller asks. */
+        if (!(d->free_measured = args->measure_free)) continue;
         size_t total;
         if (drv->mem_get_info(d->device, &d->free_before, &total)) d->free_before = 0;
     }
@@ -33,9 +36,10 @@ static void add_unconfirmed(struct tms_op_report *r, const struct tms_alloc *a, 
     for (int k = 0; k < TMS_REPORT_PIDS && k < TMS_SHARE_PIDS_KEPT; k++) u->pids[k] = pids[k];
 }
 
-void tms_report_end(const struct tms_driver *drv, struct tms_op_report *r, const struct tms_move *m, size_t n,
-                       uint64_t ns)
+void tms_report_end(const struct tms_driver *drv, const struct tms_op_args *args, const struct tms_move *m, size_t n,
+                    uint64_t ns)
 {
+    struct tms_op_report *r = args->report;
     /* Marks of receivers that hung up are the unmapped memory's: taken even
      * without a report, so the memory mapped next is not blamed on them. */
     int locked = 0;
@@ -51,13 +55,14 @@ void tms_report_end(const struct tms_driver *drv, struct tms_op_report *r, const
         d->allocations++;
         if (hung_up) add_unconfirmed(r, m[i].a, hung_up, pids);
         else d->released += m[i].a->reserved;
-        d->copied += m[i].copied;
+        d->copied += m[i].b.copied;
         d->skipped += m[i].skipped;
     }
     if (locked) tms_table_unlock();
     if (!r) return;
     r->ns = ns;
     for (size_t k = 0; k < r->n_devices; k++) {
+        if (!r->devices[k].free_measured) continue;
         size_t total;
         if (drv->mem_get_info(r->devices[k].device, &r->devices[k].free_after, &total)) r->devices[k].free_after = 0;
     }

@@ -35,7 +35,7 @@ void tms_stats_account_locked(const struct tms_alloc *a, int sign)
     st->bytes_reserved += s * a->reserved;
     if (a->state == TMS_ACTIVE) st->bytes_mapped += s * a->reserved;
     else st->bytes_paused += s * a->reserved;
-    if (a->host_copy) (&st->bytes_backup_pinned)[a->host_copy->kind] += s * a->host_copy->size;  /* kind: 0, 1, 2 */
+    if (a->host_copy) (&st->bytes_backup_pinned)[tms_backup_kind(a->host_copy)] += s * tms_backup_size(a->host_copy);  /* kind: 0, 1, 2 */
 }
 
 /* A pause or resume that changed an allocation counts once per (tag,

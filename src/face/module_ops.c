@@ -112,13 +112,20 @@ static int skip_of(PyObject *arg, struct tms_free_span **spans, size_t *n)
     return 0;
 }
 
+/* The driver's free memory around a call, or None where it was not measured. */
+static PyObject *free_bytes(int measured, size_t n)
+{
+    if (measured) return PyLong_FromSize_t(n);
+    Py_RETURN_NONE;
+}
+
 static PyObject *device_report_dict(const void *row)
 {
     const struct tms_op_device *d = row;
-    return Py_BuildValue("{s:i,s:n,s:n,s:n,s:n,s:n,s:n}", "device", d->device, "allocations", (Py_ssize_t)d->allocations,
+    return Py_BuildValue("{s:i,s:n,s:n,s:n,s:n,s:N,s:N}", "device", d->device, "allocations", (Py_ssize_t)d->allocations,
                          "released", (Py_ssize_t)d->released, "copied", (Py_ssize_t)d->copied, "skipped",
-                         (Py_ssize_t)d->skipped, "free_before", (Py_ssize_t)d->free_before, "free_after",
-                         (Py_ssize_t)d->free_after);
+                         (Py_ssize_t)d->skipped, "free_before", free_bytes(d->free_measured, d->free_before),
+                         "free_after", free_bytes(d->free_measured, d->free_after));
 }
 
 static PyObject *unconfirmed_dict(const void *row)
@@ -151,33 +158,57 @@ static PyObject *report_dict(const struct tms_op_report *r)
                          unconfirmed);
 }
 
+/* What a pause may leave out: skip as skip_of takes it, or a callable returning
+ * that, called (with the GIL) only if the pause would back something up. */
+static int skip_for(PyObject *arg, const char *const *tags, size_t n_tags, struct tms_free_span **spans, size_t *n)
+{
+    if (!PyCallable_Check(arg)) return skip_of(arg, spans, n);
+    int backs_up;
+    Py_BEGIN_ALLOW_THREADS
+    backs_up = tms_core_selects_backup(tags, n_tags);
+    Py_END_ALLOW_THREADS
+    *spans = NULL, *n = 0;
+    if (!backs_up) return 0;
+    PyObject *got = PyObject_CallObject(arg, NULL);
+    if (!got) return -1;
+    int rc = skip_of(got, spans, n);
+    Py_DECREF(got);
+    return rc;
+}
+
 /* tag: None (every tag), a str, or a list or tuple of them (all or nothing).
+ * The tags are checked, the skip asked for, and the call made in one go.
  * Returns what the call did (report_dict). */
-static PyObject *run_tag_op(PyObject *module, PyObject *arg, PyObject *skip_arg, int pause, const char *name)
+static PyObject *run_tag_op(PyObject *module, PyObject *arg, PyObject *skip_arg, int measure_free, int pause,
+                            const char *name)
 {
     PyObject *seq = NULL;
     const char **tags = NULL;
     Py_ssize_t n = 0;
     struct tms_err err = {0};
     struct tms_op_report report = {0};
-    struct tms_op_args args = {.report = &report};
+    struct tms_op_args args = {.report = &report, .measure_free = measure_free};
     struct tms_free_span *skip = NULL;
     int rc = TMS_OK, list = PyList_Check(arg) || PyTuple_Check(arg);
-    if (tags_of(arg, name, &seq, &tags, &n) < 0 || skip_of(skip_arg, &skip, &args.n_skip) < 0) {
-        PyMem_Free(tags);
-        Py_XDECREF(seq);
-        return NULL;
-    }
+    size_t n_tags = 0;
+    if (tags_of(arg, name, &seq, &tags, &n) < 0) goto fail;
+    n_tags = tags ? (size_t)n : 0;
+    /* A bad tag is refused before the skip is asked for. */
+    if ((list && n && (rc = tms_core_check_tags(name, tags, n_tags, &err))) ||
+        (!list && tags && (rc = tms_core_check_tag(tags[0], &err))))
+        goto fail;
+    if ((!list || n > 0) && skip_for(skip_arg, tags, n_tags, &skip, &args.n_skip) < 0) goto fail;
     args.skip = skip;
     if (!list || n > 0) {  /* an empty list: nothing to do, as a tag with no allocations */
-        size_t n_tags = tags ? (size_t)n : 0;
         Py_BEGIN_ALLOW_THREADS
         rc = pause ? tms_core_pause_ex(tags, n_tags, &args, &err) : tms_core_resume_ex(tags, n_tags, &args, &err);
         Py_END_ALLOW_THREADS
     }
+fail:
     PyMem_Free(skip);
     PyMem_Free(tags);
     Py_XDECREF(seq);
+    if (PyErr_Occurred()) return NULL;
     if (rc) return tms_py_raise(module, &err);
     return report_dict(&report);
 }
@@ -230,24 +261,30 @@ static PyObject *py_check_tags(PyObject *module, PyObject *args)
 }
 
 PyDoc_STRVAR(pause_doc,
-"pause($module, tag, skip=None, /)\n--\n\n"
+"pause($module, tag, skip=None, measure_free=False, /)\n--\n\n"
 "Release the memory of tag (None: all tags; a list: all of them or none). skip: bytes of\n"
 "native uint64 (start, length) pairs, sorted and disjoint, of device memory whose contents\n"
-"need no backup. Returns {'ns', 'devices': [{device, allocations, released, copied,\n"
-"skipped, free_before, free_after}]}.");
+"need no backup, or a callable returning them (or None), called only if the pause backs\n"
+"something up. measure_free: ask the driver for its free memory around the call.\n"
+"Returns {'ns', 'devices': [{device, allocations, released, copied, skipped,\n"
+"free_before, free_after}], 'unconfirmed': [...]}; free_* are None unless measured.");
 static PyObject *py_pause(PyObject *module, PyObject *args)
 {
     PyObject *tag, *skip = Py_None;
-    if (!PyArg_UnpackTuple(args, "pause", 1, 2, &tag, &skip)) return NULL;
-    return run_tag_op(module, tag, skip, 1, "pause");
+    int measure_free = 0;
+    if (!PyArg_ParseTuple(args, "O|Op:pause", &tag, &skip, &measure_free)) return NULL;
+    return run_tag_op(module, tag, skip, measure_free, 1, "pause");
 }
 
 PyDoc_STRVAR(resume_doc,
-"resume($module, tag, /)\n--\n\nMap tag's memory back at the same addresses (a list: all of them or none).\n"
+"resume($module, tag, measure_free=False, /)\n--\n\nMap tag's memory back at the same addresses (a list: all of them or none).\n"
 "Returns a report as pause does.");
-static PyObject *py_resume(PyObject *module, PyObject *tag)
+static PyObject *py_resume(PyObject *module, PyObject *args)
 {
-    return run_tag_op(module, tag, Py_None, 0, "resume");
+    PyObject *tag;
+    int measure_free = 0;
+    if (!PyArg_ParseTuple(args, "O|p:resume", &tag, &measure_free)) return NULL;
+    return run_tag_op(module, tag, Py_None, measure_free, 0, "resume");
 }
 
 /* ---- direct allocation (host backend, tests) --------------------------------- */
@@ -313,7 +350,7 @@ PyMethodDef tms_py_ops_methods[] = {
     {"get_region", py_get_region, METH_NOARGS, get_region_doc},
     {"pause", py_pause, METH_VARARGS, pause_doc},
     {"selects_backup", py_selects_backup, METH_O, selects_backup_doc},
-    {"resume", py_resume, METH_O, resume_doc},
+    {"resume", py_resume, METH_VARARGS, resume_doc},
     {"malloc", py_malloc, METH_VARARGS, malloc_doc},
     {"free", py_free, METH_O, free_doc},
     {NULL, NULL, 0, NULL},

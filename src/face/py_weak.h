@@ -38,7 +38,9 @@
 #pragma weak PyExc_ValueError
 #pragma weak PyList_New
 #pragma weak PyList_SetItem
+#pragma weak PyCallable_Check
 #pragma weak PyObject_CallFunction
+#pragma weak PyObject_CallObject
 #pragma weak PyType_GetSlot
 #pragma weak _PyObject_CallFunction_SizeT
 #pragma weak PyLong_AsSize_t

@@ -244,8 +244,8 @@ static void check_copy(const struct m_alloc *a)
         REQUIRE(b == NULL, "host copy for %p, none expected", (void *)a->ptr);
         return;
     }
-    REQUIRE(b != NULL && offset == 0 && b->size == a->size && b->kind == a->kind, "host copy of %p", (void *)a->ptr);
-    check_bytes(a, b->host, a->copy, 0, a->size, "host copy");
+    REQUIRE(b != NULL && offset == 0 && tms_backup_size(b) == a->size && tms_backup_kind(b) == a->kind, "host copy of %p", (void *)a->ptr);
+    check_bytes(a, tms_backup_host(b), a->copy, 0, a->size, "host copy");
     tms_backup_unref(b);
     ev.backup_reads++;
 }
@@ -772,7 +772,7 @@ static void op_read_backup(struct reader *r)
         return;
     }
     REQUIRE(b && offset == off, "host copy of %p: offset %zu, want %zu", (void *)a->ptr, offset, off);
-    check_bytes(a, b->host, a->copy, off, n, "host copy range");
+    check_bytes(a, tms_backup_host(b), a->copy, off, n, "host copy range");
     tms_backup_unref(b);
     ev.backup_reads++;
 }

@@ -63,11 +63,11 @@ def cycle(tms, tag, live_only, tensors, what, strict=True):
     torch.cuda.synchronize()
     rss0 = rss_bytes()
     t0 = time.perf_counter()
-    r = tms.pause(tag)
+    r = tms.pause(tag, measure_free=True)
     seconds = time.perf_counter() - t0
     rss1 = rss_bytes()
     check_report(r, f"{what} pause (live-only {'on' if live_only else 'off'})", strict)
-    back = tms.resume(tag)
+    back = tms.resume(tag, measure_free=True)
     check_report(back, f"{what} resume", strict)
     check(back.copied_bytes == r.copied_bytes, f"{what}: resume copied {back.copied_bytes}, pause {r.copied_bytes}")
     for i, (t, e) in enumerate(zip(tensors, expected)):

@@ -117,7 +117,7 @@ def reports_of_the_public_calls():
     with tms.region("kv"):
         kv = tms.malloc(3 * MiB, 1)
     fill(w, 6 * MiB)
-    r = tms.pause()
+    r = tms.pause(measure_free=True)
     assert r.op == "pause" and sorted(r.devices) == [0, 1], r
     d0, d1 = r.devices[0], r.devices[1]
     assert (d0.allocations, d0.released_bytes, d0.copied_bytes, d0.skipped_bytes) == (1, 6 * MiB, 6 * MiB, 0), d0
@@ -127,7 +127,7 @@ def reports_of_the_public_calls():
         assert d.seconds == r.seconds > 0
     assert r.released_bytes == 10 * MiB and r.copied_bytes == 6 * MiB and r.gb_per_s > 0, r
     assert r.as_dict()["devices"][0]["copied_bytes"] == 6 * MiB
-    back = tms.resume()
+    back = tms.resume(measure_free=True)
     assert back.op == "resume" and back.released_bytes == 10 * MiB and back.copied_bytes == 6 * MiB, back
     assert back.devices[1].free_before - back.devices[1].free_after == 4 * MiB, back.devices[1]
     with tms.region("nothing-here"):                  # a tag used, with nothing in it
