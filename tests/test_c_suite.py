@@ -63,7 +63,7 @@ def test_ctest(cmake_build):
     # The fuzz driver's timed runs add time, not paths: test_fuzz.py runs the same
     # driver from fixed seeds, and the sanitizer ctest below runs these too.
     out = _ctest(cmake_build, exclude="^fuzz_core")
-    for name in ("core_host", "ledger", "cumem_host", "cumem_walk_1", "cumem_walk_3", "core_host_chunk_4MiB", "core_host_chunk_5MiB", "core_host_faults",
+    for name in ("core_host", "ledger", "os", "cumem_host", "cumem_walk_1", "cumem_walk_3", "core_host_chunk_4MiB", "core_host_chunk_5MiB", "core_host_faults",
                  "core_host_faults_chunked",
                  # the hip backend against tests/c/hip_stub.c
                  "core_hip_stub", "core_hip_stub_rocm7", "core_hip_stub_no_register", "core_hip_stub_chunk_4MiB",

@@ -239,6 +239,33 @@ def test_no_headers_include_each_other_in_a_circle():
     assert not found, "headers that include each other in a circle: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+# The operating system's file and user primitives: above platform/ a file asks platform/os.h
+# (one statx helper, one path-trust walk, one reader of the user database). stat, fstat
+# and lstat are GLIBC_2.33 symbols besides, beyond the wheel's glibc floor.
+OS_CALLS = ("statx", "stat", "fstat", "lstat", "fstatat", "statfs", "fstatfs", "getpwuid", "getpwuid_r",
+            "getpwnam", "getpwnam_r", "realpath", "secure_getenv")
+
+
+def os_calls_above_platform(files):
+    call = re.compile(r"\b(" + "|".join(OS_CALLS) + r")\s*\(")
+    return [f"{rel} calls {name}" for rel, text in sorted(files.items()) if layer_of(rel) not in (None, "platform")
+            for name in sorted(set(call.findall(code_of(text))))]
+
+
+def test_os_primitives_are_called_in_platform_only():
+    found = os_calls_above_platform(sources(SRC))
+    assert not found, "OS primitives called outside platform/ (use platform/os.h):\n" + "\n".join(found)
+
+
+def test_a_planted_os_call_fails(tmp_path):
+    files = _tree(tmp_path, {
+        "backup/ledger.c": "int f(struct statx *st) { return statx(0, \"\", 0, 0, st); } /* realpath() */\n",
+        "platform/os_file.c": "int g(struct statx *st) { return statx(0, \"\", 0, 0, st); }\n",
+        "core/a.c": "struct statx st; int stat_count(void) { return 0; }\n",
+    })
+    assert os_calls_above_platform(files) == ["backup/ledger.c calls statx"]
+
+
 def test_the_call_graph_sees_the_calls_it_should():
     """The parse finds what it must in the real tree (a parse that found nothing would pass)."""
     graph = call_graph(sources(SRC))
@@ -248,6 +275,8 @@ def test_the_call_graph_sees_the_calls_it_should():
     assert "backup/save.c" in graph["core/pause.c"] and "backup/restore.c" in graph["core/resume.c"]
     assert "hooks/reloc.c" in graph["hooks/shim.c"]       # a call inside a header's macro counts for its user
     assert "core/alloc.c" in graph["hooks/hook.c"]
+    assert {"platform/os_host.c", "platform/os_dir.c", "platform/os_file.c"} <= graph["backup/ledger.c"]
+    assert {"platform/os_dir.c", "platform/os_file.c"} <= graph["backup/files_dir.c"]
 
 
 def test_the_core_reaches_backups_through_one_entry_each_way():

@@ -2,6 +2,7 @@
 #include "backup/files_dir.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 
 #include "platform/config.h"
 #include "platform/log.h"
+#include "platform/os.h"
 
 #define HEADER_MAGIC "TMSDISK1"
 
@@ -117,13 +119,14 @@ int tms_disk_create(uint64_t va, size_t size, struct tms_disk_file *f, struct tm
     tms_files_add_file(d);  /* tms_disk_remove counts it out, on every path from here */
     made.drop_cache = !made.direct && !d->memory_fs;
     struct statx st;
-    if (stat_fd(fd, &st) != 0) {
-        rc = tms_files_fail_errno(err, errno, "checking", d->path, made.name);
+    if ((e = tms_os_stat_fd(fd, &st))) {
+        rc = tms_files_fail_errno(err, -e, "checking", d->path, made.name);
         tms_disk_remove(&made);
         return rc;
     }
-    made.dev = (uint64_t)st.stx_dev_major << 32 | st.stx_dev_minor;
-    made.ino = st.stx_ino;
+    struct tms_os_id id = tms_os_id_of(&st);
+    made.dev = id.dev;
+    made.ino = id.ino;
     made.uid = st.stx_uid;  /* who the filesystem says owns it (NFS root_squash: not always this user) */
     /* Reserving the blocks up front makes a full disk fail here, before any
      * copy. Not on tmpfs: there it would zero every page once more. */
@@ -143,10 +146,7 @@ int tms_disk_create(uint64_t va, size_t size, struct tms_disk_file *f, struct tm
     return TMS_OK;
 }
 
-static int same_file(const struct statx *st, const struct tms_disk_file *f)
-{
-    return ((uint64_t)st->stx_dev_major << 32 | st->stx_dev_minor) == f->dev && st->stx_ino == f->ino;
-}
+static struct tms_os_id id_of(const struct tms_disk_file *f) { return (struct tms_os_id){f->dev, f->ino}; }
 
 int tms_disk_open(struct tms_disk_file *f, struct tms_err *err)
 {
@@ -158,8 +158,8 @@ int tms_disk_open(struct tms_disk_file *f, struct tms_err *err)
         tms_log_warn("%s", lock_err.msg);
     int fd = openat(f->dir->dfd, f->name, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | (f->direct ? O_DIRECT : 0));
     if (fd < 0) return tms_files_fail_errno(err, errno, "opening", f->dir->path, f->name);
-    struct statx st;
-    if (stat_fd(fd, &st) != 0 || !S_ISREG(st.stx_mode) || same_file(&st, f) == 0 || st.stx_uid != f->uid) {
+    struct tms_os_id found, want = id_of(f);
+    if (tms_os_check_file(fd, f->uid, &found) != 0 || !tms_os_same_id(&found, &want)) {
         close(fd);
         return tms_fail(err, TMS_E_IO, 0,
                         "disk backup: opening %s found another file than the backup written there (replaced "
@@ -203,9 +203,9 @@ void tms_disk_remove(struct tms_disk_file *f)
 {
     if (!f->dir || !f->name[0]) return;
     tms_disk_close(f);
-    struct statx st;
+    struct tms_os_id id = id_of(f);
     /* Only the file this process made: never what replaced it. */
-    if (f->owner == getpid() && stat_at(f->dir->dfd, f->name, &st) == 0 && same_file(&st, f) &&
+    if (f->owner == getpid() && tms_os_names(f->dir->dfd, f->name, &id) == 0 &&
         unlinkat(f->dir->dfd, f->name, 0) != 0 && errno != ENOENT) {
         int e = errno;
         tms_log_warn("disk backup: cannot remove %s/%s: %s", f->dir->path, f->name, strerror(e));

@@ -3,6 +3,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -10,13 +11,14 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/random.h>
-#include <sys/vfs.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "platform/config.h"
 #include "platform/fork.h"
 #include "platform/log.h"
+#include "platform/os.h"
 
 /*
  * The directory may be shared with other users, so nothing in it is trusted
@@ -39,8 +41,6 @@
  * into place, so a lock file under its real name is always held while its
  * owner lives; a live owner whose lock was removed makes a new one.
  */
-#define TMPFS_MAGIC_ 0x01021994
-#define RAMFS_MAGIC_ 0x858458f6
 
 /* disk_lock guards the records below; it is taken by fork's prepare handler,
  * so nothing is opened or read while it is held. */
@@ -126,132 +126,43 @@ static int parse_name(const char *name, int *pid, unsigned long long *tok)
 
 /* ---- the directory ---------------------------------------------------------- */
 
-/* Another user can neither write st's directory nor rename what is in it
- * (final: the backup directory itself; else a directory above it). */
-static int safe_dir(const struct statx *st, int final)
-{
-    uid_t me = geteuid();
-    int others_write = (st->stx_mode & (S_IWGRP | S_IWOTH)) != 0;
-    int sticky = (st->stx_mode & S_ISVTX) != 0;
-    int owner_ok = st->stx_uid == me || st->stx_uid == 0;
-    if (final) return (st->stx_uid == me && !others_write) || (sticky && owner_ok);
-    return owner_ok && (!others_write || sticky);
-}
-
-static int unsafe(struct tms_err *err, const char *dir, const char *at, const struct statx *st)
+static int unsafe(struct tms_err *err, const char *dir, const struct tms_os_stop *stop)
 {
     return tms_fail(err, TMS_E_ARG, 0,
                     "disk backup directory %s is not safe: %s is owned by uid %u with mode %04o, so another user "
                     "could replace its files (use a directory that only uid %u can write, or set "
                     "TMS_DISK_BACKUP_TRUST_DIR=1 to vouch for it)",
-                    dir, at, (unsigned)st->stx_uid, (unsigned)(st->stx_mode & 07777), (unsigned)geteuid());
+                    dir, stop->at, (unsigned)stop->uid, (unsigned)(stop->mode & 07777), (unsigned)geteuid());
 }
 
 /* Opens the resolved absolute path component by component, never following
- * a link, checking each directory on the way unless vouched for. */
+ * a link, each directory on the way checked (os.h says how) unless vouched for. */
 static int open_checked(const char *path, int *out, struct tms_err *err)
 {
-    int trust = tms_defaults()->disk_trust_dir;
-    int fd = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return tms_files_fail_errno(err, errno, "opening", "/", NULL);
-    char buf[PATH_MAX];
-    snprintf(buf, sizeof buf, "%s", path);
-    char *save = NULL, *next = strtok_r(buf + 1, "/", &save);
-    struct statx st;
-    if (stat_fd(fd, &st) != 0) {
-        int e = errno;
-        close(fd);
-        return tms_files_fail_errno(err, e, "checking", "/", NULL);
-    }
-    if (!trust && !safe_dir(&st, next == NULL)) {
-        close(fd);
-        return unsafe(err, path, "/", &st);
-    }
-    while (next) {
-        const char *comp = next;
-        next = strtok_r(NULL, "/", &save);
-        int sub = openat(fd, comp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-        int e = errno;
-        close(fd);
-        if (sub < 0) return tms_files_fail_errno(err, e, "opening directory", path, NULL);
-        fd = sub;
-        if (stat_fd(fd, &st) != 0) {
-            e = errno;
-            close(fd);
-            return tms_files_fail_errno(err, e, "checking", path, NULL);
-        }
-        if (!trust && !safe_dir(&st, next == NULL)) {
-            close(fd);
-            char at[PATH_MAX];
-            snprintf(at, sizeof at, "%.*s", (int)(comp - buf + strlen(comp)), path);
-            return unsafe(err, path, at, &st);
-        }
-    }
-    *out = fd;
-    return TMS_OK;
+    struct tms_os_stop stop;
+    int rc = tms_os_open_trusted(path, !tms_defaults()->disk_trust_dir, out, &stop);
+    if (rc == TMS_OS_UNSAFE) return unsafe(err, path, &stop);
+    if (!rc) return TMS_OK;
+    int root = strcmp(stop.at, "/") == 0;
+    return tms_files_fail_errno(err, -rc, stop.opening ? root ? "opening" : "opening directory" : "checking",
+                                root ? "/" : path, NULL);
 }
 
-/* path made absolute against the working directory now (malloc'd). */
-static char *absolute(const char *path)
-{
-    if (path[0] == '/') return strdup(path);
-    char cwd[PATH_MAX];
-    if (!getcwd(cwd, sizeof cwd)) return NULL;
-    char *out = NULL;
-    return asprintf(&out, "%s/%s", cwd, path) < 0 ? NULL : out;
-}
-
-static int make_dirs(const char *path)
-{
-    char buf[PATH_MAX];
-    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return errno = ENAMETOOLONG, -1;
-    for (char *p = buf + 1; *p; p++) {
-        if (*p != '/') continue;
-        *p = '\0';
-        if (mkdir(buf, 0700) != 0 && errno != EEXIST) return -1;
-        *p = '/';
-    }
-    if (mkdir(buf, 0700) != 0 && errno != EEXIST) return -1;
-    return 0;
-}
-
-/* A link on the way to the directory is followed only where another user
- * could not have made or replaced it: in a directory they cannot write, or
- * in a sticky one with the link owned by root or this user. Checked before
- * anything is made (mkdir follows links). */
-static int check_links(const char *abs, struct tms_err *err)
-{
-    if (tms_defaults()->disk_trust_dir) return TMS_OK;
-    char buf[PATH_MAX];
-    if (snprintf(buf, sizeof buf, "%s", abs) >= (int)sizeof buf) return tms_files_fail_errno(err, ENAMETOOLONG, "resolving", abs, NULL);
-    for (char *p = buf + 1;; p++) {
-        if (*p != '/' && *p) continue;
-        char saved = *p;
-        *p = '\0';
-        struct statx link, parent;
-        char *slash = strrchr(buf, '/');
-        char parent_path[PATH_MAX];
-        snprintf(parent_path, sizeof parent_path, "%.*s", slash == buf ? 1 : (int)(slash - buf), buf);
-        if (stat_at(AT_FDCWD, buf, &link) == 0 && S_ISLNK(link.stx_mode) &&
-            statx(AT_FDCWD, parent_path, 0, STATX_BASIC_STATS, &parent) == 0) {
-            int others_write = (parent.stx_mode & (S_IWGRP | S_IWOTH)) != 0, sticky = (parent.stx_mode & S_ISVTX) != 0;
-            int link_owner_ok = link.stx_uid == geteuid() || link.stx_uid == 0;
-            if (others_write && !(sticky && link_owner_ok))
-                return unsafe(err, abs, buf, &link);
-        }
-        if (!saved) break;
-        *p = saved;
-    }
-    return TMS_OK;
-}
-
-/* The resolved form of an absolute path that exists, made where missing. */
+/* The resolved form of an absolute path that exists, made where missing. A
+ * link on the way to it is followed only where another user could not have
+ * made or replaced it (os.h), checked before anything is made (mkdir follows
+ * links). */
 static int resolve(const char *abs, char *resolved, struct tms_err *err)
 {
-    int rc = check_links(abs, err);
-    if (rc) return rc;
-    if (make_dirs(abs) != 0) return tms_files_fail_errno(err, errno, "creating directory", abs, NULL);
-    if (!realpath(abs, resolved)) return tms_files_fail_errno(err, errno, "resolving directory", abs, NULL);
+    if (!tms_defaults()->disk_trust_dir) {
+        struct tms_os_stop stop;
+        int rc = tms_os_check_links(abs, &stop);
+        if (rc == TMS_OS_UNSAFE) return unsafe(err, abs, &stop);
+        if (rc) return tms_files_fail_errno(err, -rc, "resolving", abs, NULL);
+    }
+    int rc = tms_os_make_dirs(abs);
+    if (rc) return tms_files_fail_errno(err, -rc, "creating directory", abs, NULL);
+    if ((rc = tms_os_resolve(abs, resolved))) return tms_files_fail_errno(err, -rc, "resolving directory", abs, NULL);
     return TMS_OK;
 }
 
@@ -265,7 +176,7 @@ int tms_files_ensure_lock(struct tms_disk_dir *d, struct tms_err *err)
     pthread_mutex_lock(&lock_file_mutex);
     struct statx st;
     int rc = TMS_OK;
-    if (d->lock_fd >= 0 && d->lock_pid == getpid() && stat_fd(d->lock_fd, &st) == 0 && st.stx_nlink > 0) goto out;
+    if (d->lock_fd >= 0 && d->lock_pid == getpid() && tms_os_stat_fd(d->lock_fd, &st) == 0 && st.stx_nlink > 0) goto out;
     if (d->lock_fd >= 0 && d->lock_pid == getpid()) close(d->lock_fd);  /* removed under us: a new one */
     d->lock_fd = -1;
     if (d->lock_pid != getpid()) d->n_tokens = 0, d->lock_pid = getpid(), d->files = 0;  /* a new process after a fork */
@@ -278,7 +189,7 @@ int tms_files_ensure_lock(struct tms_disk_dir *d, struct tms_err *err)
         int e = errno;
         if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) == 0 && renameat(d->dfd, hidden, d->dfd, final) == 0) {
             d->lock_fd = fd;
-            d->file_uid = stat_fd(fd, &st) == 0 ? st.stx_uid : geteuid();
+            d->file_uid = tms_os_stat_fd(fd, &st) == 0 ? st.stx_uid : geteuid();
             break;
         }
         if (fd >= 0) {
@@ -298,32 +209,20 @@ out:
 }
 
 /* A regular file of this user's, opened without following a link or
- * blocking (a FIFO planted under a lock's name opens at once, then fails
- * the check); -1 if not. */
+ * blocking (os.h); -1 if not. */
 static int open_own(int dfd, const char *name, int flags)
 {
-    int fd = openat(dfd, name, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return -1;
-    struct statx st;
-    if (stat_fd(fd, &st) != 0 || !S_ISREG(st.stx_mode) || st.stx_uid != geteuid()) {
-        close(fd);
-        return -1;
-    }
-    return fd;
+    int fd = -1;
+    return tms_os_open_file(dfd, name, flags, geteuid(), &fd) == 0 ? fd : -1;
 }
 
-static int own_regular_file(int dfd, const char *name)
-{
-    struct statx st;
-    return stat_at(dfd, name, &st) == 0 && S_ISREG(st.stx_mode) && st.stx_uid == geteuid();
-}
+static int own_regular_file(int dfd, const char *name) { return tms_os_check_file_at(dfd, name, geteuid()) == 0; }
 
 /* One of this process's files: a regular file owned as the filesystem makes
  * this process's files (not always this user: NFS root_squash). */
 static int my_regular_file(const struct tms_disk_dir *d, const char *name)
 {
-    struct statx st;
-    return stat_at(d->dfd, name, &st) == 0 && S_ISREG(st.stx_mode) && st.stx_uid == d->file_uid;
+    return tms_os_check_file_at(d->dfd, name, d->file_uid) == 0;
 }
 
 struct owner {
@@ -371,7 +270,7 @@ static void sweep(struct tms_disk_dir *d, int mine_only)
                  * and older than a minute, so one being made now is left alone. */
                 struct statx st;
                 int fd = open_own(d->dfd, e->d_name, O_RDONLY);
-                if (fd >= 0 && stat_fd(fd, &st) == 0 && time(NULL) - st.stx_mtime.tv_sec >= 60 &&
+                if (fd >= 0 && tms_os_stat_fd(fd, &st) == 0 && time(NULL) - st.stx_mtime.tv_sec >= 60 &&
                     flock(fd, LOCK_EX | LOCK_NB) == 0 && unlinkat(d->dfd, e->d_name, 0) == 0)
                     removed++;
                 if (fd >= 0) close(fd);
@@ -427,11 +326,11 @@ static int get_dir(const char *abs, struct tms_disk_dir **out, struct tms_err *e
     int rc = resolve(abs, resolved, err);
     if (rc) return rc;
     struct statx st;
-    if (statx(AT_FDCWD, resolved, 0, STATX_BASIC_STATS, &st) != 0)
-        return tms_files_fail_errno(err, errno, "checking directory", resolved, NULL);
-    uint64_t dev = (uint64_t)st.stx_dev_major << 32 | st.stx_dev_minor, ino = st.stx_ino;
+    if ((rc = tms_os_stat_at(AT_FDCWD, resolved, 0, &st)))
+        return tms_files_fail_errno(err, -rc, "checking directory", resolved, NULL);
+    struct tms_os_id id = tms_os_id_of(&st);
     pthread_mutex_lock(&disk_lock);
-    *out = find_dir_locked(resolved, dev, ino);
+    *out = find_dir_locked(resolved, id.dev, id.ino);
     pthread_mutex_unlock(&disk_lock);
     if (*out) return TMS_OK;
 
@@ -445,10 +344,10 @@ static int get_dir(const char *abs, struct tms_disk_dir **out, struct tms_err *e
         close(dfd);
         return tms_fail(err, TMS_E_HOST_OOM, ENOMEM, "out of host memory for a directory record");
     }
-    struct statfs fs;
+    const char *memory_fs = NULL;
     *d = (struct tms_disk_dir){.path = path, .dfd = dfd, .lock_fd = -1, .lock_pid = getpid()};
-    if (stat_fd(dfd, &st) == 0) d->dev = (uint64_t)st.stx_dev_major << 32 | st.stx_dev_minor, d->ino = st.stx_ino;
-    d->memory_fs = fstatfs(dfd, &fs) == 0 && (fs.f_type == TMPFS_MAGIC_ || (unsigned long)fs.f_type == RAMFS_MAGIC_);
+    if (tms_os_stat_fd(dfd, &st) == 0) id = tms_os_id_of(&st), d->dev = id.dev, d->ino = id.ino;
+    d->memory_fs = tms_os_memory_fs(dfd, &memory_fs) == 0 && memory_fs;
     if ((rc = tms_files_ensure_lock(d, err))) {
         close(dfd);
         free(path);
@@ -479,7 +378,7 @@ static int get_dir(const char *abs, struct tms_disk_dir **out, struct tms_err *e
     if (d->memory_fs)
         tms_log_warn("disk backup directory %s is on a %s: backups there take RAM, not disk "
                      "(set TMS_DISK_BACKUP_DIR or set_disk_backup_dir to a disk)",
-                     path, fs.f_type == TMPFS_MAGIC_ ? "tmpfs" : "ramfs");
+                     path, memory_fs);
     *out = d;
     return TMS_OK;
 }
@@ -502,7 +401,8 @@ static const char *default_locked(void)
     if (default_path || default_errno) return default_path;
     const char *env = getenv("TMS_DISK_BACKUP_DIR");
     if (!env || !*env) env = getenv("TMPDIR");
-    if (!(default_path = absolute(env && *env ? env : "/tmp"))) default_errno = errno ? errno : ENOMEM;
+    int rc = tms_os_absolute(env && *env ? env : "/tmp", &default_path);
+    if (rc) default_errno = -rc;
     return default_path;
 }
 
@@ -565,10 +465,11 @@ int tms_disk_set_dir(const char *dir, struct tms_err *err)
     if (!dir || !*dir)
         return dir_failed(tms_fail(err, TMS_E_ARG, 0, "the disk backup directory must be a non-empty path"), err);
     pthread_once(&handlers_once, install_handlers);
-    char *abs = absolute(dir);
-    if (!abs) return dir_failed(tms_files_fail_errno(err, errno, "resolving directory", dir, NULL), err);
+    char *abs = NULL;
+    int rc = tms_os_absolute(dir, &abs);
+    if (rc) return dir_failed(tms_files_fail_errno(err, -rc, "resolving directory", dir, NULL), err);
     struct tms_disk_dir *d = NULL;
-    int rc = get_dir(abs, &d, err);
+    rc = get_dir(abs, &d, err);
     free(abs);
     if (rc) return dir_failed(rc, err);
     pthread_mutex_lock(&disk_lock);

@@ -2,19 +2,10 @@
 #ifndef TMS_FILES_DIR_H
 #define TMS_FILES_DIR_H
 
-#include <fcntl.h>
 #include <stdint.h>
-#include <sys/stat.h>
 #include <sys/types.h>
 
 #include "backup/files.h"
-
-/* statx, not fstat/fstatat: those are GLIBC_2.33 symbols, the wheel targets 2.28. */
-static inline int stat_fd(int fd, struct statx *st) { return statx(fd, "", AT_EMPTY_PATH, STATX_BASIC_STATS, st); }
-static inline int stat_at(int dfd, const char *name, struct statx *st)
-{
-    return statx(dfd, name, AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, st);
-}
 
 #define TOKENS_PER_DIR 8
 struct tms_disk_dir {

@@ -5,7 +5,6 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
-#include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +14,7 @@
 #include "platform/config.h"
 #include "platform/fork.h"
 #include "platform/log.h"
+#include "platform/os.h"
 
 /*
  * The ledger is an array of records, one per process that has written to it:
@@ -47,7 +47,7 @@ struct record {
 static pthread_mutex_t ledger_lock = PTHREAD_MUTEX_INITIALIZER;
 static int ledger_fd = -1;                  /* guarded by ledger_lock; -1 until first use */
 static char ledger_path[PATH_MAX];          /* guarded by ledger_lock: the file ledger_fd was opened as */
-static struct statx ledger_id;              /* guarded by ledger_lock: its device and inode */
+static struct tms_os_id ledger_id;          /* guarded by ledger_lock: its device and inode */
 static size_t mine;                         /* guarded by ledger_lock: reserved by this process */
 static size_t flying;                       /* guarded by ledger_lock: of mine, reserved by pauses still copying */
 static size_t my_slot = SIZE_MAX;           /* guarded by ledger_lock: the record this process holds, first write to exit */
@@ -83,77 +83,12 @@ static void fork_setup(void)
     tms_fork_register(TMS_FORK_LEDGER, &handlers);
 }
 
-/* statx, not stat/fstat: those are GLIBC_2.33 symbols, the wheel targets 2.28. */
-static int stat_path(const char *path, int flags, struct statx *st)
-{
-    return statx(AT_FDCWD, path, flags, STATX_BASIC_STATS, st);
-}
-static int stat_fd(int fd, struct statx *st) { return statx(fd, "", AT_EMPTY_PATH, STATX_BASIC_STATS, st); }
-
-static int same_file(const struct statx *a, const struct statx *b)
-{
-    return a->stx_ino == b->stx_ino && a->stx_dev_major == b->stx_dev_major && a->stx_dev_minor == b->stx_dev_minor;
-}
-
-/* ---- /proc/meminfo ------------------------------------------------------------- */
-
-/* 4 PiB: a larger figure is a corrupt file, and shifting it to bytes would wrap. */
-#define MEMINFO_MAX_KIB ((unsigned long long)1 << 42)
-
-/* The "<key> <digits> kB" line's bytes; 0 if absent or malformed. */
-static size_t meminfo_field(const char *text, const char *key)
-{
-    size_t key_len = strlen(key);
-    for (const char *line = text; *line;) {
-        const char *end = strchr(line, '\n');
-        if (strncmp(line, key, key_len) == 0) {
-            const char *p = line + key_len;
-            unsigned long long kib = 0;
-            int digits = 0;
-            while (*p == ' ' || *p == '\t') p++;
-            for (; *p >= '0' && *p <= '9' && kib <= MEMINFO_MAX_KIB; p++, digits++) kib = kib * 10 + (unsigned)(*p - '0');
-            if (!digits || kib > MEMINFO_MAX_KIB || strncmp(p, " kB", 3) != 0 || (p[3] && p[3] != '\n')) return 0;
-            return (size_t)kib << 10;
-        }
-        if (!end) break;
-        line = end + 1;
-    }
-    return 0;
-}
-
-/* The host's memory, 0 where unknown. TMS_HOST_MEMINFO (tests) names another
- * file, read as /proc/meminfo is: a regular file only, opened without
- * blocking or following a link, its first 4 KiB. A FIFO or device reads as
- * unknown rather than holding a pause. */
-static void meminfo(size_t *total, size_t *available)
-{
-    *total = *available = 0;
-    const char *path = tms_defaults()->host_meminfo[0] ? tms_defaults()->host_meminfo : "/proc/meminfo";
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0) return;
-    char text[4096];
-    size_t len = 0;
-    struct statx st;
-    if (stat_fd(fd, &st) == 0 && S_ISREG(st.stx_mode)) {
-        while (len < sizeof text - 1) {
-            ssize_t got = read(fd, text + len, sizeof text - 1 - len);
-            if (got < 0 && errno == EINTR) continue;
-            if (got <= 0) break;
-            len += (size_t)got;
-        }
-    }
-    close(fd);
-    text[len] = 0;
-    *total = meminfo_field(text, "MemTotal:");
-    *available = meminfo_field(text, "MemAvailable:");
-}
-
 static int has_budget(const struct tms_defaults *d) { return d->host_limit_bytes || d->host_limit_percent; }
 
 static size_t limit_bytes(size_t mem_total)
 {
     const struct tms_defaults *d = tms_defaults();
-    /* mem_total < 2^52 (meminfo_field's bound): a percentage of it cannot wrap. */
+    /* mem_total < 2^52 (tms_os_meminfo's bound): a percentage of it cannot wrap. */
     return d->host_limit_percent ? mem_total * d->host_limit_percent / 100 : d->host_limit_bytes;
 }
 
@@ -161,122 +96,99 @@ static size_t add_saturating(size_t a, uint64_t b) { return b > SIZE_MAX - a ? S
 
 /* ---- where the ledger lives ------------------------------------------------------ */
 
-/* The same in every container of a host; another on another host, or after a reboot. */
-static int read_boot_id(char out[37])
-{
-    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    ssize_t n = read(fd, out, 36);
-    close(fd);
-    if (n != 36) return -1;
-    out[36] = 0;
-    for (int i = 0; i < 36; i++)
-        if (!((out[i] >= '0' && out[i] <= '9') || (out[i] >= 'a' && out[i] <= 'f') || out[i] == '-')) return -1;
-    return 0;
-}
-
 /* The ledger's places, in the order every process of the user tries them:
  * the user's runtime directory, its home's cache, then names under /dev/shm
  * (or /tmp) made by the first process that needs them. A place is used only
  * if it is the user's alone; none: this process counts alone. */
 enum { PLACE_RUNTIME, PLACE_HOME, PLACE_SHARED, PLACES = PLACE_SHARED + SHARED_NAMES };
 
-/* Opens path (relative to at) as a directory of this user's alone: owned by
- * the effective uid, no access for others, a directory and not a link. make:
- * made (mode 0700) if missing. Its descriptor, else -1 with why, and
+/* Opens path (relative to at) as a directory of this user's alone (os.h).
+ * make: made (mode 0700) if missing. Its descriptor, else -1 with why, and
  * *refused 1 if something stood there that is not the user's alone (another
  * user's, a link, a file, a mode others can use), 0 if nothing did. */
 static int open_private_at(int at, const char *path, int make, int *refused, char *why, size_t why_size)
 {
     *refused = 0;
-    if (make && mkdirat(at, path, 0700) != 0 && errno != EEXIST) {
-        snprintf(why, why_size, "cannot make it: %s", strerror(errno));
+    int rc = make ? tms_os_make_dir(at, path) : 0;
+    if (rc) {
+        snprintf(why, why_size, "cannot make it: %s", strerror(-rc));
         return -1;
     }
-    int fd = openat(at, path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    int e = errno;
-    struct statx st;
-    if (fd < 0 ? statx(at, path, AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, &st) : stat_fd(fd, &st)) {
-        snprintf(why, why_size, "%s", strerror(fd < 0 ? e : errno));
-        return -1;
-    }
-    *refused = 1;
-    if (S_ISLNK(st.stx_mode)) {
+    int fd = -1;
+    struct tms_os_owner found;
+    rc = tms_os_open_private_dir(at, path, &fd, &found);
+    if (!rc) return fd;
+    *refused = rc > 0;
+    if (rc == TMS_OS_LINK)
         snprintf(why, why_size, "it is a symbolic link");
-    } else if (!S_ISDIR(st.stx_mode)) {
+    else if (rc == TMS_OS_NOT_DIR)
         snprintf(why, why_size, "it is not a directory");
-    } else if (st.stx_uid != geteuid() || (st.stx_mode & 077)) {
-        snprintf(why, why_size, "it is not this user's alone (owner uid %u, mode %04o)", (unsigned)st.stx_uid,
-                 (unsigned)(st.stx_mode & 07777));
-    } else if (fd < 0) {
-        *refused = 0;
-        snprintf(why, why_size, "%s", strerror(e));
-    } else {
-        *refused = 0;
-        return fd;
-    }
-    if (fd >= 0) close(fd);
+    else if (rc > 0)
+        snprintf(why, why_size, "it is not this user's alone (owner uid %u, mode %04o)", (unsigned)found.uid,
+                 (unsigned)(found.mode & 07777));
+    else
+        snprintf(why, why_size, "%s", strerror(-rc));
     return -1;
 }
 
-/* The runtime directory: $XDG_RUNTIME_DIR, else where logind makes it
- * (/run/user/<uid>, which the variable names in a login session): it must
- * exist and be the user's alone; the ledger takes a directory inside it. */
+/* The runtime directory ($XDG_RUNTIME_DIR, else /run/user/<uid>: os.h): it
+ * must exist and be the user's alone; the ledger takes a directory inside it. */
 static int open_runtime(char *path, size_t size, int *refused, char *why, size_t why_size)
 {
-    const char *xdg = secure_getenv("XDG_RUNTIME_DIR");
-    int n = xdg && xdg[0] == '/' ? snprintf(path, size, "%s", xdg) : snprintf(path, size, "/run/user/%u",
-                                                                                 (unsigned)geteuid());
-    if (n < 0 || (size_t)n + 32 >= size) {
+    *refused = 0;
+    if (tms_os_runtime_dir(path, size - 32) != 0) {  /* room for the name below */
         snprintf(why, why_size, "its path is too long");
         return -1;
     }
     int top = open_private_at(AT_FDCWD, path, 0, refused, why, why_size);
     if (top < 0) return -1;
-    snprintf(path + n, size - (size_t)n, "/torch_memory_saver");
+    size_t n = strlen(path);
+    snprintf(path + n, size - n, "/torch_memory_saver");
     int fd = open_private_at(top, "torch_memory_saver", 1, refused, why, why_size);
     close(top);
     return fd;
 }
 
 /* <home>/.cache/torch_memory_saver/ledger-<boot id>, the home from the user
- * database (no other user can make names in it, whatever the environment says). */
+ * database (no other user can make names in it, whatever the environment
+ * says); the boot id keeps apart the hosts that share a network home. */
 static int open_home(char *path, size_t size, int *refused, char *why, size_t why_size)
 {
-    struct passwd pw, *found = NULL;
-    char buf[4096], boot[37];
+    char boot[37];
     *refused = 0;
-    if (getpwuid_r(geteuid(), &pw, buf, sizeof buf, &found) != 0 || !found || pw.pw_dir[0] != '/') {
+    int rc = tms_os_cache_dir(path, size - 64);  /* room for the names below */
+    if (rc == -ENAMETOOLONG) {
+        snprintf(why, why_size, "the home directory's path is too long");
+        return -1;
+    }
+    if (rc) {
         snprintf(path, size, "~/.cache/torch_memory_saver");
         snprintf(why, why_size, "uid %u has no home directory in the user database", (unsigned)geteuid());
         return -1;
     }
-    int n = snprintf(path, size, "%s/.cache", pw.pw_dir);
-    if (n < 0 || (size_t)n + 64 >= size) {
-        snprintf(why, why_size, "the home directory's path is too long");
-        return -1;
-    }
-    if (read_boot_id(boot) != 0) {
+    if (tms_os_boot_id(boot) != 0) {
         snprintf(why, why_size, "cannot read /proc/sys/kernel/random/boot_id");
         return -1;
     }
     /* The parents follow links (a ~/.cache elsewhere is the user's choice);
      * a failure shows as the last directory's. */
-    (void)mkdir(path, 0700);
-    snprintf(path + n, size - (size_t)n, "/torch_memory_saver");
-    (void)mkdir(path, 0700);
-    snprintf(path + n, size - (size_t)n, "/torch_memory_saver/ledger-%s", boot);
+    size_t n = strlen(path);
+    (void)tms_os_make_dir(AT_FDCWD, path);
+    snprintf(path + n, size - n, "/torch_memory_saver");
+    (void)tms_os_make_dir(AT_FDCWD, path);
+    snprintf(path + n, size - n, "/torch_memory_saver/ledger-%s", boot);
     return open_private_at(AT_FDCWD, path, 1, refused, why, why_size);
 }
 
 /* A name under /dev/shm (or /tmp), the first of them made by the first process
  * of the user that needs it. Anyone can make names there, and another user's
  * name stays (the directory is sticky): each name taken sends the user's
- * processes to the next, in the same order for all of them. */
+ * processes to the next, in the same order for all of them. mkdir is
+ * exclusive, and a name already there is used only if it is the user's alone. */
 static int open_shared_name(int k, char *path, size_t size, int *refused, char *why, size_t why_size)
 {
     struct statx st;
-    const char *base = stat_path("/dev/shm", 0, &st) == 0 && S_ISDIR(st.stx_mode) ? "/dev/shm" : "/tmp";
+    const char *base = tms_os_stat_at(AT_FDCWD, "/dev/shm", 0, &st) == 0 && S_ISDIR(st.stx_mode) ? "/dev/shm" : "/tmp";
     if (k) snprintf(path, size, "%s/tms-ledger-%u-%d", base, (unsigned)geteuid(), k);
     else snprintf(path, size, "%s/tms-ledger-%u", base, (unsigned)geteuid());
     return open_private_at(AT_FDCWD, path, 1, refused, why, why_size);
@@ -331,13 +243,13 @@ static int open_ledger_locked(struct tms_err *err)
     close(dfd);
     if (fd < 0)
         return tms_fail(err, TMS_E_IO, e, "cannot open the host backup ledger %s/%s: %s", dir, name, strerror(e));
-    struct statx st;
-    if (stat_fd(fd, &st) != 0 || !S_ISREG(st.stx_mode) || st.stx_uid != geteuid()) {
+    struct tms_os_id id;
+    if (tms_os_check_file(fd, geteuid(), &id) != 0) {
         close(fd);
         return tms_fail(err, TMS_E_IO, EPERM, "the host backup ledger %s/%s is not a file of this user", dir, name);
     }
     snprintf(ledger_path, sizeof ledger_path, "%s/%s", dir, name);
-    ledger_id = st;
+    ledger_id = id;
     ledger_fd = fd;
     return TMS_OK;
 }
@@ -363,11 +275,7 @@ static int record_alive(size_t slot)
 }
 
 /* Whether ledger_path still names the open file: the last process to leave removes it. */
-static int still_named(void)
-{
-    struct statx st;
-    return stat_path(ledger_path, AT_SYMLINK_NOFOLLOW, &st) == 0 && same_file(&st, &ledger_id);
-}
+static int still_named(void) { return tms_os_names(AT_FDCWD, ledger_path, &ledger_id) == 0; }
 
 /* Opens the ledger if needed and takes its guard. Without a record of its
  * own, the file this process holds may have been removed by the last one to
@@ -512,14 +420,13 @@ int tms_ledger_reserve(size_t bytes, size_t *free_bytes, struct tms_err *err)
     pthread_once(&fork_once, fork_setup);
     const struct tms_defaults *d = tms_defaults();
     size_t total, available;
-    meminfo(&total, &available);
+    (void)tms_os_meminfo(&total, &available);  /* 0 where unknown */
     size_t limit = limit_bytes(total);
     int budget = has_budget(d);
     if (budget && !limit)
         return tms_fail(err, TMS_E_IO, 0,
                         "host backup budget '%s' is %u %% of the host's memory (TMS_HOST_BACKUP_LIMIT), and no MemTotal "
-                        "could be read from %s", d->host_limit_name, d->host_limit_percent,
-                        d->host_meminfo[0] ? d->host_meminfo : "/proc/meminfo");
+                        "could be read from %s", d->host_limit_name, d->host_limit_percent, tms_os_meminfo_path());
     pthread_mutex_lock(&ledger_lock);
     struct sums others = {0};
     struct tms_err why = {0};
@@ -618,7 +525,7 @@ int tms_ledger_info(struct tms_ledger_info *info, struct tms_err *err)
     pthread_once(&fork_once, fork_setup);
     const struct tms_defaults *d = tms_defaults();
     *info = (struct tms_ledger_info){.safety = d->host_memory_safety};
-    meminfo(&info->mem_total, &info->mem_available);
+    (void)tms_os_meminfo(&info->mem_total, &info->mem_available);
     info->limit = limit_bytes(info->mem_total);
     snprintf(info->name, sizeof info->name, "%s", d->host_limit_name);
     pthread_mutex_lock(&ledger_lock);
