@@ -500,9 +500,8 @@ static void retire(struct tms_disk_dir *d)
 static const char *default_locked(void)
 {
     if (default_path || default_errno) return default_path;
-    const char *env = getenv("TMS_DISK_BACKUP_DIR");
-    if (!env || !*env) env = getenv("TMPDIR");
-    if (!(default_path = absolute(env && *env ? env : "/tmp"))) default_errno = errno ? errno : ENOMEM;
+    const char *env = *tms_defaults()->disk_dir ? tms_defaults()->disk_dir : tms_defaults()->tmpdir;
+    if (!(default_path = absolute(*env ? env : "/tmp"))) default_errno = errno ? errno : ENOMEM;
     return default_path;
 }
 

@@ -224,8 +224,8 @@ static int open_private_at(int at, const char *path, int make, int *refused, cha
  * exist and be the user's alone; the ledger takes a directory inside it. */
 static int open_runtime(char *path, size_t size, int *refused, char *why, size_t why_size)
 {
-    const char *xdg = secure_getenv("XDG_RUNTIME_DIR");
-    int n = xdg && xdg[0] == '/' ? snprintf(path, size, "%s", xdg) : snprintf(path, size, "/run/user/%u",
+    const char *xdg = tms_defaults()->xdg_runtime_dir;
+    int n = xdg[0] == '/' ? snprintf(path, size, "%s", xdg) : snprintf(path, size, "/run/user/%u",
                                                                                  (unsigned)geteuid());
     if (n < 0 || (size_t)n + 32 >= size) {
         snprintf(why, why_size, "its path is too long");
