@@ -124,12 +124,12 @@ def test_a_value_is_checked_once_in_c_the_same_before_and_after_first_use():
 
 # Two rows of the kinds the next settings will be: a switch that changes at run time, and a
 # name the environment gives.
-PLANTED = {
-    "#define TMS_SETTINGS_RUN(X)": '    X(skip_unchanged, boolean, "TMS_SKIP_UNCHANGED", 0, (), NULL, tms_core_set_skip_unchanged, '
-                                   'tms_core_skip_unchanged, "Planted: pauses skip what did not change.") \\',
-    "#define TMS_SETTINGS_ENV(X)": '    X(job, name, "TMS_JOB", "", (64), "a name of 1 to 64 letters, digits, \'_\', \'-\' or \'.\'", '
-                                   '"planted: the job") \\',
-}
+PLANTED = [
+    '    X(skip_unchanged, boolean, "TMS_SKIP_UNCHANGED", 0, (), NULL, '
+    'RUN(tms_core_set_skip_unchanged, tms_core_skip_unchanged), "Planted: pauses skip what did not change.") \\',
+    '    X(job, name, "TMS_JOB", "", (64), "a name of 1 to 64 letters, digits, \'_\', \'-\' or \'.\'", ENV, '
+    '"planted: the job") \\',
+]
 
 
 def _build_description(src):
@@ -187,9 +187,9 @@ def test_a_new_setting_is_one_row_of_the_table(tmp_path):
                     ignore=shutil.ignore_patterns("*.so", "__pycache__", "include"))
     config = tree / "src" / "platform" / "config.h"
     text = config.read_text()
-    for after, row in PLANTED.items():
-        assert after in text
-        text = re.sub(re.escape(after) + r"[ \t]*\\\n", lambda m: m.group(0) + row + "\n", text, count=1)
+    table = re.search(r"#define TMS_SETTINGS\(X\)[ \t]*\\\n", text)
+    assert table, "config.h has no TMS_SETTINGS(X)"
+    text = text[:table.end()] + "".join(row + "\n" for row in PLANTED) + text[table.end():]
     config.write_text(text)
     _build_package(tree)
 

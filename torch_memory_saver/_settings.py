@@ -1,5 +1,5 @@
 """The singleton's settings, as the C table describes them (src/platform/config.h,
-TMS_SETTINGS_RUN): a setting's name, type, variable, default and doc come from
+its RUN rows): a setting's name, type, variable, default and doc come from
 _tms_env.settings(), and every value is checked by C, the same way before the core is
 loaded (_tms_env.check_setting) as after (the core's set_<name>). Nothing here knows
 one setting from another."""

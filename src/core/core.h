@@ -296,13 +296,15 @@ void tms_core_share_set_reaper(void (*fn)(void));
 
 /* ---- process-wide settings -------------------------------------------------------- */
 
-/* One setter and one getter per row of TMS_SETTINGS_RUN (platform/config.h), named there
+/* One setter and one getter per RUN row of platform/config.h's table, named there
  * (tms_core_set_margin / tms_core_margin, tms_core_set_retain / tms_core_retain, ...) and made
  * by core/settings.c: the environment's value until a face sets another. */
-#define TMS_CORE_SETTING_ACCESSORS(name, type, env, dflt, range, accepts, set, get, doc)                       \
+#define TMS_CORE_SETTING_ACCESSORS(type, set, get)                                                             \
     void set(TMS_SETTING_CTYPE(type) value);                                                                   \
     TMS_SETTING_CTYPE(type) get(void);
-TMS_SETTINGS_RUN(TMS_CORE_SETTING_ACCESSORS)
+#define TMS_CORE_SETTING_ROW(name, type, env, dflt, range, accepts, when, doc)                                 \
+    TMS_SETTING_IF_RUN(when, TMS_CORE_SETTING_ACCESSORS(type, TMS_SETTING_SETTER(when), TMS_SETTING_GETTER(when)))
+TMS_SETTINGS(TMS_CORE_SETTING_ROW)
 
 /* The host backup budget: shared by the processes of a user that name one ledger
  * (platform/host_budget.h: one record from the ledger to the faces). */

@@ -1,4 +1,4 @@
-/* The settings that change while the process runs (config.h's TMS_SETTINGS_RUN): one value per row, its environment default until a face sets it. */
+/* The settings that change while the process runs (the RUN rows of config.h's table): one value each, the environment's until a face sets another. */
 #include <pthread.h>
 #include <stddef.h>
 
@@ -12,7 +12,7 @@
 #define KEEP_count(v) (v)
 #define KEEP_size(v) (v)
 
-#define RUN_VALUE(name, type, env, dflt, range, accepts, set, get, doc)                                        \
+#define RUN_VALUE(name, type, set, get)                                                                        \
     static TMS_SETTING_CTYPE(type) name##_value;  /* atomic once name##_once ran */                            \
     static pthread_once_t name##_once = PTHREAD_ONCE_INIT;                                                     \
     static void name##_load(void) { __atomic_store_n(&name##_value, tms_defaults()->name, __ATOMIC_RELAXED); } \
@@ -26,4 +26,6 @@
         pthread_once(&name##_once, name##_load);                                                               \
         return __atomic_load_n(&name##_value, __ATOMIC_RELAXED);                                               \
     }
-TMS_SETTINGS_RUN(RUN_VALUE)
+#define RUN_ROW(name, type, env, dflt, range, accepts, when, doc)                                              \
+    TMS_SETTING_IF_RUN(when, RUN_VALUE(name, type, TMS_SETTING_SETTER(when), TMS_SETTING_GETTER(when)))
+TMS_SETTINGS(RUN_ROW)

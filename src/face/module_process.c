@@ -8,9 +8,9 @@
 #include "hooks/variant.h"
 
 /* ---- the settings that change at run time: a setter and a getter each -----------------------
- * One pair per row of TMS_SETTINGS_RUN (platform/config.h): set_<name> converts and checks
+ * One pair per RUN row of platform/config.h's table: set_<name> converts and checks
  * the value (face/py_settings.c) and hands it to the core's setter; get_<name> reads the core. */
-#define SETTING_FUNCTIONS(name, type, env, dflt, range, accepts, set, get, doc)                                \
+#define SETTING_FUNCTIONS(name, type, set, get, doc)                                                           \
     PyDoc_STRVAR(set_##name##_doc, "set_" #name "($module, value, /)\n--\n\n" doc);                            \
     static PyObject *py_set_##name(PyObject *module, PyObject *value)                                          \
     {                                                                                                          \
@@ -26,11 +26,13 @@
         (void)module, (void)unused;                                                                            \
         return TMS_PY_SETTING_OBJECT(type, get());                                                             \
     }
-TMS_SETTINGS_RUN(SETTING_FUNCTIONS)
+#define SETTING_ROW(name, type, env, dflt, range, accepts, when, doc)                                          \
+    TMS_SETTING_IF_RUN(when, SETTING_FUNCTIONS(name, type, TMS_SETTING_SETTER(when), TMS_SETTING_GETTER(when), doc))
+TMS_SETTINGS(SETTING_ROW)
 
-#define SETTING_METHODS(name, type, env, dflt, range, accepts, set, get, doc)                                  \
-    {"set_" #name, py_set_##name, METH_O, set_##name##_doc},                                                   \
-    {"get_" #name, py_get_##name, METH_NOARGS, get_##name##_doc},
+#define SETTING_METHODS(name, type, env, dflt, range, accepts, when, doc)                                      \
+    TMS_SETTING_IF_RUN(when, {"set_" #name, py_set_##name, METH_O, set_##name##_doc},                          \
+                       {"get_" #name, py_get_##name, METH_NOARGS, get_##name##_doc},)
 
 PyDoc_STRVAR(host_budget_doc,
 "host_budget($module, /)\n--\n\n"
@@ -316,7 +318,7 @@ static PyObject *py_disk_backup_dir(PyObject *module, PyObject *unused)
 }
 
 PyMethodDef tms_py_process_methods[] = {
-    TMS_SETTINGS_RUN(SETTING_METHODS)
+    TMS_SETTINGS(SETTING_METHODS)
     {"set_platform_hint", py_set_platform_hint, METH_O, set_platform_hint_doc},
     {"host_budget", py_host_budget, METH_NOARGS, host_budget_doc},
     {"use_backend", py_use_backend, METH_O, use_backend_doc},

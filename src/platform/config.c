@@ -49,25 +49,12 @@
 #define OFFSETS_limit(name)                                                                                    \
     .offset = FIELD_AT(name##_bytes), .offset_percent = FIELD_AT(name##_percent), .offset_set = FIELD_AT(name##_set),
 
-#define ROW(group_, name_, type_, env_, dflt, range, accepts_, doc_)                                           \
-    [TMS_SETTING_##name_] = {.name = #name_, .env = (env_), .type = TMS_SETTING_TYPE_##type_, .group = (group_), \
-                             .accepts = (accepts_), .doc = (doc_), DEFAULT_##type_(dflt) OFFSETS_##type_(name_) \
-                             RANGE_##type_ range},
-#define ROW_RUN(name, type, env, dflt, range, accepts, set, get, doc)                                          \
-    ROW(TMS_SETTING_GROUP_RUN, name, type, env, dflt, range, accepts, doc)
-#define ROW_ENV(name, type, env, dflt, range, accepts, doc)                                                    \
-    ROW(TMS_SETTING_GROUP_ENV, name, type, env, dflt, range, accepts, doc)
-#define ROW_HOST(name, type, env, dflt, range, accepts, doc)                                                   \
-    ROW(TMS_SETTING_GROUP_HOST, name, type, env, dflt, range, accepts, doc)
-#define ROW_OUTSIDE(name, type, env, dflt, range, accepts, doc)                                                \
-    ROW(TMS_SETTING_GROUP_OUTSIDE, name, type, env, dflt, range, accepts, doc)
+#define ROW(name_, type_, env_, dflt, range, accepts_, when, doc_)                                             \
+    [TMS_SETTING_##name_] = {.name = #name_, .env = (env_), .type = TMS_SETTING_TYPE_##type_,                  \
+                             .group = TMS_SETTING_GROUP(when), .accepts = (accepts_), .doc = (doc_),           \
+                             DEFAULT_##type_(dflt) OFFSETS_##type_(name_) RANGE_##type_ range},
 
-const struct tms_setting_row tms_setting_rows[TMS_SETTING_COUNT] = {
-    TMS_SETTINGS_RUN(ROW_RUN)
-    TMS_SETTINGS_ENV(ROW_ENV)
-    TMS_SETTINGS_HOST(ROW_HOST)
-    TMS_SETTINGS_OUTSIDE(ROW_OUTSIDE)
-};
+const struct tms_setting_row tms_setting_rows[TMS_SETTING_COUNT] = {TMS_SETTINGS(ROW)};
 
 const struct tms_setting_row *tms_setting_find(const char *name)
 {

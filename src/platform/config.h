@@ -29,116 +29,117 @@ enum tms_fault_op { TMS_FAULT_LIST(TMS_FAULT_ENUM) TMS_FAULT_OPS };
 #undef TMS_FAULT_ENUM
 
 /* ---- the table -------------------------------------------------------------------------
- * Columns: name, type, env, default, range, accepts[, set, get], doc.
+ * X(name, type, env, default, range, accepts, when, doc)
  *   name     the field of struct tms_defaults; for a run-time setting also its Python name
  *            (TorchMemorySaver.<name>, the native modules' get_<name> / set_<name>)
- *   type     how a value is read (the types below)
- *   env      its environment variable, read once (NULL: none, set at run time only)
- *   default  the value when the variable is unset, empty or malformed
- *   range    bounds, in the type's form: (lo, hi) numbers, (lo, hi, multiple) sizes,
- *            ("a", "b", ...) choices, (longest) texts, 0 = no limit; () none
+ *   type     how a value is read (below)
+ *   env      its environment variable (NULL: none; the setting is set at run time only)
+ *   default  the value while the variable is unset, empty or malformed
+ *   range    bounds in the type's form: (lo, hi) numbers, (lo, hi, multiple) sizes,
+ *            ("a", "b", ...) choices, (longest) texts (0: any length); () none
  *   accepts  what a value must be: a malformed variable is told "<VAR>='<value>' is not
  *            <accepts>" (NULL: the type says it)
- *   set, get the core's setter and getter, made by core/settings.c (run-time settings only)
- *   doc      what it does (the Python property's and the native methods' docstrings)
+ *   when     RUN(setter, getter): the value also changes while the process runs; the core
+ *            keeps it and makes the setter and getter named (core/settings.c), the faces
+ *            set and read it. ENV: the environment gives it once; a malformed variable
+ *            keeps the default (a hook cannot raise) and is what importing the package
+ *            raises. HOST: as ENV, the host backend's (platform/driver_host.c): a malformed
+ *            one keeps that backend from loading. OUTSIDE: another program's variable,
+ *            read as glibc reads it (secure_getenv: not in a setuid process), never
+ *            malformed and not named among the library's.
+ *   doc      what it does (the Python property's and the native methods' docstrings); a
+ *            variable only tests or benchmarks set says so first ("tests...")
  * Types: boolean (1, true, TRUE, yes, YES / 0, false, FALSE, no, NO; empty is malformed),
  *   count (an int in range), size (bytes, with K/KiB/KB.. units, in range and a multiple),
  *   mib (a count of MiB in range, kept in bytes), choice / choice_anycase (one of the range's
- *   words, kept as the word), name (1 to longest letters, digits, '_', '-', '.', not
- *   starting with '.'), path (any text up to longest bytes), limit (a size, or a whole
- *   percentage in range: two fields, <name>_bytes and <name>_percent), faults (op:n,...;
- *   TMS_FAULT), device (a device of the host backend, below host_devices).
- * An empty variable is unset, except for a boolean. A run-time setting is a boolean, count or size. */
-
-/* Settings that also change while the process runs: the core keeps them, the faces set and
- * read them (TorchMemorySaver.<name>; the C ABI's upstream setters for some). */
-#define TMS_SETTINGS_RUN(X)                                                                                    \
-    X(memory_margin_bytes, size, NULL, 0, (0, SIZE_MAX, 1), "a number of bytes", tms_core_set_margin,          \
-      tms_core_margin,                                                                                         \
-      "Allocations inside regions fail with OutOfMemoryError (PyTorch then frees its cache and retries) "      \
-      "if they would leave fewer than this many bytes free on the device. 0 (the default) turns the "          \
-      "check off.")                                                                                            \
-    X(retain_cpu_backup, boolean, "TMS_RETAIN_CPU_BACKUP", 0, (), NULL, tms_core_set_retain, tms_core_retain,  \
+ *   words, kept as the table spells it), name (1 to longest letters, digits, '_', '-', '.',
+ *   not starting with '.'), path (any text of at most longest bytes), limit (a size, or a
+ *   whole percentage in range: two fields, <name>_bytes and <name>_percent), faults (op:n,...
+ *   of TMS_FAULT_LIST), device (a device of the host backend, below host_devices, which
+ *   comes first). An empty variable is unset, but for a boolean. A RUN setting is a boolean,
+ *   count or size. */
+#define TMS_SETTINGS(X)                                                                                        \
+    /* regions and backups */                                                                                  \
+    X(init_enable, boolean, "TMS_INIT_ENABLE", 0, (), NULL, ENV, "threads start inside a region (tag 'default')") \
+    X(init_backup, boolean, "TMS_INIT_ENABLE_CPU_BACKUP", 0, (), NULL, ENV, "threads start with CPU backup")   \
+    X(init_backup_backend, choice, "TMS_INIT_CPU_BACKUP_BACKEND", "mmap", ("pinned", "mmap"),                  \
+      "a backup backend (use 'pinned' or 'mmap')", ENV, "the CPU backup backend regions get by default")       \
+    X(init_disk_backup, boolean, "TMS_INIT_ENABLE_DISK_BACKUP", 0, (), NULL, ENV,                              \
+      "threads start with disk backup (wins over CPU backup)")                                                 \
+    X(retain_cpu_backup, boolean, "TMS_RETAIN_CPU_BACKUP", 0, (), NULL, RUN(tms_core_set_retain, tms_core_retain), \
       "Keep host backups across resume: the next pause copies into them instead of allocating (faster), "      \
       "at the cost of the host memory. TMS_RETAIN_CPU_BACKUP gives the default.")                              \
-    X(spill_to_disk, boolean, "TMS_SPILL_TO_DISK", 0, (), NULL, tms_core_set_spill, tms_core_spill,            \
-      "When a backed-up pause would exceed the host backup budget (TMS_HOST_BACKUP_LIMIT, or 5 % of the "      \
-      "host's memory kept available), the largest allocations that do not fit are backed up to disk (the "     \
-      "disk backup directory) instead of raising. TMS_SPILL_TO_DISK gives the default.")                       \
-    X(progress, boolean, "TMS_PROGRESS", 0, (), NULL, tms_core_set_progress, tms_core_progress,                \
-      "Log progress lines (INFO, logger \"torch_memory_saver\") for backed-up pauses/resumes that take "       \
-      "more than a second. Off by default; TMS_PROGRESS=1.")                                                   \
-    X(backup_live_only, boolean, "TMS_BACKUP_LIVE_ONLY", 1, (), NULL, tms_core_set_backup_live_only,           \
-      tms_core_backup_live_only,                                                                               \
+    X(backup_live_only, boolean, "TMS_BACKUP_LIVE_ONLY", 1, (), NULL,                                          \
+      RUN(tms_core_set_backup_live_only, tms_core_backup_live_only),                                           \
       "Backed-up pauses called from Python copy only the bytes of blocks PyTorch's caching allocator "         \
       "holds live (allocated, or freed but pending on a stream); free blocks come back with undefined "        \
       "contents, as newly allocated memory. Memory PyTorch did not hand out is copied whole. On by "           \
-      "default; TMS_BACKUP_LIVE_ONLY=0 turns it off.")
-
-/* Settings the environment gives once, for the process's life. A malformed one keeps its
- * default (a hook cannot raise) and is what importing the package raises. */
-#define TMS_SETTINGS_ENV(X)                                                                                    \
-    X(init_enable, boolean, "TMS_INIT_ENABLE", 0, (), NULL, "threads start inside a region (tag 'default')")   \
-    X(init_backup, boolean, "TMS_INIT_ENABLE_CPU_BACKUP", 0, (), NULL, "threads start with CPU backup")        \
-    X(init_backup_backend, choice, "TMS_INIT_CPU_BACKUP_BACKEND", "mmap", ("pinned", "mmap"),                  \
-      "a backup backend (use 'pinned' or 'mmap')", "the CPU backup backend regions get by default")            \
-    X(init_disk_backup, boolean, "TMS_INIT_ENABLE_DISK_BACKUP", 0, (), NULL,                                   \
-      "threads start with disk backup (wins over CPU backup)")                                                 \
-    X(reloc_hooks, boolean, "TMS_RELOC_HOOKS", 1, (), NULL, "preload mode may patch GOT entries (relocation)") \
-    X(shareable, boolean, "TMS_SHAREABLE", 1, (), NULL, "allocations are made exportable to other processes")  \
-    X(disk_dir, path, "TMS_DISK_BACKUP_DIR", "", (0), NULL,                                                    \
-      "the disk backup directory (default $TMPDIR, else /tmp)")                                                \
-    X(disk_trust_dir, boolean, "TMS_DISK_BACKUP_TRUST_DIR", 0, (), NULL,                                       \
-      "the user vouches for the disk backup directory (used though it fails the safety check)")                \
-    X(disk_block_bytes, mib, "TMS_DISK_BACKUP_CHUNK_MB", (size_t)256 << 20, (1, 4096),                         \
-      "a whole number of MiB from 1 to 4096", "the largest file I/O of a disk backup")                         \
-    X(host_memory_safety, boolean, "TMS_HOST_MEMORY_SAFETY", 1, (), NULL,                                      \
-      "without a budget, pauses keep 5 % of the host's memory available")                                      \
+      "default; TMS_BACKUP_LIVE_ONLY=0 turns it off.")                                                         \
+    X(progress, boolean, "TMS_PROGRESS", 0, (), NULL, RUN(tms_core_set_progress, tms_core_progress),           \
+      "Log progress lines (INFO, logger \"torch_memory_saver\") for backed-up pauses/resumes that take "       \
+      "more than a second. Off by default; TMS_PROGRESS=1.")                                                   \
+    X(memory_margin_bytes, size, NULL, 0, (0, SIZE_MAX, 1), "a number of bytes", RUN(tms_core_set_margin,      \
+      tms_core_margin),                                                                                        \
+      "Allocations inside regions fail with OutOfMemoryError (PyTorch then frees its cache and retries) "      \
+      "if they would leave fewer than this many bytes free on the device. 0 (the default) turns the "          \
+      "check off.")                                                                                            \
+    /* the host budget and the disk */                                                                         \
     X(host_limit, limit, "TMS_HOST_BACKUP_LIMIT", 0, (1, 100),                                                 \
-      "a positive size (e.g. 64GiB) or a percentage from 1% to 100%",                                          \
+      "a positive size (e.g. 64GiB) or a percentage from 1% to 100%", ENV,                                     \
       "the host backup budget, in bytes or in percent of the host's memory (0: none)")                         \
     X(host_limit_name, name, "TMS_HOST_BACKUP_LIMIT_NAME", "host", (64),                                       \
-      "a name of 1 to 64 letters, digits, '_', '-' or '.' (not starting with '.')",                            \
+      "a name of 1 to 64 letters, digits, '_', '-' or '.' (not starting with '.')", ENV,                       \
       "the ledger the processes sharing a budget name")                                                        \
-    X(host_meminfo, path, "TMS_HOST_MEMINFO", "", (255), "a path of at most 255 bytes", "tests: a file read instead of /proc/meminfo")  \
-    X(backup_threads, count, "TMS_BACKUP_THREADS", 0, (1, 32), "a number from 1 to 32",                        \
+    X(host_memory_safety, boolean, "TMS_HOST_MEMORY_SAFETY", 1, (), NULL, ENV,                                 \
+      "without a budget, pauses keep 5 % of the host's memory available")                                      \
+    X(spill_to_disk, boolean, "TMS_SPILL_TO_DISK", 0, (), NULL, RUN(tms_core_set_spill, tms_core_spill),       \
+      "When a backed-up pause would exceed the host backup budget (TMS_HOST_BACKUP_LIMIT, or 5 % of the "      \
+      "host's memory kept available), the largest allocations that do not fit are backed up to disk (the "     \
+      "disk backup directory) instead of raising. TMS_SPILL_TO_DISK gives the default.")                       \
+    X(host_meminfo, path, "TMS_HOST_MEMINFO", "", (255), "a path of at most 255 bytes", ENV,                   \
+      "tests: a file read instead of /proc/meminfo")                                                           \
+    X(disk_dir, path, "TMS_DISK_BACKUP_DIR", "", (0), NULL, ENV,                                               \
+      "the disk backup directory (default $TMPDIR, else /tmp)")                                                \
+    X(disk_trust_dir, boolean, "TMS_DISK_BACKUP_TRUST_DIR", 0, (), NULL, ENV,                                  \
+      "the user vouches for the disk backup directory (used though it fails the safety check)")                \
+    X(disk_block_bytes, mib, "TMS_DISK_BACKUP_CHUNK_MB", (size_t)256 << 20, (1, 4096),                         \
+      "a whole number of MiB from 1 to 4096", ENV, "the largest file I/O of a disk backup")                    \
+    /* copies and allocations */                                                                               \
+    X(backup_threads, count, "TMS_BACKUP_THREADS", 0, (1, 32), "a number from 1 to 32", ENV,                   \
       "copy workers (0: one per CPU, at most 16)")                                                             \
     X(backup_block_bytes, size, "TMS_BACKUP_BLOCK_BYTES", 0, (64 << 10, 256 << 20, 4096),                      \
-      "a size from 64KiB to 256MiB in whole 4 KiB pages", "the copy block both ways (0: per direction)")       \
+      "a size from 64KiB to 256MiB in whole 4 KiB pages", ENV, "the copy block both ways (0: per direction)")  \
     X(chunk_bytes, size, "TMS_CHUNK_BYTES", 0, (0, TMS_CHUNK_BYTES_MAX, 1),                                    \
-      "a size from 0 to 1TiB (e.g. 67108864, 64MiB, 1GiB)",                                                    \
+      "a size from 0 to 1TiB (e.g. 67108864, 64MiB, 1GiB)", ENV,                                               \
       "the physical chunk of an allocation (0: one handle; unset: the backend's)")                             \
-    X(log, choice, "TMS_LOG", "", ("debug", "off", "0"), "one of: debug, off, 0",                              \
+    /* hooks, sharing, the backend, the log */                                                                 \
+    X(reloc_hooks, boolean, "TMS_RELOC_HOOKS", 1, (), NULL, ENV, "preload mode may patch GOT entries (relocation)") \
+    X(shareable, boolean, "TMS_SHAREABLE", 1, (), NULL, ENV, "allocations are made exportable to other processes") \
+    X(log, choice, "TMS_LOG", "", ("debug", "off", "0"), "one of: debug, off, 0", ENV,                         \
       "C-side debug lines on stderr; off (or 0): not even warnings")                                           \
-    X(platform, choice_anycase, "TMS_PLATFORM", "", ("cuda", "rocm", "hip"), "one of: cuda, rocm, hip",        \
+    X(platform, choice_anycase, "TMS_PLATFORM", "", ("cuda", "rocm", "hip"), "one of: cuda, rocm, hip", ENV,   \
       "the platform whose backend to use when TMS_BACKEND says nothing")                                       \
-    X(backend, choice_anycase, "TMS_BACKEND", "", ("cuda", "hip", "host"), "one of: cuda, hip, host",          \
+    X(backend, choice_anycase, "TMS_BACKEND", "", ("cuda", "hip", "host"), "one of: cuda, hip, host", ENV,     \
       "the backend")                                                                                           \
-    X(hip_library, path, "TMS_HIP_LIBRARY", "", (0), NULL, "tests: the HIP runtime to load instead of libamdhip64")
-
-/* The host backend's (platform/driver_host.c): a malformed one keeps that backend from
- * loading, naming it; no other backend reads them. */
-#define TMS_SETTINGS_HOST(X)                                                                                   \
+    X(hip_library, path, "TMS_HIP_LIBRARY", "", (0), NULL, ENV,                                                \
+      "tests: the HIP runtime to load instead of libamdhip64")                                                 \
+    /* the host backend */                                                                                     \
     X(host_device_bytes, size, "TMS_HOST_DEVICE_BYTES", (size_t)16 << 30, (1, SIZE_MAX, 1),                    \
-      "a positive size (e.g. 8, 64MiB, 16GiB)", "the capacity of each emulated device")                        \
+      "a positive size (e.g. 8, 64MiB, 16GiB)", HOST, "the capacity of each emulated device")                  \
     X(host_devices, count, "TMS_HOST_DEVICES", 2, (1, TMS_HOST_MAX_DEVICES), "a device count from 1 to 8",     \
-      "the emulated devices")                                                                                  \
-    X(host_numa_node, count, "TMS_HOST_NUMA_NODE", -1, (0, 1023), "a NUMA node from 0 to 1023",                \
+      HOST, "the emulated devices")                                                                            \
+    X(host_numa_node, count, "TMS_HOST_NUMA_NODE", -1, (0, 1023), "a NUMA node from 0 to 1023", HOST,          \
       "the NUMA node the devices sit on (-1: unknown)")                                                        \
-    X(host_current_device, device, "TMS_HOST_CURRENT_DEVICE", 0, (), NULL,                                     \
-      "tests and benchmarks: the device allocations go to by default")                                                             \
-    X(fault_at, faults, "TMS_FAULT", 0, (), NULL, "tests: op:n,... the n-th call of op fails once")            \
-    X(host_copy_gate, path, "TMS_HOST_COPY_GATE", "", (255), "a path of at most 255 bytes",                                             \
-      "tests: a regular file the first device->host copy waits on")
-
-/* Other programs' variables the library reads, as their owners define them: read with
- * secure_getenv (as glibc reads them: not in a setuid process), never malformed, and not
- * named among the library's own. */
-#define TMS_SETTINGS_OUTSIDE(X)                                                                                \
-    X(tmpdir, path, "TMPDIR", "", (0), NULL, "where disk backups go without TMS_DISK_BACKUP_DIR")              \
-    X(xdg_runtime_dir, path, "XDG_RUNTIME_DIR", "", (0), NULL, "where the host budget's ledger lives")         \
-    X(ld_library_path, path, "LD_LIBRARY_PATH", "", (0), NULL,                                                 \
-      "the directories the relocation hooks' dlopen searches as the dynamic loader does")
+    X(host_current_device, device, "TMS_HOST_CURRENT_DEVICE", 0, (), NULL, HOST,                               \
+      "tests and benchmarks: the device allocations go to by default")                                         \
+    X(fault_at, faults, "TMS_FAULT", 0, (), NULL, HOST, "tests: op:n,... the n-th call of op fails once")      \
+    X(host_copy_gate, path, "TMS_HOST_COPY_GATE", "", (255), "a path of at most 255 bytes", HOST,              \
+      "tests: a regular file the first device->host copy waits on")                                            \
+    /* other programs' */                                                                                      \
+    X(tmpdir, path, "TMPDIR", "", (0), NULL, OUTSIDE, "where disk backups go without TMS_DISK_BACKUP_DIR")     \
+    X(xdg_runtime_dir, path, "XDG_RUNTIME_DIR", "", (0), NULL, OUTSIDE, "where the host budget's ledger lives") \
+    X(ld_library_path, path, "LD_LIBRARY_PATH", "", (0), NULL, OUTSIDE,                                        \
+      "the directories the relocation hooks' dlopen searches, as the dynamic loader does")
 
 /* TMS_* variables the library's command line and build read, not the library: X(env, doc). */
 #define TMS_ENV_ELSEWHERE(X)                                                                                   \
@@ -180,17 +181,13 @@ enum tms_setting_type {
 #define TMS_SETTING_FIELD_limit(name) size_t name##_bytes; unsigned name##_percent;
 #define TMS_SETTING_FIELD_faults(name) long name[TMS_FAULT_OPS];  /* per op: 0 = never */
 
-#define TMS_SETTING_FIELD_RUN(name, type, env, dflt, range, accepts, set, get, doc) TMS_SETTING_FIELD(name, type)
-#define TMS_SETTING_FIELD_ENV(name, type, env, dflt, range, accepts, doc) TMS_SETTING_FIELD(name, type)
+#define TMS_SETTING_FIELDS(name, type, env, dflt, range, accepts, when, doc) TMS_SETTING_FIELD(name, type)
 
 /* The values the process started with: every row's default, or what its variable says. */
 struct tms_defaults {
-    TMS_SETTINGS_RUN(TMS_SETTING_FIELD_RUN)
-    TMS_SETTINGS_ENV(TMS_SETTING_FIELD_ENV)
-    TMS_SETTINGS_HOST(TMS_SETTING_FIELD_ENV)
-    TMS_SETTINGS_OUTSIDE(TMS_SETTING_FIELD_ENV)
-    struct tms_err parse_error;  /* status != 0: the first malformed variable of RUN and ENV */
-    struct tms_err host_error;   /* status != 0: the first malformed one of HOST; the host backend does not load */
+    TMS_SETTINGS(TMS_SETTING_FIELDS)
+    struct tms_err parse_error;  /* status != 0: the first malformed variable of a RUN or ENV row */
+    struct tms_err host_error;   /* status != 0: the first malformed one of a HOST row; the host backend does not load */
 };
 
 /* Parsed once per process, at the first call (from any thread). */
@@ -198,22 +195,35 @@ const struct tms_defaults *tms_defaults(void);
 
 /* ---- the rows, for the faces and checks ------------------------------------------------ */
 
-#define TMS_SETTING_ID_RUN(name, type, env, dflt, range, accepts, set, get, doc) TMS_SETTING_##name,
-#define TMS_SETTING_ID_ENV(name, type, env, dflt, range, accepts, doc) TMS_SETTING_##name,
-enum tms_setting_id {
-    TMS_SETTINGS_RUN(TMS_SETTING_ID_RUN)
-    TMS_SETTINGS_ENV(TMS_SETTING_ID_ENV)
-    TMS_SETTINGS_HOST(TMS_SETTING_ID_ENV)
-    TMS_SETTINGS_OUTSIDE(TMS_SETTING_ID_ENV)
-    TMS_SETTING_COUNT
-};
+#define TMS_SETTING_ID(name, type, env, dflt, range, accepts, when, doc) TMS_SETTING_##name,
+enum tms_setting_id { TMS_SETTINGS(TMS_SETTING_ID) TMS_SETTING_COUNT };
 
-enum tms_setting_group {
-    TMS_SETTING_GROUP_RUN,      /* TMS_SETTINGS_RUN */
-    TMS_SETTING_GROUP_ENV,      /* TMS_SETTINGS_ENV */
-    TMS_SETTING_GROUP_HOST,     /* TMS_SETTINGS_HOST */
-    TMS_SETTING_GROUP_OUTSIDE,  /* TMS_SETTINGS_OUTSIDE */
-};
+/* The when column, read by token pasting (RUN, ENV, HOST and OUTSIDE are no macros):
+ * TMS_SETTING_GROUP(when) its enum tms_setting_group; TMS_SETTING_IF_RUN(when, ...) the
+ * rest for a RUN row, nothing for another; TMS_SETTING_SETTER(when) and
+ * TMS_SETTING_GETTER(when) the names a RUN row gives. */
+enum tms_setting_group { TMS_SETTING_GROUP_RUN, TMS_SETTING_GROUP_ENV, TMS_SETTING_GROUP_HOST, TMS_SETTING_GROUP_OUTSIDE };
+#define TMS_SETTING_GROUP(when) TMS_SETTING_GROUP_OF_##when
+#define TMS_SETTING_GROUP_OF_RUN(set, get) TMS_SETTING_GROUP_RUN
+#define TMS_SETTING_GROUP_OF_ENV TMS_SETTING_GROUP_ENV
+#define TMS_SETTING_GROUP_OF_HOST TMS_SETTING_GROUP_HOST
+#define TMS_SETTING_GROUP_OF_OUTSIDE TMS_SETTING_GROUP_OUTSIDE
+#define TMS_SETTING_IF_RUN(when, ...) TMS_SETTING_IF_RUN_##when(__VA_ARGS__)
+#define TMS_SETTING_IF_RUN_RUN(set, get) TMS_SETTING_KEEP
+#define TMS_SETTING_IF_RUN_ENV(...)
+#define TMS_SETTING_IF_RUN_HOST(...)
+#define TMS_SETTING_IF_RUN_OUTSIDE(...)
+#define TMS_SETTING_KEEP(...) __VA_ARGS__
+#define TMS_SETTING_SETTER(when) TMS_SETTING_SETTER_##when
+#define TMS_SETTING_SETTER_RUN(set, get) set
+#define TMS_SETTING_SETTER_ENV
+#define TMS_SETTING_SETTER_HOST
+#define TMS_SETTING_SETTER_OUTSIDE
+#define TMS_SETTING_GETTER(when) TMS_SETTING_GETTER_##when
+#define TMS_SETTING_GETTER_RUN(set, get) get
+#define TMS_SETTING_GETTER_ENV
+#define TMS_SETTING_GETTER_HOST
+#define TMS_SETTING_GETTER_OUTSIDE
 
 /* One row of the table, as the code reads it. */
 struct tms_setting_row {
@@ -231,7 +241,7 @@ struct tms_setting_row {
     size_t offset, offset_percent, offset_set;  /* its field(s) in struct tms_defaults */
 };
 
-/* The rows in table order (RUN, ENV, HOST, OUTSIDE), indexed by enum tms_setting_id. */
+/* The rows in table order, indexed by enum tms_setting_id. */
 extern const struct tms_setting_row tms_setting_rows[TMS_SETTING_COUNT];
 /* The row called name, or NULL. */
 const struct tms_setting_row *tms_setting_find(const char *name);
