@@ -226,7 +226,7 @@ static int open_runtime(char *path, size_t size, int *refused, char *why, size_t
 {
     const char *xdg = tms_defaults()->xdg_runtime_dir;
     int n = xdg[0] == '/' ? snprintf(path, size, "%s", xdg) : snprintf(path, size, "/run/user/%u",
-                                                                                 (unsigned)geteuid());
+                                                                           (unsigned)geteuid());
     if (n < 0 || (size_t)n + 32 >= size) {
         snprintf(why, why_size, "its path is too long");
         return -1;
