@@ -355,6 +355,8 @@ def test_the_call_graph_sees_the_calls_it_should():
     assert "core/alloc.c" in graph["hooks/hook.c"]
     assert {"platform/os_host.c", "platform/os_dir.c", "platform/os_file.c"} <= graph["backup/ledger.c"]
     assert {"platform/os_dir.c", "platform/os_file.c"} <= graph["backup/files_dir.c"]
+    assert {"hooks/hook_preload.c", "hooks/hook_torch.c"} <= graph["face/module_share.c"]  # the variant seam
+    assert "platform/config.c" in graph["backup/ledger.c"]  # the settings table, read by every layer
 
 
 def test_the_core_reaches_backups_through_one_entry_each_way():
@@ -374,9 +376,6 @@ def test_the_core_reaches_backups_through_one_entry_each_way():
     backup_users = {f for f in calls if f.startswith("core/") and any(g.startswith("backup/") for g in calls[f])}
     assert "core/pause.c" in backup_users and "core/resume.c" in backup_users
 
-
-    assert {"hooks/hook_preload.c", "hooks/hook_torch.c"} <= graph["face/module_share.c"]  # the variant seam
-    assert "platform/config.c" in graph["backup/ledger.c"]  # the settings table, read by every layer
 
 
 def test_design_md_states_the_same_table():
