@@ -1,8 +1,12 @@
 """The C sources keep docs/design.md's layers: every `#include "…"` in src/ and every call
 from one file into a function another file defines goes down the layers (or sideways
-within one), and no two files call each other, directly or round a circle. Reads files
-only: no build, no import of the package. The checks run on synthetic trees too, so a
-planted upward include or a planted circle is shown to fail."""
+within one), and no two files call each other, directly or round a circle. The
+environment is read only by platform/ (the settings table), the faces hold no branch on
+the hook variant (hooks/variant.h answers for it), and no file declares another file's
+function by hand (the compiler checks a call only against the header that declares it).
+Reads files only: no build, no import of the package. The checks run on synthetic trees
+too, so a planted upward include, circle, getenv, variant branch or prototype is shown
+to fail."""
 import re
 from pathlib import Path
 
@@ -24,22 +28,23 @@ MAY_USE = {
 }
 # Leaves of platform/ that every layer may include (and call): status codes and the
 # error record, the log line, the fork module every subsystem with a lock registers
-# with, the CUDA ABI the hooks interpose, and the glibc symbol versions the build
-# includes into every file.
-SHARED = {"platform/error.h", "platform/log.h", "platform/fork.h", "platform/cuda_abi.h", "platform/glibc_compat.h"}
+# with, the CUDA ABI the hooks interpose, the glibc symbol versions the build includes
+# into every file, the settings table (every setting, parsed once) and the host budget's
+# record (filled by the ledger, shown by the faces).
+SHARED = {"platform/error.h", "platform/log.h", "platform/fork.h", "platform/cuda_abi.h", "platform/glibc_compat.h",
+          "platform/config.h", "platform/host_budget.h"}
 # Single edges beyond the table, each with its reason.
 EXCEPTIONS = {
-    ("face/module_process.c", "hooks/hook_preload.h"):
-        "the preload variant's own questions: is it the process's cudaMalloc, relocation hooks",
-    ("face/module_share.c", "hooks/hook_preload.h"):
-        "install_ipc_hooks: the preload variant asks whether LD_PRELOAD already interposes the calls",
-    ("face/module_share.c", "hooks/hook_preload.c"):
-        "install_ipc_hooks: the preload variant's relocation hooks include the IPC calls",
-    ("face/module_share.c", "hooks/hook_torch.c"):
-        "install_ipc_hooks: the torch variant patches the IPC calls' GOT entries",
-    ("face/module_env.c", "platform/config.h"):
-        "_tms_env checks the TMS_* environment at import and is built without a core",
+    ("face/module.c", "hooks/variant.h"):
+        "the variant seam: the allocator hooks' methods are offered where the variant has them",
+    ("face/module_process.c", "hooks/variant.h"):
+        "the variant seam: is this library the process's cudaMalloc, the relocation hooks",
+    ("face/module_share.c", "hooks/variant.h"):
+        "the variant seam: install_ipc_hooks, as the variant routes the CUDA IPC calls",
 }
+# Headers that several files implement, one per build (a call into any of them is a
+# use of the header): the hook variant seam, answered by each variant's hook file.
+SEAMS = {"hooks/variant.h": {"hooks/hook_preload.c", "hooks/hook_torch.c"}}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
@@ -106,6 +111,7 @@ LITERAL = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'')
 # braces, the name, its parameters, then the body's brace.
 DEFINITION = re.compile(r"^(?P<head>[A-Za-z_][^;{}()#=\n]*?)\b(?P<name>[A-Za-z_]\w*)\s*\([^;{}]*?\)\s*\{", re.M)
 IDENTIFIER = re.compile(r"\b[A-Za-z_]\w*\b")
+TAG = re.compile(r"\b(?:struct|union|enum)\s+[A-Za-z_]\w*")  # a type's tag names no function, whatever it shares a name with
 
 
 def code_of(text):
@@ -158,19 +164,20 @@ def call_graph(files):
             defined.setdefault(name, set()).add(rel)
     graph = {rel: set() for rel in code}
     for rel, text in code.items():
-        for name in set(IDENTIFIER.findall(text)) - local[rel]:
+        for name in set(IDENTIFIER.findall(TAG.sub(" ", text))) - local[rel]:
             graph[rel] |= defined.get(name, set()) - {rel}
     return graph
 
 
-def header_of(c_file):
-    return c_file[:-2] + ".h"
+def headers_of(c_file):
+    """The headers a .c file implements: its own, and any seam it answers."""
+    return [c_file[:-2] + ".h", *(h for h, impls in SEAMS.items() if c_file in impls)]
 
 
 def upward_calls(files):
     graph = call_graph(files)
     return [f"{a} uses {b}" for a in sorted(graph) for b in sorted(graph[a])
-            if not allowed(a, b) and not allowed(a, header_of(b))]
+            if not allowed(a, b) and not any(allowed(a, h) for h in headers_of(b))]
 
 
 def circles(graph):
@@ -210,6 +217,61 @@ def include_graph(files):
     for a, b in includes(files):
         graph[a].add(b)
     return graph
+
+
+# ---- the environment, the variant, prototypes -------------------------------------------------
+
+GETENV = re.compile(r"\b(?:secure_)?getenv\s*\(")
+
+
+def environment_readers(files):
+    """Files outside platform/ that read the environment (platform/config.c reads it for all)."""
+    return sorted(rel for rel, text in files.items() if layer_of(rel) != "platform" and GETENV.search(code_of(text)))
+
+
+CONDITIONAL = re.compile(r"^[ \t]*#[ \t]*(if|ifdef|ifndef|elif)\b(.*)$", re.M)
+VARIANT_NAME = re.compile(r"VARIANT|PRELOAD|TORCH|TMS_IS_", re.I)
+
+
+def variant_branches(files):
+    """Conditional directives of face/ on the hook variant. The one guard that the build
+    named a variant at all (#ifndef TMS_VARIANT, then #error) branches on nothing."""
+    found = []
+    for rel, text in files.items():
+        if layer_of(rel) != "face":
+            continue
+        code = COMMENT.sub(" ", text)
+        for m in CONDITIONAL.finditer(code):
+            directive, rest = m.group(1), m.group(2).strip()
+            guard = directive == "ifndef" and rest == "TMS_VARIANT" and re.match(r"\s*#\s*error\b", code[m.end():])
+            if VARIANT_NAME.search(rest) and not guard:
+                found.append(f"{rel}: #{directive} {rest}")
+    return sorted(found)
+
+
+# A declaration of a function at file scope: a head without parentheses or braces, the
+# name and its parameters, attributes, then the semicolon.
+DECLARATION = re.compile(r"^(?P<head>[A-Za-z_][^;{}()#=\n]*?)\b(?P<name>[A-Za-z_]\w*)\s*\([^;{}]*?\)"
+                         r"(?:\s*__attribute__\s*\(\(.*?\)\))?\s*;", re.M | re.S)
+
+
+def handwritten_prototypes(files):
+    """Functions a .c file declares itself that another file defines: a header must
+    declare them, so the compiler checks the call and the definition against one text."""
+    code = {rel: code_of(text) for rel, text in files.items() if rel.endswith(".c")}
+    defined = {}
+    for rel, text in code.items():
+        for name in definitions(text)[0]:
+            defined.setdefault(name, set()).add(rel)
+    found = []
+    for rel, text in code.items():
+        for m in DECLARATION.finditer(text):
+            head = m.group("head")
+            if re.search(r"\b(static|typedef|return)\b", head):
+                continue
+            for other in sorted(defined.get(m.group("name"), set()) - {rel}):
+                found.append(f"{rel} declares {m.group('name')} of {other}")
+    return sorted(found)
 
 
 # ---- the tree ---------------------------------------------------------------------------
@@ -266,6 +328,22 @@ def test_a_planted_os_call_fails(tmp_path):
     assert os_calls_above_platform(files) == ["backup/ledger.c calls statx"]
 
 
+def test_only_the_platform_reads_the_environment():
+    found = environment_readers(sources(SRC))
+    assert not found, ("files outside src/platform/ that call getenv (add a row to platform/config.h's table and read "
+                       "tms_defaults() instead): " + ", ".join(found))
+
+
+def test_the_faces_do_not_branch_on_the_hook_variant():
+    found = variant_branches(sources(SRC))
+    assert not found, "conditionals on the hook variant in src/face/ (ask hooks/variant.h):\n" + "\n".join(found)
+
+
+def test_no_file_declares_another_files_function_by_hand():
+    found = handwritten_prototypes(sources(SRC))
+    assert not found, "prototypes written in a .c file (include the header that declares them):\n" + "\n".join(found)
+
+
 def test_the_call_graph_sees_the_calls_it_should():
     """The parse finds what it must in the real tree (a parse that found nothing would pass)."""
     graph = call_graph(sources(SRC))
@@ -277,6 +355,8 @@ def test_the_call_graph_sees_the_calls_it_should():
     assert "core/alloc.c" in graph["hooks/hook.c"]
     assert {"platform/os_host.c", "platform/os_dir.c", "platform/os_file.c"} <= graph["backup/ledger.c"]
     assert {"platform/os_dir.c", "platform/os_file.c"} <= graph["backup/files_dir.c"]
+    assert {"hooks/hook_preload.c", "hooks/hook_torch.c"} <= graph["face/module_share.c"]  # the variant seam
+    assert "platform/config.c" in graph["backup/ledger.c"]  # the settings table, read by every layer
 
 
 def test_the_core_reaches_backups_through_one_entry_each_way():
@@ -297,6 +377,7 @@ def test_the_core_reaches_backups_through_one_entry_each_way():
     assert "core/pause.c" in backup_users and "core/resume.c" in backup_users
 
 
+
 def test_design_md_states_the_same_table():
     text = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
     for layer, uses in MAY_USE.items():
@@ -308,6 +389,8 @@ def test_design_md_states_the_same_table():
         assert header.split("/")[1] in text, f"docs/design.md does not name the shared header {header}"
     for user, used in EXCEPTIONS:
         assert user.split("/")[1] in text and used.split("/")[1] in text, f"docs/design.md does not state {user} -> {used}"
+    for header, impls in SEAMS.items():
+        assert header in text and all(i.split("/")[1] in text for i in impls), f"docs/design.md does not state {header}"
 
 
 # ---- the checks catch what they should ------------------------------------------------------
@@ -358,3 +441,34 @@ def test_definitions_span_lines_and_skip_statics():
                    "__attribute__((destructor)) static void c(void) {}\nTMS_EXPORT int d(void) { return 0; }\n"
                    "#define e(x) f(x)\nint g(void);\n")
     assert definitions(code) == ({"b", "d"}, {"a"})
+
+
+def test_a_planted_getenv_variant_branch_and_prototype_fail(tmp_path):
+    files = _tree(tmp_path, {
+        "platform/config.c": "const char *read(void) { return getenv(\"TMS_X\"); }\n",   # allowed: the platform
+        "backup/ledger.c": "const char *dir(void)\n{\n    return secure_getenv(\"XDG\");\n}\n",
+        "hooks/reloc.c": "/* getenv(\"X\") in a comment */\nconst char *p = \"getenv(\";\n",  # neither counts
+        "face/module.h": "#ifndef TMS_VARIANT\n#error \"needs a variant\"\n#endif\n",  # the guard: allowed
+        "face/module_share.c": "#if TMS_VARIANT_IS_PRELOAD\nint a;\n#endif\n#ifdef TMS_PRELOAD_ONLY\n#endif\n"
+                               "int tms_torch_install_ipc_hooks(struct tms_err *err);\n"
+                               "static int helper(void);\nextern int own(void) __attribute__((alias(\"x\")));\n",
+        "hooks/hook_torch.c": "int tms_torch_install_ipc_hooks(struct tms_err *err)\n{\n    return 0;\n}\n"
+                              "static int helper(void) { return 0; }\n",
+    })
+    assert environment_readers(files) == ["backup/ledger.c"]
+    assert variant_branches(files) == ["face/module_share.c: #if TMS_VARIANT_IS_PRELOAD",
+                                       "face/module_share.c: #ifdef TMS_PRELOAD_ONLY"]
+    assert handwritten_prototypes(files) == [
+        "face/module_share.c declares tms_torch_install_ipc_hooks of hooks/hook_torch.c"]
+
+
+def test_a_call_into_a_seam_is_a_use_of_its_header(tmp_path):
+    files = _tree(tmp_path, {
+        "hooks/variant.h": "int tms_variant_x(void);\n",
+        "hooks/hook_preload.c": "#include \"hooks/variant.h\"\nint tms_variant_x(void) { return 1; }\n",
+        "hooks/hook_torch.c": "#include \"hooks/variant.h\"\nint tms_variant_x(void) { return 0; }\n",
+        "face/module.c": "#include \"hooks/variant.h\"\nint f(void) { return tms_variant_x(); }\n",
+        "face/abi.c": "int g(void) { return tms_variant_x(); }\n",   # not one of the exceptions
+    })
+    assert upward_includes(files) == []
+    assert upward_calls(files) == ["face/abi.c uses hooks/hook_preload.c", "face/abi.c uses hooks/hook_torch.c"]

@@ -5,10 +5,6 @@ import sys as _sys
 import types as _types
 
 from . import _library
-from ._errors import DiskBackupDirError, Error, OutOfMemoryError
-from ._preload import configure_subprocess
-from ._report import DeviceReport, Report
-from .entrypoint import TorchMemorySaver, _unknown_setting, setting_names as _setting_names
 
 
 def _started_as_command():
@@ -28,6 +24,12 @@ except ValueError as e:
         raise SystemExit(f"{e}") from None
     raise
 _library.warn_unknown_variables()
+
+# After the check: the singleton's settings are built from the table _tms_env describes.
+from ._errors import DiskBackupDirError, Error, OutOfMemoryError  # noqa: E402
+from ._preload import configure_subprocess  # noqa: E402
+from ._report import DeviceReport, Report  # noqa: E402
+from .entrypoint import TorchMemorySaver, _unknown_setting, setting_names as _setting_names  # noqa: E402
 
 __version__ = "0.1.0"
 

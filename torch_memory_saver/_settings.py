@@ -1,65 +1,49 @@
-"""The singleton's settings, in one store: each setting's type, its default, and
-where it lives once the core is loaded."""
+"""The singleton's settings, as the C table describes them (src/platform/config.h,
+its RUN rows): a setting's name, type, variable, default and doc come from
+_tms_env.settings(), and every value is checked by C, the same way before the core is
+loaded (_tms_env.check_setting) as after (the core's set_<name>). Nothing here knows
+one setting from another."""
+import importlib
 
-# name -> (Python type it converts to, the core's getter and setter or None). A
-# setting the core keeps is written to it from its first use on (the core checks
-# what the value means); one it does not keep is read by the Python layer here.
-# The defaults come from the core's TMS_* parsing (defaults()), except the margin.
-TABLE = {
-    "memory_margin_bytes": (int, ("get_memory_margin_bytes", "set_memory_margin_bytes")),
-    "retain_cpu_backup": (bool, ("get_retain_cpu_backup", "set_retain_cpu_backup")),
-    "spill_to_disk": (bool, ("get_spill_to_disk", "set_spill_to_disk")),
-    "skip_unchanged": (bool, ("get_skip_unchanged", "set_skip_unchanged")),
-    "progress": (bool, None),
-    "backup_live_only": (bool, None),
-}
+_env = importlib.import_module("torch_memory_saver._tms_env")
 
-
-def _type_name(t):
-    return ("an " if t.__name__[0] in "aeiou" else "a ") + t.__name__
+# name -> its row of the table: the settings that change at run time, in table order.
+ROWS = {row["name"]: row for row in _env.settings() if row["run"]}
 
 
 class Settings:
     """Values assigned before the core is loaded wait here, and go to the core when it
-    loads (attach); after that, the settings the core keeps are read from and written
-    to it, and the others stay here."""
+    loads (attach); after that, every setting is read from and written to the core."""
 
-    def __init__(self, defaults):
-        self._defaults = defaults  # () -> the core's defaults() of the hook mode in use, loaded on demand
+    def __init__(self, load):
+        self._load = load  # () -> the native module of the hook mode in use, loaded on demand
         self._values = {}
         self._core = None
 
     def get(self, name):
-        kind, native = TABLE[name]
-        if native and self._core is not None:
-            return getattr(self._core, native[0])()
+        if self._core is not None:
+            return getattr(self._core, "get_" + name)()
         if name in self._values:
             return self._values[name]
-        return 0 if name == "memory_margin_bytes" else self._defaults()[name]
+        row = ROWS[name]
+        # A variable's default is the core's reading of it; one without a variable has the table's.
+        return row["default"] if row["env"] is None else getattr(self._load(), "get_" + name)()
 
     def set(self, name, value):
-        kind, native = TABLE[name]
-        if isinstance(value, bool) is not (kind is bool) or not isinstance(value, kind):
-            raise TypeError(f"torch_memory_saver: {name} must be {_type_name(kind)}, not {type(value).__name__}")
-        if native and self._core is not None:
-            getattr(self._core, native[1])(value)
+        if self._core is not None:
+            getattr(self._core, "set_" + name)(value)
             return
-        if native:
-            self._check(name, value)
+        _env.check_setting(name, value)  # what the core would refuse is refused now, as it would be after
         self._values[name] = value
 
     def attach(self, core):
         """The core is loaded: the values that waited go to it, in one go."""
         for name, value in self._values.items():
-            native = TABLE[name][1]
-            if native:
-                getattr(core, native[1])(value)
+            getattr(core, "set_" + name)(value)
         self._core = core
 
-    def _check(self, name, value):
-        """Before the core is loaded, a value it would refuse is refused now, as it
-        would be after: the margin is the one setting whose value can be wrong."""
-        if name == "memory_margin_bytes" and value < 0:
-            raise ValueError(f"torch_memory_saver: memory_margin_bytes must be >= 0, got {value}")
-        if name == "memory_margin_bytes" and value >= 1 << 64:
-            raise ValueError(f"torch_memory_saver: memory_margin_bytes must be < 2**64, got {value}")
+
+def setting_property(name):
+    """The singleton's property of setting `name` (its Settings is `_settings`), with the table's doc."""
+    return property(lambda self: self._settings.get(name), lambda self, value: self._settings.set(name, value),
+                    doc=ROWS[name]["doc"])

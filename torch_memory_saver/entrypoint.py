@@ -11,7 +11,7 @@ from typing import Optional
 from . import _library, _live, _observe, _preload, _report, _share
 from ._errors import DiskBackupDirError
 from ._impl import _Impl, backup_across_pages
-from ._settings import Settings
+from ._settings import ROWS as _SETTING_ROWS, Settings, setting_property
 
 logger = logging.getLogger("torch_memory_saver")
 
@@ -54,7 +54,7 @@ class TorchMemorySaver:
         self._hook_mode = "preload"
         self._impl: Optional[_Impl] = None
         self._init_lock = threading.Lock()
-        self._settings = Settings(lambda: _library.load(self._hook_mode).defaults())
+        self._settings = Settings(lambda: _library.load(self._hook_mode))
         self._tags_seen = set()    # every tag a region of this process entered or an allocation carried
         self._tags_warned = set()  # the unknown tags pause/resume already warned about
         self._entered = threading.local()  # per thread: [(tag, backup policy)] of the region blocks it is in
@@ -94,73 +94,9 @@ class TorchMemorySaver:
                 f"region/pause/resume); set hook_mode before first use")
         self._hook_mode = value
 
-    @property
-    def progress(self) -> bool:
-        """Log progress lines (INFO, logger "torch_memory_saver") for backed-up
-        pauses/resumes that take more than a second. Off by default; TMS_PROGRESS=1."""
-        return self._settings.get("progress")
-
-    @progress.setter
-    def progress(self, value: bool):
-        self._settings.set("progress", value)
-
-    @property
-    def backup_live_only(self) -> bool:
-        """Backed-up pauses called from Python copy only the bytes of blocks
-        PyTorch's caching allocator holds live (allocated, or freed but pending
-        on a stream); free blocks come back with undefined contents, as newly
-        allocated memory. Memory PyTorch did not hand out is copied whole. On by
-        default; TMS_BACKUP_LIVE_ONLY=0 turns it off."""
-        return self._settings.get("backup_live_only")
-
-    @backup_live_only.setter
-    def backup_live_only(self, value: bool):
-        self._settings.set("backup_live_only", value)
-
-    @property
-    def memory_margin_bytes(self) -> int:
-        """Allocations inside regions fail with OutOfMemoryError (PyTorch then frees
-        its cache and retries) if they would leave fewer than this many bytes free on
-        the device. 0 (the default) turns the check off."""
-        return self._settings.get("memory_margin_bytes")
-
-    @memory_margin_bytes.setter
-    def memory_margin_bytes(self, value: int):
-        self._settings.set("memory_margin_bytes", value)
-
-    @property
-    def retain_cpu_backup(self) -> bool:
-        """Keep host backups across resume: the next pause copies into them instead
-        of allocating (faster), at the cost of the host memory. TMS_RETAIN_CPU_BACKUP
-        gives the default."""
-        return self._settings.get("retain_cpu_backup")
-
-    @retain_cpu_backup.setter
-    def retain_cpu_backup(self, value: bool):
-        self._settings.set("retain_cpu_backup", value)
-
-    @property
-    def skip_unchanged(self) -> bool:
-        """Backed-up pauses copy only the chunks that changed since the backup was
-        written (found on the GPU), keeping each backup between cycles; a region's
-        skip_unchanged overrides it. Default TMS_SKIP_UNCHANGED (off)."""
-        return self._settings.get("skip_unchanged")
-
-    @skip_unchanged.setter
-    def skip_unchanged(self, value: bool):
-        self._settings.set("skip_unchanged", value)
-
-    @property
-    def spill_to_disk(self) -> bool:
-        """When a backed-up pause would exceed the host backup budget
-        (TMS_HOST_BACKUP_LIMIT, or 5 % of the host's memory kept available), the
-        largest allocations that do not fit are backed up to disk (the disk backup
-        directory) instead of raising. TMS_SPILL_TO_DISK gives the default."""
-        return self._settings.get("spill_to_disk")
-
-    @spill_to_disk.setter
-    def spill_to_disk(self, value: bool):
-        self._settings.set("spill_to_disk", value)
+    # The settings that change at run time (progress, backup_live_only,
+    # memory_margin_bytes, retain_cpu_backup, spill_to_disk, ...) are properties made
+    # from the C table below the class: one row of src/platform/config.h each.
 
     def host_budget(self):
         """The host backup budget this process shares: name, limit (0: none),
@@ -177,7 +113,9 @@ class TorchMemorySaver:
         """Allocations made by this thread inside are pauseable under `tag`.
         enable_cpu_backup keeps their contents in host memory across a pause;
         enable_disk_backup in a file each, in the disk backup directory (see
-        set_disk_backup_dir), with host memory flat. (Upstream's parameter order.)"""
+        set_disk_backup_dir), with host memory flat. (Upstream's parameter order.)
+        skip_unchanged: pauses copy only what changed since the backup was written
+        (None: the skip_unchanged setting decides)."""
         kind = self._check_region(tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup)
         if skip_unchanged is not None and not isinstance(skip_unchanged, bool):
             raise TypeError(f"torch_memory_saver: region(skip_unchanged=...) must be a bool or None, "
@@ -471,3 +409,8 @@ class TorchMemorySaver:
         return self._ensure_initialized().core
 
 
+
+
+for _name in _SETTING_ROWS:
+    setattr(TorchMemorySaver, _name, setting_property(_name))
+del _name

@@ -19,7 +19,7 @@ static long fault_calls[TMS_FAULT_OPS];  /* atomic; only the disk ops are used h
 
 static int fault_hit(int op)
 {
-    long at = tms_host_env()->fault_at[op];
+    long at = tms_defaults()->fault_at[op];
     return at && __atomic_add_fetch(&fault_calls[op], 1, __ATOMIC_RELAXED) == at;
 }
 

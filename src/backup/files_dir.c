@@ -399,9 +399,8 @@ static void retire(struct tms_disk_dir *d)
 static const char *default_locked(void)
 {
     if (default_path || default_errno) return default_path;
-    const char *env = getenv("TMS_DISK_BACKUP_DIR");
-    if (!env || !*env) env = getenv("TMPDIR");
-    int rc = tms_os_absolute(env && *env ? env : "/tmp", &default_path);
+    const char *env = *tms_defaults()->disk_dir ? tms_defaults()->disk_dir : tms_defaults()->tmpdir;
+    int rc = tms_os_absolute(*env ? env : "/tmp", &default_path);
     if (rc) default_errno = -rc;
     return default_path;
 }

@@ -6,17 +6,7 @@
 #include <stdint.h>
 
 #include "platform/error.h"
-
-struct tms_ledger_info {
-    size_t limit;          /* the budget in bytes, 0 without one */
-    size_t reserved;       /* reserved by every live process of the ledger (this one included) */
-    size_t mine;           /* reserved by this process */
-    size_t mem_total, mem_available;  /* the host's, from /proc/meminfo (0 if unreadable) */
-    int safety;            /* without a budget: pauses keep 5 % of the host's memory available */
-    int alone;             /* no private place for the ledger: the budget counts this process alone */
-    char name[65];
-    char ledger[4096];     /* the ledger's file ("" until opened, or alone): PATH_MAX */
-};
+#include "platform/host_budget.h"
 
 /* Reserves bytes of host backups for this process, in flight until
  * tms_ledger_copied. With a budget (TMS_HOST_BACKUP_LIMIT), the ledger's live

@@ -297,3 +297,8 @@ int tms_core_disown(uint64_t va, size_t max_size, tms_phys *handle, uint64_t *ow
     tms_alloc_destroy(a);
     return TMS_OK;
 }
+
+int tms_alloc_skips_unchanged(const struct tms_alloc *a)
+{
+    return a->backup && (a->skip_unchanged >= 0 ? a->skip_unchanged : tms_core_skip_unchanged());
+}

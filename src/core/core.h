@@ -6,7 +6,9 @@
 #include <stdint.h>
 
 #include "core/stats.h"
+#include "platform/config.h"
 #include "platform/error.h"
+#include "platform/host_budget.h"
 
 /* A host backup (backup/backup.h): the faces hold one only as a view's
  * reference (tms_core_backup_of, tms_core_backup_bytes, tms_core_backup_release). */
@@ -305,41 +307,19 @@ void tms_core_share_set_reaper(void (*fn)(void));
 
 /* ---- process-wide settings -------------------------------------------------------- */
 
-void tms_core_set_margin(size_t bytes);
-size_t tms_core_margin(void);
-void tms_core_set_retain(int retain);
-int tms_core_retain(void);
-/* Host backups that do not fit the host backup budget go to disk instead. */
-void tms_core_set_spill(int spill);
-int tms_core_spill(void);
-/* A pause of an allocation whose region did not say copies only what changed
- * since its backup was written (and keeps that backup while active). */
-void tms_core_set_skip_unchanged(int skip);
-int tms_core_skip_unchanged(void);
+/* One setter and one getter per RUN row of platform/config.h's table, named there
+ * (tms_core_set_margin / tms_core_margin, tms_core_set_retain / tms_core_retain, ...) and made
+ * by core/settings.c: the environment's value until a face sets another. */
+#define TMS_CORE_SETTING_ACCESSORS(type, set, get)                                                             \
+    void set(TMS_SETTING_CTYPE(type) value);                                                                   \
+    TMS_SETTING_CTYPE(type) get(void);
+#define TMS_CORE_SETTING_ROW(name, type, env, dflt, range, accepts, when, doc)                                 \
+    TMS_SETTING_IF_RUN(when, TMS_CORE_SETTING_ACCESSORS(type, TMS_SETTING_SETTER(when), TMS_SETTING_GETTER(when)))
+TMS_SETTINGS(TMS_CORE_SETTING_ROW)
 
-/* The TMS_* settings the process started with, as the faces report them. */
-struct tms_core_defaults {
-    int init_enable, init_backup, init_backup_kind, init_disk_backup, retain_backup;
-    size_t chunk_bytes, disk_block_bytes;
-    int progress, backup_live_only, spill_to_disk, reloc_hooks, skip_unchanged;
-};
-void tms_core_defaults(struct tms_core_defaults *out);
-/* The first malformed TMS_* variable of the process (TMS_OK if none): what
- * importing a face raises. */
-int tms_core_env_check(struct tms_err *err);
-
-/* The host backup budget: shared by the processes of a user that name one ledger. */
-struct tms_host_budget {
-    size_t limit;          /* the budget in bytes, 0 without one */
-    size_t reserved;       /* reserved by every live process of the ledger (this one included) */
-    size_t mine;           /* reserved by this process */
-    size_t mem_total, mem_available;  /* the host's, from /proc/meminfo (0 if unreadable) */
-    int safety;            /* without a budget: pauses keep 5 % of the host's memory available */
-    int alone;             /* no private place for the ledger: the budget counts this process alone */
-    char name[65];
-    char ledger[4096];     /* the ledger's file ("" while alone): PATH_MAX */
-};
-int tms_core_host_budget(struct tms_host_budget *info, struct tms_err *err);
+/* The host backup budget: shared by the processes of a user that name one ledger
+ * (platform/host_budget.h: one record from the ledger to the faces). */
+int tms_core_host_budget(struct tms_ledger_info *info, struct tms_err *err);
 
 /* ---- the process's services, for the faces (facade.c) ---------------------- */
 int tms_core_set_disk_dir(const char *dir, struct tms_err *err);
@@ -371,9 +351,9 @@ void tms_core_copy_progress(size_t *done, size_t *total);
  * backend has none, TMS_E_DRIVER with the code where its kernel fails. */
 #define TMS_CORE_FP_CHUNK ((size_t)2 << 20)
 int tms_core_fingerprint(int device, uint64_t va, size_t n, uint64_t (*out)[4], struct tms_err *err);
-/* The same on the CPU over len bytes (a multiple of 256 KiB, n = len / 256 KiB
- * blocks of the chunk size given), under the process's key, or under key
- * (4 x 256 uint32 NH words, then 4 uint64 points) where it is not NULL. */
+/* The same on the CPU over len bytes in chunks of chunk bytes (whole 256 KiB
+ * blocks), under the process's key, or under key (4 x 256 uint32 NH words,
+ * then 4 uint64 points) where it is not NULL. */
 int tms_core_fingerprint_bytes(const void *data, size_t len, size_t chunk, const void *key, uint64_t (*out)[4],
                                struct tms_err *err);
 /* The message of this thread's last failed hook or C ABI call ("" if none). */

@@ -1,4 +1,4 @@
-/* The faces' way to the services below the core (settings, budget, disk directory, backends, copy workers): each a forward, no policy. */
+/* The faces' way to the services below the core (budget, disk directory, backends, copy workers): each a forward, no policy. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -6,35 +6,10 @@
 #include "backup/backup.h"
 #include "backup/ledger.h"
 #include "core/core.h"
-#include "platform/config.h"
 #include "platform/driver.h"
 #include "platform/fingerprint.h"
 
-void tms_core_defaults(struct tms_core_defaults *out)
-{
-    const struct tms_defaults *d = tms_defaults();
-    *out = (struct tms_core_defaults){
-        .init_enable = d->init_enable, .init_backup = d->init_backup, .init_backup_kind = tms_backup_default_kind(),
-        .init_disk_backup = d->init_disk_backup, .retain_backup = d->retain_backup, .chunk_bytes = d->chunk_bytes,
-        .skip_unchanged = d->skip_unchanged,
-        .disk_block_bytes = d->disk_block_bytes, .progress = d->progress, .backup_live_only = d->backup_live_only,
-        .spill_to_disk = d->spill_to_disk, .reloc_hooks = d->reloc_hooks,
-    };
-}
-
-int tms_core_env_check(struct tms_err *err) { return tms_env_check(err); }
-
-int tms_core_host_budget(struct tms_host_budget *out, struct tms_err *err)
-{
-    struct tms_ledger_info info;
-    int rc = tms_ledger_info(&info, err);
-    *out = (struct tms_host_budget){.limit = info.limit, .reserved = info.reserved, .mine = info.mine,
-                                    .mem_total = info.mem_total, .mem_available = info.mem_available,
-                                    .safety = info.safety, .alone = info.alone};
-    snprintf(out->name, sizeof out->name, "%s", info.name);
-    snprintf(out->ledger, sizeof out->ledger, "%s", info.ledger);
-    return rc;
-}
+int tms_core_host_budget(struct tms_ledger_info *info, struct tms_err *err) { return tms_ledger_info(info, err); }
 
 int tms_core_set_disk_dir(const char *dir, struct tms_err *err) { return tms_backup_set_disk_dir(dir, err); }
 

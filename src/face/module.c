@@ -3,6 +3,8 @@
 
 #include <string.h>
 
+#include "hooks/variant.h"
+
 #define TMS_EXPORT __attribute__((visibility("default")))
 
 module_state *tms_py_state(PyObject *module) { return (module_state *)PyModule_GetState(module); }
@@ -112,7 +114,7 @@ static int import_error_types(module_state *st)
 static int module_exec(PyObject *module)
 {
     struct tms_err env_err = {0};
-    if (tms_core_env_check(&env_err)) {
+    if (tms_env_check(&env_err)) {
         PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s", env_err.msg);
         return -1;
     }
@@ -133,6 +135,7 @@ static int module_exec(PyObject *module)
     if (PyModule_AddFunctions(module, tms_py_ops_methods) < 0 || PyModule_AddFunctions(module, tms_py_table_methods) < 0 ||
         PyModule_AddFunctions(module, tms_py_process_methods) < 0 || PyModule_AddFunctions(module, tms_py_share_methods) < 0)
         return -1;
+    if (tms_variant_hooks_allocator() && PyModule_AddFunctions(module, tms_py_preload_methods) < 0) return -1;
     if (PyModule_AddObjectRef(module, "Error", st->error) < 0) return -1;
     if (PyModule_AddObjectRef(module, "OutOfMemoryError", st->oom_error) < 0) return -1;
     if (PyModule_AddObjectRef(module, "BackupView", (PyObject *)st->view_type) < 0) return -1;

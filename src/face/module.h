@@ -20,9 +20,6 @@
 #define TMS_CAT_(a, b) a##b
 #define TMS_CAT(a, b) TMS_CAT_(a, b)
 #define TMS_MODULE_NAME "_tms_" TMS_STR(TMS_VARIANT)
-#define TMS_IS_preload 1
-#define TMS_IS_torch 0
-#define TMS_VARIANT_IS_PRELOAD TMS_CAT(TMS_IS_, TMS_VARIANT)
 
 /* Module state: Python objects only. */
 typedef struct {
@@ -53,5 +50,8 @@ extern PyMethodDef tms_py_ops_methods[];      /* module_ops.c: regions, pause an
 extern PyMethodDef tms_py_table_methods[];    /* module_table.c: the table, statistics, host backups as views */
 extern PyMethodDef tms_py_process_methods[];  /* module_process.c: settings, backends and devices, hooks */
 extern PyMethodDef tms_py_share_methods[];    /* module_share.c: sharing memory with other processes */
+/* module_process.c: the allocator hooks' questions, added only where the variant has them
+ * (hooks/variant.h: tms_variant_hooks_allocator). */
+extern PyMethodDef tms_py_preload_methods[];
 
 #endif

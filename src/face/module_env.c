@@ -1,11 +1,5 @@
-/* _tms_env: every TMS_* variable checked at `import torch_memory_saver`, without loading a core. */
-#define PY_SSIZE_T_CLEAN
-#ifndef Py_LIMITED_API
-#define Py_LIMITED_API 0x030A0000  /* the stable ABI, as the variants */
-#endif
-#include <Python.h>
-
-#include "platform/config.h"
+/* _tms_env: every TMS_* variable checked at `import torch_memory_saver` without loading a core; the settings table described, and run-time values checked, for the Python layer. */
+#include "face/py_settings.h"
 
 #define TMS_EXPORT __attribute__((visibility("default")))
 
@@ -43,9 +37,68 @@ static PyObject *is_known(PyObject *module, PyObject *arg)
     return PyBool_FromLong(tms_env_known(name));
 }
 
+/* A row of the table as the Python layer reads it. */
+static PyObject *row_dict(const struct tms_setting_row *r)
+{
+    static const char *const groups[] = {
+        [TMS_SETTING_GROUP_RUN] = "run", [TMS_SETTING_GROUP_ENV] = "env",
+        [TMS_SETTING_GROUP_HOST] = "host", [TMS_SETTING_GROUP_OUTSIDE] = "outside",
+    };
+    const char *kind = r->type == TMS_SETTING_TYPE_boolean ? "bool" : r->text || r->type == TMS_SETTING_TYPE_faults ? "str" : "int";
+    PyObject *dflt = r->type == TMS_SETTING_TYPE_boolean ? PyBool_FromLong((long)r->number)
+                     : r->text                        ? PyUnicode_FromString(r->text)
+                     : r->type == TMS_SETTING_TYPE_faults ? Py_NewRef(Py_None)
+                                                          : PyLong_FromLongLong(r->number);
+    if (!dflt) return NULL;
+    PyObject *d = Py_BuildValue("{s:s,s:z,s:s,s:s,s:O,s:O,s:s,s:s}", "name", r->name, "env", r->env, "type", kind,
+                                "group", groups[r->group], "run", r->group == TMS_SETTING_GROUP_RUN ? Py_True : Py_False,
+                                "default", dflt, "accepts", tms_setting_accepts(r), "doc", r->doc);
+    Py_DECREF(dflt);
+    return d;
+}
+
+PyDoc_STRVAR(settings_doc,
+"settings($module, /)\n--\n\n"
+"The settings table (src/platform/config.h), a dict per row: name, env (its variable or None),\n"
+"type ('bool', 'int' or 'str'), group ('run': also changed at run time, as get_<name> /\n"
+"set_<name> of the native modules and the singleton's property <name>; 'env', 'host' or\n"
+"'outside'), run, default, accepts and doc.");
+
+static PyObject *settings(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    PyObject *out = PyList_New(TMS_SETTING_COUNT);
+    for (Py_ssize_t i = 0; out && i < TMS_SETTING_COUNT; i++) {
+        PyObject *d = row_dict(&tms_setting_rows[i]);
+        if (!d || PyList_SetItem(out, i, d) < 0) Py_CLEAR(out);  /* SetItem steals d */
+    }
+    return out;
+}
+
+PyDoc_STRVAR(check_setting_doc,
+"check_setting($module, name, value, /)\n--\n\n"
+"Raise what set_<name>(value) of a native module would (TypeError, ValueError), without\n"
+"a core: how a value given before the core is loaded is checked.");
+
+static PyObject *check_setting(PyObject *module, PyObject *args)
+{
+    (void)module;
+    const char *name;
+    PyObject *value;
+    if (!PyArg_ParseTuple(args, "sO:check_setting", &name, &value)) return NULL;
+    const struct tms_setting_row *r = tms_setting_find(name);
+    if (!r || r->group != TMS_SETTING_GROUP_RUN)
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: no setting %s changes at run time", name);
+    union tms_py_setting v;
+    if (tms_py_setting_value(r, value, &v) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"names", names, METH_NOARGS, names_doc},
     {"is_known", is_known, METH_O, is_known_doc},
+    {"settings", settings, METH_NOARGS, settings_doc},
+    {"check_setting", check_setting, METH_VARARGS, check_setting_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -58,7 +111,7 @@ static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_tms_env",
     .m_doc = "Raises ValueError at import naming the first malformed TMS_* variable (config.c parses them); "
-              "names the variables the library reads.",
+              "names the variables the library reads, describes its settings and checks run-time values.",
     .m_size = 0,
     .m_methods = module_methods,
     .m_slots = module_slots,

@@ -4,60 +4,35 @@
 #include <dlfcn.h>
 #include <string.h>
 
-#include "hooks/hook_preload.h"
+#include "face/py_settings.h"
+#include "hooks/variant.h"
 
-/* ---- process-wide settings: a setter and a getter each ----------------------------
- * X(name, type, argument, core setter, core getter, what the setting does) */
-#define SETTINGS(X)                                                                                \
-    X(memory_margin_bytes, size, n, tms_core_set_margin, tms_core_margin,                          \
-      "Allocations fail with OOM if they would leave fewer than n bytes free.")                    \
-    X(retain_cpu_backup, bool, retain, tms_core_set_retain, tms_core_retain,                       \
-      "Keep host backups across resume.")                                                          \
-    X(spill_to_disk, bool, spill, tms_core_set_spill, tms_core_spill, "Backups past the host budget go to disk.") \
-    X(skip_unchanged, bool, skip, tms_core_set_skip_unchanged, tms_core_skip_unchanged,                \
-      "Pauses copy only the chunks that changed since the backup was written.")
-
-static PyObject *set_size(const char *name, PyObject *arg, void (*set)(size_t))
-{
-    if (!PyLong_Check(arg)) return tms_py_type_error(name, "an int", arg);
-    if (PyObject_RichCompareBool(arg, Py_False, Py_LT) == 1)
-        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s must be >= 0, got %R", name, arg);
-    size_t n = PyLong_AsSize_t(arg);
-    if (n == (size_t)-1 && PyErr_Occurred()) return NULL;
-    set(n);
-    Py_RETURN_NONE;
-}
-
-static PyObject *set_bool(const char *name, PyObject *arg, void (*set)(int))
-{
-    (void)name;
-    int v = PyObject_IsTrue(arg);
-    if (v < 0) return NULL;
-    set(v);
-    Py_RETURN_NONE;
-}
-
-static PyObject *get_size(size_t v) { return PyLong_FromSize_t(v); }
-static PyObject *get_bool(int v) { return PyBool_FromLong(v); }
-
-#define SETTING_FUNCTIONS(name, type, arg, set, get, doc)                               \
-    PyDoc_STRVAR(set_##name##_doc, "set_" #name "($module, " #arg ", /)\n--\n\n" doc); \
-    static PyObject *py_set_##name(PyObject *module, PyObject *value)                    \
-    {                                                                                    \
-        (void)module;                                                                    \
-        return set_##type(#name, value, set);                                            \
-    }                                                                                    \
-    PyDoc_STRVAR(get_##name##_doc, "get_" #name "($module, /)\n--\n\n");                \
-    static PyObject *py_get_##name(PyObject *module, PyObject *unused)                   \
-    {                                                                                    \
-        (void)module, (void)unused;                                                      \
-        return get_##type(get());                                                        \
+/* ---- the settings that change at run time: a setter and a getter each -----------------------
+ * One pair per RUN row of platform/config.h's table: set_<name> converts and checks
+ * the value (face/py_settings.c) and hands it to the core's setter; get_<name> reads the core. */
+#define SETTING_FUNCTIONS(name, type, set, get, doc)                                                           \
+    PyDoc_STRVAR(set_##name##_doc, "set_" #name "($module, value, /)\n--\n\n" doc);                            \
+    static PyObject *py_set_##name(PyObject *module, PyObject *value)                                          \
+    {                                                                                                          \
+        (void)module;                                                                                          \
+        union tms_py_setting v;                                                                                \
+        if (tms_py_setting_value(&tms_setting_rows[TMS_SETTING_##name], value, &v) < 0) return NULL;           \
+        set(TMS_PY_SETTING_AS(type, v));                                                                       \
+        Py_RETURN_NONE;                                                                                        \
+    }                                                                                                          \
+    PyDoc_STRVAR(get_##name##_doc, "get_" #name "($module, /)\n--\n\n" doc);                                   \
+    static PyObject *py_get_##name(PyObject *module, PyObject *unused)                                         \
+    {                                                                                                          \
+        (void)module, (void)unused;                                                                            \
+        return TMS_PY_SETTING_OBJECT(type, get());                                                             \
     }
-SETTINGS(SETTING_FUNCTIONS)
+#define SETTING_ROW(name, type, env, dflt, range, accepts, when, doc)                                          \
+    TMS_SETTING_IF_RUN(when, SETTING_FUNCTIONS(name, type, TMS_SETTING_SETTER(when), TMS_SETTING_GETTER(when), doc))
+TMS_SETTINGS(SETTING_ROW)
 
-#define SETTING_METHODS(name, type, arg, set, get, doc)          \
-    {"set_" #name, py_set_##name, METH_O, set_##name##_doc},     \
-    {"get_" #name, py_get_##name, METH_NOARGS, get_##name##_doc},
+#define SETTING_METHODS(name, type, env, dflt, range, accepts, when, doc)                                      \
+    TMS_SETTING_IF_RUN(when, {"set_" #name, py_set_##name, METH_O, set_##name##_doc},                          \
+                       {"get_" #name, py_get_##name, METH_NOARGS, get_##name##_doc},)
 
 PyDoc_STRVAR(host_budget_doc,
 "host_budget($module, /)\n--\n\n"
@@ -67,7 +42,7 @@ PyDoc_STRVAR(host_budget_doc,
 static PyObject *py_host_budget(PyObject *module, PyObject *unused)
 {
     (void)unused;
-    struct tms_host_budget info;
+    struct tms_ledger_info info;
     struct tms_err err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -211,7 +186,8 @@ static PyObject *py_mem_get_info(PyObject *module, PyObject *args)
     return Py_BuildValue("(nn)", (Py_ssize_t)free_bytes, (Py_ssize_t)total);
 }
 
-#if TMS_VARIANT_IS_PRELOAD
+/* ---- the allocator hooks' questions: offered where the variant has them (module.c) ---------- */
+
 PyDoc_STRVAR(preload_active_doc,
 "preload_active($module, /)\n--\n\n"
 "(active, winner): active is True if this library's cudaMalloc is the one the\n"
@@ -221,7 +197,7 @@ static PyObject *py_preload_active(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const char *winner = NULL;
-    int active = tms_preload_active(&winner);
+    int active = tms_variant_preload_active(&winner);
     if (!winner) return Py_BuildValue("(NO)", PyBool_FromLong(active), Py_None);
     return Py_BuildValue("(Ns)", PyBool_FromLong(active), winner);
 }
@@ -237,7 +213,7 @@ static PyObject *py_install_relocation_hooks(PyObject *module, PyObject *unused)
     struct tms_err err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS  /* walks every object's relocations */
-    rc = tms_preload_install_relocation(&err);
+    rc = tms_variant_install_relocation(&err);
     Py_END_ALLOW_THREADS
     if (rc) return tms_py_raise(module, &err);
     Py_RETURN_NONE;
@@ -251,7 +227,7 @@ static PyObject *py_relocation_report(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     char patched[8192], statics[4096];
-    tms_preload_relocation_report(patched, sizeof patched, statics, sizeof statics);
+    tms_variant_relocation_report(patched, sizeof patched, statics, sizeof statics);
     return Py_BuildValue("(ss)", patched, statics);
 }
 
@@ -261,11 +237,18 @@ PyDoc_STRVAR(preload_method_doc,
 static PyObject *py_preload_method(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
-    const char *method = tms_preload_method();
+    const char *method = tms_variant_preload_method();
     if (!method) Py_RETURN_NONE;
     return PyUnicode_FromString(method);
 }
-#endif
+
+PyMethodDef tms_py_preload_methods[] = {
+    {"preload_active", py_preload_active, METH_NOARGS, preload_active_doc},
+    {"install_relocation_hooks", py_install_relocation_hooks, METH_NOARGS, install_relocation_hooks_doc},
+    {"relocation_report", py_relocation_report, METH_NOARGS, relocation_report_doc},
+    {"preload_method", py_preload_method, METH_NOARGS, preload_method_doc},
+    {NULL, NULL, 0, NULL},
+};
 
 PyDoc_STRVAR(library_path_doc, "library_path($module, /)\n--\n\nPath of this shared library.");
 static PyObject *py_library_path(PyObject *module, PyObject *unused)
@@ -288,17 +271,15 @@ PyDoc_STRVAR(defaults_doc, "defaults($module, /)\n--\n\nProcess defaults read fr
 static PyObject *py_defaults(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
-    struct tms_core_defaults defaults, *d = &defaults;
-    tms_core_defaults(d);
-    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O,s:O,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
+    const struct tms_defaults *d = tms_defaults();
+    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
                          "init_enable_cpu_backup", d->init_backup ? Py_True : Py_False,
-                         "init_cpu_backup_backend", tms_core_backup_kind_name(d->init_backup_kind),
+                         "init_cpu_backup_backend", d->init_backup_backend,
                          "init_enable_disk_backup", d->init_disk_backup ? Py_True : Py_False,
-                         "retain_cpu_backup", d->retain_backup ? Py_True : Py_False, "chunk_bytes",
+                         "retain_cpu_backup", d->retain_cpu_backup ? Py_True : Py_False, "chunk_bytes",
                          (Py_ssize_t)d->chunk_bytes, "disk_backup_chunk_bytes", (Py_ssize_t)d->disk_block_bytes,
                          "progress", d->progress ? Py_True : Py_False, "backup_live_only",
-                         d->backup_live_only ? Py_True : Py_False, "spill_to_disk", d->spill_to_disk ? Py_True : Py_False,
-                         "skip_unchanged", d->skip_unchanged ? Py_True : Py_False);
+                         d->backup_live_only ? Py_True : Py_False, "spill_to_disk", d->spill_to_disk ? Py_True : Py_False);
 }
 
 PyDoc_STRVAR(set_disk_backup_dir_doc,
@@ -337,7 +318,7 @@ static PyObject *py_disk_backup_dir(PyObject *module, PyObject *unused)
 }
 
 PyMethodDef tms_py_process_methods[] = {
-    SETTINGS(SETTING_METHODS)
+    TMS_SETTINGS(SETTING_METHODS)
     {"set_platform_hint", py_set_platform_hint, METH_O, set_platform_hint_doc},
     {"host_budget", py_host_budget, METH_NOARGS, host_budget_doc},
     {"use_backend", py_use_backend, METH_O, use_backend_doc},
@@ -348,12 +329,6 @@ PyMethodDef tms_py_process_methods[] = {
     {"mem_get_info", py_mem_get_info, METH_VARARGS, mem_get_info_doc},
     {"device_active", py_device_active, METH_VARARGS, device_active_doc},
     {"current_device", py_current_device, METH_NOARGS, current_device_doc},
-#if TMS_VARIANT_IS_PRELOAD
-    {"preload_active", py_preload_active, METH_NOARGS, preload_active_doc},
-    {"install_relocation_hooks", py_install_relocation_hooks, METH_NOARGS, install_relocation_hooks_doc},
-    {"relocation_report", py_relocation_report, METH_NOARGS, relocation_report_doc},
-    {"preload_method", py_preload_method, METH_NOARGS, preload_method_doc},
-#endif
     {"library_path", py_library_path, METH_NOARGS, library_path_doc},
     {"last_hook_error", py_last_hook_error, METH_NOARGS, last_hook_error_doc},
     {"defaults", py_defaults, METH_NOARGS, defaults_doc},

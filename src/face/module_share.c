@@ -3,10 +3,8 @@
 
 #include <stdint.h>
 
-#include "hooks/hook_preload.h"
+#include "hooks/variant.h"
 #include "share/share.h"
-
-int tms_torch_install_ipc_hooks(struct tms_err *err);
 
 PyDoc_STRVAR(share_doc,
 "share($module, ptr, /)\n--\n\n"
@@ -93,12 +91,7 @@ static PyObject *py_install_ipc_hooks(PyObject *module, PyObject *unused)
     struct tms_err err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS  /* walks every object's relocations */
-#if TMS_VARIANT_IS_PRELOAD
-    const char *winner;
-    rc = tms_preload_active(&winner) ? TMS_OK : tms_preload_install_relocation(&err);
-#else
-    rc = tms_torch_install_ipc_hooks(&err);
-#endif
+    rc = tms_variant_install_ipc_hooks(&err);
     Py_END_ALLOW_THREADS
     if (rc) return tms_py_raise(module, &err);
     Py_RETURN_NONE;

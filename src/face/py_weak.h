@@ -34,6 +34,7 @@
 #pragma weak PyEval_SaveThread
 #pragma weak PyExc_MemoryError
 #pragma weak PyExc_NotImplementedError
+#pragma weak PyExc_OverflowError
 #pragma weak PyExc_OSError
 #pragma weak PyExc_RuntimeError
 #pragma weak PyExc_TypeError
@@ -62,6 +63,7 @@
 #pragma weak PyObject_Init
 #pragma weak PyObject_IsTrue
 #pragma weak PyObject_RichCompareBool
+#pragma weak PyObject_Str
 #pragma weak PyTuple_Pack
 #pragma weak PySequence_Tuple
 #pragma weak PyTuple_Size

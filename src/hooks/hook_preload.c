@@ -10,6 +10,7 @@
 #include "hooks/hook_preload.h"
 #include "hooks/ipc.h"
 #include "hooks/reloc.h"
+#include "hooks/variant.h"
 
 typedef int (*malloc_fn)(void **, size_t);
 typedef int (*free_fn)(void *);
@@ -81,11 +82,15 @@ extern int tms_own_entry_point_by_version(const char *symbol, void **fn, unsigne
 extern int tms_own_preload_malloc(void **ptr, size_t size, tms_next_fn next, const void *caller)
     __attribute__((alias("tms_preload_malloc"), visibility("hidden")));
 
+/* ---- the faces' questions (hooks/variant.h) ------------------------------------ */
+
+int tms_variant_hooks_allocator(void) { return 1; }
+
 /* 1 if the cudaMalloc the process resolves is this library's, or a shim's
  * that routes into this library (an upstream-named file on LD_PRELOAD); 0 if
  * none or another is; *winner names the library that defines the one that
  * wins, if any. */
-int tms_preload_active(const char **winner)
+int tms_variant_preload_active(const char **winner)
 {
     /* The main program's handle searches the global scope only, which is
      * what PyTorch's references resolve against first; RTLD_DEFAULT from
@@ -104,7 +109,7 @@ int tms_preload_active(const char **winner)
     return router == (void *)tms_own_preload_malloc;
 }
 
-int tms_preload_install_relocation(struct tms_err *err)
+int tms_variant_install_relocation(struct tms_err *err)
 {
     const struct tms_reloc_target hooks[] = {
         {"cudaMalloc", (void *)tms_own_cuda_malloc}, {"cudaFree", (void *)tms_own_cuda_free},
@@ -116,14 +121,22 @@ int tms_preload_install_relocation(struct tms_err *err)
     return tms_reloc_install(hooks, sizeof hooks / sizeof *hooks, err);
 }
 
-const char *tms_preload_method(void)
+const char *tms_variant_preload_method(void)
 {
     const char *winner;
-    if (tms_preload_active(&winner)) return "ld_preload";
+    if (tms_variant_preload_active(&winner)) return "ld_preload";
     return tms_reloc_installed() ? "relocation" : NULL;
 }
 
-void tms_preload_relocation_report(char *patched, size_t patched_n, char *static_runtime, size_t static_n)
+void tms_variant_relocation_report(char *patched, size_t patched_n, char *static_runtime, size_t static_n)
 {
     tms_reloc_report(patched, patched_n, static_runtime, static_n);
+}
+
+/* This library defines the IPC calls: where LD_PRELOAD interposes its cudaMalloc it
+ * interposes them too; else the relocation hooks cover them. */
+int tms_variant_install_ipc_hooks(struct tms_err *err)
+{
+    const char *winner;
+    return tms_variant_preload_active(&winner) ? TMS_OK : tms_variant_install_relocation(err);
 }

@@ -6,6 +6,8 @@
 #include "hooks/hook_forward.h"
 #include "hooks/ipc.h"
 #include "hooks/reloc.h"
+#include "hooks/variant.h"
+#include "platform/error.h"
 
 /* Only MemPools of torch_memory_saver use this allocator, so every call is
  * served by the core with the calling thread's region settings (its tag). */
@@ -27,7 +29,30 @@ TMS_EXPORT void tms_torch_free(void *ptr, ssize_t size, int device, void *stream
  * their GOT entries: this variant is loaded RTLD_LOCAL and interposes nothing. */
 TMS_DEFINE_IPC_HOOKS("hidden")
 
-int tms_torch_install_ipc_hooks(struct tms_err *err)
+/* ---- the faces' questions (hooks/variant.h): the allocator's are not this variant's -------- */
+
+int tms_variant_hooks_allocator(void) { return 0; }
+
+int tms_variant_preload_active(const char **winner)
+{
+    *winner = NULL;
+    return 0;
+}
+
+int tms_variant_install_relocation(struct tms_err *err)
+{
+    return tms_fail(err, TMS_E_UNSUPPORTED, 0, "the torch hook variant has no allocator hooks to install");
+}
+
+const char *tms_variant_preload_method(void) { return NULL; }
+
+void tms_variant_relocation_report(char *patched, size_t patched_n, char *static_runtime, size_t static_n)
+{
+    if (patched_n) patched[0] = '\0';
+    if (static_n) static_runtime[0] = '\0';
+}
+
+int tms_variant_install_ipc_hooks(struct tms_err *err)
 {
     const struct tms_reloc_target hooks[] = {TMS_IPC_RELOC_TARGETS};
     return tms_reloc_install(hooks, sizeof hooks / sizeof *hooks, err);

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "core/core.h"
+#include "platform/config.h"
 #include "platform/fork.h"
 #include "platform/log.h"
 
@@ -642,7 +643,7 @@ static void *dlopen_for(const void *caller, const char *file, int mode)
         char *slash = strrchr(origin, '/');
         if (slash) *slash = '\0';
         if (strtab && has_runpath) {
-            if ((h = open_in(getenv("LD_LIBRARY_PATH"), origin, file, mode))) return h;
+            if ((h = open_in(tms_defaults()->ld_library_path, origin, file, mode))) return h;
             if ((h = open_in(strtab + runpath, origin, file, mode))) return h;
         } else if (strtab && has_rpath && (h = open_in(strtab + rpath, origin, file, mode))) {
             return h;
@@ -753,9 +754,7 @@ static void register_atfork(void)
 int tms_reloc_install(const struct tms_reloc_target *t, size_t count, struct tms_err *err)
 {
     pthread_once(&atfork_once, register_atfork);
-    struct tms_core_defaults settings;
-    tms_core_defaults(&settings);
-    if (!settings.reloc_hooks)
+    if (!tms_defaults()->reloc_hooks)
         return tms_fail(err, TMS_E_UNSUPPORTED, 0, "relocation hooks are off (TMS_RELOC_HOOKS=0)");
     if (count + 2 > MAX_TARGETS) return tms_fail(err, TMS_E_ARG, 0, "too many relocation targets (%zu)", count);
     Dl_info self;

@@ -1,231 +1,193 @@
-/* The process's settings: every TMS_* variable parsed once (malformed ones reported, safe defaults kept). */
+/* The settings table read: each row's variable parsed once by its type (malformed ones reported, defaults kept), the rows described, run-time values checked. */
 #include "platform/config.h"
 
 #include "platform/parse.h"
 
-#include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
-static pthread_once_t defaults_once = PTHREAD_ONCE_INIT;
-static struct tms_defaults defaults;  /* written once under defaults_once */
-static struct tms_host_env host_env;  /* written once under defaults_once */
+/* ---- the rows ------------------------------------------------------------------------ */
 
+#define DEFAULT_boolean(d) .number = (d),
+#define DEFAULT_count(d) .number = (d),
+#define DEFAULT_size(d) .number = (long long)(d),
+#define DEFAULT_mib(d) .number = (long long)(d),
+#define DEFAULT_device(d) .number = (d),
+#define DEFAULT_limit(d) .number = (d),
+#define DEFAULT_faults(d)
+#define DEFAULT_choice(d) .text = (d),
+#define DEFAULT_choice_anycase(d) .text = (d),
+#define DEFAULT_name(d) .text = (d),
+#define DEFAULT_path(d) .text = (d),
 
-static void env_bool(const char *var, int *out)
+#define RANGE_boolean()
+#define RANGE_count(l, h) .lo = (unsigned long long)(l), .hi = (h),
+#define RANGE_size(l, h, m) .lo = (l), .hi = (h), .multiple = (m),
+#define RANGE_mib(l, h) .lo = (l), .hi = (h),
+#define RANGE_device()
+#define RANGE_limit(l, h) .lo = (l), .hi = (h),
+#define RANGE_faults()
+#define RANGE_choice(...) .choices = (const char *const[]){__VA_ARGS__, NULL},
+#define RANGE_choice_anycase(...) .choices = (const char *const[]){__VA_ARGS__, NULL},
+#define RANGE_name(longest) .hi = (longest),
+#define RANGE_path(longest) .hi = (longest),
+
+#define FIELD_AT(name) offsetof(struct tms_defaults, name)
+#define OFFSETS(name) .offset = FIELD_AT(name), .offset_set = FIELD_AT(name##_set),
+#define OFFSETS_boolean OFFSETS
+#define OFFSETS_count OFFSETS
+#define OFFSETS_size OFFSETS
+#define OFFSETS_mib OFFSETS
+#define OFFSETS_device OFFSETS
+#define OFFSETS_faults OFFSETS
+#define OFFSETS_choice OFFSETS
+#define OFFSETS_choice_anycase OFFSETS
+#define OFFSETS_name OFFSETS
+#define OFFSETS_path OFFSETS
+#define OFFSETS_limit(name)                                                                                    \
+    .offset = FIELD_AT(name##_bytes), .offset_percent = FIELD_AT(name##_percent), .offset_set = FIELD_AT(name##_set),
+
+#define ROW(name_, type_, env_, dflt, range, accepts_, when, doc_)                                             \
+    [TMS_SETTING_##name_] = {.name = #name_, .env = (env_), .type = TMS_SETTING_TYPE_##type_,                  \
+                             .group = TMS_SETTING_GROUP(when), .accepts = (accepts_), .doc = (doc_),           \
+                             DEFAULT_##type_(dflt) OFFSETS_##type_(name_) RANGE_##type_ range},
+
+const struct tms_setting_row tms_setting_rows[TMS_SETTING_COUNT] = {TMS_SETTINGS(ROW)};
+
+const struct tms_setting_row *tms_setting_find(const char *name)
 {
-    const char *s = getenv(var);
-    if (s && tms_parse_bool(s, out) != TMS_OK && !defaults.parse_error.status)
-        tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
-                 "%s='%s' is not a boolean (use 1, true, TRUE, yes, YES or 0, false, FALSE, no, NO)", var, s);
+    for (size_t i = 0; name && i < TMS_SETTING_COUNT; i++)
+        if (strcmp(tms_setting_rows[i].name, name) == 0) return &tms_setting_rows[i];
+    return NULL;
 }
 
-static void env_threads(void)
+/* ---- parsing a value, by type ---------------------------------------------------------- */
+
+static pthread_once_t defaults_once = PTHREAD_ONCE_INIT;
+static struct tms_defaults defaults;                 /* written once under defaults_once */
+static const char *rejected[TMS_SETTING_COUNT];      /* each row's malformed value, written once under defaults_once */
+
+static void *field(struct tms_defaults *d, size_t offset) { return (char *)d + offset; }
+
+const char *tms_setting_accepts(const struct tms_setting_row *r)
 {
-    const char *s = getenv("TMS_BACKUP_THREADS");
-    if (!s || !*s) return;
-    unsigned long long n;
-    if (tms_parse_uint(s, 32, &n) || n < 1) {
-        if (!defaults.parse_error.status)
-            tms_fail(&defaults.parse_error, TMS_E_ARG, 0, "TMS_BACKUP_THREADS='%s' is not a number from 1 to 32", s);
-        return;
+    if (r->accepts) return r->accepts;
+    switch (r->type) {
+    case TMS_SETTING_TYPE_boolean: return "a boolean (use 1, true, TRUE, yes, YES or 0, false, FALSE, no, NO)";
+    case TMS_SETTING_TYPE_faults: return "op:n[,op:n...], the n-th call of op failing once";
+    case TMS_SETTING_TYPE_device: return "a device of the host backend, from 0 to one less than TMS_HOST_DEVICES";
+    default: return "a path";
     }
-    defaults.backup_threads = (int)n;
+}
+
+static int malformed(const struct tms_setting_row *r, const char *s, struct tms_err *err)
+{
+    return tms_fail(err, TMS_E_ARG, 0, "%s='%s' is not %s", r->env, s, tms_setting_accepts(r));
+}
+
+static int parse_boolean(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
+{
+    int v;
+    if (tms_parse_bool(s, &v) != TMS_OK) return malformed(r, s, err);
+    *(int *)field(d, r->offset) = v;
+    return TMS_OK;
+}
+
+static int parse_count(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
+{
+    unsigned long long n;
+    if (tms_parse_uint(s, r->hi, &n) != TMS_OK || n < r->lo) return malformed(r, s, err);
+    *(int *)field(d, r->offset) = (int)n;
+    return TMS_OK;
+}
+
+static int parse_size(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
+{
+    size_t n;
+    if (tms_parse_bytes(s, &n) != TMS_OK || n < r->lo || n > r->hi || (r->multiple > 1 && n % r->multiple))
+        return malformed(r, s, err);
+    *(size_t *)field(d, r->offset) = n;
+    return TMS_OK;
+}
+
+/* Upstream's spelling of a size: whole MiB. */
+static int parse_mib(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
+{
+    unsigned long long n;
+    if (tms_parse_uint(s, r->hi, &n) != TMS_OK || n < r->lo) return malformed(r, s, err);
+    *(size_t *)field(d, r->offset) = (size_t)n << 20;
+    return TMS_OK;
+}
+
+/* The word is kept as the table spells it: one comparison for every reader. */
+static int parse_choice(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
+{
+    for (const char *const *c = r->choices; *c; c++) {
+        if (r->type == TMS_SETTING_TYPE_choice_anycase ? tms_ascii_case_equal(s, *c) : strcmp(s, *c) == 0) {
+            *(const char **)field(d, r->offset) = *c;
+            return TMS_OK;
+        }
+    }
+    return malformed(r, s, err);
+}
+
+/* A copy: the environment's own string may be replaced (and freed) later. */
+static int keep_text(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
+{
+    char *copy = strdup(s);
+    if (!copy) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for the value of %s", r->env);
+    *(const char **)field(d, r->offset) = copy;
+    return TMS_OK;
+}
+
+/* A name that is a file name too (the ledger's): no path, no hidden file. */
+static int parse_name(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
+{
+    size_t n = strlen(s);
+    int ok = n <= r->hi && s[0] != '.';
+    for (size_t i = 0; ok && i < n; i++)
+        ok = (s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') || (s[i] >= '0' && s[i] <= '9') ||
+             s[i] == '_' || s[i] == '-' || s[i] == '.';
+    return ok ? keep_text(r, s, d, err) : malformed(r, s, err);
+}
+
+/* Checked for length only: its reader opens it as what it must be and bounds what it reads. */
+static int parse_path(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
+{
+    if (r->hi && strlen(s) > r->hi) return tms_fail(err, TMS_E_ARG, 0, "%s is longer than %llu bytes", r->env, r->hi);
+    return keep_text(r, s, d, err);
 }
 
 /* A size with units, or a whole percentage of the host's memory ("40%"). */
-static void env_host_limit(void)
+static int parse_limit(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
 {
-    const char *s = getenv("TMS_HOST_BACKUP_LIMIT");
-    if (s && *s) {
-        size_t len = strlen(s);
-        unsigned long long pct;
-        char digits[8];
-        if (s[len - 1] == '%' && len >= 2 && len - 1 < sizeof digits) {
-            memcpy(digits, s, len - 1);
-            digits[len - 1] = 0;
-            if (tms_parse_uint(digits, 100, &pct) == TMS_OK && pct >= 1) defaults.host_limit_percent = (unsigned)pct;
-        } else if (tms_parse_bytes(s, &defaults.host_limit_bytes) != TMS_OK) {
-            defaults.host_limit_bytes = 0;
-        }
-        if (!defaults.host_limit_percent && !defaults.host_limit_bytes && !defaults.parse_error.status)
-            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
-                     "TMS_HOST_BACKUP_LIMIT='%s' is not a positive size (e.g. 64GiB) or a percentage from 1%% to 100%%", s);
+    size_t len = strlen(s), bytes = 0;
+    unsigned long long pct = 0;
+    char digits[8];
+    if (s[len - 1] == '%' && len >= 2 && len - 1 < sizeof digits) {
+        memcpy(digits, s, len - 1);
+        digits[len - 1] = 0;
+        if (tms_parse_uint(digits, r->hi, &pct) != TMS_OK || pct < r->lo) pct = 0;
+    } else if (tms_parse_bytes(s, &bytes) != TMS_OK) {
+        bytes = 0;
     }
-    const char *name = getenv("TMS_HOST_BACKUP_LIMIT_NAME");
-    strcpy(defaults.host_limit_name, "host");
-    if (!name || !*name) return;
-    size_t n = strlen(name);
-    int ok = n <= 64 && name[0] != '.';
-    for (size_t i = 0; ok && i < n; i++)
-        ok = (name[i] >= 'a' && name[i] <= 'z') || (name[i] >= 'A' && name[i] <= 'Z') ||
-             (name[i] >= '0' && name[i] <= '9') || name[i] == '_' || name[i] == '-' || name[i] == '.';
-    if (ok) memcpy(defaults.host_limit_name, name, n + 1);
-    else if (!defaults.parse_error.status)
-        tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
-                 "TMS_HOST_BACKUP_LIMIT_NAME='%s' is not a name of 1 to 64 letters, digits, '_', '-' or '.' "
-                 "(not starting with '.')", name);
-}
-
-/* Upstream's spelling: whole MiB. */
-static void env_disk_block(void)
-{
-    defaults.disk_block_bytes = (size_t)256 << 20;
-    const char *s = getenv("TMS_DISK_BACKUP_CHUNK_MB");
-    if (!s || !*s) return;
-    unsigned long long n;
-    if (tms_parse_uint(s, 4096, &n) || n < 1) {
-        if (!defaults.parse_error.status)
-            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
-                     "TMS_DISK_BACKUP_CHUNK_MB='%s' is not a whole number of MiB from 1 to 4096", s);
-        return;
-    }
-    defaults.disk_block_bytes = (size_t)n << 20;
-}
-
-/* A path for a test hook, checked for length only: its reader opens it as a
- * regular file and bounds what it reads. */
-static void env_path(const char *var, char *out, size_t size)
-{
-    const char *s = getenv(var);
-    if (!s || !*s) return;
-    if (strlen(s) < size) strcpy(out, s);
-    else if (!defaults.parse_error.status)
-        tms_fail(&defaults.parse_error, TMS_E_ARG, 0, "%s is longer than %zu bytes", var, size - 1);
-}
-
-static void load_defaults(void)
-{
-    env_bool("TMS_INIT_ENABLE", &defaults.init_enable);
-    env_bool("TMS_INIT_ENABLE_CPU_BACKUP", &defaults.init_backup);
-    env_bool("TMS_RETAIN_CPU_BACKUP", &defaults.retain_backup);
-    env_bool("TMS_SKIP_UNCHANGED", &defaults.skip_unchanged);
-    env_bool("TMS_INIT_ENABLE_DISK_BACKUP", &defaults.init_disk_backup);
-    defaults.reloc_hooks = 1;
-    env_bool("TMS_RELOC_HOOKS", &defaults.reloc_hooks);
-    defaults.shareable = 1;
-    env_bool("TMS_SHAREABLE", &defaults.shareable);
-    env_bool("TMS_DISK_BACKUP_TRUST_DIR", &defaults.disk_trust_dir);
-    env_bool("TMS_PROGRESS", &defaults.progress);
-    defaults.backup_live_only = 1;
-    env_bool("TMS_BACKUP_LIVE_ONLY", &defaults.backup_live_only);
-    env_bool("TMS_SPILL_TO_DISK", &defaults.spill_to_disk);
-    defaults.host_memory_safety = 1;
-    env_bool("TMS_HOST_MEMORY_SAFETY", &defaults.host_memory_safety);
-    env_host_limit();
-    env_path("TMS_HOST_MEMINFO", defaults.host_meminfo, sizeof defaults.host_meminfo);
-    env_disk_block();
-    /* The names of the CPU backup kinds (backup/backup.h turns one into its kind). */
-    const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
-    if (kind && (!strcmp(kind, "pinned") || !strcmp(kind, "mmap")))
-        strcpy(defaults.init_backup_backend, kind);
-    else if (kind && *kind && !defaults.parse_error.status)
-        tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
-                 "TMS_INIT_CPU_BACKUP_BACKEND='%s' is not a backup backend (use 'pinned' or 'mmap')", kind);
-    env_threads();
-    /* The backend and platform names are read in any letter case (platform/driver.c
-     * chooses with the same comparison); the log level exactly. */
-    static const struct { const char *var; int any_case; const char *allowed[4]; } choices[] = {
-        {"TMS_LOG", 0, {"debug", "off", "0", NULL}},
-        {"TMS_PLATFORM", 1, {"cuda", "rocm", "hip", NULL}},
-        {"TMS_BACKEND", 1, {"cuda", "hip", "host", NULL}},
-    };
-    for (size_t i = 0; i < sizeof choices / sizeof *choices; i++) {
-        const char *v = getenv(choices[i].var);
-        int ok = !v || !*v;
-        for (int k = 0; !ok && choices[i].allowed[k]; k++)
-            ok = choices[i].any_case ? tms_ascii_case_equal(v, choices[i].allowed[k]) : !strcmp(v, choices[i].allowed[k]);
-        if (!ok && !defaults.parse_error.status)
-            tms_fail(&defaults.parse_error, TMS_E_ARG, 0, "%s='%s' is not one of: %s, %s, %s", choices[i].var, v,
-                     choices[i].allowed[0], choices[i].allowed[1], choices[i].allowed[2]);
-    }
-    const char *block = getenv("TMS_BACKUP_BLOCK_BYTES");
-    size_t block_bytes = 0;
-    if (block && *block) {
-        if (tms_parse_bytes(block, &block_bytes) == TMS_OK && block_bytes >= (64u << 10) &&
-            block_bytes <= ((size_t)256 << 20) && block_bytes % 4096 == 0)
-            defaults.backup_block_bytes = block_bytes;
-        else if (!defaults.parse_error.status)
-            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
-                     "TMS_BACKUP_BLOCK_BYTES='%s' is not a size from 64KiB to 256MiB in whole 4 KiB pages", block);
-    }
-    /* Bounded so that rounding it up to the granularity cannot wrap to 0 (a
-     * division by zero at the first allocation, in every preloaded child). */
-    const char *chunk = getenv("TMS_CHUNK_BYTES");
-    size_t chunk_bytes = 0;
-    if (chunk && *chunk) {
-        if (tms_parse_bytes(chunk, &chunk_bytes) == TMS_OK && chunk_bytes <= TMS_CHUNK_BYTES_MAX) {
-            defaults.chunk_bytes = chunk_bytes;
-            defaults.chunk_bytes_set = 1;
-        } else if (!defaults.parse_error.status) {
-            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
-                     "TMS_CHUNK_BYTES='%s' is not a size from 0 to 1TiB (e.g. 67108864, 64MiB, 1GiB)", chunk);
-        }
-    }
-}
-
-static int parse_size_env(const char *var, size_t fallback, size_t *out, struct tms_err *err)
-{
-    const char *s = getenv(var);
-    if (!s || !*s) {
-        *out = fallback;
-        return TMS_OK;
-    }
-    if (tms_parse_bytes(s, out) != TMS_OK || *out == 0)
-        return tms_fail(err, TMS_E_ARG, 0, "%s='%s' is not a positive size (e.g. 8, 64MiB, 16GiB)", var, s);
+    if (!pct && !bytes) return malformed(r, s, err);
+    *(size_t *)field(d, r->offset) = bytes;
+    *(unsigned *)field(d, r->offset_percent) = (unsigned)pct;
     return TMS_OK;
 }
 
-/* A count, not a size: "8MiB" devices is a typo, not 8 Mi devices. */
-static int parse_device_count(int *out, struct tms_err *err)
+/* op:n[,op:n...]: the n-th call (1-based) of op fails once. */
+static int parse_faults(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
 {
-    const char *s = getenv("TMS_HOST_DEVICES");
-    *out = 2;
-    if (!s || !*s) return TMS_OK;
-    unsigned long long n;
-    if (tms_parse_uint(s, TMS_HOST_MAX_DEVICES, &n) || n < 1)
-        return tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_DEVICES='%s' is not a device count from 1 to %d", s,
-                        TMS_HOST_MAX_DEVICES);
-    *out = (int)n;
-    return TMS_OK;
-}
-
-static int parse_numa_node(int *out, struct tms_err *err)
-{
-    const char *s = getenv("TMS_HOST_NUMA_NODE");
-    *out = -1;
-    if (!s || !*s) return TMS_OK;
-    unsigned long long n;
-    if (tms_parse_uint(s, 1023, &n))
-        return tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_NUMA_NODE='%s' is not a NUMA node from 0 to 1023", s);
-    *out = (int)n;
-    return TMS_OK;
-}
-
-static int parse_current_device(int devices, int *out, struct tms_err *err)
-{
-    const char *s = getenv("TMS_HOST_CURRENT_DEVICE");
-    *out = 0;
-    if (!s || !*s) return TMS_OK;
-    unsigned long long n;
-    if (tms_parse_uint(s, (unsigned long long)devices - 1, &n))
-        return tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_CURRENT_DEVICE='%s' is not a device from 0 to %d", s, devices - 1);
-    *out = (int)n;
-    return TMS_OK;
-}
-
-static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
-{
-    static const char *const names[TMS_FAULT_OPS] = {
-        "create", "map", "unmap", "copy_to_host", "copy_to_device", "host_alloc",
-        "disk_write", "disk_read", "disk_short_write", "disk_no_direct", "disk_sync", "fingerprint",
-    };
-    const char *s = getenv("TMS_FAULT");
-    if (!s || !*s) return TMS_OK;
-    char buf[256];
-    if (strlen(s) >= sizeof buf) return tms_fail(err, TMS_E_ARG, 0, "TMS_FAULT is too long");
+#define FAULT_NAME(op, name) name,
+    static const char *const names[TMS_FAULT_OPS] = {TMS_FAULT_LIST(FAULT_NAME)};
+#undef FAULT_NAME
+    char buf[256], expected[256] = "";
+    long at[TMS_FAULT_OPS] = {0};
+    if (strlen(s) >= sizeof buf) return tms_fail(err, TMS_E_ARG, 0, "%s is too long", r->env);
     strcpy(buf, s);
     char *save = NULL;
     for (char *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
@@ -237,84 +199,133 @@ static int parse_faults(long at[TMS_FAULT_OPS], struct tms_err *err)
             for (int i = 0; i < TMS_FAULT_OPS; i++)
                 if (strcmp(item, names[i]) == 0) op = i;
         }
-        if (op < 0 || tms_parse_uint(colon + 1, 1000000000, &n) || n == 0)
-            return tms_fail(err, TMS_E_ARG, 0,
-                            "TMS_FAULT='%s' is malformed (expected op:n with op one of create, map, "
-                            "unmap, copy_to_host, copy_to_device, host_alloc, disk_write, disk_read, "
-                            "disk_short_write, disk_no_direct, disk_sync, fingerprint)", s);
+        if (op < 0 || tms_parse_uint(colon + 1, 1000000000, &n) || n == 0) {
+            for (int i = 0; i < TMS_FAULT_OPS; i++)
+                snprintf(expected + strlen(expected), sizeof expected - strlen(expected), "%s%s", i ? ", " : "",
+                         names[i]);
+            return tms_fail(err, TMS_E_ARG, 0, "%s='%s' is malformed (expected op:n with op one of %s)", r->env, s,
+                            expected);
+        }
         at[op] = (long)n;
     }
+    memcpy(field(d, r->offset), at, sizeof at);
     return TMS_OK;
 }
 
-static void load_host_env(void)
+/* A device of the host backend: below its count, parsed before it in the table. */
+static int parse_device(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
 {
-    struct tms_err *err = &host_env.error;
-    if (parse_size_env("TMS_HOST_DEVICE_BYTES", (size_t)16 << 30, &host_env.device_bytes, err)) return;
-    if (parse_device_count(&host_env.devices, err)) return;
-    if (parse_numa_node(&host_env.numa_node, err)) return;
-    if (parse_current_device(host_env.devices, &host_env.current_device, err)) return;
-    if (parse_faults(host_env.fault_at, err)) return;
-    const char *gate = getenv("TMS_HOST_COPY_GATE");
-    if (gate && strlen(gate) >= sizeof host_env.copy_gate) {
-        tms_fail(err, TMS_E_ARG, 0, "TMS_HOST_COPY_GATE is longer than %zu bytes", sizeof host_env.copy_gate - 1);
-        return;
+    unsigned long long n;
+    if (tms_parse_uint(s, (unsigned long long)d->host_devices - 1, &n) != TMS_OK)
+        return tms_fail(err, TMS_E_ARG, 0, "%s='%s' is not a device from 0 to %d", r->env, s, d->host_devices - 1);
+    *(int *)field(d, r->offset) = (int)n;
+    return TMS_OK;
+}
+
+typedef int (*parse_fn)(const struct tms_setting_row *, const char *, struct tms_defaults *, struct tms_err *);
+static const parse_fn parsers[] = {
+    [TMS_SETTING_TYPE_boolean] = parse_boolean,     [TMS_SETTING_TYPE_count] = parse_count,
+    [TMS_SETTING_TYPE_size] = parse_size,     [TMS_SETTING_TYPE_mib] = parse_mib,
+    [TMS_SETTING_TYPE_choice] = parse_choice, [TMS_SETTING_TYPE_choice_anycase] = parse_choice,
+    [TMS_SETTING_TYPE_name] = parse_name,     [TMS_SETTING_TYPE_path] = parse_path,
+    [TMS_SETTING_TYPE_limit] = parse_limit,   [TMS_SETTING_TYPE_faults] = parse_faults,
+    [TMS_SETTING_TYPE_device] = parse_device,
+};
+
+/* The row's default, where its variable is unset, empty or malformed. */
+static void store_default(const struct tms_setting_row *r, struct tms_defaults *d)
+{
+    void *at = field(d, r->offset);
+    switch (r->type) {
+    case TMS_SETTING_TYPE_boolean:
+    case TMS_SETTING_TYPE_count:
+    case TMS_SETTING_TYPE_device: *(int *)at = (int)r->number; break;
+    case TMS_SETTING_TYPE_size:
+    case TMS_SETTING_TYPE_mib:
+    case TMS_SETTING_TYPE_limit: *(size_t *)at = (size_t)r->number; break;
+    case TMS_SETTING_TYPE_faults: break;  /* zeroed: no fault */
+    default: *(const char **)at = r->text; break;
     }
-    if (gate) strcpy(host_env.copy_gate, gate);
 }
 
 static void load_all(void)
 {
-    load_defaults();
-    load_host_env();
-}
-
-const struct tms_host_env *tms_host_env(void)
-{
-    pthread_once(&defaults_once, load_all);
-    return &host_env;
-}
-
-int tms_env_check(struct tms_err *err)
-{
-    pthread_once(&defaults_once, load_all);
-    const struct tms_err *first = defaults.parse_error.status ? &defaults.parse_error : &host_env.error;
-    if (!first->status) return TMS_OK;
-    if (err) *err = *first;
-    return first->status;
-}
-
-static const char *const env_names[] = {
-    /* the process defaults and the host backend, above */
-    "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "TMS_INIT_ENABLE_DISK_BACKUP", "TMS_INIT_CPU_BACKUP_BACKEND",
-    "TMS_RETAIN_CPU_BACKUP", "TMS_SKIP_UNCHANGED", "TMS_RELOC_HOOKS", "TMS_SHAREABLE", "TMS_DISK_BACKUP_TRUST_DIR", "TMS_DISK_BACKUP_CHUNK_MB",
-    "TMS_PROGRESS", "TMS_BACKUP_LIVE_ONLY", "TMS_SPILL_TO_DISK", "TMS_HOST_MEMORY_SAFETY",
-    "TMS_HOST_BACKUP_LIMIT", "TMS_HOST_BACKUP_LIMIT_NAME", "TMS_BACKUP_THREADS", "TMS_BACKUP_BLOCK_BYTES",
-    "TMS_CHUNK_BYTES", "TMS_LOG", "TMS_PLATFORM", "TMS_BACKEND", "TMS_HOST_DEVICE_BYTES", "TMS_HOST_DEVICES",
-    "TMS_HOST_NUMA_NODE", "TMS_HOST_CURRENT_DEVICE", "TMS_FAULT", "TMS_HOST_COPY_GATE",
-    /* read where they are used: the disk directory, the ledger's and ROCm's test seams */
-    "TMS_DISK_BACKUP_DIR", "TMS_HOST_MEMINFO", "TMS_HIP_LIBRARY",
-    /* the command line's and the build's */
-    "TMS_DEMO_REEXEC", "TMS_WERROR", "TMS_EXTRA_CFLAGS",
-};
-
-const char *tms_env_name(size_t i)
-{
-    return i < sizeof env_names / sizeof *env_names ? env_names[i] : NULL;
-}
-
-int tms_env_known(const char *name)
-{
-    static const char *const families[] = {"TMS_BENCH_", "TMS_TEST_", "TMS_FUZZ_"};
-    for (size_t i = 0; tms_env_name(i); i++)
-        if (strcmp(name, env_names[i]) == 0) return 1;
-    for (size_t i = 0; i < sizeof families / sizeof *families; i++)
-        if (strncmp(name, families[i], strlen(families[i])) == 0) return 1;
-    return 0;
+    for (size_t i = 0; i < TMS_SETTING_COUNT; i++) {
+        const struct tms_setting_row *r = &tms_setting_rows[i];
+        store_default(r, &defaults);
+        if (!r->env) continue;
+        /* Other programs' variables are read as glibc reads them (not in a setuid process). */
+        const char *s = r->group == TMS_SETTING_GROUP_OUTSIDE ? secure_getenv(r->env) : getenv(r->env);
+        if (!s || (!*s && r->type != TMS_SETTING_TYPE_boolean)) continue;
+        struct tms_err *first = r->group == TMS_SETTING_GROUP_HOST ? &defaults.host_error : &defaults.parse_error;
+        struct tms_err err = {0};
+        if (parsers[r->type](r, s, &defaults, &err) == TMS_OK) {
+            *(int *)field(&defaults, r->offset_set) = 1;
+            continue;
+        }
+        rejected[i] = strdup(s);
+        if (!first->status) *first = err;
+    }
 }
 
 const struct tms_defaults *tms_defaults(void)
 {
     pthread_once(&defaults_once, load_all);
     return &defaults;
+}
+
+int tms_setting_error(int id, struct tms_err *err)
+{
+    pthread_once(&defaults_once, load_all);
+    if (id < 0 || id >= TMS_SETTING_COUNT || !rejected[id]) return TMS_OK;
+    struct tms_defaults scratch = defaults;  /* a parse again only says why: nothing it stores is kept */
+    int rc = parsers[tms_setting_rows[id].type](&tms_setting_rows[id], rejected[id], &scratch, err);
+    return rc ? rc : tms_fail(err, TMS_E_ARG, 0, "%s is malformed", tms_setting_rows[id].env);
+}
+
+int tms_env_check(struct tms_err *err)
+{
+    pthread_once(&defaults_once, load_all);
+    const struct tms_err *first = defaults.parse_error.status ? &defaults.parse_error : &defaults.host_error;
+    if (!first->status) return TMS_OK;
+    if (err) *err = *first;
+    return first->status;
+}
+
+/* ---- run-time values ----------------------------------------------------------------- */
+
+int tms_setting_check(const struct tms_setting_row *r, int sign, unsigned long long value, const char *text,
+                      struct tms_err *err)
+{
+    if (sign < 0 || value < r->lo) return tms_fail(err, TMS_E_ARG, 0, "%s must be >= %llu, got %s", r->name, r->lo, text);
+    if (sign > 0 && r->hi == UINT64_MAX) return tms_fail(err, TMS_E_ARG, 0, "%s must be < 2**64, got %s", r->name, text);
+    if (sign > 0 || value > r->hi) return tms_fail(err, TMS_E_ARG, 0, "%s must be <= %llu, got %s", r->name, r->hi, text);
+    if (r->multiple > 1 && value % r->multiple)
+        return tms_fail(err, TMS_E_ARG, 0, "%s must be a multiple of %llu, got %s", r->name, r->multiple, text);
+    return TMS_OK;
+}
+
+/* ---- the variables by name ------------------------------------------------------------- */
+
+#define ELSEWHERE_NAME(env, doc) env,
+static const char *const elsewhere[] = {TMS_ENV_ELSEWHERE(ELSEWHERE_NAME)};
+
+/* The library's own: every row's variable but other programs'. */
+static int own(const struct tms_setting_row *r) { return r->env && r->group != TMS_SETTING_GROUP_OUTSIDE; }
+
+const char *tms_env_name(size_t i)
+{
+    for (size_t k = 0; k < TMS_SETTING_COUNT; k++)
+        if (own(&tms_setting_rows[k]) && i-- == 0) return tms_setting_rows[k].env;
+    return i < sizeof elsewhere / sizeof *elsewhere ? elsewhere[i] : NULL;
+}
+
+int tms_env_known(const char *name)
+{
+    static const char *const families[] = {"TMS_BENCH_", "TMS_TEST_", "TMS_FUZZ_"};
+    for (size_t i = 0; tms_env_name(i); i++)
+        if (strcmp(name, tms_env_name(i)) == 0) return 1;
+    for (size_t i = 0; i < sizeof families / sizeof *families; i++)
+        if (strncmp(name, families[i], strlen(families[i])) == 0) return 1;
+    return 0;
 }

@@ -1,6 +1,7 @@
 /* Chooses and loads the process's one VMM backend. */
 #include "platform/driver.h"
 
+#include "platform/config.h"
 #include "platform/fork.h"
 #include "platform/parse.h"
 
@@ -69,16 +70,14 @@ int tms_driver_get(const struct tms_driver **out, struct tms_err *err)
     if (!driver_ready) {
         const struct tms_driver *d = driver_chosen;
         if (!d) {
-            const char *env = getenv("TMS_BACKEND");
-            const char *platform = getenv("TMS_PLATFORM");
-            if (env && *env) d = driver_by_name(env);
-            else if (platform && (tms_ascii_case_equal(platform, "rocm") || tms_ascii_case_equal(platform, "hip")))
-                d = &tms_driver_hip;
-            else if (platform && tms_ascii_case_equal(platform, "cuda")) d = &tms_driver_cuda;
+            /* Both words as config.h's table spells them; a malformed TMS_BACKEND is
+             * an error here too, for a process that never imported the package. */
+            const char *env = tms_defaults()->backend, *platform = tms_defaults()->platform;
+            rc = tms_setting_error(TMS_SETTING_backend, err);
+            if (*env) d = driver_by_name(env);
+            else if (!strcmp(platform, "rocm") || !strcmp(platform, "hip")) d = &tms_driver_hip;
+            else if (!strcmp(platform, "cuda")) d = &tms_driver_cuda;
             else d = platform_hint ? platform_hint : &tms_driver_cuda;
-            if (!d)
-                rc = tms_fail(err, TMS_E_ARG, 0,
-                              "TMS_BACKEND='%s' is not a backend (expected 'cuda', 'hip' or 'host')", env);
         }
         /* A failed load is not cached: a later call may succeed (driver
          * installed, env fixed) and each caller gets the message. */

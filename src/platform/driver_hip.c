@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "platform/config.h"
 #include "platform/driver.h"
 #include "platform/hip_abi.h"
 
@@ -54,7 +55,7 @@ static size_t chunk_bytes_for(const struct hip_api *api);
 static int hip_load(struct tms_err *err)
 {
     /* TMS_HIP_LIBRARY names another build (tests load a stub through it). */
-    const char *override = getenv("TMS_HIP_LIBRARY");
+    const char *override = tms_defaults()->hip_library;
     const char *names[] = {override, "libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"};
     void *lib = NULL;
     const char *why = "?";
@@ -66,7 +67,7 @@ static int hip_load(struct tms_err *err)
             why = dlerror();
             snprintf(first_why, sizeof first_why, "%s", why ? why : "?");
         }
-        if (override && *override) break;  /* an explicit choice is not second-guessed */
+        if (*override) break;  /* an explicit choice is not second-guessed */
     }
     why = first_why;
     if (!lib) return tms_fail(err, TMS_E_NO_DRIVER, 0, "HIP runtime not found: dlopen(libamdhip64) failed: %s", why);

@@ -63,7 +63,7 @@ static int gate_shut(int fd)
 
 static void pass_gate(void)
 {
-    const char *path = tms_host_env()->copy_gate;
+    const char *path = tms_defaults()->host_copy_gate;
     if (!path[0]) return;
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) return;
@@ -101,13 +101,13 @@ static void pass_gate(void)
 /* The variables were parsed (and checked at import) with the defaults. */
 static int host_load(struct tms_err *err)
 {
-    const struct tms_host_env *env = tms_host_env();
-    if (env->error.status) {
-        if (err) *err = env->error;
-        return env->error.status;
+    const struct tms_defaults *env = tms_defaults();
+    if (env->host_error.status) {
+        if (err) *err = env->host_error;
+        return env->host_error.status;
     }
-    host_capacity = env->device_bytes;
-    host_device_count = env->devices;
+    host_capacity = env->host_device_bytes;
+    host_device_count = env->host_devices;
     memcpy(fault_at, env->fault_at, sizeof fault_at);
     return TMS_OK;
 }
@@ -126,7 +126,7 @@ static int host_device_count_fn(int *count)
  * if the process had called cudaSetDevice. */
 static int host_current_device(int *device)
 {
-    *device = tms_host_env()->current_device;
+    *device = tms_defaults()->host_current_device;
     return 0;
 }
 
@@ -342,7 +342,7 @@ static size_t host_default_chunk_bytes(void) { return 0; }
 static int host_numa_node(int device)
 {
     touch(device);
-    return tms_host_env()->numa_node;
+    return tms_defaults()->host_numa_node;
 }
 
 /* The CPU computes what the GPU kernel would (platform/fingerprint.c); the

@@ -4,7 +4,7 @@ The PTX is what the cuda backend hands the driver's module loader at run time, s
 library links no CUDA library and one build serves every driver that can load it. nvcc
 writes the PTX ISA version of its own release; the kernel uses only instructions of ISA
 7.0, so the header declares 7.0, which drivers of CUDA 11.0 and later load (ptxas checks
-that the declared version holds). tests/test_fingerprint.py checks that the header was
+that the declared version holds). tests/test_skip_unchanged.py checks that the header was
 built from the .cu as it is now, and rebuilds it where the same nvcc is at hand.
 """
 import hashlib

@@ -1,10 +1,11 @@
 /* Debug lines to stderr when TMS_LOG=debug: for preload processes without Python logging. */
 #include "platform/log.h"
 
+#include "platform/config.h"
+
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -14,9 +15,9 @@ static int log_quiet;  /* TMS_LOG=off or 0: not even warnings */
 
 static void log_init(void)
 {
-    const char *v = getenv("TMS_LOG");
-    log_debug = v && strcmp(v, "debug") == 0;
-    log_quiet = v && (strcmp(v, "off") == 0 || strcmp(v, "0") == 0);
+    const char *v = tms_defaults()->log;  /* "", or the word of TMS_LOG */
+    log_debug = strcmp(v, "debug") == 0;
+    log_quiet = strcmp(v, "off") == 0 || strcmp(v, "0") == 0;
 }
 
 int tms_log_enabled(void)

@@ -114,7 +114,7 @@ int tms_os_cache_dir(char *buf, size_t size) { return home_with("/.cache", buf, 
 
 int tms_os_runtime_dir(char *buf, size_t size)
 {
-    const char *xdg = secure_getenv("XDG_RUNTIME_DIR");
-    int n = xdg && xdg[0] == '/' ? snprintf(buf, size, "%s", xdg) : snprintf(buf, size, "/run/user/%u", (unsigned)geteuid());
+    const char *xdg = tms_defaults()->xdg_runtime_dir;
+    int n = xdg[0] == '/' ? snprintf(buf, size, "%s", xdg) : snprintf(buf, size, "/run/user/%u", (unsigned)geteuid());
     return fitted(n, size);
 }
