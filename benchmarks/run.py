@@ -157,8 +157,8 @@ def build_paired_floor(args, tmp, results):
     """The floor as a library the workers load (floor.Paired), or None: the
     cycles are then reported without a floor beside them."""
     if args.dry_run or not _driver_present():
-        why = "dry run: the host backend" if args.dry_run else "no CUDA driver (libcuda.so.1 cannot be loaded)"
-        results["skipped"].append({"where": "paired floor", "why": f"{why} has no driver floor"})
+        why = "the host backend (dry run)" if args.dry_run else "no CUDA driver (libcuda.so.1 cannot be loaded)"
+        results["skipped"].append({"where": "paired floor", "why": f"no driver floor: {why}"})
         return None
     try:
         lib, build = floor.build(tmp, library=True)
