@@ -2,7 +2,7 @@
 PYTHON ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: build ptx deps reinstall test soak demo bench bench-multi-gpu bench-alloc-count bench-fragmentation bench-live bench-budget bench-node bench-speed bench-share bench-switch bench-dry-run sanitize sanitize-thread sanitize-python fuzz clean
+.PHONY: build ptx deps reinstall test soak demo bench bench-multi-gpu bench-alloc-count bench-speed bench-switch bench-dry-run sanitize sanitize-thread sanitize-python fuzz clean
 
 # The extensions compiled in place (torch_memory_saver/_tms_*.abi3.so, the upstream-named
 # shims at the root) for tests; warnings are errors here and in CI, never in a user's install.
@@ -87,30 +87,15 @@ bench-multi-gpu: build
 bench-alloc-count: build
 	$(PYTHON) -m benchmarks alloc_count $(BENCH_ARGS)
 
-bench-fragmentation: build
-	$(PYTHON) -m benchmarks fragmentation $(BENCH_ARGS)
-
-bench-live: build
-	$(PYTHON) -m benchmarks live $(BENCH_ARGS)
-
-bench-budget: build
-	$(PYTHON) -m benchmarks budget $(BENCH_ARGS)
-
-bench-node: build
-	$(PYTHON) -m benchmarks node $(BENCH_ARGS)
-
 bench-speed: build
 	$(PYTHON) -m benchmarks speed $(BENCH_ARGS)
-
-bench-share: build
-	$(PYTHON) -m benchmarks share $(BENCH_ARGS)
 
 bench-switch: build
 	$(PYTHON) -m benchmarks switch $(BENCH_ARGS)
 
 # Every suite's dry run on the host backend (no GPU; reports in build/bench-dry-run).
 bench-dry-run: build
-	for s in run multi_gpu alloc_count fragmentation live budget node speed share switch; do \
+	for s in run multi_gpu alloc_count speed switch; do \
 	    TMS_BACKEND=host $(PYTHON) -m benchmarks $$s --dry-run || exit 1; done
 
 # C tests under AddressSanitizer + UndefinedBehaviorSanitizer.

@@ -7,15 +7,10 @@ import sys
 from .report import SUITES
 
 ABOUT = {
-    "run": "one GPU, both hook modes: latency, backup and disk bandwidth, overheads, scaling (make bench)",
-    "multi_gpu": "every GPU of the host pausing and resuming together, one process per GPU",
+    "run": "one GPU, both hook modes: limits, latency beside the driver floor, backup and disk bandwidth (make bench)",
+    "multi_gpu": "every GPU of the host pausing and resuming together, one process per GPU, against the host's limits",
     "alloc_count": "pause/resume of 1 to 10,000 allocations against the raw driver loop",
-    "fragmentation": "one region's churn with and without expandable segments, both hook modes",
-    "live": "live-only backups against whole ones: a training engine, a transformer step, the snapshot's cost",
-    "budget": "a pause under the host backup budget that spills half to disk, beside all in RAM and all on disk",
-    "node": "one process per GPU on every GPU, pausing together over NCCL, against the host's concurrent fill",
     "speed": "side by side with the upstream library (--upstream DIR): the rows users compare, and README's plot",
-    "share": "region memory mapped by another process: exportable allocation cost, share/open, moving weights",
     "switch": "a trainer and a rollout trading one GPU as RL stacks do, phase by phase against floors and upstream",
 }
 

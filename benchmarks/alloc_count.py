@@ -4,32 +4,26 @@ driver loop: `python -m benchmarks alloc_count [--counts 1,10,100,1000,10000]
 
 A worker process per n (torch hook mode) holds n allocations of 2 MiB in one tag
 (2n tensors of 1 MiB: PyTorch packs two in each 2 MiB segment) and times
-pause(tag)/resume(tag): the wall time of the Python call and the time the core
-itself counts (stats' pause_ns/resume_ns), so what the binding and Python add
-shows apart. Between cycles the first and the last allocation are written (the
-memory works). vmm_floor.c runs the same driver calls, and the same writes
-(--touch), for the same shapes in the same run; the ratio to it is the target
-(<= 1.2x). It runs again with --shuffle: the driver's cost of a scattered order.
-Inside each worker the floor also holds n allocations of its own and runs one
-cycle beside each of the library's, first and second in turn (floor.Paired):
-the same process, context and idle time before the call, which all move the
-driver's cost of one allocation. --beside N keeps N more allocations of another
-tag live in each worker: a pause of one tag should not cost more for what other
-tags hold. After the cycles each worker also times allocation_at() of an
-address 4 KiB inside each tensor (the lookup that get_cpu_backup of a tensor
-inside a segment makes), three passes.
+pause(tag)/resume(tag): the Python call's wall time and the time the core counts
+(stats' pause_ns/resume_ns). Between cycles the first and the last allocation are
+written (the memory works). vmm_floor.c runs the same driver calls and writes
+(--touch) for the same shapes in a process of its own, then with --shuffle (the cost
+of a scattered order). Inside each worker the floor also holds n allocations of its
+own and runs one cycle beside each of the library's, first and second in turn
+(floor.Paired): the same process, context and idle time before the call, which all
+move the driver's cost of one allocation. --beside N keeps N more allocations of
+another tag live in each worker. After the cycles each worker times allocation_at()
+of an address 4 KiB inside each tensor (what get_cpu_backup of a tensor inside a
+segment looks up), three passes.
 
 --dry-run: host backend, up to 100 allocations and no floor, for the plumbing only.
-Report: alloc_count_<device>[-idle<U>us][-beside<N>].{md,json,png}.
+Report: alloc_count_<device>[-idle<U>us][-beside<N>].{md,json}.
 """
-import argparse
-import os
 import sys
-import tempfile
 import time
 
 from . import floor, report
-from .common import MiB, child_env, median, pyplot, run_worker, save_png, spin
+from .common import MiB, child_env, median, parser, run_row, spin
 
 ALLOC_BYTES = 2 * MiB
 TITLE = "Pause/resume per allocation vs the driver floor"
@@ -48,9 +42,8 @@ def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0
         tag = f"count-{n}"
         t0 = time.perf_counter()
         block = env.alloc_granules(tag, n)
-        point = {"requested": n, "alloc_s": time.perf_counter() - t0, "allocations": len(env.tag_allocs(tag))}
-        for key in ("pause", "resume", "pause_core", "resume_core"):
-            point[key] = []
+        point = {"requested": n, "alloc_s": time.perf_counter() - t0, "allocations": len(env.tag_allocs(tag)),
+                 "pause": [], "resume": [], "pause_core": [], "resume_core": []}
         paired = floor.Beside(floor_lib, point["allocations"], ALLOC_BYTES)
         for c in range(warmup + cycles):
             if c % 2 == 0:
@@ -107,23 +100,9 @@ def _interior_lookups(env, block, passes=3):
 
 
 def _floor(counts, cycles, warmup, options=()):
-    exe, _ = floor.build()
-    doc = floor.run(exe, [f"{n}x2M" for n in counts], cycles, warmup, timeout=600, options=options)
-    by_count = {}
-    for shape in doc.get("shapes", []):
-        if not shape.get("error"):
-            by_count[int(shape["count"])] = shape
-    return doc, by_count
-
-
-def _floor_median(shape, op):
-    for key in (f"{op}_median_s", f"{op}_s"):
-        v = shape.get(key)
-        if isinstance(v, list):
-            return median(v)
-        if v is not None:
-            return v
-    return None
+    """vmm_floor in a process of its own: (its document, {count: the shape's medians})."""
+    doc = floor.run(floor.build()[0], [f"{n}x2M" for n in counts], cycles, warmup, timeout=600, options=options)
+    return doc, {int(s["count"]): s for s in doc.get("shapes", []) if not s.get("error")}
 
 
 def _markdown(r):
@@ -165,44 +144,8 @@ def _markdown(r):
     return "\n".join(lines) + "\n"
 
 
-def _plot(r, out, stem):
-    """Microseconds per allocation vs count, library and floor: {"plot": PNG file name}, or {}."""
-    plt = pyplot()
-    pts = [p for p in r["points"] if p.get("pause_floor_s")]
-    if plt is None or not pts:
-        return {}
-    xs = [p["allocations"] for p in pts]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for op, marker in (("pause", "o"), ("resume", "s")):
-        for key, style, name in (("", "-", "library (call)"), ("_floor_s", "--", "driver floor"),
-                                 ("_floor_paired_s", "-.", "driver floor, paired in the same process"),
-                                 ("_floor_shuffled_s", ":", "driver floor, scattered order")):
-            xy = [(x, median(p[op]) if not key else p.get(op + key)) for x, p in zip(xs, pts)]
-            xy = [(x, t / max(1, x) * 1e6) for x, t in xy if t]  # a shape the floor could not run: left out
-            if xy:
-                ax.plot([x for x, _ in xy], [y for _, y in xy], marker + style, label=f"{op}: {name}")
-    ax.set_xscale("log")
-    ax.set_xlabel("allocations (2 MiB each)")
-    ax.set_ylabel("µs per allocation")
-    ax.set_title(f"{TITLE}\n{r['meta']['device_name']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    save_png(plt, fig, os.path.join(out, stem + ".png"))
-    return {"plot": stem + ".png"}
-
-
-def _run_worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_us=0.0, beside=0):
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        args = {"counts": counts, "cycles": cycles, "warmup": warmup, "dry_run": dry_run, "floor_lib": floor_lib,
-                "idle_s": idle_us * 1e-6, "beside": beside}
-        doc, rc, _, _ = run_worker("alloc_count", args, out.name, child_env(dry_run))
-    if rc != 0:
-        raise RuntimeError(f"alloc_count worker for {counts} exited {rc}")
-    return doc
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks alloc_count", description=__doc__.split("\n\n")[0])
+    ap = parser("alloc_count", __doc__, "no GPU: host backend, no floor, plumbing only")
     ap.add_argument("--counts", help="allocation counts, one worker each (default 1,10,100,1000,10000; "
                                      "1,10,100 for --dry-run)")
     ap.add_argument("--cycles", type=int, default=8, help="even: the paired floor goes first in half of them")
@@ -213,8 +156,6 @@ def main(argv=None):
                          "before the timed calls (library and paired floor alike)")
     ap.add_argument("--beside", type=int, default=0,
                     help="allocations of 2 MiB in another tag, live while each count is measured")
-    ap.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
-    ap.add_argument("--dry-run", action="store_true", help="no GPU: host backend, no floor, plumbing only")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     counts = [int(c) for c in (args.counts or ("1,10,100" if args.dry_run else "1,10,100,1000,10000")).split(",")
@@ -224,8 +165,13 @@ def main(argv=None):
     # A process per count, as the floor frees each shape's reservations before
     # the next: the driver's cost depends on what else the process holds.
     floor_lib = None if args.dry_run else floor.build(library=True)[0]
-    runs = [_run_worker([n], args.cycles, args.warmup, args.dry_run, floor_lib, args.idle_us, args.beside)
-            for n in counts]
+    runs = []
+    for n in counts:
+        wargs = {"counts": [n], "cycles": args.cycles, "warmup": args.warmup, "dry_run": args.dry_run,
+                 "floor_lib": floor_lib, "idle_s": args.idle_us * 1e-6, "beside": args.beside}
+        runs.append(run_row("alloc_count", wargs, child_env(args.dry_run), {}, timeout=None))
+        if "error" in runs[-1]:
+            raise RuntimeError(f"alloc_count worker for {n} allocations: {runs[-1]['error']}")
     meta.setdefault("device_name", runs[0]["env"]["device_name"])
     r["beside"] = min(run.get("beside", 0) for run in runs)
     r["points"] = [run["points"][0] for run in runs]
@@ -236,17 +182,11 @@ def main(argv=None):
         for p in r["points"]:
             for op in ("pause", "resume"):
                 for key, shapes in (("_floor_s", by_count), ("_floor_shuffled_s", shuffled)):
-                    shape = shapes.get(p["allocations"])
-                    p[op + key] = _floor_median(shape, op) if shape else None
+                    p[op + key] = shapes.get(p["allocations"], {}).get(f"{op}_median_s")
                 p[op + "_floor_paired_s"] = median(p[op + "_paired"]) if p.get(op + "_paired") else None
     variant = "-".join(v for v in (f"idle{args.idle_us:g}us" if args.idle_us else "",
                                    f"beside{args.beside}" if args.beside else "") if v)
-    md = report.write(report.out_dir(args.out, args.dry_run), report.name(meta, variant), r, TITLE,
-                      lambda images: _markdown(r) + "".join(f"\n![per-allocation cost vs the driver floor]({f})\n"
-                                                            for f in images.values()),
-                      lambda out, stem: _plot(r, out, stem))
-    print(open(md).read())
-    print("written:", md)
+    report.publish(args, r, TITLE, _markdown(r), variant=variant)
     return 0
 
 

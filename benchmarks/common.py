@@ -1,11 +1,13 @@
-"""Helpers every suite shares: units, logging, statistics, JSON files and the
-launching of worker processes (no torch import here)."""
+"""Helpers every suite shares: units, logging, statistics, JSON files, the command
+line's common options and the launching of worker processes (no torch import here)."""
+import argparse
 import collections
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -16,18 +18,18 @@ GiB = 1 << 30
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRY_RUN_OUT = os.path.join(REPO, "build", "bench-dry-run")
 RESULTS = os.path.join(REPO, "benchmarks", "results")
+# Starts a command under its library's own configure_subprocess() (the preload
+# library on LD_PRELOAD): argv[1] holds that torch_memory_saver; exec keeps the
+# descriptors the command inherits.
+LAUNCH = ("import os, sys\nsys.path.insert(0, sys.argv[1])\nfrom torch_memory_saver import configure_subprocess\n"
+          "with configure_subprocess():\n    os.execve(sys.argv[2], sys.argv[2:], dict(os.environ))\n")
 
 _T0 = time.monotonic()
-_PREFIX = ["bench"]
 
 
-def set_log_prefix(prefix: str) -> None:
-    _PREFIX[0] = prefix
-
-
-def log(msg: str, prefix: str = None) -> None:
+def log(msg: str) -> None:
     """A progress line, flushed at once so a partial log is useful."""
-    print(f"[{prefix or _PREFIX[0]} {time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
+    print(f"[bench {time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
 
 
 def median(xs):
@@ -35,16 +37,24 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process (VmRSS), in bytes."""
+def proc_field(path, name):
+    """The value of the first `name: value` line of a /proc file (None where there is none)."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(name)), None)
     except OSError:
-        pass
-    return -1
+        return None
+
+
+def meminfo(field, path="/proc/self/status"):
+    """A `Field:  N kB` line of a /proc file, in bytes (None where it is missing)."""
+    v = proc_field(path, field + ":")
+    return int(v.split()[0]) * 1024 if v else None
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (VmRSS), in bytes (-1 where unknown)."""
+    return meminfo("VmRSS") or -1
 
 
 def fmt_bytes(n) -> str:
@@ -56,10 +66,6 @@ def fmt_bytes(n) -> str:
             v = n / size
             return f"{v:.0f} {unit}" if v == int(v) else f"{v:.2f} {unit}"
     return f"{n} B"
-
-
-def shape_name(count: int, size: int) -> str:
-    return f"{count}x{fmt_bytes(size).replace(' ', '')}"
 
 
 def spin(seconds):
@@ -140,36 +146,79 @@ def save_png(plt, fig, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path
+    return os.path.basename(path)
+
+
+def _host_gpus():
+    """NVIDIA/AMD PCI functions of class display or accelerator, as src/platform/topology.c counts them."""
+    root, n = "/sys/bus/pci/devices", 0
+    for dev in os.listdir(root) if os.path.isdir(root) else []:
+        try:
+            vendor = int(open(f"{root}/{dev}/vendor").read(), 16)
+            base_class = int(open(f"{root}/{dev}/class").read(), 16) >> 16
+        except (OSError, ValueError):
+            continue
+        n += vendor in (0x10DE, 0x1002) and base_class in (0x03, 0x12)
+    return n
+
+
+def copy_threads():
+    """The copy workers the library runs in this process (src/backup/transfer.c tms_transfer_default_workers)."""
+    n = int(os.environ.get("TMS_BACKUP_THREADS", "0") or 0)
+    if n > 0:
+        return n
+    allowed, online, gpus = len(os.sched_getaffinity(0)), os.cpu_count() or 1, _host_gpus()
+    cpus = online // gpus if allowed >= online and gpus > 1 else allowed
+    return min(16, max(2, cpus))
+
+
+def parser(suite, doc, dry_run_help="no GPU: host backend, tiny sizes, plumbing only"):
+    """The suite's argument parser, with the options every suite has (--out, --dry-run)."""
+    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {suite}", description=doc.split("\n\n")[0])
+    ap.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
+    ap.add_argument("--dry-run", action="store_true", help=dry_run_help)
+    return ap
+
+
+def import_library(library):
+    """Imports torch_memory_saver from the directory library (None: this checkout),
+    checking that the one loaded is that one; returns the directory it came from."""
+    sys.path.insert(0, library or REPO)
+    import torch_memory_saver
+
+    found = os.path.dirname(os.path.dirname(os.path.abspath(torch_memory_saver.__file__)))
+    if found != os.path.abspath(library or REPO):
+        raise RuntimeError(f"asked for the torch_memory_saver in {library or REPO}, loaded {found}")
+    return found
 
 
 # ---- worker processes ------------------------------------------------------------------
 
 def child_env(dry_run=False, clean=False):
-    """The environment of a worker process: this checkout first on PYTHONPATH and
-    unbuffered output. The preload library is left off LD_PRELOAD (worker_cmd
-    adds it to the workers that measure it), as a torch-mode worker under it
-    would measure something else. clean drops TMS_* and PYTORCH_CUDA_ALLOC_CONF,
-    for suites whose rows set them. A dry run gets the host backend."""
+    """A worker's environment: this checkout first on PYTHONPATH, unbuffered output, the
+    preload library off LD_PRELOAD (worker_cmd adds it where it is measured: a torch-mode
+    worker under it would measure something else); clean drops TMS_* and
+    PYTORCH_CUDA_ALLOC_CONF; a dry run gets the host backend."""
     env = dict(os.environ)
     if clean:
         env = {k: v for k, v in env.items() if not k.startswith("TMS_") and k != "PYTORCH_CUDA_ALLOC_CONF"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    kept = [e for e in env.get("LD_PRELOAD", "").replace(":", " ").split() if "_tms_preload" not in e]
+    kept = [e for e in env.pop("LD_PRELOAD", "").replace(":", " ").split() if "_tms_preload" not in e]
     if kept:
         env["LD_PRELOAD"] = " ".join(kept)
-    else:
-        env.pop("LD_PRELOAD", None)
     if dry_run:
         env["TMS_BACKEND"] = "host"
     return env
 
 
-def worker_cmd(suite, result, args, preload=False):
+def worker_cmd(suite, result, args, preload=False, library=None):
     """`python -m benchmarks.worker SUITE RESULT ARGS`, under the library's
-    `run --` (the preload library on LD_PRELOAD) where preload is set."""
+    `run --` (the preload library on LD_PRELOAD) where preload is set, or under
+    configure_subprocess() of the torch_memory_saver in library."""
     cmd = [sys.executable, "-m", "benchmarks.worker", suite, result, json.dumps(args)]
+    if library:
+        return [sys.executable, "-c", LAUNCH, library] + cmd
     return [sys.executable, "-m", "torch_memory_saver", "run", "--", *cmd] if preload else cmd
 
 
@@ -205,8 +254,15 @@ def run_child(cmd, env, timeout=None, echo=None):
     return proc.returncode, timed_out, list(tail)
 
 
-def run_worker(suite, args, result, env, timeout=None, preload=False, echo=None):
-    """Runs the suite's worker(**args) in a process of its own; returns
-    (its document, exit status, timed out, last lines of its output)."""
-    rc, timed_out, tail = run_child(worker_cmd(suite, result, args, preload), env, timeout, echo)
-    return read_json(result), rc, timed_out, tail
+def run_row(suite, args, env, row, timeout=600, preload=False, library=None, echo=None):
+    """The suite's worker(**args) in a process of its own: the document it
+    returns; where the worker failed, what it saved (over row's defaults) with an
+    "error" saying how it ended and its "exit_code"."""
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        rc, timed_out, tail = run_child(worker_cmd(suite, out.name, args, preload, library), env, timeout, echo)
+        doc = read_json(out.name)
+    if rc == 0 and "read_error" not in doc:
+        return doc
+    why = f"killed after {timeout:.0f} s" if timed_out else f"exit {rc}"
+    saved = {} if "read_error" in doc else doc
+    return dict(row, **saved, error=f"{why}: {' / '.join(tail[-8:])[-2000:]}", exit_code=rc)

@@ -1,8 +1,8 @@
 """Where the measured memory lives: GPU tensors (GpuEnv) or, for --dry-run on a
 machine without a GPU, allocations of the library's host backend (HostEnv).
 
-Both offer the same small interface, so the measurement loops in cycles.py and
-overhead.py are the same code in a real run and in a dry run:
+Both offer the same small interface, so the measurement loops of every suite are
+the same code in a real run and in a dry run:
 
   alloc(tag, sizes, backup, backend, disk) -> block   allocations made inside region(tag)
   alloc_granules(tag, n) -> block               n allocations of one granule (2 MiB)
@@ -31,20 +31,29 @@ def _tms(mode):
     return tms
 
 
-def _tag_allocs(tms, tag):
-    return [a for a in tms.allocations() if a["tag"] == tag]
+class _Env:
+    def tag_allocs(self, tag):
+        return [a for a in self.tms.allocations() if a["tag"] == tag]
+
+    def tag_stats(self, tag):
+        """The tag's row of tms.stats(), summed over devices."""
+        total = {}
+        for per_tag in self.tms.stats().values():
+            for field, value in per_tag.get(tag, {}).items():
+                total[field] = total.get(field, 0) + value
+        return total
+
+    @staticmethod
+    def region_kw(tag, backup, backend, disk):
+        kw = {"tag": tag}
+        if backup:
+            kw.update(enable_cpu_backup=True, cpu_backup_backend=backend)
+        if disk:
+            kw.update(enable_disk_backup=True)
+        return kw
 
 
-def _sum_stats(tms, tag):
-    """The tag's row of tms.stats(), summed over devices."""
-    total = {}
-    for per_tag in tms.stats().values():
-        for field, value in per_tag.get(tag, {}).items():
-            total[field] = total.get(field, 0) + value
-    return total
-
-
-class GpuEnv:
+class GpuEnv(_Env):
     kind = "cuda"
 
     def __init__(self, mode, use_tms=True):
@@ -63,16 +72,11 @@ class GpuEnv:
         torch = self.torch
         props = torch.cuda.get_device_properties(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        return {
-            "device_name": torch.cuda.get_device_name(self.device),
-            "device_total_bytes": int(total),
-            "device_free_bytes_at_start": int(free),
-            "capability": list(torch.cuda.get_device_capability(self.device)),
-            "multiprocessors": getattr(props, "multi_processor_count", None),
-            "torch_version": torch.__version__,
-            "torch_cuda_version": torch.version.cuda,
-            "backend": "cuda",
-        }
+        return {"device_name": torch.cuda.get_device_name(self.device), "device_total_bytes": int(total),
+                "device_free_bytes_at_start": int(free),
+                "capability": list(torch.cuda.get_device_capability(self.device)),
+                "multiprocessors": getattr(props, "multi_processor_count", None), "torch_version": torch.__version__,
+                "torch_cuda_version": torch.version.cuda, "backend": "cuda"}
 
     def sync(self):
         self.torch.cuda.synchronize()
@@ -83,13 +87,8 @@ class GpuEnv:
 
     def alloc(self, tag, sizes, backup=False, backend=None, disk=False):
         torch = self.torch
-        kw = {"tag": tag}
-        if backup:
-            kw.update(enable_cpu_backup=True, cpu_backup_backend=backend)
-        if disk:
-            kw.update(enable_disk_backup=True)
         try:
-            with self.tms.region(**kw):
+            with self.tms.region(**self.region_kw(tag, backup, backend, disk)):
                 block = [torch.empty(int(s), dtype=torch.uint8, device=self.device) for s in sizes]
         except BaseException:
             if not backup and not disk:
@@ -115,12 +114,6 @@ class GpuEnv:
                 self.tms.pause(tag)
             except RuntimeError:
                 pass  # already paused
-
-    def tag_allocs(self, tag):
-        return _tag_allocs(self.tms, tag)
-
-    def tag_stats(self, tag):
-        return _sum_stats(self.tms, tag)
 
     def addresses(self, block):
         return [t.data_ptr() for t in block]
@@ -180,7 +173,7 @@ class GpuEnv:
         self.torch.cuda.empty_cache()
 
 
-class HostEnv:
+class HostEnv(_Env):
     """The library's host backend (TMS_BACKEND=host): VMM emulated with memfds.
     Used by --dry-run to run every loop without a GPU."""
 
@@ -202,12 +195,7 @@ class HostEnv:
         return None  # freed memory is read from RSS instead
 
     def alloc(self, tag, sizes, backup=False, backend=None, disk=False):
-        kw = {"tag": tag}
-        if backup:
-            kw.update(enable_cpu_backup=True, cpu_backup_backend=backend)
-        if disk:
-            kw.update(enable_disk_backup=True)
-        with self.tms.region(**kw):
+        with self.tms.region(**self.region_kw(tag, backup, backend, disk)):
             block = [(self.tms.malloc(int(s)), int(s)) for s in sizes]
         for p, n in block:
             ctypes.memset(p, 0, n)  # resident, as device memory is once created
@@ -220,12 +208,6 @@ class HostEnv:
         for p, _ in block:
             self.tms.free(p)
         block.clear()
-
-    def tag_allocs(self, tag):
-        return _tag_allocs(self.tms, tag)
-
-    def tag_stats(self, tag):
-        return _sum_stats(self.tms, tag)
 
     def addresses(self, block):
         return [p for p, _ in block]

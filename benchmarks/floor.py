@@ -10,20 +10,12 @@ SOURCE = os.path.join(HERE, "vmm_floor.c")
 
 
 def _include_dirs():
-    dirs = []
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root:
-            dirs.append(os.path.join(root, "include"))
     nvcc = shutil.which("nvcc")
-    if nvcc:
-        dirs.append(os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "include"))
-    dirs += ["/usr/local/cuda/targets/x86_64-linux/include", "/usr/include"]
-    seen, out = set(), []
-    for d in dirs:
-        if d not in seen and os.path.exists(os.path.join(d, "cuda.h")):
-            seen.add(d)
-            out.append(d)
-    return out
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
+             nvcc and os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
+    dirs = [os.path.join(r, "include") for r in roots if r] + ["/usr/local/cuda/targets/x86_64-linux/include",
+                                                               "/usr/include"]
+    return [d for i, d in enumerate(dirs) if d not in dirs[:i] and os.path.exists(os.path.join(d, "cuda.h"))]
 
 
 def build(workdir=None, timeout=60, library=False):

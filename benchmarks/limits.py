@@ -1,10 +1,6 @@
-"""Section 1: the limits of this machine, measured with plain PyTorch (no torch_memory_saver).
-
-- pinned host<->device copy bandwidth (the limit a backup is compared with),
-- pageable host<->device copy bandwidth,
-- the cost of pinning fresh host memory (torch.empty(..., pin_memory=True)),
-- the cost of first-touching fresh pageable memory and of cudaHostRegister on it.
-"""
+"""The limits of this machine, measured with plain PyTorch (no torch_memory_saver): pinned
+and pageable host<->device copies (the link a backup is compared with), the cost of pinning
+fresh host memory, of first-touching fresh pageable memory and of cudaHostRegister on it."""
 import ctypes
 import time
 
@@ -106,26 +102,19 @@ def limits_gpu(env, nbytes, reps, deadline):
 
 
 def limits_host(env, nbytes, reps, deadline):
-    """Dry-run stand-in: host memcpy bandwidth (no device), same output keys."""
-    out = {"bytes": nbytes, "reps": reps, "stand_in": "host memcpy (dry run, no GPU)", "unit": "GB/s = 1e9 bytes/s"}
+    """Dry-run stand-in, the same keys: a first touch for pinning and first touch, host
+    memcpy for the copies (no device)."""
     t0 = time.perf_counter()
-    a = (ctypes.c_char * nbytes)()
+    a, b = (ctypes.c_char * nbytes)(), (ctypes.c_char * nbytes)()
     ctypes.memset(a, 1, nbytes)
-    out["pin_s"] = time.perf_counter() - t0
-    out["pin_gbps"] = _gbps(nbytes, out["pin_s"])
-    b = (ctypes.c_char * nbytes)()
-    ctypes.memset(b, 2, nbytes)
-    nop = lambda: None  # noqa: E731
-    h2d = _timed_copies(nop, lambda: ctypes.memmove(b, a, nbytes), reps)
-    d2h = _timed_copies(nop, lambda: ctypes.memmove(a, b, nbytes), reps)
-    out["pinned_h2d_s"], out["pinned_d2h_s"] = h2d, d2h
-    out["pinned_h2d_gbps"] = _gbps(nbytes, median(h2d))
-    out["pinned_d2h_gbps"] = _gbps(nbytes, median(d2h))
-    out["pageable_h2d_s"], out["pageable_d2h_s"] = h2d, d2h
-    out["pageable_h2d_gbps"] = out["pinned_h2d_gbps"]
-    out["pageable_d2h_gbps"] = out["pinned_d2h_gbps"]
-    out["pageable_first_touch_s"] = out["pin_s"]
-    out["pageable_first_touch_gbps"] = out["pin_gbps"]
+    touch = time.perf_counter() - t0
+    out = {"bytes": nbytes, "reps": reps, "stand_in": "host memcpy (dry run, no GPU)", "unit": "GB/s = 1e9 bytes/s",
+           "pin_s": touch, "pin_gbps": _gbps(nbytes, touch), "pageable_first_touch_s": touch,
+           "pageable_first_touch_gbps": _gbps(nbytes, touch)}
+    for kind in ("pinned", "pageable"):
+        for d, copy in (("h2d", lambda: ctypes.memmove(b, a, nbytes)), ("d2h", lambda: ctypes.memmove(a, b, nbytes))):
+            out[f"{kind}_{d}_s"] = _timed_copies(lambda: None, copy, reps)
+            out[f"{kind}_{d}_gbps"] = _gbps(nbytes, median(out[f"{kind}_{d}_s"]))
     return out
 
 

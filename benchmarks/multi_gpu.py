@@ -1,45 +1,41 @@
 """The `multi_gpu` suite: every GPU of the host pausing at once:
 `python -m benchmarks multi_gpu [--gib G] [--cycles C] [--gpus N] [--share-gpu]
-[--limits-last] [--configs LIST] [--tensor-mib M] [--upstream DIR] [--out DIR] [--dry-run]`.
+[--limits-last] [--configs LIST] [--tensor-mib M] [--out DIR] [--dry-run]`.
 
 One process per GPU (CUDA_VISIBLE_DEVICES=i, torch hook mode; with --share-gpu N
 processes all on GPU 0, a stand-in for the host side of N GPUs), each holding G GiB
 of random data in one backed-up region, in tensors of M MiB (512 by default;
-PyTorch packs tensors under 10 MiB into shared 20 MiB segments, each one
-allocation and one backup of the library's). A barrier starts every
-pause and every resume in all processes together. Per backup configuration (mmap,
-pinned, mmap retained) and cycle it reports each GPU's GB/s and the aggregate
-(all bytes over the span from the first start to the last end; the start skew,
-last start less first, says how much of that span the barrier's release cost), contents checked
+PyTorch packs tensors under 10 MiB into shared 20 MiB segments, each one allocation
+and one backup of the library's). A barrier starts every pause and every resume in
+all processes together. Per backup configuration and cycle it reports each GPU's
+GB/s and the aggregate (all bytes over the span from the first start to the last
+end; the start skew, last start less first, says how much of that span the
+barrier's release cost), page faults and huge pages per pause, contents checked
 after every resume (two checksums of every tensor, taken before the pause), and
-every process's exit status. --upstream DIR runs every
-configuration again with the torch_memory_saver found in DIR (the upstream wheel
-unpacked), the same worker code calling only the API both libraries share,
-ours first for every other configuration and second for the rest.
+every process's exit status.
 
 The host limits are measured in the same run with the same number of processes:
-fresh-page fill (each process writes G GiB of new anonymous huge-page memory
-with as many threads as it would run copy workers, all processes at once, three
-times: the bound of a backup that keeps no memory between cycles; the first
-time apart, as it touches memory the virtual machine had not backed yet), host
-copy (the same threads copy the filled memory out in 4 MiB blocks, each into two
-buffers of its own in turn, all processes at once, median of 3: the host side of
-a resume of a non-retained mmap backup, which copies each block into a pinned
-staging slot before its DMA) and pinned device->host / host->device copies of 4
-GiB on every GPU at once, the median of 5 (the link).
+fresh-page fill (each process writes G GiB of new anonymous huge-page memory with as
+many threads as it would run copy workers, all processes at once, three times: the
+bound of a backup that keeps no memory between cycles; the first time apart, as it
+touches memory the virtual machine had not backed yet), host copy (the same threads
+copy the filled memory out in 4 MiB blocks, each into two buffers of its own in
+turn, median of 3: the host side of a resume of a non-retained mmap backup, which
+copies each block into a pinned staging slot before its DMA) and pinned
+device->host / host->device copies of 4 GiB on every GPU at once, the median of 5
+(the link).
 
 --dry-run: two processes on the host backend, 64 MiB each in 8 MiB allocations,
 a host memcpy standing in for the link; the figures mean nothing.
-Report: multi_gpu_<device>-x<N> (or -<N>procs-on-1).{md,json,png}.
+Report: multi_gpu_<device>-x<N> (or -<N>procs-on-1).{md,json}.
 """
-import argparse
 import multiprocessing as mp
 import os
 import sys
 import time
 
 from . import report
-from .common import GiB, MiB, REPO, pyplot, save_png
+from .common import GiB, MiB, copy_threads, import_library, parser
 
 TENSOR_MIB = 512
 LINK_REPS = 5
@@ -50,29 +46,6 @@ CONFIGS = {"mmap": ("mmap", False), "pinned": ("pinned", False), "mmap_retained"
            "pinned_retained": ("pinned", True)}
 DEFAULT_CONFIGS = "mmap,pinned,mmap_retained"
 DRY_RUN = {"gib": 1 / 16, "tensor_mib": 8, "gpus": 2}
-
-
-def _host_gpus():
-    """NVIDIA/AMD PCI functions of class display or accelerator, as src/platform/topology.c counts them."""
-    root, n = "/sys/bus/pci/devices", 0
-    for dev in os.listdir(root) if os.path.isdir(root) else []:
-        try:
-            vendor = int(open(f"{root}/{dev}/vendor").read(), 16)
-            base_class = int(open(f"{root}/{dev}/class").read(), 16) >> 16
-        except (OSError, ValueError):
-            continue
-        n += vendor in (0x10DE, 0x1002) and base_class in (0x03, 0x12)
-    return n
-
-
-def _threads():
-    """The copy workers each process runs (src/backup/transfer.c tms_transfer_default_workers)."""
-    n = int(os.environ.get("TMS_BACKUP_THREADS", "0") or 0)
-    if n > 0:
-        return n
-    allowed, online, gpus = len(os.sched_getaffinity(0)), os.cpu_count() or 1, _host_gpus()
-    cpus = online // gpus if allowed >= online and gpus > 1 else allowed
-    return min(16, max(2, cpus))
 
 
 def _fill_fresh(nbytes, threads):
@@ -153,7 +126,7 @@ def limits_worker(rank, gpu, gib, dry_run, barrier, results):
     import ctypes
 
     out = {"rank": rank}
-    threads = _threads()
+    threads = copy_threads()
     nbytes = int(gib * GiB)
     out["fill"], out["copy"] = [], []
     for rep in range(FILL_REPS):  # the first touches memory the virtual machine never backed yet
@@ -194,46 +167,21 @@ def _huge_bytes():
     return 0
 
 
-def _library_of(module):
-    """Which torch_memory_saver a worker loaded: its directory and, from the
-    dist-info there that lists the package, its version."""
-    import glob
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(module.__file__)))
-    version = None
-    for info in sorted(glob.glob(os.path.join(root, "torch_memory_saver-*.dist-info"))):
-        try:
-            with open(os.path.join(info, "RECORD")) as f:
-                if any(line.startswith("torch_memory_saver/__init__.py,") for line in f):
-                    version = os.path.basename(info)[len("torch_memory_saver-"):-len(".dist-info")]
-        except OSError:
-            continue
-    return {"path": root, "version": version}
-
-
-def backup_worker(rank, gpu, config, gib, cycles, tensor_mib, library, dry_run, barrier, results):
-    """library: None (ours, from this checkout) or the directory of another
-    torch_memory_saver (the upstream wheel, unpacked): only the API both share
-    is called."""
+def backup_worker(rank, gpu, config, gib, cycles, tensor_mib, dry_run, barrier, results):
     os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    sys.path.insert(0, library or REPO)
-    import torch_memory_saver
-
+    import_library(None)
     from .envs import make_env
 
-    loaded = _library_of(torch_memory_saver)
-    if loaded["path"] != os.path.abspath(library or REPO):
-        raise RuntimeError(f"asked for the torch_memory_saver in {library or REPO}, loaded {loaded['path']}")
     env = make_env("torch", dry_run)
     tms = env.tms
     backend, retain = CONFIGS[config]
     tms.retain_cpu_backup = retain
-    if bool(tms.retain_cpu_backup) != retain:  # a library without the property would ignore it
+    if bool(tms.retain_cpu_backup) != retain:
         raise RuntimeError(f"retain_cpu_backup = {retain} did not take: reads {tms.retain_cpu_backup!r}")
     tensor = int(tensor_mib * MiB) // 8 * 8
     count = max(1, int(gib * GiB) // tensor)
     block = env.alloc("mg", [tensor] * count, backup=True, backend=backend)
-    out = {"rank": rank, "bytes": count * tensor, "cycles": [], "library": loaded}
+    out = {"rank": rank, "bytes": count * tensor, "cycles": []}
     for c in range(cycles):
         env.fill_random(block, rank * 1000 + c)
         sums = env.snapshot(block, keep_copy=False)
@@ -302,7 +250,7 @@ def _cycle(res, c):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks multi_gpu", description=__doc__.split("\n\n")[0])
+    ap = parser("multi_gpu", __doc__, "no GPU: processes on the host backend, tiny sizes, plumbing only")
     ap.add_argument("--gib", type=float, default=None, help="backed-up data per process (default 24)")
     ap.add_argument("--cycles", type=int, default=3)
     ap.add_argument("--gpus", type=int, default=0, help="processes (default: every GPU)")
@@ -312,14 +260,8 @@ def main(argv=None):
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {','.join(CONFIGS)}")
     ap.add_argument("--tensor-mib", type=float, default=None,
                     help=f"size of each tensor (default {TENSOR_MIB}): small ones make many backups")
-    ap.add_argument("--upstream", metavar="DIR",
-                    help="also run every configuration with the torch_memory_saver found in DIR (the upstream "
-                         "wheel unpacked there), in the same run, after ours")
     ap.add_argument("--limits-last", action="store_true",
                     help="measure the host limits after the backups, so the first pause is the first touch")
-    ap.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="no GPU: processes on the host backend, tiny sizes, plumbing only")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     dry = DRY_RUN if args.dry_run else {"gib": 24, "tensor_mib": TENSOR_MIB, "gpus": 0}
@@ -343,69 +285,24 @@ def main(argv=None):
             return f"{n} processes, {torch.cuda.device_count()} GPUs: pass --share-gpu to put them all on GPU 0"
         meta["device_name"] = torch.cuda.get_device_name(0)
     r = {"meta": meta, "gpus": n, "share_gpu": share_gpu, "gib_per_gpu": gib, "cycles": args.cycles,
-         "tensor_mib": tensor_mib, "copy_threads_per_process": _threads(), "cpus": os.cpu_count(),
+         "tensor_mib": tensor_mib, "copy_threads_per_process": copy_threads(), "cpus": os.cpu_count(),
          "limits_last": args.limits_last}
     if not args.limits_last:
         _limits(r, gib, n, share_gpu, args.dry_run)
     rows = []
-    libraries = [None] + ([os.path.abspath(args.upstream)] if args.upstream else [])
-    # Ours first for every other configuration, the other library first in the
-    # rest: neither always runs on the machine the other warmed.
-    runs = [(c, lib) for i, c in enumerate(configs) for lib in (libraries if i % 2 == 0 else libraries[::-1])]
-    for config, library in runs:
-        res, codes = _run(backup_worker, (config, gib, args.cycles, tensor_mib, library, args.dry_run), n,
-                          share_gpu)
-        row = {"config": config, "library": "upstream" if library else "ours", "exit_codes": codes, "cycles": []}
-        if res:
-            row["loaded"] = res[0]["library"]
+    for config in configs:
+        res, codes = _run(backup_worker, (config, gib, args.cycles, tensor_mib, args.dry_run), n, share_gpu)
+        row = {"config": config, "exit_codes": codes, "cycles": []}
         if len(res) == n:
             row["cycles"] = [_cycle(res, c) for c in range(args.cycles)]
         rows.append(row)
-        print(f"{_name(row)}: exit codes {codes}, {len(row['cycles'])} cycles", flush=True)
+        print(f"{config}: exit codes {codes}, {len(row['cycles'])} cycles", flush=True)
     r["rows"] = rows
     if args.limits_last:
         _limits(r, gib, n, share_gpu, args.dry_run)
-    variant = f"{n}procs-on-1" if share_gpu else f"x{n}"
-    md = report.write(report.out_dir(args.out, args.dry_run), report.name(meta, variant), r, _title(r),
-                      lambda images: _markdown(r) + "".join(f"\n![aggregate GB/s per backup and cycle]({f})\n"
-                                                            for f in images.values()),
-                      lambda out, stem: _plot(r, out, stem))
-    print(open(md).read())
-    print("written:", md)
+    title = (f"{n} processes on one GPU" if share_gpu else f"{n} GPUs") + " pausing together"
+    report.publish(args, r, title, _markdown(r), variant=f"{n}procs-on-1" if share_gpu else f"x{n}")
     return 0
-
-
-def _plot(r, out, stem):
-    """Aggregate pause/resume GB/s per backup and cycle against the limits: {"plot": PNG file name}, or {}."""
-    plt = pyplot()
-    if plt is None:
-        return {}
-    labels, pause, resume = [], [], []
-    for row in r["rows"]:
-        for i, cyc in enumerate(row["cycles"]):
-            labels.append(f"{_name(row).replace('_', chr(10))}\n{'first' if i == 0 else f'cycle {i + 1}'}")
-            pause.append(cyc["pause"]["aggregate"])
-            resume.append(cyc["resume"]["aggregate"])
-    if not labels:
-        return {}
-    fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(labels)), 4.8))
-    xs = range(len(labels))
-    ax.bar([x - 0.2 for x in xs], pause, 0.4, label="pause (aggregate)")
-    ax.bar([x + 0.2 for x in xs], resume, 0.4, label="resume (aggregate)")
-    for key, style, name in (("fill", ":", "fresh-page fill"), ("copy", "-.", "host copy"), ("d2h", "-", "pinned D→H"),
-                             ("h2d", "--", "pinned H→D")):
-        lim = r.get(f"limit_{key}", {}).get("aggregate")
-        if lim:
-            ax.axhline(lim, color="k", ls=style, lw=1, label=f"{name} limit {lim:.1f}")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("GB/s, all GPUs together")
-    device = r["meta"]["device_name"]
-    who = f"{r['gpus']} processes on one {device}" if r.get("share_gpu") else f"{r['gpus']} × {device}"
-    ax.set_title(f"{who} pausing together, {r['gib_per_gpu']:g} GiB each")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    save_png(plt, fig, os.path.join(out, stem + ".png"))
-    return {"plot": stem + ".png"}
 
 
 def _limits(report, gib, n, share_gpu, dry_run):
@@ -421,26 +318,12 @@ def _limits(report, gib, n, share_gpu, dry_run):
             report[f"limit_{key}"] = {"per_gpu": per, "aggregate": agg}
 
 
-def _name(row):
-    """A row's label: the configuration, prefixed by `upstream ` for the other library."""
-    return ("upstream " if row.get("library") == "upstream" else "") + row["config"]
-
-
-def _title(r):
-    return (f"{r['gpus']} processes on one GPU" if r.get("share_gpu") else f"{r['gpus']} GPUs") + " pausing together"
-
-
 def _markdown(r):
     def fmt(x):
         return f"{x:.1f}"
 
-    lines = [f"{r['gib_per_gpu']} GiB per GPU in {r.get('tensor_mib', TENSOR_MIB):g} MiB tensors, {r['cycles']} cycles, "
-             f"{r['copy_threads_per_process']} copy threads per process, {r['cpus']} CPUs.", ""]
-    others = {row["loaded"]["path"]: row["loaded"]["version"] for row in r["rows"]
-              if row.get("library") == "upstream" and row.get("loaded")}
-    for path, version in others.items():
-        lines += [f"`upstream` rows: the upstream torch_memory_saver {version or '(version unknown)'}, loaded from "
-                  f"`{path}`, same worker code, same run.", ""]
+    lines = [f"{r['gib_per_gpu']} GiB per GPU in {r.get('tensor_mib', TENSOR_MIB):g} MiB tensors, {r['cycles']} "
+             f"cycles, {r['copy_threads_per_process']} copy threads per process, {r['cpus']} CPUs.", ""]
     if r.get("limits_last"):
         lines += ["Host limits measured after the backups: the first pause is this VM's first touch of that memory.",
                   ""]
@@ -473,10 +356,10 @@ def _markdown(r):
             cells.append(" / ".join("–" if x is None else f"{x * 1e3:.1f}" for x in skews))
             cells += [" / ".join(str(x) for x in cyc.get("pause_faults", [])),
                       " / ".join(f"{x / GiB:.1f}" for x in cyc.get("huge_bytes_paused", []))]
-            rows.append([_name(row), "first" if i == 0 else i + 1, *cells,
+            rows.append([row["config"], "first" if i == 0 else i + 1, *cells,
                          "exact" if cyc["verified"] else "MISMATCH", row["exit_codes"]])
         if not row["cycles"]:
-            rows.append([_name(row), "failed", *[""] * 8, row["exit_codes"]])
+            rows.append([row["config"], "failed", *[""] * 8, row["exit_codes"]])
     lines += [report.table(head, rows, "llrrrrrrrll"), ""]
     lines.append("Pause of a non-retained backup is bound by the fresh-page fill; a retained one by the link. A resume "
                  "from page-locked memory (pinned, or retained) is bound by the link; one of a non-retained mmap "

@@ -14,9 +14,10 @@ import shutil
 import subprocess
 import sys
 
-from .common import DRY_RUN_OUT, REPO, RESULTS, GiB, error_record, read_json, write_json_atomic
+from .common import (DRY_RUN_OUT, REPO, RESULTS, GiB, error_record, meminfo, proc_field, read_json,
+                     write_json_atomic)
 
-SUITES = ("run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget", "node", "speed", "share", "switch")
+SUITES = ("run", "multi_gpu", "alloc_count", "speed", "switch")
 DRY_RUN_DEVICE = "host backend (dry run)"
 
 
@@ -46,10 +47,8 @@ def git_commit():
 def _nvidia_smi():
     if not shutil.which("nvidia-smi"):
         return {}
-    index = "0"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-    if visible.isdigit():
-        index = visible
+    index = visible if visible.isdigit() else "0"
     fields = ["name", "driver_version", "memory.total", "pcie.link.gen.max", "pcie.link.width.max"]
     text = _run_text(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i", index])
     if not text:
@@ -60,34 +59,17 @@ def _nvidia_smi():
             "pcie": f"gen{out.get('pcie.link.gen.max')} x{out.get('pcie.link.width.max')}"}
 
 
-def _proc_field(path, prefix):
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(prefix):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def collect_meta(suite, argv, dry_run):
     """What every report says about its run; the suite adds device_name where
     nvidia-smi could not tell it."""
-    mem = _proc_field("/proc/meminfo", "MemTotal:")
-    meta = {
-        "suite": suite,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "dry_run": bool(dry_run),
-        "command": shlex.join(["python", "-m", "benchmarks", suite, *argv]),
-        "python": sys.version.split()[0],
-        "kernel": os.uname().release,
-        "cpu_model": _proc_field("/proc/cpuinfo", "model name"),
-        "cpu_count": os.cpu_count(),
-        "host_mem_gib": int(mem.split()[0]) * 1024 / GiB if mem else None,
-        "environment": {k: v for k, v in sorted(os.environ.items())
-                        if k.startswith("TMS_") or k in ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")},
-    }
+    mem = meminfo("MemTotal", "/proc/meminfo")
+    meta = {"suite": suite, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "dry_run": bool(dry_run), "command": shlex.join(["python", "-m", "benchmarks", suite, *argv]),
+            "python": sys.version.split()[0], "kernel": os.uname().release,
+            "cpu_model": proc_field("/proc/cpuinfo", "model name"), "cpu_count": os.cpu_count(),
+            "host_mem_gib": mem / GiB if mem else None,
+            "environment": {k: v for k, v in sorted(os.environ.items())
+                            if k.startswith("TMS_") or k in ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")}}
     meta["git_commit"], meta["git_dirty"] = git_commit()
     try:
         from torch_memory_saver import __version__
@@ -106,22 +88,11 @@ def slug(text):
     return re.sub(r"[^A-Za-z0-9]+", "-", text or "gpu").strip("-") or "gpu"
 
 
-def torch_meta(meta, dry_run):
-    """A device run's GPU name and torch version into meta (a dry run has neither)."""
-    if dry_run:
-        return meta
-    import torch
-
-    meta["device_name"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    meta["torch_version"] = torch.__version__
-    return meta
-
-
-def publish(args, meta, doc, title, body):
-    """A one-table suite's report (write() with the torch version in its header),
-    printed; returns the Markdown path."""
-    md = write(out_dir(args.out, args.dry_run), name(meta), doc, title, lambda images: body,
-               extra_rows=[["torch", meta.get("torch_version", "-")]])
+def publish(args, doc, title, body, plots=None, variant=None, extra_rows=()):
+    """write() into --out (or the default folder) under the suite's name, then
+    prints the report; body is text, or a function of the plots' images."""
+    md = write(out_dir(args.out, args.dry_run), name(doc["meta"], variant), doc, title,
+               body if callable(body) else lambda images: body, plots, extra_rows)
     print(open(md).read())
     print(f"written: {md}")
     return md
@@ -166,6 +137,8 @@ def write(out, stem, doc, title, body, plots=None, extra_rows=()):
     Returns the Markdown path."""
     meta = doc["meta"]
     md_path = os.path.join(out, f"{stem}.md")
+    # The plots of the report this one replaces go with it (older reports named one, stem.png).
+    before = read_json(os.path.join(out, f"{stem}.json")).get("plots") or {"plot": f"{stem}.png"}
 
     def save(images):
         write_json_atomic(os.path.join(out, f"{stem}.json"), doc, strip=REPO + os.sep)
@@ -187,6 +160,10 @@ def write(out, stem, doc, title, body, plots=None, extra_rows=()):
         if images:
             doc["plots"] = images
         save(images)
+    for f in {os.path.join(out, os.path.basename(f)) for f in before.values()} - \
+            {os.path.join(out, f) for f in doc.get("plots", {}).values()}:
+        if os.path.exists(f):
+            os.remove(f)
     write_index(out)
     return md_path
 

@@ -1,19 +1,18 @@
 """The `run` suite, `make bench`: `python -m benchmarks run [--quick] [--dry-run] [--out DIR]`.
 
-One process tree on one GPU. The runner itself never touches the GPU; it starts
-one worker process per step (limits; torch hook mode; preload hook mode through
-`python -m torch_memory_saver run --`; one per backup configuration; disk),
-builds and runs the raw driver floor (vmm_floor.c) for the allocation shapes the
-workers observed, then writes the report (run_<device>.json, .md, .log and PNGs)
-to the output folder. A failing section is recorded as an error and the run goes
-on; a worker that dies is restarted for its remaining sections. The report is
-rewritten after every step, so a run cut short still leaves its partial results.
+One process tree on one GPU. The runner itself never touches the GPU; it builds the
+raw driver floor (vmm_floor.c) as a library the workers cycle beside their own
+pauses (the paired floor), then starts one worker process per step (limits; torch
+hook mode; preload hook mode through `python -m torch_memory_saver run --`; one per
+backup configuration; disk) and writes the report (run_<device>.json, .md) to the
+output folder. A failing step (a worker that fails, dies or runs past its time)
+is recorded as an error and the run goes on. The report is rewritten after every
+step, so a run cut short still leaves its partial results.
 
 --dry-run: no GPU. Workers use the library's host backend (TMS_BACKEND=host) and
 tiny sizes, so every loop, the report and the error paths run here; the figures
 mean nothing. Output defaults to build/bench-dry-run.
 """
-import argparse
 import collections
 import json
 import os
@@ -23,73 +22,31 @@ import sys
 import tempfile
 import time
 
-from . import floor, report, run_report
-from .common import GiB, MiB, Deadline, child_env, error_record, log, read_json, run_worker, set_log_prefix
+from . import floor, report
+from .common import (GiB, MiB, Deadline, child_env, error_record, fmt_bytes, log, median, parser, run_row)
 
-# ---- what each preset measures ------------------------------------------------------
-
-CANONICAL_SHAPES = [(1, 8 * GiB), (64, 128 * MiB), (2048, 4 * MiB)]
-
+SHAPES = [(1, 8 * GiB), (64, 128 * MiB), (2048, 4 * MiB)]
 PRESETS = {
-    "full": {
-        "budget_s": 400,
-        "limits": {"bytes": 8 * GiB, "reps": 3},
-        "latency": {"shapes": CANONICAL_SHAPES, "cycles": 7, "warmup": 1},
-        "backup": {"bytes": 8 * GiB, "tensors": 16, "cycles": 5},
-        "alloc_overhead": {"count": 128, "bytes": 20 * MiB, "rounds": 5},
-        "passthrough": {"null_iters": 20000, "alloc_iters": 300, "batches": 9},
-        "contention": {"bytes": 8 * GiB, "tensors": 16, "cycles": 3},
-        "scaling_count": {"counts": [1, 4, 16, 64, 256, 1024, 4096], "cycles": 5, "warmup": 1},
-        "scaling_bytes": {"sizes": [s * MiB for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)],
-                          "cycles": 5, "warmup": 1},
-        "floor": {"cycles": 7, "warmup": 1},
-        "disk": {"bytes": 8 * GiB, "tensors": 16, "cycles": 3, "limit_reps": 2},
-    },
-    "quick": {
-        "budget_s": 240,
-        "limits": {"bytes": 4 * GiB, "reps": 3},
-        "latency": {"shapes": CANONICAL_SHAPES, "cycles": 5, "warmup": 1},
-        "backup": {"bytes": 8 * GiB, "tensors": 16, "cycles": 3},
-        "alloc_overhead": {"count": 64, "bytes": 20 * MiB, "rounds": 3},
-        "passthrough": {"null_iters": 10000, "alloc_iters": 200, "batches": 5},
-        "contention": {"bytes": 8 * GiB, "tensors": 16, "cycles": 2},
-        "scaling_count": {"counts": [1, 16, 256, 1024], "cycles": 5, "warmup": 1},
-        "scaling_bytes": {"sizes": [s * MiB for s in (256, 1024, 4096, 8192)], "cycles": 5, "warmup": 1},
-        "floor": {"cycles": 5, "warmup": 1},
-        "disk": {"bytes": 8 * GiB, "tensors": 16, "cycles": 3, "limit_reps": 1},
-    },
-    "dry": {
-        "budget_s": 180,
-        "limits": {"bytes": 64 * MiB, "reps": 3},
-        "latency": {"shapes": [(1, 64 * MiB), (8, 8 * MiB), (32, 2 * MiB)], "cycles": 3, "warmup": 1},
-        "backup": {"bytes": 64 * MiB, "tensors": 16, "cycles": 3},
-        "alloc_overhead": {"count": 16, "bytes": 2 * MiB, "rounds": 3},
-        "passthrough": {"null_iters": 2000, "alloc_iters": 50, "batches": 5},
-        "contention": {"bytes": 32 * MiB, "tensors": 16, "cycles": 2},
-        "scaling_count": {"counts": [1, 16], "cycles": 3, "warmup": 1},
-        "scaling_bytes": {"sizes": [2 * MiB, 32 * MiB], "cycles": 3, "warmup": 1},
-        "floor": {"cycles": 3, "warmup": 1},
-        "disk": {"bytes": 64 * MiB, "tensors": 16, "cycles": 3, "limit_reps": 1},
-    },
+    "full": {"budget_s": 400, "limits": {"bytes": 8 * GiB, "reps": 3},
+             "latency": {"shapes": SHAPES, "cycles": 7, "warmup": 1},
+             "backup": {"bytes": 8 * GiB, "tensors": 16, "cycles": 5},
+             "disk": {"bytes": 8 * GiB, "tensors": 16, "cycles": 3, "limit_reps": 2}},
+    "quick": {"budget_s": 240, "limits": {"bytes": 4 * GiB, "reps": 3},
+              "latency": {"shapes": SHAPES, "cycles": 5, "warmup": 1},
+              "backup": {"bytes": 8 * GiB, "tensors": 16, "cycles": 3},
+              "disk": {"bytes": 8 * GiB, "tensors": 16, "cycles": 3, "limit_reps": 1}},
+    "dry": {"budget_s": 180, "limits": {"bytes": 64 * MiB, "reps": 3},
+            "latency": {"shapes": [(1, 64 * MiB), (8, 8 * MiB), (32, 2 * MiB)], "cycles": 3, "warmup": 1},
+            "backup": {"bytes": 64 * MiB, "tensors": 16, "cycles": 3},
+            "disk": {"bytes": 64 * MiB, "tensors": 16, "cycles": 3, "limit_reps": 1}},
 }
-
-Step = collections.namedtuple("Step", "name kind mode sections cap_s expect_s")
-
-STEPS = [
-    Step("limits", "worker", "none", ["limits"], 100, 30),
-    Step("torch", "worker", "torch", ["latency", "alloc_overhead", "passthrough", "scaling_count", "scaling_bytes"],
-         180, 70),
-    Step("preload", "worker", "preload", ["latency", "alloc_overhead", "passthrough", "contention"], 130, 45),
-    Step("floor", "floor", None, [], 90, 20),
-    Step("backup:pinned", "worker", "torch", ["backup:pinned"], 80, 35),
-    Step("backup:mmap", "worker", "torch", ["backup:mmap"], 80, 30),
-    Step("backup:mmap_retained", "worker", "torch", ["backup:mmap_retained"], 80, 30),
-    Step("backup:pinned_retained", "worker", "torch", ["backup:pinned_retained"], 80, 30),
-    Step("disk:disk", "worker", "torch", ["disk:disk"], 150, 60),
-    Step("disk:tmpfs", "worker", "torch", ["disk:tmpfs"], 60, 15),
-]
+Step = collections.namedtuple("Step", "name mode section cap_s expect_s")
+STEPS = [Step("limits", "none", "limits", 100, 30), Step("torch", "torch", "latency", 100, 30),
+         Step("preload", "preload", "latency", 100, 30),
+         *(Step(f"backup:{c}", "torch", f"backup:{c}", 80, 30) for c in ("pinned", "mmap", "mmap_retained",
+                                                                        "pinned_retained")),
+         Step("disk:disk", "torch", "disk:disk", 150, 60), Step("disk:tmpfs", "torch", "disk:tmpfs", 60, 15)]
 GRACE_S = 30  # past a worker's soft deadline before it is killed
-PAIRED_SECTIONS = ("latency", "scaling_count", "scaling_bytes")  # discard cycles, each beside one of the floor's
 
 
 class Interrupted(Exception):
@@ -104,297 +61,278 @@ def _on_signal(signum, frame):
 
 def _section(name):
     """The function that measures a section: fn(env, params, deadline) -> dict."""
-    from . import cycles, disk, limits, overhead
+    from . import cycles, limits
 
     kind, _, arg = name.partition(":")
-    if kind == "disk":
-        return lambda env, params, deadline: disk.run(env, arg, params, deadline)
-    if kind == "backup":
-        return lambda env, params, deadline: cycles.backup(env, arg, params, deadline)
-    return {"limits": limits.run, "latency": cycles.latency, "scaling_count": cycles.scaling_count,
-            "scaling_bytes": cycles.scaling_bytes, "alloc_overhead": overhead.alloc_overhead,
-            "passthrough": overhead.passthrough, "contention": overhead.contention}[name]
+    if kind in ("disk", "backup"):
+        return lambda env, params, deadline: getattr(cycles, kind)(env, arg, params, deadline)
+    return {"limits": limits.run, "latency": cycles.latency}[name]
 
 
-def worker(mode, sections, deadline, params, dry_run=False, save=lambda doc: None):
-    """Runs in a worker process (benchmarks.worker): the named sections in one
-    hook mode ("none": no library), saving the document after each section so
-    that a crash or a kill keeps what was done."""
+def worker(mode, section, deadline, params, dry_run=False, save=None):
+    """Runs in a worker process (benchmarks.worker): one section in one hook mode
+    ("none": no library)."""
     from .envs import make_env
 
     deadline = Deadline(deadline)
-    set_log_prefix(f"worker:{mode}")
-    result = {"mode": mode, "pid": os.getpid(), "python": sys.version.split()[0], "sections": {},
-              "current": None, "env": None, "started": time.time()}
-    save(result)
+    result = {"mode": mode, "pid": os.getpid(), "env": None}
+    t0 = time.time()
     try:
         env = make_env(None if mode == "none" else mode, dry_run, use_tms=mode != "none")
-        result["env"] = env.info()
-        if mode == "preload":
-            result["env"]["ld_preload"] = os.environ.get("LD_PRELOAD")
-        result["env"]["tms_backup_threads"] = os.environ.get("TMS_BACKUP_THREADS")
+        result["env"] = dict(env.info(), tms_backup_threads=os.environ.get("TMS_BACKUP_THREADS"),
+                             ld_preload=os.environ.get("LD_PRELOAD") if mode == "preload" else None)
     except Exception as e:
         rec = error_record(e)
         log(f"cannot set up: {rec['error']}")
-        for name in sections:
-            result["sections"][name] = dict(rec, error=f"setup failed: {rec['error']}")
-        return result
-
-    for name in sections:
-        result["current"] = name
-        save(result)
-        p = params.get(name.split(":", 1)[0], {})
-        log(f"{name}: start ({deadline.left():.0f} s left in this process's budget)")
-        t0 = time.time()
-        if deadline.left() <= 0:
-            out = {"error": "skipped: time budget exhausted"}
-        else:
-            try:
-                out = _section(name)(env, p, deadline)
-            except Exception as e:
-                out = error_record(e)
-                log(f"{name}: FAILED: {out['error']}")
-        out["wall_s"] = time.time() - t0
-        result["sections"][name] = out
-        result["current"] = None
-        save(result)
-        log(f"{name}: done in {out['wall_s']:.1f} s")
-    result["finished"] = time.time()
-    return result
+        return dict(result, out=dict(rec, error=f"setup failed: {rec['error']}"))
+    log(f"{section}: start ({deadline.left():.0f} s left in this process's budget)")
+    try:
+        out = _section(section)(env, params.get(section.split(":", 1)[0], {}), deadline)
+    except Exception as e:
+        out = error_record(e)
+        log(f"{section}: FAILED: {out['error']}")
+    out["wall_s"] = time.time() - t0
+    log(f"{section}: done in {out['wall_s']:.1f} s")
+    return dict(result, out=out)
 
 
 # ---- running workers ---------------------------------------------------------------
 
-class Runner:
-    def __init__(self, args, preset, log_path):
-        self.args = args
-        self.preset = preset
-        self.log_file = open(log_path, "a", buffering=1)
-        self.tmp = tempfile.mkdtemp(prefix="tms-bench-")
-        self.partial = None  # (step, sections done, record) of the worker step under way
-        self.floor_lib = None  # the floor as a library, for the cycles paired with the library's
-
-    def echo(self, line):
-        line = f"  | {line}"
-        print(line, flush=True)
-        self.log_file.write(line + "\n")
-
-    def say(self, msg):
-        log(msg)
-        self.log_file.write(msg + "\n")
-
-    def worker(self, step, deadline_at):
-        """Runs the step's sections, restarting the worker after a crash for the
-        sections not yet done. Returns ({section: result}, worker record)."""
-        pending = list(step.sections)
-        done, record = {}, {"attempts": []}
-        params = {k: self.preset[k] for k in self.preset if k != "budget_s"}
-        if self.floor_lib:
-            for k in PAIRED_SECTIONS:
-                params[k] = dict(params[k], floor_lib=self.floor_lib)
-        for attempt in range(3):
-            if not pending:
-                break
-            left = deadline_at - time.time()
-            if left <= 1:
-                for s in pending:
-                    done[s] = {"error": "skipped: time budget exhausted before the worker started"}
-                pending = []
-                break
-            result_path = os.path.join(self.tmp, f"{step.name.replace(':', '_')}-{attempt}.json")
-            args = {"mode": step.mode, "sections": pending, "deadline": deadline_at, "params": params,
-                    "dry_run": self.args.dry_run}
-            self.say(f"{step.name}: worker for {','.join(pending)}" + (" (preload)" if step.mode == "preload" else ""))
-            t0 = time.time()
-            self.partial = (step, done, record)
-            try:
-                res, rc, timed_out, tail = run_worker("run", args, result_path, child_env(self.args.dry_run),
-                                                      left + GRACE_S, preload=step.mode == "preload",
-                                                      echo=self.echo)
-            except BaseException:  # interrupted: keep the sections the worker finished
-                done.update(_sections(result_path))
-                raise
-            if timed_out:
-                self.say(f"{step.name}: past its {left + GRACE_S:.0f} s limit: killed")
-            if "read_error" in res:
-                res.setdefault("current", pending[0] if pending else None)
-            att = {"sections": list(pending), "rc": rc, "timed_out": timed_out, "wall_s": time.time() - t0,
-                   "env": res.get("env")}
-            record["attempts"].append(att)
-            if res.get("env"):
-                record["env"] = res["env"]
-            done.update(res.get("sections") or {})
-            missing = [s for s in pending if s not in done]
-            if not missing:
-                pending = []
-                break
-            crashed = res.get("current") or missing[0]
-            why = "killed after its time limit" if timed_out else f"worker exited with status {rc}"
-            done[crashed] = {"error": f"{why} during this section", "output_tail": "\n".join(tail[-25:])}
-            att["crashed_in"] = crashed
-            self.say(f"{step.name}: {why} in section {crashed}")
-            pending = [s for s in missing if s != crashed]
-            if timed_out:
-                for s in pending:
-                    done[s] = {"error": "skipped: the worker ran out of time"}
-                pending = []
-        for s in pending:
-            done[s] = {"error": "not run: the worker crashed in three earlier sections"}
-        return done, record
+def run_step(args, preset, floor_lib, step, deadline_at):
+    """The step's section in a worker process of its own: (its result, the worker's record)."""
+    left = deadline_at - time.time()
+    if left <= 1:
+        return {"error": "skipped: time budget exhausted before the worker started"}, {}
+    params = {k: v for k, v in preset.items() if k != "budget_s"}
+    if floor_lib:
+        params["latency"] = dict(params["latency"], floor_lib=floor_lib)
+    wargs = {"mode": step.mode, "section": step.section, "deadline": deadline_at, "params": params,
+             "dry_run": args.dry_run}
+    log(f"{step.name}: worker for {step.section}")
+    t0 = time.time()
+    res = run_row("run", wargs, child_env(args.dry_run), {}, left + GRACE_S, step.mode == "preload")
+    record = {"exit_code": res.get("exit_code", 0), "wall_s": time.time() - t0, "env": res.get("env")}
+    if res.get("out") is not None:
+        return res["out"], record
+    log(f"{step.name}: {res['error'][:200]}")
+    return {"error": f"the worker failed during this section: {res['error']}"}, record
 
 
-def _sections(path):
-    return read_json(path).get("sections") or {}
+def merge(results, step, out):
+    kind, _, arg = step.section.partition(":")
+    if kind == "limits":
+        results["limits"] = out
+    else:
+        results.setdefault(kind, {})[arg or step.mode] = out
+    if str(out.get("error", "")).startswith("skipped"):
+        results["skipped"].append({"where": step.name, "why": out["error"]})
+    elif "error" in out:
+        results["errors"].append({"where": step.name, "error": out["error"]})
+    else:
+        results["errors"] += [{"where": f"{step.name}{w}", "error": e} for w, e in _failed_checks(out)]
 
 
-# ---- merging ------------------------------------------------------------------------
-
-def merge(results, step, sections):
-    for name, out in sections.items():
-        if name == "limits":
-            results["limits"] = out
-        elif name in ("latency", "alloc_overhead", "passthrough", "contention"):
-            results.setdefault(name, {})[step.mode] = out
-        elif name == "scaling_count":
-            results.setdefault("scaling", {})["count"] = out
-        elif name == "scaling_bytes":
-            results.setdefault("scaling", {})["bytes"] = out
-        elif name.startswith("backup:"):
-            results.setdefault("backup", {})[name.split(":", 1)[1]] = out
-        elif name.startswith("disk:"):
-            results.setdefault("disk", {})[name.split(":", 1)[1]] = out
-        if isinstance(out, dict) and str(out.get("error", "")).startswith("skipped"):
-            results["skipped"].append({"where": f"{step.name}/{name}", "why": out["error"]})
-        elif isinstance(out, dict) and "error" in out:
-            results["errors"].append({"where": f"{step.name}/{name}", "error": out["error"]})
-        elif isinstance(out, dict):
-            _failed_checks(results, f"{step.name}/{name}", out)
-
-
-def _failed_checks(results, where, out):
-    """Per-shape errors and failed checks (bytes freed, addresses, contents) into the error list."""
-    for e in (out.get("shapes") or []) + (out.get("points") or []):
-        label = e.get("shape") or e.get("requested_allocations") or e.get("bytes")
+def _failed_checks(out):
+    """(where, error) of the per-shape errors and failed checks (bytes freed, addresses, contents)."""
+    for e in out.get("shapes") or []:
         if e.get("error"):
-            results["errors"].append({"where": f"{where}/{label}", "error": e["error"]})
+            yield f"/{e['shape']}", e["error"]
         if e.get("freed_ok") is False:
-            results["errors"].append({"where": f"{where}/{label}", "error": "check failed: pause did not free the "
-                                      f"tag's reserved bytes (freed {e.get('freed_bytes')}, reserved "
-                                      f"{e.get('reserved_bytes')})"})
+            yield f"/{e['shape']}", (f"check failed: pause did not free the tag's reserved bytes (freed "
+                                     f"{e.get('freed_bytes')}, reserved {e.get('reserved_bytes')})")
         if e.get("same_addresses") is False:
-            results["errors"].append({"where": f"{where}/{label}", "error": "check failed: addresses changed"})
+            yield f"/{e['shape']}", "check failed: addresses changed"
     for r in out.get("per_cycle") or []:
         if r.get("verified") is False:
-            results["errors"].append({"where": f"{where}/cycle {r.get('cycle')}",
-                                      "error": "check failed: contents differ after resume"})
+            yield f"/cycle {r.get('cycle')}", "check failed: contents differ after resume"
     if out.get("cycle_error"):
-        results["errors"].append({"where": where, "error": out["cycle_error"]})
+        yield "", out["cycle_error"]
     if out.get("files_ok") is False:
-        results["errors"].append({"where": where, "error": "check failed: not one backup file per allocation, or "
-                                  "stats' bytes_backup_disk != the bytes backed up"})
+        yield "", "check failed: not one backup file per allocation, or stats' bytes_backup_disk != the bytes backed up"
     if out.get("copied_bytes_ok") is False:
-        results["errors"].append({"where": where, "error": "check failed: bytes copied to/from host != tensor bytes"})
+        yield "", "check failed: bytes copied to/from host != tensor bytes"
 
 
-def fill_meta_from_env(results, env):
-    meta = results["meta"]
-    if not env:
-        return
-    for k in ("torch_version", "torch_cuda_version", "device_total_bytes", "capability"):
-        if env.get(k) is not None and meta.get(k) is None:
-            meta[k] = env[k]
-    if env.get("device_name") and not meta.get("device_name"):
-        meta["device_name"] = env["device_name"]
-
-
-def build_paired_floor(runner, results):
-    """The floor as a library the workers load (floor.Paired); without it
-    the cycles are compared with the own-process floor alone."""
+def build_paired_floor(args, tmp, results):
+    """The floor as a library the workers load (floor.Paired), or None: the
+    cycles are then reported without a floor beside them."""
+    if args.dry_run or not _driver_present():
+        why = "the host backend (dry run)" if args.dry_run else "no CUDA driver (libcuda.so.1 cannot be loaded)"
+        results["skipped"].append({"where": "paired floor", "why": f"no driver floor: {why}"})
+        return None
     try:
-        runner.floor_lib, build = floor.build(runner.tmp, library=True)
-        results["paired_floor"] = {"ok": True, "build": build["command"]}
-        runner.say(f"paired floor: built with {build['command']}")
+        lib, build = floor.build(tmp, library=True)
+        log(f"paired floor: built with {build['command']}")
+        return lib
     except (RuntimeError, OSError) as e:
-        results["paired_floor"] = {"ok": False, "error": str(e)[:2000]}
         results["errors"].append({"where": "paired floor", "error": str(e)[:2000]})
+        return None
 
 
-def run_floor(runner, results, deadline_at):
-    p = runner.preset["floor"]
-    shapes = [f"{c}x{s}" for c, s in CANONICAL_SHAPES]
-    for c, s in run_report.floor_shapes_for(results):
-        t = f"{c}x{s}"
-        if t not in shapes:
-            shapes.append(t)
-    rec = {"shapes_requested": shapes}
-    if not _driver_present():
-        # No GPU here (a dry run, or --force): there is no driver floor to measure, and nothing failed.
-        rec.update(ok=False, skipped="no CUDA driver (libcuda.so.1 cannot be loaded): the driver floor needs a GPU")
-        results["skipped"].append({"where": "floor", "why": rec["skipped"]})
-        results["vmm_floor"] = rec
-        return
-    try:
-        exe, build = floor.build(runner.tmp)
-        rec["build"] = build
-        runner.say(f"floor: built with {build['command']}")
-        runner.say(f"floor: running {len(shapes)} shapes")
-        doc = floor.run(exe, shapes[:64], p["cycles"], p["warmup"], max(5.0, deadline_at - time.time() + 15))
-        if doc.get("stderr_tail"):
-            for line in doc["stderr_tail"].splitlines()[-10:]:
-                runner.echo(f"  | {line}")
-        rec.update(doc)
-        if not doc.get("ok"):
-            results["errors"].append({"where": "floor", "error": doc.get("error")})
-        else:
-            results["meta"]["cuda_driver_api"] = doc.get("driver_version")
-            results["meta"].setdefault("device_name", doc.get("device"))
-            for s in doc.get("shapes", []):
-                if s.get("error") and not str(s["error"]).startswith("skipped"):
-                    results["errors"].append({"where": f"floor/{s.get('shape')}", "error": s["error"]})
-    except Exception as e:
-        r = error_record(e)
-        rec.update(ok=False, error=r["error"])
-        results["errors"].append({"where": "floor", "error": r["error"]})
-    results["vmm_floor"] = rec
+# ---- the report ------------------------------------------------------------------
+
+def _f(x, fmt="{:.2f}"):
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "**NO**"
+    return fmt.format(x)
 
 
-# ---- writing -------------------------------------------------------------------------
+def _x(a, b):
+    """a / b as a ratio cell."""
+    return f"{a / b:.2f}×" if a is not None and b else "-"
 
-def write_outputs(results, out, stem, with_plots):
-    try:
-        results["derived"] = run_report.derive(results)
-    except Exception as e:
-        results["derived"] = {}
-        results["errors"].append({"where": "report/derive", **error_record(e)})
 
-    def plots(out, stem):
-        images, errors = run_report.plots(results, out, stem)
-        for e in errors:
-            if e == "matplotlib unavailable":  # the figures are all there; only their plots are not
-                results["notes"].append({"where": "report/plots", "note": "no plots: matplotlib is not installed "
-                                                                          "(pip install matplotlib)"})
-            else:
-                results["errors"].append({"where": "report/plots", "error": e})
-        return images
+def _ok(section):
+    return isinstance(section, dict) and "error" not in section
 
-    report.write(out, stem, results, "torch_memory_saver benchmark",
-                 lambda images: run_report.markdown(results, images or results.get("plots") or {}),
-                 plots if with_plots else None, lambda: run_report.header_rows(results["meta"]))
+
+def header_rows(meta):
+    """What the run's report header adds to the common one."""
+    return [["driver", meta.get("driver_version", "-")],
+            ["torch / CUDA", f"{meta.get('torch_version', '-')} / {meta.get('torch_cuda_version', '-')}"],
+            ["host", f"{meta.get('cpu_count', '-')} CPUs, {_f(meta.get('host_mem_gib'), '{:.0f}')} GiB RAM"],
+            ["wall time", f"{_f(meta.get('wall_s'), '{:.0f}')} s"]]
+
+
+def _limits(results):
+    lim = results.get("limits") or {}
+    out = ["## 1. Limits of this machine\n"]
+    if lim.get("stand_in"):
+        out.append(f"_Stand-in: {lim['stand_in']}._\n")
+    if not _ok(lim):
+        out.append(f"**Not measured**: {lim.get('error', 'not run')}\n")
+    h2d, d2h = lim.get("pinned_h2d_gbps"), lim.get("pinned_d2h_gbps")
+    out.append(report.table(["limit", "value", "ratio"], [
+        ["pinned host→device copy", f"{_f(h2d, '{:.1f}')} GB/s", "1.00× (reference)"],
+        ["pinned device→host copy", f"{_f(d2h, '{:.1f}')} GB/s", "1.00× (reference)"],
+        ["pageable host→device copy", f"{_f(lim.get('pageable_h2d_gbps'), '{:.1f}')} GB/s",
+         f"{_x(lim.get('pageable_h2d_gbps'), h2d)} of pinned"],
+        ["pageable device→host copy", f"{_f(lim.get('pageable_d2h_gbps'), '{:.1f}')} GB/s",
+         f"{_x(lim.get('pageable_d2h_gbps'), d2h)} of pinned"],
+        [f"pinning {fmt_bytes(lim.get('bytes'))} (`torch.empty(pin_memory=True)`)", f"{_f(lim.get('pin_s'))} s",
+         f"{_f(lim.get('pin_gbps'), '{:.1f}')} GB/s = {_x(lim.get('pin_gbps'), d2h)} of pinned D→H"],
+        ["first touch of fresh pageable memory", f"{_f(lim.get('pageable_first_touch_gbps'), '{:.1f}')} GB/s", ""],
+        [f"`cudaHostRegister` of {fmt_bytes(lim.get('bytes'))} populated", f"{_f(lim.get('host_register_s'))} s", ""],
+    ]) + "\n")
+    return out
+
+
+def _latency(results):
+    out = ["## 2. Pause/resume latency without backup\n",
+           "`allocations` is what the library holds (PyTorch's caching allocator carves 1–10 MiB tensors out of 20 "
+           "MiB segments). The paired floor is the raw driver loop (`benchmarks/vmm_floor.c`) on as many allocations "
+           "of the same size in the same process, one cycle beside each of the library's (before and after it in "
+           "turn): both see the same driver state and idle time. Ratios of medians, and of the fastest cycles: the "
+           "driver's release or create of a large allocation takes either well under a millisecond or tens of "
+           "milliseconds from one cycle to the next, in the floor as in the library.\n"]
+    rows = []
+    for mode in ("torch", "preload"):
+        for e in (results.get("latency") or {}).get(mode, {}).get("shapes", []):
+            if e.get("pause_median_s") is None:
+                rows.append([e["shape"], mode, _f(e.get("allocations"), "{}")] + ["-"] * 8
+                            + [e.get("skipped") or e.get("error") or "not measured"])
+                continue
+            fp, fr = e.get("paired_pause_median_s"), e.get("paired_resume_median_s")
+            freed = f"{_f((median(e.get('freed_bytes') or []) or 0) / GiB)} of {_f(e['reserved_bytes'] / GiB)} GiB"
+            note = "; ".join(x for x in (f"addresses kept: {_f(e.get('same_addresses'))}", e.get("paired_note")) if x)
+            rows.append([e["shape"], mode, f"{e['allocations']} × {fmt_bytes(e['reserved_size'])}",
+                         _f(e["pause_median_s"] * 1e3, "{:.3f}"), _f(fp and fp * 1e3, "{:.3f}"),
+                         _x(e["pause_median_s"], fp), _f(e["resume_median_s"] * 1e3, "{:.3f}"),
+                         _f(fr and fr * 1e3, "{:.3f}"), _x(e["resume_median_s"], fr),
+                         f"{_x(e.get('pause_min_s'), e.get('paired_pause_min_s'))} / "
+                         f"{_x(e.get('resume_min_s'), e.get('paired_resume_min_s'))}",
+                         f"{freed} {_f(e.get('freed_ok'))}", note])
+    out.append(report.table(["tensors", "mode", "allocations", "pause ms", "paired floor ms", "ratio", "resume ms",
+                             "paired floor ms", "ratio", "fastest cycle × paired floor's pause / resume",
+                             "freed (mem_get_info)", "note"], rows) + "\n" if rows else "_not measured_\n")
+    return out
+
+
+def _backup(results):
+    lim = results.get("limits") or {}
+    h2d, d2h = lim.get("pinned_h2d_gbps"), lim.get("pinned_d2h_gbps")
+    b0 = next((b for b in (results.get("backup") or {}).values() if _ok(b)), {})
+    out = [f"## 3. Backup bandwidth ({fmt_bytes(b0.get('bytes'))} in {b0.get('tensors', '-')} tensors)\n",
+           f"Pause GB/s against the pinned device→host copy ({_f(d2h, '{:.1f}')} GB/s), resume against pinned "
+           f"host→device ({_f(h2d, '{:.1f}')} GB/s). First = cycle 1; steady = median of cycles 2..N. Contents are "
+           "refilled with fresh random data before every cycle and compared after every resume. RSS = this "
+           "process's VmRSS.\n"]
+    rows = []
+    for config in ("pinned", "mmap", "mmap_retained", "pinned_retained"):
+        b = (results.get("backup") or {}).get(config)
+        if not _ok(b):
+            rows.append([config] + ["-"] * 7 + [f"error: {str((b or {}).get('error', 'not run'))[:120]}"])
+            continue
+        rss = " → ".join(_f((b.get(k) or 0) / GiB) for k in ("rss_before_last", "rss_paused_last",
+                                                             "rss_after_last_resume"))
+        rows.append([config] + [f"{_f(b.get(k), '{:.1f}')} ({_x(b.get(k), link)})"
+                                for k, link in (("first_pause_gbps", d2h), ("steady_pause_gbps", d2h),
+                                                ("first_resume_gbps", h2d), ("steady_resume_gbps", h2d))]
+                    + [len(b.get("per_cycle") or []), f"{_f(b.get('all_verified'))} ({b.get('verify_method')})", rss,
+                       (b.get("cycle_error") or "") + (" (cut short: time budget)" if b.get("truncated") else "")])
+    out.append(report.table(["backend", "pause first GB/s", "pause steady GB/s", "resume first GB/s",
+                             "resume steady GB/s", "cycles", "contents exact",
+                             "RSS GiB before → paused → after (last cycle)", "note"], rows) + "\n")
+    disk = results.get("disk") or {}
+    if disk:
+        r0 = next((r for r in disk.values() if _ok(r)), {})
+        out.append(f"### Disk backup ({fmt_bytes(r0.get('bytes'))} in {r0.get('tensors', '-')} tensors, "
+                   "`enable_disk_backup=True`)\n")
+        out.append("Each directory's limit is measured first in the same process: a parallel O_DIRECT writer and "
+                   "reader with as many threads as the library's copy workers, 8 MiB blocks taken in turns across "
+                   "one file per tensor. Pause/resume GB/s are medians of all cycles; contents compared after every "
+                   "resume. RSS growth is the peak VmRSS sampled every 2 ms during each pause minus VmRSS before it; "
+                   "page cache growth is the system's `Cached:` across the pause (a tmpfs counts there by nature).\n")
+        rows = []
+        for target, r in sorted(disk.items()):
+            if not _ok(r) or r.get("pause_gbps") is None:
+                rows.append([target] + ["-"] * 6 + [f"error: {str(r.get('error', 'no cycle measured'))[:120]}"])
+                continue
+            lim = r.get("limit") or {}
+            cache = max((c.get("page_cache_growth") or 0 for c in r.get("per_cycle") or []), default=None)
+            rows.append([f"{target} ({r.get('fs_type')})", f"{_f(lim.get('write_gbps'))} / {_f(lim.get('read_gbps'))}"
+                         + ("" if lim.get("o_direct") else " (buffered)"),
+                         f"{_f(r['pause_gbps'])} ({_x(r['pause_gbps'], lim.get('write_gbps'))})",
+                         f"{_f(r['resume_gbps'])} ({_x(r['resume_gbps'], lim.get('read_gbps'))})",
+                         f"{_f(r.get('first_pause_gbps'))} / {_f(r.get('first_resume_gbps'))}",
+                         f"{_f(r.get('all_verified'))} ({r.get('verify_method')})",
+                         f"{fmt_bytes(r.get('rss_peak_growth_max'))} / {fmt_bytes(cache)}",
+                         "" if r.get("files_ok") else "**not one file per allocation**"])
+        out.append(report.table(["directory", "limit write / read GB/s", "pause GB/s (vs write)",
+                                 "resume GB/s (vs read)", "first pause / resume GB/s", "contents exact",
+                                 "RSS / page cache growth (max)", "note"], rows) + "\n")
+    return out
+
+
+def markdown(results, images=None):
+    """The report's body, below the header report.write puts above it."""
+    out = ["Medians unless noted; GB/s = 10⁹ bytes/s; every ratio is against a limit this run measured on this "
+           "machine.\n"]
+    out += _limits(results) + _latency(results) + _backup(results)
+    for key, heading, field in (("errors", "Errors and failed checks", "error"), ("skipped", "Skipped", "why")):
+        if results.get(key):
+            out += [f"## {heading}\n"] + [f"- **{e.get('where')}**: {str(e.get(field))[:400]}"
+                                          for e in results[key]] + [""]
+    return "\n".join(out) + "\n"
+
+
+def write_outputs(results, out, stem):
+    report.write(out, stem, results, "torch_memory_saver benchmark", lambda images: markdown(results),
+                 extra_rows=lambda: header_rows(results["meta"]))
 
 
 # ---- main ------------------------------------------------------------------------------
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks run", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer cycles and points (about 4 minutes)")
-    ap.add_argument("--dry-run", action="store_true", help="no GPU: host backend, tiny sizes, plumbing only")
-    ap.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
+    ap = parser("run", __doc__, "no GPU: host backend, tiny sizes, plumbing only")
+    ap.add_argument("--quick", action="store_true", help="fewer cycles (about 3 minutes)")
     ap.add_argument("--budget", type=float, help="wall-clock budget in seconds for all steps")
     ap.add_argument("--force", action="store_true", help="run even if no CUDA driver is found")
     ap.add_argument("--only", help="comma-separated step names to run (debugging): " + ",".join(s.name for s in STEPS))
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-
     if not args.dry_run and not args.force and not _driver_present():
         print("python -m benchmarks run: no CUDA driver here (libcuda.so.1 cannot be loaded), so there is nothing "
               "to measure and nothing is written to benchmarks/results.\n"
@@ -406,84 +344,56 @@ def main(argv=None):
     budget = args.budget or preset["budget_s"]
     out = report.out_dir(args.out, args.dry_run)
     t_start = time.time()
-    global_deadline = t_start + budget
-
-    meta = report.collect_meta("run", argv, args.dry_run)
-    meta["preset"] = preset_name
+    meta = dict(report.collect_meta("run", argv, args.dry_run), preset=preset_name)
     stem = report.name(meta)
-    results = {"schema": 1, "meta": meta, "params": preset, "errors": [], "skipped": [], "notes": [], "workers": {},
-               "steps": {}}
-    runner = Runner(args, preset, os.path.join(out, f"{stem}.log"))
-    runner.say(f"benchmark run {stem}: preset {preset_name}, budget {budget:.0f} s, output {out}")
-    runner.say(f"meta: {json.dumps(meta)}")
-
-    if not args.dry_run:
-        build_paired_floor(runner, results)
+    results = {"schema": 2, "meta": meta, "params": preset, "errors": [], "skipped": [], "workers": {}, "steps": {}}
+    tmp = tempfile.mkdtemp(prefix="tms-bench-")
+    log(f"benchmark run {stem}: preset {preset_name}, budget {budget:.0f} s, output {out}")
+    log(f"meta: {json.dumps(meta)}")
+    floor_lib = build_paired_floor(args, tmp, results)
     old_term = signal.signal(signal.SIGTERM, _on_signal)
     steps = [s for s in STEPS if not args.only or s.name in args.only.split(",")]
     try:
         for i, step in enumerate(steps):
-            now = time.time()
-            reserve_later = sum(s.expect_s for s in steps[i + 1:])
-            left = global_deadline - now
+            now, left = time.time(), t_start + budget - time.time()
             if left <= 5:
                 results["steps"][step.name] = {"skipped": "time budget exhausted"}
                 results["skipped"].append({"where": step.name, "why": "skipped: time budget exhausted"})
                 continue
-            give = min(step.cap_s, max(step.expect_s, left - reserve_later), left)
-            deadline_at = now + give
-            runner.say(f"=== step {step.name} ({give:.0f} s of {left:.0f} s left) ===")
-            t0 = time.time()
+            give = min(step.cap_s, max(step.expect_s, left - sum(s.expect_s for s in steps[i + 1:])), left)
+            log(f"=== step {step.name} ({give:.0f} s of {left:.0f} s left) ===")
             try:
-                if step.kind == "floor":
-                    run_floor(runner, results, deadline_at)
-                else:
-                    sections, record = runner.worker(step, deadline_at)
-                    runner.partial = None
-                    results["workers"][step.name] = record
-                    fill_meta_from_env(results, record.get("env"))
-                    merge(results, step, sections)
+                section, results["workers"][step.name] = run_step(args, preset, floor_lib, step, now + give)
+                env = results["workers"][step.name].get("env") or {}
+                for k in ("torch_version", "torch_cuda_version", "device_total_bytes", "capability", "device_name"):
+                    if env.get(k) is not None and meta.get(k) is None:
+                        meta[k] = env[k]
+                merge(results, step, section)
             except Interrupted:
                 raise
             except Exception as e:  # the runner's own bug must not lose the other steps
                 results["errors"].append({"where": f"runner/{step.name}", **error_record(e)})
-            results["steps"][step.name] = {"wall_s": time.time() - t0, "given_s": give}
-            results["meta"]["wall_s"] = time.time() - t_start
-            write_outputs(results, out, stem, with_plots=False)
-            runner.say(f"=== step {step.name} done in {time.time() - t0:.1f} s ===")
+            results["steps"][step.name] = {"wall_s": time.time() - now, "given_s": give}
+            meta["wall_s"] = time.time() - t_start
+            write_outputs(results, out, stem)
+            log(f"=== step {step.name} done in {time.time() - now:.1f} s ===")
     except (Interrupted, KeyboardInterrupt) as e:
-        if runner.partial is not None:
-            step, done, record = runner.partial
-            results["workers"][step.name] = record
-            merge(results, step, done)
         results["errors"].append({"where": "runner", "error": f"interrupted: {e!r}"})
-        runner.say(f"interrupted ({e!r}): writing what was measured")
+        log(f"interrupted ({e!r}): writing what was measured")
     finally:
         signal.signal(signal.SIGTERM, old_term)
-        results["meta"]["wall_s"] = time.time() - t_start
-        write_outputs(results, out, stem, with_plots=True)
-        shutil.rmtree(runner.tmp, ignore_errors=True)
-        runner.say(f"wrote {os.path.join(out, stem)}.json / .md / .log, "
-                   f"{len(results.get('plots') or {})} plots; {len(results['errors'])} errors, "
-                   f"{len(results['skipped'])} skipped, {len(results['notes'])} notes; "
-                   f"{results['meta']['wall_s']:.0f} s")
-        for e in results["skipped"]:
-            runner.say(f"  skipped: {e.get('where')}: {str(e.get('why'))[:300]}")
-        for e in results["notes"]:
-            runner.say(f"  note: {e.get('where')}: {str(e.get('note'))[:300]}")
-        for e in results["errors"]:
-            runner.say(f"  error: {e.get('where')}: {str(e.get('error'))[:300]}")
-        runner.log_file.close()
-    # The report is written either way; the status says whether everything ran
-    # (skips and notes are not failures).
-    return 0 if (_measured_anything(results) or results["skipped"]) and not results["errors"] else 1
-
-
-def _measured_anything(results):
-    sections = [results.get("limits")]
-    for key in ("latency", "alloc_overhead", "passthrough", "scaling", "backup"):
-        sections += list((results.get(key) or {}).values())
-    return results.get("vmm_floor", {}).get("ok") or any(isinstance(x, dict) and "error" not in x for x in sections)
+        meta["wall_s"] = time.time() - t_start
+        write_outputs(results, out, stem)
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"wrote {os.path.join(out, stem)}.json / .md; {len(results['errors'])} errors, "
+            f"{len(results['skipped'])} skipped; {meta['wall_s']:.0f} s")
+        for key, field in (("skipped", "why"), ("errors", "error")):
+            for e in results[key]:
+                log(f"  {key}: {e.get('where')}: {str(e.get(field))[:300]}")
+    # The report is written either way; the status says whether everything ran (skips are not failures).
+    measured = [results.get("limits"), *(v for k in ("latency", "backup")
+                                         for v in (results.get(k) or {}).values())]
+    return 0 if (any(_ok(x) for x in measured) or results["skipped"]) and not results["errors"] else 1
 
 
 def _driver_present():

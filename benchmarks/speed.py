@@ -26,15 +26,13 @@ Contents are compared after every resume (checksums). Ratios: ours over upstream
 the same mode, and GB/s over the link. --dry-run: the host backend, this library only,
 tiny sizes; the figures mean nothing. Report: speed_<device>.{md,json,png}.
 """
-import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 from . import report
-from .common import GiB, MiB, REPO, Deadline, child_env, pyplot, read_json, run_child, save_png
+from .common import GiB, MiB, REPO, Deadline, child_env, import_library, parser, pyplot, run_row, save_png
 
 TITLE = "Side by side with the upstream library: the rows where it used to lead"
 WORKERS = (("torch", False), ("preload", False), ("preload", True))  # (hook mode, preload-init)
@@ -196,11 +194,7 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None):
                                                Deadline(time.time() + 120))
         out["env"] = env.info()
         return out
-    import torch_memory_saver
-
-    out["loaded_from"] = os.path.dirname(os.path.dirname(os.path.abspath(torch_memory_saver.__file__)))
-    if out["loaded_from"] != os.path.abspath(library):
-        raise RuntimeError(f"asked for the torch_memory_saver in {library}, loaded {out['loaded_from']}")
+    out["loaded_from"] = import_library(library)  # imported by make_env: this checks which one
     tms = env.tms
     steps = [("first_region", lambda: _first_region(env, tms, sizes["first"], init)[0])]
     if not init:  # the rest would pause the whole process's memory in preload-init mode
@@ -220,32 +214,19 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None):
 
 # ---- the runner's side ---------------------------------------------------------------
 
-LAUNCH = ("import subprocess, sys\n"
-          "sys.path.insert(0, sys.argv[1])\n"
-          "from torch_memory_saver import configure_subprocess\n"
-          "with configure_subprocess():\n"
-          "    sys.exit(subprocess.run(sys.argv[2:]).returncode)\n")
-
-
 def run_one(library, mode, init, args, timeout=600):
-    import json
-
     env = child_env(args.dry_run, clean=True)  # this checkout's benchmarks; the worker puts library first
     if init:
         env.update(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
-        wargs = {"library": library, "mode": mode, "init": init, "gib": args.gib, "gap_s": args.gap,
-                 "dry_run": args.dry_run}
-        cmd = [sys.executable, "-m", "benchmarks.worker", "speed", result.name, json.dumps(wargs)]
-        if mode == "preload" and library and not args.dry_run:
-            cmd = [sys.executable, "-c", LAUNCH, library] + cmd
-        label = f"{_label(library, args)} {mode}{' init' if init else ''}"
-        rc, timed_out, tail = run_child(cmd, env, timeout, echo=lambda line: print(f"  [{label}] {line}", flush=True))
-        doc = read_json(result.name) or {"library": library, "mode": mode, "init": init, "sections": {}, "errors": {}}
-    doc["exit_code"] = rc
-    if rc != 0:
-        doc["errors"]["process"] = ("killed after %d s" % timeout if timed_out else f"exit {rc}") + ": " + \
-            " / ".join(tail[-6:])[-1500:]
+    wargs = {"library": library, "mode": mode, "init": init, "gib": args.gib, "gap_s": args.gap,
+             "dry_run": args.dry_run}
+    label = f"{_label(library, args)} {mode}{' init' if init else ''}"
+    doc = run_row("speed", wargs, env, {"library": library, "mode": mode, "init": init, "sections": {}, "errors": {}},
+                  timeout, library=library if mode == "preload" and library and not args.dry_run else None,
+                  echo=lambda line: print(f"  [{label}] {line}", flush=True))
+    if "error" in doc:
+        doc["errors"]["process"] = doc.pop("error")
+    doc["exit_code"] = doc.get("exit_code", 0)
     return doc
 
 
@@ -331,27 +312,6 @@ def table(doc):
     return report.table(head, out)
 
 
-def ratios(doc):
-    """What the issue's targets compare, where the run has both sides."""
-    per, out = figures(doc), {}
-    for mode in ("torch", "preload"):
-        ours, up = per.get(("ours", mode, False), {}), per.get(("upstream", mode, False), {})
-        for n, v in ours.items():
-            if n in up and up[n] and v is not None:
-                out[f"{mode}: {n}"] = v / up[n]
-    torch_first = per.get(("ours", "torch", False), {}).get("first backed-up pause (ms)")
-    init_first = per.get(("ours", "preload", True), {}).get("first backed-up pause (ms)")
-    if torch_first and init_first:
-        out["preload-init first pause over torch mode's"] = init_first / torch_first
-    for mode in ("torch", "preload"):
-        ours = per.get(("ours", mode, False), {})
-        a, b = ours.get("discard pause, 1 x 8192 MiB (ms)"), per.get(("ours", "torch", False), {}).get(
-            "discard pause, 1 x 8192 MiB (ms)")
-        if mode == "preload" and a and b:
-            out["preload discard pause 1 x 8 GiB over torch mode's"] = a / b
-    return out
-
-
 def plot(doc, out, stem):
     """Pause and resume GB/s of each backup kind, ours and upstream per hook mode,
     against the link measured in the same run."""
@@ -386,15 +346,13 @@ def plot(doc, out, stem):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks speed", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--upstream", metavar="DIR", help="also run the torch_memory_saver found in DIR")
-    parser.add_argument("--before", metavar="DIR", help="also run an earlier checkout of this library (built) in DIR")
-    parser.add_argument("--gib", type=float, default=8.0, help="backed-up bytes of the kinds and retained rows")
-    parser.add_argument("--gap", type=float, default=8.0, help="idle seconds before the retained row's last pause")
-    parser.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
-    parser.add_argument("--dry-run", action="store_true", help="no GPU: host backend, tiny sizes, plumbing only")
+    ap = parser("speed", __doc__)
+    ap.add_argument("--upstream", metavar="DIR", help="also run the torch_memory_saver found in DIR")
+    ap.add_argument("--before", metavar="DIR", help="also run an earlier checkout of this library (built) in DIR")
+    ap.add_argument("--gib", type=float, default=8.0, help="backed-up bytes of the kinds and retained rows")
+    ap.add_argument("--gap", type=float, default=8.0, help="idle seconds before the retained row's last pause")
     argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args = ap.parse_args(argv)
     if args.dry_run:
         args.gap = min(args.gap, 0.1)
     meta = report.collect_meta("speed", argv, args.dry_run)
@@ -413,7 +371,6 @@ def main(argv=None):
     lim = next((w["sections"].get("limits") for w in workers if w["label"] == "link"), None) or {}
     doc = {"meta": meta, "workers": workers,
            "link": {"d2h": lim.get("pinned_d2h_gbps"), "h2d": lim.get("pinned_h2d_gbps")}}
-    doc["ratios"] = ratios(doc)
     errors = {f"{w['label']} {w['mode']}{' init' if w['init'] else ''}": w["errors"] for w in workers if w["errors"]}
 
     def body(images):
@@ -422,18 +379,12 @@ def main(argv=None):
                  f"16 tensors; retained gap {args.gap:g} s; link (pinned copies) {_fmt(doc['link']['d2h'])} GB/s to "
                  f"host, {_fmt(doc['link']['h2d'])} to device. Contents exact in every row: "
                  f"{all(_exact(w) for w in workers)}.", "", table(doc), ""]
-        if doc["ratios"]:
-            lines += ["| ratio | value |", "|---|---:|"] + [f"| {k} | {v:.2f} |" for k, v in doc["ratios"].items()]
-            lines.append("")
         if errors:
             lines += ["Errors: " + "; ".join(f"{k}: {v}" for k, v in errors.items()), ""]
         lines += [f"![backups]({images['backups']})" if images.get("backups") else ""]
         return "\n".join(lines)
 
-    md = report.write(report.out_dir(args.out, args.dry_run), report.name(meta), doc, TITLE, body,
-                      plots=lambda out, stem: plot(doc, out, stem))
-    print(open(md).read())
-    print(f"written: {md}")
+    report.publish(args, doc, TITLE, body, plots=lambda out, stem: plot(doc, out, stem))
     return 1 if errors or not all(_exact(w) for w in workers) else 0
 
 

@@ -28,8 +28,8 @@ Every wait on a worker is bounded, the JSON is rewritten after each step, and wh
 not fit in --deadline (default 390 s) is skipped, saying so. --dry-run: the host backend,
 tiny sizes, this library only, no driver rows. Report: switch_<device>.{md,json,png}.
 """
-import argparse
 import collections
+import ctypes as C
 import mmap
 import os
 import pickle
@@ -42,7 +42,8 @@ import time
 from multiprocessing.connection import Connection
 
 from . import report
-from .common import GiB, MiB, REPO, child_env, fmt_bytes, log, median, pyplot, save_png, worker_cmd, write_json_atomic
+from .common import (GiB, MiB, REPO, Deadline, child_env, fmt_bytes, import_library, log, median, parser, pyplot,
+                     save_png, worker_cmd, write_json_atomic)
 from .speed import LLAMA
 
 TITLE = "The engine switch: a trainer and a rollout trading one GPU"
@@ -55,10 +56,6 @@ PHASES = {"weights_resume": ("1 rollout resumes its weights", "driver create + m
 IDLE_S = 2.0    # the idle gap the targets name
 SETTLE_S = 2.0  # before the other process frees: what earlier rows freed is clean by then
 FD_BATCH = 250  # descriptors per message (the kernel takes at most 253)
-# Starts a worker under its library's own configure_subprocess() (the preload library on
-# LD_PRELOAD); exec keeps the descriptors the worker inherits.
-LAUNCH = ("import os, sys\nsys.path.insert(0, sys.argv[1])\nfrom torch_memory_saver import configure_subprocess\n"
-          "with configure_subprocess():\n    os.execve(sys.argv[2], sys.argv[2:], dict(os.environ))\n")
 
 
 def _state(target, cfg):
@@ -81,6 +78,136 @@ def _sizes(args):
     return {"trainer": _state(args.gib * GiB, LLAMA), "probe": 4 * GiB, "kv_dry": None,
             "wait": [n * GiB for n in (1, 8, 32, 64)], "idle_s": IDLE_S, "settle_s": SETTLE_S,
             "plan": ["warm"] + ["after" if c % 2 == 0 else "idle" for c in range(args.cycles)]}
+
+
+# ---- the CUDA driver's VMM calls through ctypes, no library and no PyTorch between ----
+
+P, U64, SZ = C.POINTER, C.c_ulonglong, C.c_size_t
+POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+class _Loc(C.Structure):
+    _fields_ = [("type", C.c_int), ("id", C.c_int)]
+
+
+class _Prop(C.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", C.c_int), ("handle_types", C.c_int), ("loc", _Loc), ("win32", C.c_void_p),
+                ("compression", C.c_ubyte), ("rdma", C.c_ubyte), ("usage", C.c_ushort), ("reserved", C.c_ubyte * 4)]
+
+
+class _Access(C.Structure):  # CUmemAccessDesc
+    _fields_ = [("loc", _Loc), ("flags", C.c_int)]
+
+
+_SIGNATURES = {
+    "cuInit": [C.c_uint], "cuDeviceGet": [P(C.c_int), C.c_int], "cuDevicePrimaryCtxRetain": [P(C.c_void_p), C.c_int],
+    "cuCtxSetCurrent": [C.c_void_p], "cuCtxSynchronize": [], "cuMemGetInfo_v2": [P(SZ), P(SZ)],
+    "cuGetErrorName": [C.c_int, P(C.c_char_p)], "cuMemGetAllocationGranularity": [P(SZ), P(_Prop), C.c_int],
+    "cuMemAddressReserve": [P(U64), SZ, SZ, U64, U64], "cuMemAddressFree": [U64, SZ],
+    "cuMemCreate": [P(U64), SZ, P(_Prop), U64], "cuMemRelease": [U64], "cuMemMap": [U64, SZ, SZ, U64, U64],
+    "cuMemUnmap": [U64, SZ], "cuMemSetAccess": [U64, SZ, P(_Access), SZ], "cuMemsetD8_v2": [U64, C.c_ubyte, SZ],
+    "cuMemExportToShareableHandle": [P(C.c_int), U64, C.c_int, U64],
+    "cuMemImportFromShareableHandle": [P(U64), C.c_void_p, C.c_int]}
+
+
+class Driver:
+    """The primary context of one device made current on the calling thread (the one
+    PyTorch uses, where the process has it). Every call is checked."""
+
+    def __init__(self, device=0):
+        self.cu, self.device = C.CDLL("libcuda.so.1"), device
+        for fn, args in _SIGNATURES.items():
+            getattr(self.cu, fn).argtypes = args
+        dev, ctx, gran = C.c_int(), C.c_void_p(), SZ()
+        self.call("cuInit", 0)
+        self.call("cuDeviceGet", C.byref(dev), device)
+        self.call("cuDevicePrimaryCtxRetain", C.byref(ctx), dev)
+        self.call("cuCtxSetCurrent", ctx)
+        self.call("cuMemGetAllocationGranularity", C.byref(gran), C.byref(self.prop(False)), 0)
+        self.granularity = gran.value
+
+    def name(self, rc):
+        s = C.c_char_p()
+        return s.value.decode() if self.cu.cuGetErrorName(rc, C.byref(s)) == 0 and s.value else f"CUresult {rc}"
+
+    def call(self, fn, *args):
+        rc = getattr(self.cu, fn)(*args)
+        if rc:
+            raise RuntimeError(f"{fn}: {self.name(rc)} ({rc})")
+
+    def prop(self, exportable):
+        p = _Prop(type=1, handle_types=POSIX_FD if exportable else 0)  # CU_MEM_ALLOCATION_TYPE_PINNED
+        p.loc.type, p.loc.id = 1, self.device  # CU_MEM_LOCATION_TYPE_DEVICE
+        return p
+
+    def mem_info(self):
+        free, total = SZ(), SZ()
+        self.call("cuMemGetInfo_v2", C.byref(free), C.byref(total))
+        return free.value, total.value
+
+    def sync(self):
+        self.call("cuCtxSynchronize")
+
+    def create(self, size, exportable=False):
+        h = U64()
+        self.call("cuMemCreate", C.byref(h), size, C.byref(self.prop(exportable)), 0)
+        return h.value
+
+    def export_fd(self, handle):
+        """(descriptor, 0), or (None, the driver's error code)."""
+        fd = C.c_int(-1)
+        rc = self.cu.cuMemExportToShareableHandle(C.byref(fd), handle, POSIX_FD, 0)
+        return (fd.value, 0) if rc == 0 else (None, rc)
+
+    def import_fd(self, fd):
+        h = U64()
+        self.call("cuMemImportFromShareableHandle", C.byref(h), C.c_void_p(fd), POSIX_FD)
+        return h.value
+
+
+class Block:
+    """size bytes at one reserved range, backed by handles of chunk bytes each (one
+    handle by default); the range stays reserved until close(), as the library keeps
+    an allocation's. What a failed make() left behind, drop() releases."""
+
+    def __init__(self, drv, size, chunk=None, exportable=False):
+        g = drv.granularity
+        self.drv, self.chunk, self.exportable, self.handles, self.mapped = drv, -(-(chunk or size) // g) * g, \
+            exportable, [], 0
+        self.size = -(-size // self.chunk) * self.chunk
+        va = U64()
+        drv.call("cuMemAddressReserve", C.byref(va), self.size, 0, 0, 0)
+        self.va = va.value
+
+    def make(self):
+        """Creates the handles still missing, then maps them: (create seconds, map seconds)."""
+        t0 = time.perf_counter()
+        while len(self.handles) < self.size // self.chunk:
+            self.handles.append(self.drv.create(self.chunk, self.exportable))
+        t1 = time.perf_counter()
+        access = _Access(flags=3)  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        access.loc.type, access.loc.id = 1, self.drv.device
+        for h in self.handles:
+            va = self.va + self.mapped * self.chunk
+            self.drv.call("cuMemMap", va, self.chunk, 0, h, 0)
+            self.mapped += 1
+            self.drv.call("cuMemSetAccess", va, self.chunk, C.byref(access), 1)
+        return t1 - t0, time.perf_counter() - t1
+
+    def fill(self, value=0x5A):
+        self.drv.call("cuMemsetD8_v2", self.va, value, self.size)
+        self.drv.sync()
+
+    def drop(self):
+        while self.handles:
+            if self.mapped == len(self.handles):
+                self.mapped -= 1
+                self.drv.call("cuMemUnmap", self.va + self.mapped * self.chunk, self.chunk)
+            self.drv.call("cuMemRelease", self.handles.pop())
+
+    def close(self):
+        self.drop()
+        self.drv.call("cuMemAddressFree", self.va, self.size)
 
 
 # ---- the workers' side ---------------------------------------------------------------
@@ -146,7 +273,6 @@ class Trainer(Engine):
         """The floors while the device is idle (pinned copies both ways as the limits
         section measures them; a device copy of the weights' bytes), then the state."""
         from . import limits
-        from .common import Deadline
 
         self.nw, wbytes = len(shapes["weights"]), sum(shapes["weights"])
         lim = limits.run(self.env, {"bytes": probe_bytes, "reps": 3}, Deadline(0))  # pinned rows only
@@ -242,8 +368,6 @@ class Rollout(Engine):
         tensor of 1 MiB or more, the smaller ones packed together."""
         if self.dry:
             return {"skipped": "the host backend has no CUDA driver"}
-        from .driver import Block, Driver
-
         drv = Driver(self.torch.cuda.current_device())
         small = sum(s for s in self.weights if s < MiB)
         weights = [s for s in self.weights if s >= MiB] + ([small] if small else [])
@@ -276,8 +400,6 @@ class Other:
     def __init__(self, mode, dry_run, peer=None):
         import resource
 
-        from .driver import Driver
-
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # descriptors in flight count against it
         want = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
         if soft != resource.RLIM_INFINITY and soft < want:
@@ -288,8 +410,6 @@ class Other:
             self.peer.settimeout(60)
 
     def _block(self, size, chunk=None, exportable=False):
-        from .driver import Block
-
         return Block(self.drv, size, chunk, exportable)
 
     def info(self):
@@ -395,12 +515,7 @@ def worker(role, fd, library=None, mode="preload", dry_run=False, peer=None, sav
     """Answers the runner's requests ((name, kwargs) -> ("ok", value) or ("error", why))
     until it says quit or goes away."""
     if library:
-        sys.path.insert(0, library)
-        import torch_memory_saver as m
-
-        found = os.path.dirname(os.path.dirname(os.path.abspath(m.__file__)))
-        if found != os.path.abspath(library):
-            raise RuntimeError(f"asked for the torch_memory_saver in {library}, loaded {found}")
+        import_library(library)
     conn, obj, served = Connection(fd), ROLES[role](mode, dry_run, peer), 0
     while conn.poll(900):
         try:
@@ -438,9 +553,8 @@ class Proc:
         fds = (theirs.fileno(),) + ((peer.fileno(),) if peer else ())
         cmd = worker_cmd("switch", os.path.join(tmp, f"{label.replace(' ', '-')}.json"),
                          {"role": role, "fd": fds[0], "library": library, "mode": args.mode, "dry_run": args.dry_run,
-                          "peer": fds[1] if peer else None})
-        if library and args.mode == "preload" and not args.dry_run:
-            cmd = [sys.executable, "-c", LAUNCH, library] + cmd
+                          "peer": fds[1] if peer else None},
+                         library=library if library and args.mode == "preload" and not args.dry_run else None)
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(args.dry_run, clean=True), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, errors="replace", pass_fds=fds)
         theirs.close()  # the child holds its copy: its exit reads as end of file here
@@ -845,18 +959,16 @@ def plot(doc, out, stem):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks switch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--upstream", metavar="DIR", help="also run the torch_memory_saver found in DIR")
-    parser.add_argument("--gib", type=float, default=12.0, help="the trainer's backed-up state (default 12)")
-    parser.add_argument("--kv-fraction", type=float, default=0.9, help="the KV cache's share of the free memory")
-    parser.add_argument("--cycles", type=int, default=5, help="cycles after the warm-up (default 5)")
-    parser.add_argument("--mode", choices=("preload", "torch"), default="preload", help="hook mode (default preload)")
-    parser.add_argument("--part", choices=("all", "switch", "wait"), default="all")
-    parser.add_argument("--deadline", type=float, default=390.0, help="seconds the run may take (default 390)")
-    parser.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
-    parser.add_argument("--dry-run", action="store_true", help="no GPU: host backend, tiny sizes, plumbing only")
+    ap = parser("switch", __doc__)
+    ap.add_argument("--upstream", metavar="DIR", help="also run the torch_memory_saver found in DIR")
+    ap.add_argument("--gib", type=float, default=12.0, help="the trainer's backed-up state (default 12)")
+    ap.add_argument("--kv-fraction", type=float, default=0.9, help="the KV cache's share of the free memory")
+    ap.add_argument("--cycles", type=int, default=5, help="cycles after the warm-up (default 5)")
+    ap.add_argument("--mode", choices=("preload", "torch"), default="preload", help="hook mode (default preload)")
+    ap.add_argument("--part", choices=("all", "switch", "wait"), default="all")
+    ap.add_argument("--deadline", type=float, default=390.0, help="seconds the run may take (default 390)")
     argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args = ap.parse_args(argv)
     meta, sizes, start = report.collect_meta("switch", argv, args.dry_run), _sizes(args), time.time()
     out, stem = report.out_dir(args.out, args.dry_run), report.name(meta)
     doc = {"meta": meta, "switch": {}, "wait": None,
@@ -880,10 +992,9 @@ def main(argv=None):
     doc["ratios"] = ratios(doc)
     info = (doc["switch"].get("ours", {}).get("trainer") or {}).get("info") or {}
     meta.setdefault("device_name", info.get("device_name"))
-    md = report.write(out, stem, doc, TITLE, body(doc, sizes, args), plots=lambda o, s: plot(doc, o, s),
-                      extra_rows=[["torch", info.get("torch_version") or "-"]])
-    print(open(md).read())
-    print(f"written: {md} ({time.time() - start:.0f} s)")
+    report.publish(args, doc, TITLE, body(doc, sizes, args), plots=lambda o, s: plot(doc, o, s),
+                   extra_rows=[["torch", info.get("torch_version") or "-"]])
+    log(f"{time.time() - start:.0f} s")
     failed = [e for p in doc["switch"].values() for e in p["errors"]] + (doc["wait"] or {}).get("errors", [])
     return 1 if failed or not _exact(doc) else 0
 

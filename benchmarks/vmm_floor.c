@@ -1,33 +1,21 @@
 /*
- * vmm_floor: the raw CUDA driver floor of pause and resume, with no library in between.
- *
- *   pause  = cuMemUnmap + cuMemRelease                    per allocation
- *   resume = cuMemCreate + cuMemMap + cuMemSetAccess      per allocation
- *
- * the same driver calls, in the same order, that torch_memory_saver makes for an
- * allocation of one chunk (src/core/chunks.c tms_chunks_map / tms_chunks_unmap + tms_chunks_release).
- * Each allocation has its own virtual range (cuMemAddressReserve), kept across
- * cycles, as in the library.
+ * vmm_floor: the raw CUDA driver floor of pause and resume, with no library in between:
+ * pause = cuMemUnmap + cuMemRelease, resume = cuMemCreate + cuMemMap + cuMemSetAccess,
+ * per allocation, the calls torch_memory_saver makes for an allocation of one chunk
+ * (src/core/chunks.c), each allocation with its own virtual range kept across cycles.
  *
  * Usage: vmm_floor [--cycles N] [--warmup W] [--margin BYTES] [--shuffle] [--touch]
  *                  [--idle-us U] [SHAPE ...]
- *   --shuffle: each cycle visits the allocations in one fixed random order
- *   instead of the order they were reserved in (the cost of the order itself).
- *   --touch: between cycles (untimed) write the first 4 KiB of the first and the
- *   last 4 KiB of the last allocation, as the library benchmarks do to check
- *   the memory works: an unmap of memory the GPU has used costs more.
- *   --idle-us: after each cycle's synchronize, spin U microseconds with the
- *   device idle before the timed loops (the driver's cost grows with idle).
- *   SHAPE = COUNTxSIZE, SIZE in bytes or with a K/M/G/T suffix (binary):
- *   1x8G 64x128M 2048x4M (the default set).
- * Prints one JSON document on stdout; progress goes to stderr. Exit status 0 if
- * the driver loaded (individual shapes may carry an "error"), 2 if it did not.
- * -DVMM_FLOOR_LIBRARY -shared -fPIC builds a library instead (no main), for
- * a floor measured inside the library's own process (see the end of this file).
- *
- * The driver is opened at run time (dlopen("libcuda.so.1") + cuGetProcAddress),
- * so building needs only cuda.h:  cc -O2 -I$CUDA/include -o vmm_floor vmm_floor.c -ldl
- * (or nvcc -O2 -o vmm_floor vmm_floor.c); no libcuda at link time.
+ *   --shuffle: visit the allocations in one fixed random order (the cost of the order).
+ *   --touch: between cycles (untimed) write the first and last 4 KiB, as the library
+ *   benchmarks do to check the memory works: an unmap of used memory costs more.
+ *   --idle-us: spin U microseconds with the device idle before the timed loops.
+ *   SHAPE = COUNTxSIZE, SIZE in bytes or with a K/M/G/T suffix (binary); default
+ *   1x8G 64x128M 2048x4M. Prints one JSON document on stdout, progress on stderr;
+ *   exit status 0 if the driver loaded (a shape may carry an "error"), 2 if not.
+ * -DVMM_FLOOR_LIBRARY -shared -fPIC builds a library instead, for a floor cycled
+ * inside another process (the end of this file). The driver is opened at run time
+ * (dlopen + cuGetProcAddress): building needs only cuda.h (benchmarks/floor.py).
  */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -464,14 +452,20 @@ static void run_shape(FILE *out, const struct shape *sh, CUdevice dev, size_t gr
     fprintf(stderr, "vmm_floor: %ld x %llu bytes: %s\n", sh->count, sh->size, error[0] ? error : "ok");
 }
 
-static void usage_error(const char *msg, const char *arg)
+/* The document of a run that measured nothing; the exit status. */
+static int fail_json(const char *msg)
 {
     printf("{\"ok\": false, \"error\": ");
+    json_string(stdout, msg);
+    printf("}\n");
+    return 2;
+}
+
+static void usage_error(const char *msg, const char *arg)
+{
     char buf[512];
     snprintf(buf, sizeof buf, "%s: %s", msg, arg ? arg : "");
-    json_string(stdout, buf);
-    printf("}\n");
-    exit(2);
+    exit(fail_json(buf));
 }
 
 int main(int argc, char **argv)
@@ -513,12 +507,7 @@ int main(int argc, char **argv)
     char name[256] = "?";
     int version = 0;
     size_t gran = 0, free_bytes = 0, total_bytes = 0;
-    if (load_driver()) {
-        printf("{\"ok\": false, \"error\": ");
-        json_string(stdout, load_error);
-        printf("}\n");
-        return 2;
-    }
+    if (load_driver()) return fail_json(load_error);
     const char *step;
     if ((rc = open_device(&dev, &ctx, &gran, &step))) goto fail;
     cu.driver_version(&version);
@@ -548,13 +537,10 @@ int main(int argc, char **argv)
     printf("  ]\n}\n");
     return 0;
 
-fail:
-    printf("{\"ok\": false, \"error\": ");
+fail:;
     char buf[256];
     snprintf(buf, sizeof buf, "%s failed: %s (%d)", step, err_name(rc), (int)rc);
-    json_string(stdout, buf);
-    printf("}\n");
-    return 2;
+    return fail_json(buf);
 }
 
 #else

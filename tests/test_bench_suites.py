@@ -16,44 +16,30 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks import report, switch  # noqa: E402
 
 # Each suite's dry run as documented: `python -m benchmarks <suite> --dry-run`.
-DRY_RUNS = ["run", "multi_gpu", "alloc_count", "fragmentation", "live", "budget", "node", "speed", "share", "switch"]
+DRY_RUNS = ["run", "multi_gpu", "alloc_count", "speed", "switch"]
 # What each dry run measured, beyond the plumbing: the rows its report names.
 CHECKS = {
     "run": lambda d: (sorted(d["backup"]) == ["mmap", "mmap_retained", "pinned", "pinned_retained"]
                       and all(b.get("all_verified") for b in d["backup"].values())
                       and [len(d["latency"][m]["shapes"]) for m in ("torch", "preload")] == [3, 3]
-                      and sorted(d["disk"]) == ["disk", "tmpfs"]
-                      and {e["where"] for e in d["errors"]} <= {"floor", "report/plots"}),
+                      and all(e["freed_ok"] and e["same_addresses"] for m in ("torch", "preload")
+                              for e in d["latency"][m]["shapes"])
+                      and sorted(d["disk"]) == ["disk", "tmpfs"] and all(r["files_ok"] for r in d["disk"].values())
+                      and d["limits"]["pinned_d2h_gbps"] > 0 and d["errors"] == []
+                      and [s["where"] for s in d["skipped"]] == ["paired floor"]),
     "multi_gpu": lambda d: ([(r["config"], r["exit_codes"], len(r["cycles"])) for r in d["rows"]]
                             == [("mmap", [0, 0], 3), ("pinned", [0, 0], 3), ("mmap_retained", [0, 0], 3)]
                             and all(c["verified"] for r in d["rows"] for c in r["cycles"])
                             and all(f"limit_{k}" in d for k in ("fill", "copy", "d2h", "h2d"))),
     "alloc_count": lambda d: ([p["allocations"] for p in d["points"]] == [1, 10, 100]
                               and all(len(p["pause"]) == 8 and len(p["lookup_s"]) == 3 for p in d["points"])),
-    "fragmentation": lambda d: (len(d["rows"]) == 8 and not any("error" in r for r in d["rows"])
-                                and {(r["pattern"], r["hook_mode"]) for r in d["rows"]}
-                                == {(p, m) for p in ("steady", "bursty") for m in ("preload", "torch")}),
-    "live": lambda d: (len(d["shapes"]) == 4 and [r["blocks"] for r in d["costs"]] == [10, 1000, 10000]
-                       and all(c["exact"] and (c["copied"] < r["reserved"]) == c["live_only"]
-                               for r in d["shapes"] + d["costs"] for c in r["cycles"])),
-    "budget": lambda d: ([(r["case"], r["disk_bytes"]) for r in d["rows"]]
-                         == [("ram", 0), ("half", d["total"] // 2), ("disk", d["total"])]
-                         and all(r["exact"] for r in d["rows"])),
-    "node": lambda d: (d["exit_codes"] == [0, 0] and d["alone_exit_codes"] == [0]
-                       and d["together"]["verified"] and d["alone"]["verified"]
-                       and d["together"]["other_contexts"] == {"0": [], "1": []}
-                       and len(d["together"]["first_pause"]["per_gpu"]) == 2
-                       and set(d["ratios"]) == {"first_pause_over_fill", "retained_pause_over_single",
-                                                "resumes_over_single", "retained_resumes_over_single"}),
-    "speed": lambda d: ([(w["mode"], w["init"], w["exit_code"], sorted(w["sections"]), w["errors"]) for w in d["workers"]]
+    "speed": lambda d: ([(w["mode"], w["init"], w["exit_code"], sorted(w["sections"]), w["errors"])
+                         for w in d["workers"]]
                         == [(m, False, 0, ["first_region", "kinds", "latency", "model", "retained"], {})
                             for m in ("torch", "preload")]
                         and d["workers"][0]["sections"]["model"]["tensors"] == 24
                         and all(w["sections"]["retained"]["exact"] and w["sections"]["model"]["exact"]
                                 for w in d["workers"])),
-    "share": lambda d: ([(r["hook_mode"], r["shareable"], len(r["alloc"])) for r in d["rows"]]
-                        == [("torch", True, 2), ("torch", False, 2)]
-                        and all(r["pause_after_move_ok"] and r["open_ms"] > 0 for r in d["rows"] if r["shareable"])),
     "switch": lambda d: (list(d["switch"]) == ["ours"] and not d["switch"]["ours"]["errors"]
                          and [c["kind"] for c in d["switch"]["ours"]["cycles"]] == ["warm", "after", "idle"]
                          and all(c["refresh_exact"] and c["trainer_exact"] and c["switch_s"] > 0
@@ -63,10 +49,7 @@ CHECKS = {
                          == [("library", "after"), ("library", "idle")] * 2 and not d["wait"]["errors"]),
 }
 STEMS = {"run": "run_host-backend-dry-run", "multi_gpu": "multi_gpu_host-backend-dry-run-2procs-on-1",
-         "alloc_count": "alloc_count_host-backend-dry-run",
-         "fragmentation": "fragmentation_host-backend-dry-run", "live": "live_host-backend-dry-run",
-         "budget": "budget_host-backend-dry-run", "node": "node_host-backend-dry-run-x2",
-         "speed": "speed_host-backend-dry-run", "share": "share_host-backend-dry-run",
+         "alloc_count": "alloc_count_host-backend-dry-run", "speed": "speed_host-backend-dry-run",
          "switch": "switch_host-backend-dry-run"}
 
 
@@ -146,24 +129,55 @@ def test_a_failing_plot_costs_no_figures_and_the_index_lists_each_report(tmp_pat
     saved = json.loads((tmp_path / f"{stem}.json").read_text())
     assert saved["points"] == [1, 2] and saved["errors"][0]["error"] == "RuntimeError: no display"
 
-    other = dict(meta, suite="fragmentation")
+    other = dict(meta, suite="speed")
     report.write(str(tmp_path), report.name(other), {"meta": other}, "Title", lambda images: "", plots)
     index = (tmp_path / "README.md").read_text()
     assert ("| `alloc_count` | Made-up GPU 80GB (beside5) | 2026-11-25T00:00:00Z | `0123456789ab` | "
             f"[{stem}.md]({stem}.md) | - |") in index
-    assert ("[fragmentation_Made-up-GPU-80GB.md](fragmentation_Made-up-GPU-80GB.md) | "
-            "[plot](fragmentation_Made-up-GPU-80GB.png) |") in index
+    assert ("[speed_Made-up-GPU-80GB.md](speed_Made-up-GPU-80GB.md) | "
+            "[plot](speed_Made-up-GPU-80GB.png) |") in index
 
 
 def test_benchmarks_use_the_public_api_but_for_the_interior_lookup():
     """tms._core only where no public call does the same: the timed
-    allocation_at() of alloc_count, the free ranges the live suite's dry run
-    names by hand (on a GPU they come from PyTorch's allocator), and the
-    emulated devices the node suite's dry run asks the host backend about (on a
-    GPU the driver answers)."""
-    uses = [(p.name, n) for p in sorted((REPO_ROOT / "benchmarks").glob("*.py"))
-            for n, line in enumerate(p.read_text().splitlines(), 1) if "._core" in line]
-    assert sorted({name for name, _ in uses}) == ["alloc_count.py", "live.py", "node.py"], uses
-    assert all("_core.pause" in line or "_core.resume" in line
-               for p in [REPO_ROOT / "benchmarks" / "live.py"] for line in p.read_text().splitlines()
-               if "._core" in line)
+    allocation_at() of alloc_count."""
+    uses = [(p.name, line.strip()) for p in sorted((REPO_ROOT / "benchmarks").glob("*.py"))
+            for line in p.read_text().splitlines() if "._core" in line]
+    assert uses == [("alloc_count.py", "at = env.tms._core.allocation_at")], uses
+
+
+def test_every_suite_shares_the_command_line_and_the_writer():
+    """Each suite's parser comes from common.parser (--out, --dry-run) and its
+    report from report.write, and no module is left that no suite imports."""
+    import ast
+
+    modules = {p.stem: p.read_text() for p in (REPO_ROOT / "benchmarks").glob("*.py")}
+    for suite in report.SUITES:
+        assert f'parser("{suite}", __doc__' in modules[suite], suite
+        assert "report.publish(" in modules[suite] or "report.write(" in modules[suite], suite
+    imported = set()
+    for text in modules.values():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported |= {node.module} if node.module else {a.name for a in node.names}
+    helpers = set(modules) - set(report.SUITES) - {"__init__", "__main__", "worker"}
+    assert helpers <= imported, sorted(helpers - imported)
+
+
+def test_benchmarks_stay_within_their_line_budget():
+    files = [p for p in (REPO_ROOT / "benchmarks").iterdir() if p.is_file() and p.suffix in (".py", ".c")]
+    assert sum(len(p.read_text().splitlines()) for p in files) <= 4500
+
+
+def test_a_new_report_takes_the_plots_of_the_one_it_replaces(tmp_path):
+    meta = {"suite": "speed", "device_name": "Made-up GPU", "date": "2026-11-25T00:00:00Z", "command": "-"}
+
+    def plots(out, stem):
+        (Path(out) / f"{stem}-a.png").write_bytes(b"png")
+        return {"a": f"{stem}-a.png"}
+
+    report.write(str(tmp_path), "speed_Made-up-GPU", {"meta": meta}, "Title", lambda images: "", plots)
+    (tmp_path / "speed_Made-up-GPU-other.png").write_bytes(b"png")  # another report's, of a variant
+    report.write(str(tmp_path), "speed_Made-up-GPU", {"meta": meta}, "Title", lambda images: "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "speed_Made-up-GPU-other.png",
+                                                          "speed_Made-up-GPU.json", "speed_Made-up-GPU.md"]
