@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import child
+import gpus
 
 REPO = Path(__file__).resolve().parent.parent
 # Scenario modules import the prelude by its own name, here as in a child.
@@ -72,7 +73,9 @@ def child_env(env=None, backend="host"):
 @pytest.hookimpl(tryfirst=True)  # before pytest's tmp_path factory reads --basetemp
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes a few seconds (builds a wheel)")
+    config.addinivalue_line("markers", "packaging: builds or installs the package (make test-packaging)")
     _use_a_temp_dir_of_the_run(config)
+    gpus.configure(config)
     # Every child of the run takes this for the user's runtime directory (XDG_RUNTIME_DIR),
     # the host backup ledger's first place: none shares a ledger with the user's own
     # processes, and none leaves one in the user's home or /dev/shm. (Here rather than at
@@ -80,13 +83,40 @@ def pytest_configure(config):
     os.environ["XDG_RUNTIME_DIR"] = _private_runtime_dir()
 
 
+# The build and packaging tests: wheels, the sdist, other interpreters, `make` itself.
+# `make test-packaging` runs them (marked `packaging`), `make test` the rest, `make
+# check` both: each stays within its time on two cores.
+PACKAGING = ("tests/test_build.py::", "tests/test_pythons.py::",
+             "tests/test_readme_promises.py::test_make_builds_what_changed_and_reinstalls_from_any_state",
+             "tests/test_readme_promises.py::test_a_wheel_build_without_the_wheel_package_says_to_install_it")
+
+# The tests that take longest (builds under sanitizers, runs under tools), started
+# first: pytest-xdist hands tests out in collection order as workers free up, so one
+# left for the end would run alone while the other worker idles.
+LONGEST_FIRST = ("tests/test_readme_promises.py::test_make_builds_what_changed",
+                 "tests/test_c_suite.py::test_ctest", "tests/test_c_suite.py::test_ctest_address_undefined_sanitizers",
+                 "tests/test_concurrency.py::test_threads_scenarios_under_thread_sanitizer",
+                 "tests/test_build.py::test_sdist_builds", "tests/test_fuzz.py::test_injected_faults",
+                 "tests/test_fuzz.py::test_random_sequences", "tests/test_valgrind.py::",
+                 "tests/test_reloc.py::test_passes_survive_a_dlclose", "tests/test_share.py::",
+                 "tests/test_bench_suites.py::test_each_suite_dry_run")
+
+
+def _rank(nodeid, prefixes):
+    return next((i for i, p in enumerate(prefixes) if nodeid.startswith(p)), len(prefixes))
+
+
 def pytest_collection_modifyitems(config, items):
     """`make test` runs two pytest-xdist workers (--dist loadgroup): the GPU
     scenarios share one group, so they run one after the other on one worker
-    and never compete for the GPU's memory."""
+    and never compete for the GPU's memory; `make test-gpu` spreads them over
+    the GPUs instead, one worker per GPU (tests/gpus.py). The longest tests go
+    first, the packaging tests are marked."""
+    items.sort(key=lambda item: _rank(item.nodeid, LONGEST_FIRST))  # stable: the rest keep their order
     for item in items:
-        if item.nodeid.startswith("tests/test_gpu.py") or "/test_gpu.py::" in item.nodeid:
-            item.add_marker(pytest.mark.xdist_group("gpu"))
+        if _rank(item.nodeid, PACKAGING) < len(PACKAGING):
+            item.add_marker(pytest.mark.packaging)
+    gpus.arrange(config, items)
 
 
 def _ensure_built():

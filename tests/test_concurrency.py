@@ -45,13 +45,15 @@ def tsan_build(tmp_path_factory):
         pytest.skip("cmake not installed")
     tmp = tmp_path_factory.mktemp("tsan")
     _tsan_usable(tmp)
-    build = tmp / "build"
-    for cmd in (["cmake", "-S", cbuild.ROOT, "-B", build, "-DTMS_SANITIZE=thread",
-                 f"-DPython3_EXECUTABLE={sys.executable}"],
-                ["cmake", "--build", build, "-j", "2", "--target", "test_core_host", "fuzz_core"]):
-        proc = cbuild.run(cmd, timeout=300)
-        assert proc.returncode == 0, cbuild.detail(proc)
-    return build
+
+    def make(build):  # once for the run's workers
+        for cmd in (["cmake", "-S", cbuild.ROOT, "-B", build, "-DTMS_SANITIZE=thread",
+                     f"-DPython3_EXECUTABLE={sys.executable}"],
+                    ["cmake", "--build", build, "-j", "2", "--target", "test_core_host", "fuzz_core"]):
+            proc = cbuild.run(cmd, timeout=300)
+            assert proc.returncode == 0, cbuild.detail(proc)
+
+    return cbuild.once_per_run(("cmake", str(cbuild.ROOT), "thread"), make)
 
 
 TSAN_ENV = {"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1:report_signal_unsafe=0"}

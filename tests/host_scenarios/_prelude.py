@@ -84,6 +84,20 @@ def backup_bytes(tag=None, device=0):
     return out
 
 
+def resident_bytes(buffer):
+    """Bytes of the pages under a writable buffer (a backup's view) that are in memory,
+    by mincore(2): what that mapping holds, whatever else the process does."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    start = addr - addr % page
+    n = (addr + len(buffer) - start + page - 1) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vec) * page
+
+
 def expect(exc_type, fn, *args, match=None, **kwargs):
     """Calls fn; asserts it raises exc_type (with match in its message); returns the exception."""
     try:

@@ -10,7 +10,8 @@ import os
 import sys
 import time
 
-from _prelude import MiB, backup_bytes, core, expect, fill, raw_region, read, row, run_cases, start, tms
+from _prelude import (MiB, backup_bytes, core, expect, fill, raw_region, read, resident_bytes, row, run_cases,
+                      start, tms)
 
 
 def restores_exactly(kind):
@@ -157,7 +158,7 @@ def released_on_the_copy_worker(kind):
 def returned_unless_retained(kind, n):
     """The backup's host memory by the library's counters, {step: (bytes of `kind`
     backups, bytes this process holds of host backups in all)}: held while paused,
-    gone after the resume, kept when retained, gone with free."""
+    gone after the resume, kept when retained (with its pages in memory), gone with free."""
     def held():
         return backup_bytes("m")[kind], core().host_budget()["mine"]
 
@@ -174,7 +175,9 @@ def returned_unless_retained(kind, n):
     tms.retain_cpu_backup = True
     tms.pause("m")
     tms.resume("m")
-    steps["retained"] = held() + (row(p)["has_cpu_backup"],)
+    view = core().get_cpu_backup(p, n)
+    steps["retained"] = held() + (row(p)["has_cpu_backup"], resident_bytes(view))   # every page of the copy kept
+    del view
     assert read(p + n - MiB, MiB) == block
     tms.free(p)                                        # frees device pages and the retained copy
     steps["freed"] = held()

@@ -9,7 +9,7 @@ import tempfile
 from array import array
 
 import torch_memory_saver
-from _prelude import MiB, backup_bytes, core, device_used, expect, fill, read, run_cases, tms
+from _prelude import MiB, core, device_used, expect, fill, read, resident_bytes, run_cases, tms
 
 
 def spans(*pairs):
@@ -71,16 +71,17 @@ def only_live_bytes_are_copied(kind):
 
 def host_memory_holds_only_live_bytes():
     """A pageable backup of 64 MiB of which 48 MiB are free: (device bytes released, bytes
-    copied, host bytes the backup holds, by the library's counters); then the live bytes
-    come back."""
+    copied, bytes of the backup's pages in memory, host bytes this process's backups hold
+    as the host budget counts them); then the live bytes come back."""
     size = 64 * MiB
     with tms.region("w", enable_cpu_backup=True, cpu_backup_backend="mmap"):
         p = tms.malloc(size)
     data = fill(p, size)
     before = device_used()
     report = core().pause("w", spans((p + 16 * MiB, 48 * MiB)))
-    held = (before - device_used(), report["devices"][0]["copied"], backup_bytes("w")["mmap"],
-            core().host_budget()["mine"])
+    view = core().get_cpu_backup(p, size)
+    held = (before - device_used(), report["devices"][0]["copied"], resident_bytes(view), core().host_budget()["mine"])
+    del view
     core().resume("w")
     check_live(p, [(0, data[:16 * MiB])])
     return held
