@@ -180,7 +180,8 @@ class InChild:
     function of the test's module or of a scenario module (tests/host_scenarios/). The
     child must exit 0 and (stderr_empty) write nothing to stderr. in_child.run(...)
     takes the same arguments and returns the child.Outcome (returncode, stdout, stderr,
-    value or error) without judging it: for a child that is to die or to log."""
+    value or error) without judging it: for a child that is to die or to log;
+    in_child.output(...) judges it as in_child() does and returns what it printed."""
 
     def __init__(self, tmp_path):
         self._dir = tmp_path / "children"
@@ -191,6 +192,13 @@ class InChild:
     def __call__(self, fn, *args, stderr_empty=True, **options):
         __tracebackhide__ = True
         return self.run(fn, *args, **options).result(stderr_empty)
+
+    def output(self, fn, *args, stderr_empty=True, **options):
+        """What fn printed (its stdout), judged as in_child() judges the child."""
+        __tracebackhide__ = True
+        child = self.run(fn, *args, **options)
+        child.result(stderr_empty)
+        return child.stdout
 
 
 @pytest.fixture

@@ -40,8 +40,9 @@ def part_a_tensors(tms):
     del tensors
     gc.collect()
     torch.cuda.empty_cache()
-    check_states("f", "paused")   # the segments stay in the tag's pool, paused: nothing mapped
-    check_holds(base, "paused, tensors deleted, cache emptied vs before the region")
+    left = [r["state"] for r in core().allocations() if r["tag"] == "f"]
+    check(set(left) <= {"paused"}, f"tag 'f' after its tensors were deleted while paused: {left}")
+    check_holds(base, "paused, tensors deleted, cache emptied vs before the region")   # nothing mapped
     tms.resume("f")
     with tms.region(tag="f"):
         fresh = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")

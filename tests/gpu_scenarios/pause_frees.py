@@ -4,8 +4,8 @@ import sys
 
 import torch
 
-from _common import (MiB, begin, check, check_filled, check_owned, check_released, check_states, check_taken,
-                     free_bytes, say, tag_bytes)
+from _common import (MiB, allocations, begin, check, check_filled, check_owned, check_released, check_states,
+                     check_taken, free_bytes, say, tag_bytes)
 
 TAG = "kv"
 
@@ -33,8 +33,8 @@ def main(hook_mode):
     report = tms.pause(TAG)
     check_states(TAG, "paused")
     check_released(report, held, "pause")
-    check(report.allocations == len(tensors), f"the pause covered {report.allocations} allocations, the tag has "
-                                              f"{len(tensors)}")
+    rows = len(allocations(TAG))
+    check(report.allocations == rows, f"the pause covered {report.allocations} allocations, the tag has {rows}")
 
     report = tms.resume(TAG)
     check_states(TAG, "active")
