@@ -98,7 +98,7 @@ LONGEST_FIRST = ("tests/test_readme_promises.py::test_make_builds_what_changed",
                  "tests/test_concurrency.py::test_threads_scenarios_under_thread_sanitizer",
                  "tests/test_build.py::test_sdist_builds", "tests/test_fuzz.py::test_injected_faults",
                  "tests/test_fuzz.py::test_random_sequences", "tests/test_valgrind.py::",
-                 "tests/test_reloc.py::test_passes_survive_a_dlclose", "tests/test_share.py::",
+                 "tests/test_share.py::",
                  "tests/test_bench_suites.py::test_each_suite_dry_run")
 
 

@@ -108,17 +108,16 @@ def test_a_tail_call_never_reaches_an_unloaded_runtime(in_child, libs):
     in_child(reloc.tail_call_after_dlclose, str(libs))
 
 
-# The race under each sanitizer: compiler flags and the options its run needs.
+# The race under ThreadSanitizer: compiler flags and the options its run needs. The plain
+# build and AddressSanitizer + UndefinedBehaviorSanitizer run it under ctest
+# (test_c_suite.py: reloc_race, for two seconds each).
 SANITIZERS = {
-    None: ([], {}),
-    "address": (["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"],
-                {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}),
     "thread": (["-fsanitize=thread"],
                {"TSAN_OPTIONS": f"halt_on_error=1:report_signal_unsafe=0:suppressions={cbuild.C_TESTS / 'tsan.supp'}"}),
 }
 
 
-@pytest.mark.parametrize("sanitizer", list(SANITIZERS), ids=lambda s: s or "plain")
+@pytest.mark.parametrize("sanitizer", list(SANITIZERS))
 def test_passes_survive_a_dlclose_on_another_thread(libs, tmp_path, sanitizer):
     # One thread dlopens copies of a library through its patched dlopen, each running a
     # pass over every loaded object, while another dlcloses them: a pass reads an
