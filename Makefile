@@ -1,8 +1,10 @@
-# Developer commands. `make test` is the test command README and .ci/run use.
+# Developer commands. `make check` is the test command README and .ci/run use: `make test`
+# (the suite) and `make test-packaging` (wheels, the sdist, installs), each within its
+# time on two cores; `make test-gpu` runs the GPU suite on a GPU machine.
 PYTHON ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: build ptx deps reinstall test soak demo bench bench-multi-gpu bench-alloc-count bench-speed bench-switch bench-dry-run sanitize sanitize-thread sanitize-python fuzz clean
+.PHONY: build ptx deps reinstall test test-packaging check test-gpu soak demo bench bench-multi-gpu bench-alloc-count bench-speed bench-switch bench-dry-run sanitize sanitize-thread sanitize-python fuzz clean
 
 # The extensions compiled in place (torch_memory_saver/_tms_*.abi3.so, the upstream-named
 # shims at the root) for tests; warnings are errors here and in CI, never in a user's install.
@@ -48,8 +50,32 @@ deps:
 	@$(PYTHON) -c "import auditwheel" 2>/dev/null || $(PYTHON) -m pip install -q auditwheel 2>/dev/null || true
 
 PYTEST_WORKERS ?= 2
+XDIST = $$($(PYTHON) -c "import xdist; print('-n $(PYTEST_WORKERS) --dist loadgroup')" 2>/dev/null)
 test: deps build
-	$(PYTHON) -m pytest -q $$($(PYTHON) -c "import xdist; print('-n $(PYTEST_WORKERS) --dist loadgroup')" 2>/dev/null) $(PYTEST_ARGS) tests
+	$(PYTHON) -m pytest -q $(XDIST) -m "not packaging" $(PYTEST_ARGS) tests
+
+# The build and packaging tests (marked `packaging` in tests/conftest.py).
+test-packaging: deps build
+	$(PYTHON) -m pytest -q $(XDIST) -m packaging $(PYTEST_ARGS) tests
+
+check: test test-packaging
+
+# The GPU suite (tests/test_gpu.py) on every GPU the driver sees (or GPUS=0,1): one
+# pytest-xdist worker per GPU, each on its GPU alone, then the tests that need two GPUs
+# at once, without workers (tests/gpus.py). On one GPU, in two calls of about equal
+# time: PART=1, then PART=2. pytest's status 5 (no test selected) is no failure here.
+GPUS ?= $(shell $(PYTHON) tests/gpus.py)
+GPU_PART_1 = test_scenario or test_exit_states or test_compat or test_c_program
+GPU_K_1 = -k "$(GPU_PART_1)"
+GPU_K_2 = -k "not ($(GPU_PART_1))"
+comma := ,
+test-gpu: deps build
+	@test -n "$(GPUS)" || { echo "make test-gpu: the CUDA driver sees no GPU"; exit 1; }
+	@rc=0; export TMS_TEST_GPUS=$(GPUS); \
+	$(PYTHON) -m pytest -q $$($(PYTHON) -c "import xdist; print('-n $(words $(subst $(comma), ,$(GPUS))) --dist loadgroup')" \
+	    2>/dev/null) -m "not two_gpus" $(GPU_K_$(PART)) $(PYTEST_ARGS) tests/test_gpu.py || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
+	$(PYTHON) -m pytest -q -m two_gpus $(GPU_K_$(PART)) $(PYTEST_ARGS) tests/test_gpu.py \
+	    || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; exit $$rc
 
 # What make test's walks, fuzzing and races do, for minutes rather than seconds, under
 # AddressSanitizer + UndefinedBehaviorSanitizer: the expandable-segments walk

@@ -1,8 +1,8 @@
 """Compiles the C test programs (tests/c/*.c + the core) straight with the C compiler,
-for the suites that run them under a tool (valgrind, libFuzzer); one build per
-(program, compiler, flags) per pytest session. Sources and flags come from
-src/build.txt, as in setup.py and CMakeLists.txt."""
-import atexit
+for the suites that run them under a tool (valgrind, libFuzzer); the core once per
+(compiler, flags) and each program once per test run, shared by the run's workers
+(once_per_run, which the CMake builds of the suites use too). Sources and flags come
+from src/build.txt, as in setup.py and CMakeLists.txt."""
 import os
 import re
 import shlex
@@ -18,7 +18,6 @@ SRC = ROOT / "src"
 C_TESTS = ROOT / "tests" / "c"
 
 _built = {}
-_out_dir = None
 
 
 def build_description():
@@ -57,27 +56,83 @@ def tool_env(**extra):
     return env
 
 
+def once_per_run(key, make):
+    """The directory make(directory) filled, made once per test run and shared by the
+    run's pytest-xdist workers: the first to need it builds it under a lock in the run's
+    temporary directory, the others wait for it and take it. A build that fails leaves
+    nothing: the next to need it tries again."""
+    import fcntl
+    import hashlib
+
+    root = Path(tempfile.gettempdir()) / "tms-builds"
+    root.mkdir(exist_ok=True)
+    name = hashlib.sha256(repr(key).encode()).hexdigest()[:20]
+    out = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".built").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            try:
+                make(out)
+            except BaseException:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
+            (out / ".built").touch()
+    return out
+
+
+def _compile_all(commands):
+    """Runs compiler commands two at a time (the machine's cores are the tests' too);
+    fails the test with the first one's messages."""
+    pending, running = list(commands), []
+    while pending or running:
+        while pending and len(running) < 2:
+            cmd = pending.pop(0)
+            running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        cmd, proc = running.pop(0)
+        _, err = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            for _, other in running:
+                other.kill()
+                other.wait()
+            raise AssertionError(f"{shlex.join(cmd)}\n{err}")
+
+
+def core_objects(cc, flags=(), defines=()):
+    """The core's object files compiled with these flags, once per run (every program
+    built with the same flags links the same objects)."""
+    common = [*cc, *core_flags(), "-g", "-Werror", *flags, *(f"-D{d}" for d in defines), f"-I{SRC}",
+              f"-I{ROOT / 'include'}"]
+
+    def make(d):
+        _compile_all([[*common, "-c", str(src), "-o", str(d / (str(src.relative_to(SRC)).replace("/", "_") + ".o"))]
+                      for src in core_sources()])
+
+    d = once_per_run(("core", tuple(cc), tuple(flags), tuple(defines)), make)
+    return sorted(d.glob("*.o"))
+
+
 def build(program, cc=None, flags=(), defines=()):
-    """Path of tests/c/<program>.c linked with the core, built once per session.
+    """Path of tests/c/<program>.c linked with the core, built once per test run.
     Skips the test if there is no C compiler; fails it if the build fails."""
-    global _out_dir
     cc = cc or compiler()
     if not cc:
         pytest.skip("no C compiler (cc, or $CC)")
     key = (program, tuple(cc), tuple(flags), tuple(defines))
     if key in _built:
         return _built[key]
-    if _out_dir is None:
-        _out_dir = Path(tempfile.mkdtemp(prefix="tms-cbuild-"))
-        atexit.register(shutil.rmtree, _out_dir, True)
-    out = _out_dir / f"{program}-{len(_built)}"
-    cmd = [*cc, *core_flags(), "-g", "-Werror", *flags,
-           *(f"-D{d}" for d in defines), f"-I{SRC}", f"-I{ROOT / 'include'}", str(C_TESTS / f"{program}.c"), *map(str, core_sources()),
-           "-o", str(out), "-ldl", "-lpthread"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stderr}"
-    _built[key] = out
-    return out
+    objects = core_objects(cc, flags, defines)
+
+    def make(d):
+        cmd = [*cc, *core_flags(), "-g", "-Werror", *flags, *(f"-D{d_}" for d_ in defines), f"-I{SRC}",
+               f"-I{ROOT / 'include'}", str(C_TESTS / f"{program}.c"), *map(str, objects), "-o", str(d / program),
+               "-ldl", "-lpthread"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stderr}"
+
+    _built[key] = once_per_run(("program",) + key, make) / program
+    return _built[key]
 
 
 def skip_unless_sanitizer_runs(sanitizer, tmp):

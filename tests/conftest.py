@@ -1,12 +1,14 @@
 """Shared fixtures for the CPU-side suite.
 
 The backend and the TMS_* environment are fixed per process, so most tests run
-their scenario in a fresh Python process on the host backend: a case of a program
-in tests/host_scenarios/ (`run_scenario`), or a snippet of a line or two (`run_py`).
+their scenario in a fresh Python process on the host backend: a function of the
+test's module or of a scenario module in tests/host_scenarios/ (`in_child`, which
+returns what it returned), a case of a scenario program run by name (`run_scenario`),
+or a snippet of a line or two (`run_py`). All three import the one prelude,
+tests/host_scenarios/_prelude.py.
 """
 import contextlib
 import importlib.util
-import inspect
 import itertools
 import os
 import subprocess
@@ -17,79 +19,21 @@ from pathlib import Path
 
 import pytest
 
+import child
+import gpus
+
 REPO = Path(__file__).resolve().parent.parent
+# Scenario modules import the prelude by its own name, here as in a child.
+sys.path.insert(1, str(REPO / "tests" / "host_scenarios"))
 PKG = REPO / "torch_memory_saver"
 HOOK_MODES = ("preload", "torch")
 MiB = 1 << 20
-
-
-def rss_bytes(pid="self"):
-    """Resident set size of a process (VmRSS of /proc/<pid>/status), in bytes.
-
-    VmRSS = RssAnon + RssFile + RssShmem; pages of the host backend's memfds
-    count under RssShmem, so pausing (unmap + close of the memfd) lowers it."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
 def library_file(mode):
     """Path of the in-place build of one variant (torch_memory_saver/_tms_<mode>.abi3.so)."""
     return PKG / f"_tms_{mode}.abi3.so"
 
-
-# Helpers every run_py snippet gets (prelude=True): the public singleton `tms`,
-# its native module `core`, random fill / read-back through ctypes, RSS
-# (host_scenarios/_prelude.py is the same for scenario files).
-CHILD_PRELUDE = (
-    "import ctypes, os, random, sys, threading\n"
-    + inspect.getsource(rss_bytes)
-    + textwrap.dedent(
-        """
-        MiB = 1 << 20
-        from torch_memory_saver import torch_memory_saver as tms
-
-        def fill(ptr, n):
-            data = os.urandom(n)
-            ctypes.memmove(ptr, data, n)
-            return data
-
-        def read(ptr, n):
-            return ctypes.string_at(ptr, n)
-
-        def states():
-            return sorted((r["tag"], r["state"]) for r in core.allocations())
-
-        def row(ptr):
-            rows = [r for r in core.allocations() if r["ptr"] == ptr]
-            assert len(rows) == 1, (hex(ptr), core.allocations())
-            return rows[0]
-
-        import contextlib
-
-        @contextlib.contextmanager
-        def raw_region(tag, backup=False, kind="mmap", disk=False):
-            # A region set through the native API only (no Python-side warm-up).
-            previous = core.get_region()
-            core.set_region(True, tag, backup, kind, disk)
-            try:
-                yield
-            finally:
-                core.set_region(*previous)
-
-        def expect(exc_type, fn, *args, match=None):
-            try:
-                fn(*args)
-            except exc_type as e:
-                if match is not None:
-                    assert match in str(e), (match, str(e))
-                return e
-            raise AssertionError(f"{fn!r}{args!r} did not raise {exc_type.__name__}")
-        """
-    )
-)
 
 # Variables that would change the child's behaviour if inherited from the
 # pytest process (the per-test `env` argument sets what a scenario needs).
@@ -105,12 +49,6 @@ def _private_runtime_dir():
     path = tempfile.mkdtemp(prefix="tms-run-")
     atexit.register(shutil.rmtree, path, True)
     return path
-
-
-# Every child of the run takes this for the user's runtime directory (XDG_RUNTIME_DIR),
-# the host backup ledger's first place: none shares a ledger with the user's own
-# processes, and none leaves one in the user's home or /dev/shm.
-os.environ["XDG_RUNTIME_DIR"] = _private_runtime_dir()
 
 
 def child_env(env=None, backend="host"):
@@ -135,16 +73,50 @@ def child_env(env=None, backend="host"):
 @pytest.hookimpl(tryfirst=True)  # before pytest's tmp_path factory reads --basetemp
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes a few seconds (builds a wheel)")
+    config.addinivalue_line("markers", "packaging: builds or installs the package (make test-packaging)")
     _use_a_temp_dir_of_the_run(config)
+    gpus.configure(config)
+    # Every child of the run takes this for the user's runtime directory (XDG_RUNTIME_DIR),
+    # the host backup ledger's first place: none shares a ledger with the user's own
+    # processes, and none leaves one in the user's home or /dev/shm. (Here rather than at
+    # import: a child that imports this module keeps the directory its parent gave it.)
+    os.environ["XDG_RUNTIME_DIR"] = _private_runtime_dir()
+
+
+# The build and packaging tests: wheels, the sdist, other interpreters, `make` itself.
+# `make test-packaging` runs them (marked `packaging`), `make test` the rest, `make
+# check` both: each stays within its time on two cores.
+PACKAGING = ("tests/test_build.py::", "tests/test_pythons.py::",
+             "tests/test_readme_promises.py::test_make_builds_what_changed_and_reinstalls_from_any_state",
+             "tests/test_readme_promises.py::test_a_wheel_build_without_the_wheel_package_says_to_install_it")
+
+# The tests that take longest (builds under sanitizers, runs under tools), started
+# first: pytest-xdist hands tests out in collection order as workers free up, so one
+# left for the end would run alone while the other worker idles.
+LONGEST_FIRST = ("tests/test_readme_promises.py::test_make_builds_what_changed",
+                 "tests/test_c_suite.py::test_ctest", "tests/test_c_suite.py::test_ctest_address_undefined_sanitizers",
+                 "tests/test_concurrency.py::test_threads_scenarios_under_thread_sanitizer",
+                 "tests/test_build.py::test_sdist_builds", "tests/test_fuzz.py::test_injected_faults",
+                 "tests/test_fuzz.py::test_random_sequences", "tests/test_valgrind.py::",
+                 "tests/test_share.py::",
+                 "tests/test_bench_suites.py::test_each_suite_dry_run")
+
+
+def _rank(nodeid, prefixes):
+    return next((i for i, p in enumerate(prefixes) if nodeid.startswith(p)), len(prefixes))
 
 
 def pytest_collection_modifyitems(config, items):
     """`make test` runs two pytest-xdist workers (--dist loadgroup): the GPU
     scenarios share one group, so they run one after the other on one worker
-    and never compete for the GPU's memory."""
+    and never compete for the GPU's memory; `make test-gpu` spreads them over
+    the GPUs instead, one worker per GPU (tests/gpus.py). The longest tests go
+    first, the packaging tests are marked."""
+    items.sort(key=lambda item: _rank(item.nodeid, LONGEST_FIRST))  # stable: the rest keep their order
     for item in items:
-        if item.nodeid.startswith("tests/test_gpu.py") or "/test_gpu.py::" in item.nodeid:
-            item.add_marker(pytest.mark.xdist_group("gpu"))
+        if _rank(item.nodeid, PACKAGING) < len(PACKAGING):
+            item.add_marker(pytest.mark.packaging)
+    gpus.arrange(config, items)
 
 
 def _ensure_built():
@@ -163,20 +135,28 @@ def built_libs():
     return {m: library_file(m) for m in HOOK_MODES}
 
 
+# What a run_py snippet starts with (prelude=True): the one prelude's names, as a
+# child function's module imports them.
+PRELUDE_IMPORT = "import sys\nsys.path.insert(1, {dir!r})\nfrom _prelude import *\n"
+
+
 @pytest.fixture
 def run_py(built_libs, tmp_path):
     """run_py(code, env=None, prelude=True, load_core=True, backend="host", timeout=60, args=())
     runs `code` in a fresh `python <script>` with cwd = repo root, PYTHONPATH = repo
     root and TMS_BACKEND=backend, and returns the CompletedProcess (text).
-    prelude: prepend CHILD_PRELUDE; load_core: also bind `core = tms._core`
-    (first use of the singleton: leave it False to set hook_mode first)."""
+    prelude: start with `from _prelude import *` (tests/host_scenarios/_prelude.py);
+    load_core: also bind `core = tms._core` (first use of the singleton: leave it False
+    to set hook_mode first). A test of more than a few lines is a function run by
+    `in_child` instead."""
 
     counter = itertools.count()
 
     def run(code, env=None, prelude=True, load_core=True, backend="host", timeout=60, args=(), cwd=REPO):
         src = textwrap.dedent(code)
         if prelude:
-            src = CHILD_PRELUDE + ("core = tms._core\n" if load_core else "") + src
+            src = (PRELUDE_IMPORT.format(dir=str(HOST_SCENARIOS)) + ("core = tms._core\n" if load_core else "")
+                   + src)
         # A file rather than `-c`, so a failing assert shows its source line.
         script = tmp_path / f"child_{next(counter)}.py"
         script.write_text(src)
@@ -190,6 +170,40 @@ def run_py(built_libs, tmp_path):
         )
 
     return run
+
+
+class InChild:
+    """The `in_child` fixture: in_child(fn, *args, env=None, backend="host", timeout=60,
+    stderr_empty=True) runs fn(*args) in a fresh Python process (tests/child.py) with
+    child_env(env, backend), cwd = repo root, and returns what fn returned; what fn
+    raised is raised here, with the child's traceback as its cause. fn is a module-level
+    function of the test's module or of a scenario module (tests/host_scenarios/). The
+    child must exit 0 and (stderr_empty) write nothing to stderr. in_child.run(...)
+    takes the same arguments and returns the child.Outcome (returncode, stdout, stderr,
+    value or error) without judging it: for a child that is to die or to log;
+    in_child.output(...) judges it as in_child() does and returns what it printed."""
+
+    def __init__(self, tmp_path):
+        self._dir = tmp_path / "children"
+
+    def run(self, fn, *args, env=None, backend="host", timeout=60, cwd=REPO, python=None):
+        return child.run(fn, args, child_env(env, backend), cwd, timeout, self._dir, python)
+
+    def __call__(self, fn, *args, stderr_empty=True, **options):
+        __tracebackhide__ = True
+        return self.run(fn, *args, **options).result(stderr_empty)
+
+    def output(self, fn, *args, stderr_empty=True, **options):
+        """What fn printed (its stdout), judged as in_child() judges the child."""
+        __tracebackhide__ = True
+        child = self.run(fn, *args, **options)
+        child.result(stderr_empty)
+        return child.stdout
+
+
+@pytest.fixture
+def in_child(built_libs, tmp_path):
+    return InChild(tmp_path)
 
 
 HOST_SCENARIOS = REPO / "tests" / "host_scenarios"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import cbuild
+
 ROOT = Path(__file__).resolve().parent.parent
 JOBS = "2"
 
@@ -55,8 +57,9 @@ def _ctest(build_dir, env=None, exclude=None):
 
 
 @pytest.fixture(scope="session")
-def cmake_build(tmp_path_factory):
-    return _build(tmp_path_factory.mktemp("cmake"))
+def cmake_build():
+    _require_tools()
+    return cbuild.once_per_run(("cmake", str(ROOT)), _build)  # built once for the run's workers
 
 
 def test_ctest(cmake_build):

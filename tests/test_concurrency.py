@@ -18,7 +18,7 @@ import sys
 import pytest
 
 import cbuild
-from conftest import check_ok
+from host_scenarios import concurrency
 
 # ---- ThreadSanitizer ---------------------------------------------------------------
 
@@ -45,13 +45,15 @@ def tsan_build(tmp_path_factory):
         pytest.skip("cmake not installed")
     tmp = tmp_path_factory.mktemp("tsan")
     _tsan_usable(tmp)
-    build = tmp / "build"
-    for cmd in (["cmake", "-S", cbuild.ROOT, "-B", build, "-DTMS_SANITIZE=thread",
-                 f"-DPython3_EXECUTABLE={sys.executable}"],
-                ["cmake", "--build", build, "-j", "2", "--target", "test_core_host", "fuzz_core"]):
-        proc = cbuild.run(cmd, timeout=300)
-        assert proc.returncode == 0, cbuild.detail(proc)
-    return build
+
+    def make(build):  # once for the run's workers
+        for cmd in (["cmake", "-S", cbuild.ROOT, "-B", build, "-DTMS_SANITIZE=thread",
+                     f"-DPython3_EXECUTABLE={sys.executable}"],
+                    ["cmake", "--build", build, "-j", "2", "--target", "test_core_host", "fuzz_core"]):
+            proc = cbuild.run(cmd, timeout=300)
+            assert proc.returncode == 0, cbuild.detail(proc)
+
+    return cbuild.once_per_run(("cmake", str(cbuild.ROOT), "thread"), make)
 
 
 TSAN_ENV = {"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1:report_signal_unsafe=0"}
@@ -77,21 +79,17 @@ def test_copy_workers_under_thread_sanitizer(tsan_build):
 # ---- Python-level stress on the host backend -----------------------------------------
 
 
-def test_threads_allocate_while_others_pause_and_resume(run_scenario):
+def test_threads_allocate_while_others_pause_and_resume(in_child):
     # A watchdog of 60 s, 60 iterations per allocator, 12 pause cycles.
-    out = check_ok(run_scenario("concurrency", "stress", 60, 60, 12, timeout=120, env={"TMS_BACKUP_THREADS": "3"}))
-    assert out == "done\n"
+    in_child(concurrency.stress, 60, 60, 12, timeout=120, env={"TMS_BACKUP_THREADS": "3"})
 
 
 # ---- nothing waits for a pause in progress -------------------------------
 
 
-def test_nothing_waits_for_a_backed_up_pause_in_progress(run_scenario, tmp_path):
-    out = check_ok(run_scenario("concurrency", "nothing_waits_for_a_pause", timeout=120,
-                                env={"TMS_HOST_COPY_GATE": tmp_path / "gate"}))
-    assert out == "done\n", out
+def test_nothing_waits_for_a_backed_up_pause_in_progress(in_child, tmp_path):
+    in_child(concurrency.nothing_waits_for_a_pause, timeout=120, env={"TMS_HOST_COPY_GATE": tmp_path / "gate"})
 
 
-def test_fork_during_a_pause_gives_a_child_that_works(run_scenario):
-    out = check_ok(run_scenario("concurrency", "fork_during_a_pause", timeout=120, env={"TMS_BACKUP_THREADS": "1"}))
-    assert out == "done\n"
+def test_fork_during_a_pause_gives_a_child_that_works(in_child):
+    in_child(concurrency.fork_during_a_pause, timeout=120, env={"TMS_BACKUP_THREADS": "1"})

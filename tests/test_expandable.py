@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, cc, check_ok
+from conftest import REPO, cc
+from host_scenarios import expandable
 
 C = REPO / "tests" / "c"
 
@@ -24,14 +25,12 @@ def libs(tmp_path_factory):
     return d
 
 
-def test_lookups_wrapped_for_pytorch_under_ld_preload(run_scenario, libs, built_libs):
-    out = check_ok(run_scenario("expandable", "under_ld_preload", libs, env={"LD_PRELOAD": built_libs["preload"]}))
-    assert out == "done\n"
+def test_lookups_wrapped_for_pytorch_under_ld_preload(in_child, libs, built_libs):
+    in_child(expandable.under_ld_preload, str(libs), env={"LD_PRELOAD": built_libs["preload"]})
 
 
-def test_lookups_wrapped_after_relocation_install(run_scenario, libs):
-    out = check_ok(run_scenario("expandable", "after_relocation_install", libs))
-    assert out == "done\n"
+def test_lookups_wrapped_after_relocation_install(in_child, libs):
+    in_child(expandable.after_relocation_install, str(libs))
 
 
 def test_torch_mode_has_no_lookup_hooks(built_libs):

@@ -2,9 +2,10 @@
 Python process, in each hook mode it applies to, and must exit 0 after printing
 "OK". Skipped as a whole where PyTorch sees no CUDA GPU.
 
-Run on a GPU machine (after `make build`):
-
-    python -m pytest -q tests/test_gpu.py
+Run on a GPU machine with `make test-gpu`: one pytest-xdist worker per GPU, each on
+its GPU alone, then the tests marked two_gpus with every GPU visible (tests/gpus.py);
+on one GPU in two parts of about equal time, `make test-gpu PART=1` and `PART=2`.
+`python -m pytest -q tests/test_gpu.py` runs them all one after the other.
 
 A preload-mode child is started inside `configure_subprocess()`, so it has the
 preload library on LD_PRELOAD; a torch-mode child has it removed from
@@ -224,6 +225,7 @@ def test_expandable_segments_default_pool_shrinks(hook_mode):
                               env={**EXPANDABLE, "TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}))
 
 
+@pytest.mark.two_gpus
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
 def test_multi_gpu(hook_mode):
     if DEVICE_COUNT < 2:
@@ -234,6 +236,7 @@ def test_multi_gpu(hook_mode):
 # One process per GPU with every GPU visible, as tensor-parallel ranks run: nothing on
 # a GPU the process does not use, and a group over NCCL that pauses, fails to
 # resume on one rank, stays paused everywhere and resumes on a retry.
+@pytest.mark.two_gpus
 @pytest.mark.parametrize("hook_mode", GPU_MODES)
 @pytest.mark.parametrize("scenario", ["one_device_of_two", "nccl_group"])
 def test_one_process_per_gpu(scenario, hook_mode):
@@ -244,7 +247,9 @@ def test_one_process_per_gpu(scenario, hook_mode):
 
 # A region tensor shared with a spawned child: through torch.multiprocessing's
 # reductions (the runtime's IPC calls on our memory) and share()/open_shared();
-# a pause while the child holds it is refused, after its close it frees.
+# a pause while the child holds it is refused, after its close it frees. With two GPUs
+# the child opens it on the other one too.
+@pytest.mark.two_gpus
 @pytest.mark.parametrize("hook_mode", GPU_MODES)
 def test_share_ipc(hook_mode):
     check_passed(run_scenario("share_ipc", hook_mode))

@@ -16,7 +16,8 @@ import subprocess
 
 import pytest
 
-from conftest import HOOK_MODES, REPO, check_ok, library_file
+from conftest import HOOK_MODES, REPO
+from host_scenarios import hip
 
 STUB_SOURCE = REPO / "tests" / "c" / "hip_stub.c"
 DRIVER_HIP = REPO / "src" / "platform" / "driver_hip.c"
@@ -73,11 +74,13 @@ def hip_stub(tmp_path_factory):
 
 
 @pytest.fixture
-def run_hip(run_scenario, hip_stub):
-    """run_hip(case, *args, env=None) runs a case of tests/host_scenarios/hip.py on the hip
-    backend with the stub; env entries add to (None removes from) the stub's."""
+def run_hip(in_child, hip_stub):
+    """run_hip(case, *args, env=None) runs case (a function of tests/host_scenarios/hip.py) on
+    the hip backend with the stub, its arguments as the command line gives them (text); env
+    entries add to (None removes from) the stub's."""
     def run(case, *args, env=None):
-        return run_scenario("hip", case, *args, backend="hip", env={"TMS_HIP_LIBRARY": hip_stub, **(env or {})})
+        __tracebackhide__ = True
+        return in_child(case, *map(str, args), backend="hip", env={"TMS_HIP_LIBRARY": hip_stub, **(env or {})})
     return run
 
 
@@ -94,8 +97,7 @@ def test_stub_exports_every_entry_driver_hip_resolves(hip_stub):
 
 @pytest.mark.parametrize("mode", HOOK_MODES)
 def test_python_path_on_the_hip_backend(run_hip, mode):
-    out = check_ok(run_hip("python_path", mode))
-    assert out == "done\n"
+    run_hip(hip.python_path, mode)
 
 
 @pytest.mark.parametrize("version,chunk_env,chunk_mib", [
@@ -108,9 +110,8 @@ def test_default_chunking_follows_the_rocm_version(run_hip, version, chunk_env, 
     """600 MiB (256 + 256 + a partial 88 on ROCm 6) reserved, a few bytes
     touched: the stub's memfd pages cost nothing until written. A 259 MiB one
     with an mmap backup crosses a chunk boundary with a partial last chunk."""
-    out = check_ok(run_hip("chunking", chunk_mib, env={"HIP_STUB_VERSION": version, "TMS_CHUNK_BYTES": chunk_env,
-                                                     "HIP_STUB_DEVICE_BYTES": 2 << 30}))
-    assert out == "done\n"
+    run_hip(hip.chunking, chunk_mib, env={"HIP_STUB_VERSION": version, "TMS_CHUNK_BYTES": chunk_env,
+                                          "HIP_STUB_DEVICE_BYTES": 2 << 30})
 
 
 def test_preload_library_exports_hip_hooks(built_libs):
@@ -121,22 +122,19 @@ def test_preload_library_exports_hip_hooks(built_libs):
 
 def test_hipmalloc_hook_routes_regions_to_the_core(run_hip):
     """hipMalloc/hipFree of _tms_preload, called as a ROCm PyTorch would, on the stub."""
-    out = check_ok(run_hip("hipmalloc_hook"))
-    assert out == "done\n"
+    run_hip(hip.hipmalloc_hook)
 
 
 @pytest.mark.parametrize("how", ["TMS_BACKEND", "TMS_PLATFORM", "use_backend"])
 def test_the_hip_backend_is_selected(run_hip, how):
     env = {"TMS_BACKEND": None, "TMS_PLATFORM": "rocm"} if how == "TMS_PLATFORM" else \
         {"TMS_BACKEND": None} if how == "use_backend" else {}
-    out = check_ok(run_hip("selected", how, env=env))
-    assert out == "done\n"
+    run_hip(hip.selected, how, env=env)
 
 
 def test_missing_hip_runtime_names_libamdhip64(run_hip, tmp_path):
     missing = tmp_path / "no-such-libamdhip64.so"
-    out = check_ok(run_hip("missing_runtime", missing, env={"TMS_HIP_LIBRARY": missing}))
-    assert out == "done\n"
+    run_hip(hip.missing_runtime, missing, env={"TMS_HIP_LIBRARY": missing})
 
 
 def test_no_hip_library_at_all_names_libamdhip64(run_hip):
@@ -145,12 +143,9 @@ def test_no_hip_library_at_all_names_libamdhip64(run_hip):
         pytest.skip("a HIP runtime is installed here")
     except OSError:
         pass
-    out = check_ok(run_hip("no_runtime", env={"TMS_HIP_LIBRARY": None}))
-    assert out == "done\n"
+    run_hip(hip.no_runtime, env={"TMS_HIP_LIBRARY": None})
 
 
 def test_no_device_and_out_of_memory_are_clear_errors(run_hip):
-    out = check_ok(run_hip("no_device", env={"HIP_STUB_DEVICES": 0}))
-    assert out == "done\n"
-    out = check_ok(run_hip("out_of_memory", env={"HIP_STUB_DEVICE_BYTES": 64 << 20}))
-    assert out == "done\n"
+    run_hip(hip.no_device, env={"HIP_STUB_DEVICES": 0})
+    run_hip(hip.out_of_memory, env={"HIP_STUB_DEVICE_BYTES": 64 << 20})

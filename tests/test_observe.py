@@ -6,16 +6,16 @@ import sys
 
 import pytest
 
-from conftest import REPO, check_ok, child_env
+from conftest import REPO, child_env
+from host_scenarios import observe
 
 
-def test_stats_follow_every_state_change(run_scenario):
-    out = check_ok(run_scenario("observe", "stats_follow_every_state_change"))
-    assert out == "done\n"
+def test_stats_follow_every_state_change(in_child):
+    in_child(observe.stats_follow_every_state_change)
 
 
-def test_memory_summary_lists_every_tag(run_scenario):
-    out = check_ok(run_scenario("observe", "memory_summary"))
+def test_memory_summary_lists_every_tag(in_child):
+    out = in_child.output(observe.memory_summary)
     lines = out.splitlines()
     assert lines[0] == "torch_memory_saver memory summary"
     assert lines[1].split()[:3] == ["device", "tag", "allocs"]
@@ -28,9 +28,8 @@ def test_memory_summary_lists_every_tag(run_scenario):
                                            "1", "0"]
 
 
-def test_pause_and_resume_log_a_summary_at_info_and_allocations_at_debug(run_scenario):
-    proc = run_scenario("observe", "log_lines")
-    out = check_ok(proc)
+def test_pause_and_resume_log_a_summary_at_info_and_allocations_at_debug(in_child):
+    out = in_child.output(observe.log_lines)
     lines = [l for l in out.splitlines() if "torch_memory_saver" in l]
     assert len(lines) == 4, out
     assert lines[0].startswith("INFO torch_memory_saver pause tag=w: released 8.00 MiB, 8.00 MiB copied in ")
@@ -40,28 +39,28 @@ def test_pause_and_resume_log_a_summary_at_info_and_allocations_at_debug(run_sce
     assert "active backup=none" in lines[3]
 
 
-def test_progress_lines_for_a_long_backed_up_pause(run_scenario, tmp_path):
+def test_progress_lines_for_a_long_backed_up_pause(in_child, tmp_path):
     # A copy slowed down: one worker, tiny blocks; and held at the gate until a progress line is out.
-    out = check_ok(run_scenario("observe", "progress_lines", timeout=120, env={
-        "TMS_BACKUP_THREADS": "1", "TMS_BACKUP_BLOCK_BYTES": "64KiB", "TMS_HOST_COPY_GATE": tmp_path / "gate"}))
+    out = in_child.output(observe.progress_lines, timeout=120, env={
+        "TMS_BACKUP_THREADS": "1", "TMS_BACKUP_BLOCK_BYTES": "64KiB", "TMS_HOST_COPY_GATE": tmp_path / "gate"})
     progress = [l for l in out.splitlines() if "% (" in l]
     assert progress, out
     assert all(l.startswith(("pause tag=w: ", "resume tag=w: ")) and "of 256.00 MiB copied" in l for l in progress)
 
 
 @pytest.mark.parametrize("op, progress", [("pause", "on"), ("resume", "on"), ("pause", "off")])
-def test_ctrl_c_lets_the_call_finish_logs_its_summary_then_raises(run_scenario, tmp_path, op, progress):
+def test_ctrl_c_lets_the_call_finish_logs_its_summary_then_raises(in_child, tmp_path, op, progress):
     # With progress lines the call runs in a thread: Ctrl-C must not abandon it there either.
-    out = check_ok(run_scenario("observe", "interrupt_mid_call", op, progress, timeout=120,
-                                env={"TMS_HOST_COPY_GATE": tmp_path / "gate"}))
+    out = in_child.output(observe.interrupt_mid_call, op, progress, timeout=120,
+                          env={"TMS_HOST_COPY_GATE": tmp_path / "gate"})
     done, what = ("paused", "released") if op == "pause" else ("active", "mapped")
     assert out.splitlines() == [f"KeyboardInterrupt [('w', '{done}')]",
                                 f"logged: {op} tag=w: {what} 64.00 MiB, 64.00 MiB",
                                 "same bytes: True"], out
 
 
-def test_progress_needs_a_bool(run_scenario):
-    check_ok(run_scenario("observe", "progress_needs_a_bool"))
+def test_progress_needs_a_bool(in_child):
+    in_child(observe.progress_needs_a_bool)
 
 
 def test_cli_info_preload_path_and_run():

@@ -9,7 +9,8 @@ import re
 import pytest
 
 import cbuild
-from conftest import REPO, cc, check_ok
+from conftest import REPO, cc
+from host_scenarios import reloc
 
 C = REPO / "tests" / "c"
 VARIANTS = {  # name: extra flags
@@ -50,42 +51,37 @@ def libs(tmp_path_factory):
     return d
 
 
-def test_hooks_reach_objects_loaded_before_and_after(run_scenario, libs):
-    out = check_ok(run_scenario("reloc", "before_and_after", libs))
-    assert out == "done\n"
+def test_hooks_reach_objects_loaded_before_and_after(in_child, libs):
+    in_child(reloc.before_and_after, str(libs))
 
 
-def test_hip_names_and_patching_while_other_threads_allocate(run_scenario, libs):
-    out = check_ok(run_scenario("reloc", "hip_names_while_others_allocate", libs))
-    assert out == "done\n"
+def test_hip_names_and_patching_while_other_threads_allocate(in_child, libs):
+    in_child(reloc.hip_names_while_others_allocate, str(libs))
 
 
 @pytest.mark.parametrize("hooks", [False, True])
-def test_bare_name_dlopen_keeps_the_callers_runpath(run_scenario, libs, hooks):
+def test_bare_name_dlopen_keeps_the_callers_runpath(in_child, libs, hooks):
     # Without the hooks the control: the loader finds libinner.so in the caller's RUNPATH.
-    out = check_ok(run_scenario("reloc", "bare_name_dlopen", libs, hooks))
-    assert out == "done\n"
+    in_child(reloc.bare_name_dlopen, str(libs), str(hooks))
 
 
-def test_a_statically_linked_runtime_is_named(run_scenario, libs):
-    proc = run_scenario("reloc", "static_runtime", libs)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == str(libs / "libstatic_runtime.so")
-    assert "libstatic_runtime.so defines cudaMalloc itself" in proc.stderr, proc.stderr
+def test_a_statically_linked_runtime_is_named(in_child, libs):
+    child = in_child.run(reloc.static_runtime, str(libs))
+    child.result(stderr_empty=False)
+    assert child.stdout.strip() == str(libs / "libstatic_runtime.so")
+    assert "libstatic_runtime.so defines cudaMalloc itself" in child.stderr, child.stderr
 
 
-def test_reloc_hooks_off_leaves_objects_alone(run_scenario, libs):
-    out = check_ok(run_scenario("reloc", "hooks_off", libs, env={"TMS_RELOC_HOOKS": "0"}))
-    assert out == "done\n"
+def test_reloc_hooks_off_leaves_objects_alone(in_child, libs):
+    in_child(reloc.hooks_off, str(libs), env={"TMS_RELOC_HOOKS": "0"})
 
 
 @pytest.mark.parametrize("change", ["made_writable", "made_read_only"])
-def test_a_store_keeps_a_protection_changed_since_the_pass_began(run_scenario, libs, change):
+def test_a_store_keeps_a_protection_changed_since_the_pass_began(in_child, libs, change):
     # Restoring what a snapshot taken at the pass's start said would undo another
     # patcher's change, or leave a read-only GOT page writable.
-    out = check_ok(run_scenario("reloc", "protection_changed_during_pass", libs, change,
-                                env={"LD_PRELOAD": libs / "libreloc_mprotect.so"}))
-    assert out == "done\n"
+    in_child(reloc.protection_changed_during_pass, str(libs), change,
+             env={"LD_PRELOAD": libs / "libreloc_mprotect.so"})
 
 
 def test_malformed_reloc_hooks_is_a_value_error(run_py):
@@ -93,39 +89,35 @@ def test_malformed_reloc_hooks_is_a_value_error(run_py):
     assert proc.returncode != 0 and "TMS_RELOC_HOOKS='maybe'" in proc.stderr, proc.stderr
 
 
-def test_a_dlopen_returns_with_the_new_object_patched(run_scenario, libs):
+def test_a_dlopen_returns_with_the_new_object_patched(in_child, libs):
     # Another thread keeps running passes meanwhile: a library's allocations in a
     # region, made in C right after its dlopen returned, are the library's.
-    out = check_ok(run_scenario("reloc", "dlopen_returns_patched", libs))
-    assert out == "done\n"
+    in_child(reloc.dlopen_returns_patched, str(libs))
 
 
-def test_each_patched_object_forwards_to_its_own_runtime(run_scenario, libs):
+def test_each_patched_object_forwards_to_its_own_runtime(in_child, libs):
     # Two runtimes: a library linked to the second reaches the second, not the
     # first one the hooks saw; after the first is unloaded, nothing calls into it.
-    out = check_ok(run_scenario("reloc", "own_runtimes", libs))
-    assert out == "done\n"
+    in_child(reloc.own_runtimes, str(libs))
 
 
-def test_a_tail_call_never_reaches_an_unloaded_runtime(run_scenario, libs):
+def test_a_tail_call_never_reaches_an_unloaded_runtime(in_child, libs):
     # user_free's `return cudaFree(p)` is a tail call: the hook sees a caller
     # outside every patched object. Once the newest runtime is unloaded, such a
     # call goes to a runtime still loaded, not into unmapped memory.
-    out = check_ok(run_scenario("reloc", "tail_call_after_dlclose", libs))
-    assert out == "done\n"
+    in_child(reloc.tail_call_after_dlclose, str(libs))
 
 
-# The race under each sanitizer: compiler flags and the options its run needs.
+# The race under ThreadSanitizer: compiler flags and the options its run needs. The plain
+# build and AddressSanitizer + UndefinedBehaviorSanitizer run it under ctest
+# (test_c_suite.py: reloc_race, for two seconds each).
 SANITIZERS = {
-    None: ([], {}),
-    "address": (["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"],
-                {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}),
     "thread": (["-fsanitize=thread"],
                {"TSAN_OPTIONS": f"halt_on_error=1:report_signal_unsafe=0:suppressions={cbuild.C_TESTS / 'tsan.supp'}"}),
 }
 
 
-@pytest.mark.parametrize("sanitizer", list(SANITIZERS), ids=lambda s: s or "plain")
+@pytest.mark.parametrize("sanitizer", list(SANITIZERS))
 def test_passes_survive_a_dlclose_on_another_thread(libs, tmp_path, sanitizer):
     # One thread dlopens copies of a library through its patched dlopen, each running a
     # pass over every loaded object, while another dlcloses them: a pass reads an

@@ -9,45 +9,42 @@ import sys
 
 import pytest
 
-from conftest import check_ok
+from host_scenarios import share
 
 
-@pytest.mark.parametrize("case", ["round_trip", "sender_exits_first", "fake_sender"])
-def test_share_between_two_processes(run_scenario, case):
-    assert check_ok(run_scenario("share", case)) == "done\n"
+@pytest.mark.parametrize("case", [share.round_trip, share.sender_exits_first, share.fake_sender],
+                         ids=["round_trip", "sender_exits_first", "fake_sender"])
+def test_share_between_two_processes(in_child, case):
+    in_child(case)
 
 
-def test_memory_made_without_exportable_handles_says_so(run_scenario):
-    assert check_ok(run_scenario("share", "not_shareable", env={"TMS_SHAREABLE": "0"})) == "done\n"
+def test_memory_made_without_exportable_handles_says_so(in_child):
+    in_child(share.not_shareable, env={"TMS_SHAREABLE": "0"})
 
 
-def test_another_users_process_gets_nothing(run_scenario, other_uids):
+def test_another_users_process_gets_nothing(in_child, other_uids):
     _, attacker = other_uids
-    proc = run_scenario("share", "other_user", attacker, attacker)
-    assert check_ok(proc) == "done\n"
+    in_child(share.other_user, attacker, attacker)
 
 
-def test_a_receiver_that_hangs_up_without_letting_go_is_reported_not_released(run_scenario):
+def test_a_receiver_that_hangs_up_without_letting_go_is_reported_not_released(in_child):
     # It keeps the memory's descriptor and lives: the pause goes ahead, its report lists the
     # allocation and the receiver's pid, and counts none of it released.
-    assert check_ok(run_scenario("share", "hung_up_receiver")) == "done\n"
+    in_child(share.hung_up_receiver)
 
 
-def test_idle_connections_of_this_user_cannot_take_the_senders_descriptors(run_scenario):
+def test_idle_connections_of_this_user_cannot_take_the_senders_descriptors(in_child):
     # 1,100 connections that never ask, against a sender limited to 1,024 descriptors.
-    proc = run_scenario("share", "idle_flood", timeout=120)
-    assert check_ok(proc) == "done\n"
+    in_child(share.idle_flood, timeout=120)
 
 
-def test_a_flood_of_connections_costs_the_sender_a_bounded_share_of_a_core(run_scenario):
-    proc = run_scenario("share", "refusal_flood", timeout=120)
-    assert check_ok(proc) == "done\n"
+def test_a_flood_of_connections_costs_the_sender_a_bounded_share_of_a_core(in_child):
+    in_child(share.refusal_flood, timeout=120)
 
 
-def test_another_users_flood_is_refused_within_the_same_bound(run_scenario, other_uids):
+def test_another_users_flood_is_refused_within_the_same_bound(in_child, other_uids):
     _, attacker = other_uids
-    proc = run_scenario("share", "refusal_flood", attacker, attacker, timeout=120)
-    assert check_ok(proc) == "done\n"
+    in_child(share.refusal_flood, attacker, attacker, timeout=120)
 
 
 def test_a_receiver_without_the_package_is_told_its_name(run_py):

@@ -136,7 +136,7 @@ static int open_private_at(int at, const char *path, int make, int *refused, cha
 static int open_runtime(char *path, size_t size, int *refused, char *why, size_t why_size)
 {
     *refused = 0;
-    if (tms_os_runtime_dir(path, size - 32) != 0) {  /* room for the name below */
+    if (tms_os_runtime_dir(tms_defaults()->xdg_runtime_dir, path, size - 32) != 0) {  /* room for the name below */
         snprintf(why, why_size, "its path is too long");
         return -1;
     }

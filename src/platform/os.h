@@ -107,10 +107,10 @@ int tms_os_home_dir(char *buf, size_t size);
  * can make names in, whatever the environment says ($XDG_CACHE_HOME is not
  * read). Its errors. */
 int tms_os_cache_dir(char *buf, size_t size);
-/* The user's runtime directory: $XDG_RUNTIME_DIR where it is an absolute
- * path (secure_getenv: not in a setuid process), else /run/user/<uid>, where
- * logind makes it. */
-int tms_os_runtime_dir(char *buf, size_t size);
+/* The user's runtime directory: xdg (the value of $XDG_RUNTIME_DIR, as the
+ * settings read it; NULL or "": unset) where it is an absolute path, else
+ * /run/user/<uid>, where logind makes it. */
+int tms_os_runtime_dir(const char *xdg, char *buf, size_t size);
 
 /* ---- private directories ------------------------------------------------------------------- */
 

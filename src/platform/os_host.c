@@ -112,9 +112,8 @@ int tms_os_home_dir(char *buf, size_t size) { return home_with("", buf, size); }
 
 int tms_os_cache_dir(char *buf, size_t size) { return home_with("/.cache", buf, size); }
 
-int tms_os_runtime_dir(char *buf, size_t size)
+int tms_os_runtime_dir(const char *xdg, char *buf, size_t size)
 {
-    const char *xdg = tms_defaults()->xdg_runtime_dir;
-    int n = xdg[0] == '/' ? snprintf(buf, size, "%s", xdg) : snprintf(buf, size, "/run/user/%u", (unsigned)geteuid());
+    int n = xdg && xdg[0] == '/' ? snprintf(buf, size, "%s", xdg) : snprintf(buf, size, "/run/user/%u", (unsigned)geteuid());
     return fitted(n, size);
 }

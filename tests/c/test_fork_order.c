@@ -6,14 +6,17 @@
  * deadlocks. Each scenario runs in a process of its own, which touches the
  * subsystems in a given order (the order their handlers are registered in),
  * then holds the table lock while a forking thread and a wrapper thread queue
- * up behind it, the forking thread first. An alarm turns a deadlock into a
- * failure. Usage: test_fork_order [--rounds N] */
+ * up behind it, the forking thread first: each is let go only once the kernel
+ * shows it waiting on a lock (/proc/self/task/TID/syscall), so the order holds
+ * on a machine of any speed. An alarm turns a deadlock into a failure.
+ * Usage: test_fork_order [--rounds N] */
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -96,6 +99,34 @@ static void sleep_ms(long ms)
     while (nanosleep(&ts, &ts) != 0) {}
 }
 
+/* A thread of this process tells its kernel id here before it may block. */
+struct queued {
+    pid_t tid;  /* atomic: 0 until the thread runs */
+    void *arg;
+};
+
+static void say_tid(struct queued *q) { __atomic_store_n(&q->tid, (pid_t)syscall(SYS_gettid), __ATOMIC_RELEASE); }
+
+/* Returns once the thread of q sleeps in a futex wait, the only way a thread
+ * of this test blocks (a mutex it queues behind): the event the order needs.
+ * 0 if the kernel does not say (no /proc). */
+static int wait_blocked(struct queued *q)
+{
+    pid_t tid;
+    while (!(tid = __atomic_load_n(&q->tid, __ATOMIC_ACQUIRE))) sleep_ms(1);  /* paces the poll */
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/task/%d/syscall", (int)tid);
+    for (;;) {
+        FILE *f = fopen(path, "r");
+        if (!f) return 0;
+        long nr = -1;
+        if (fscanf(f, "%ld", &nr) != 1) nr = -1;  /* "running": not blocked yet */
+        fclose(f);
+        if (nr == SYS_futex) return 1;
+        sleep_ms(1);  /* paces the poll; the alarm ends a wait that never comes */
+    }
+}
+
 /* ---- one scenario --------------------------------------------------------------- */
 
 struct segment {
@@ -127,7 +158,7 @@ static void unmap_segment(struct segment *s)
 
 static void *forker(void *arg)
 {
-    (void)arg;
+    say_tid(arg);
     pid_t pid = fork();
     if (pid == 0) _exit(0);
     int status = 0;
@@ -137,7 +168,9 @@ static void *forker(void *arg)
 
 static void *adopter(void *arg)
 {
-    struct segment *s = arg;
+    struct queued *q = arg;
+    struct segment *s = q->arg;
+    say_tid(q);
     CHECK(cu.set_access(s->va, PAGE, &access_rw, 1) == TMS_CUDA_SUCCESS);
     return NULL;
 }
@@ -152,11 +185,12 @@ static void fork_against_adopt(int tag_id)
     struct segment s;
     map_token(&s, tag_id);
     pthread_t f, a;
+    struct queued qf = {0, NULL}, qa = {0, &s};
     tms_table_lock();
-    CHECK(pthread_create(&f, NULL, forker, NULL) == 0);
-    sleep_ms(100);
-    CHECK(pthread_create(&a, NULL, adopter, &s) == 0);
-    sleep_ms(100);
+    CHECK(pthread_create(&f, NULL, forker, &qf) == 0);
+    CHECKF(wait_blocked(&qf), "the forking thread's state is not in /proc/self/task");
+    CHECK(pthread_create(&a, NULL, adopter, &qa) == 0);
+    CHECKF(wait_blocked(&qa), "the wrapper thread's state is not in /proc/self/task");
     tms_table_unlock();
     pthread_join(f, NULL);
     pthread_join(a, NULL);

@@ -1,10 +1,13 @@
 """Helpers shared by the GPU scenarios (imported as `_common`: scenarios run by file path).
 
-Memory checks read the device's free memory (torch.cuda.mem_get_info), which is
-what pause/resume change: PyTorch's caching allocator keeps counting paused
-tensors as allocated, so its own statistics say nothing here. The library's
-allocation table (torch_memory_saver._core.allocations()) tells how many bytes
-each tag holds, so "freed >= 95 %" is measured against what was really mapped.
+Memory checks count what the library did, never the device's free memory: a pause's
+or resume's report says how many bytes it released or mapped (the core adds up each
+allocation's unmap and release, or create and map, as the driver confirmed them), and
+the allocation table (torch_memory_saver._core.allocations()) how many each tag holds,
+so the two must agree exactly. Free memory (torch.cuda.mem_get_info) is the whole
+device's: a copy stream the library creates on first use, PyTorch's cache, the CUDA
+context's own growth or another process move it by megabytes at any moment. PyTorch's
+own counters (torch.cuda.memory_reserved) are exact for what PyTorch holds.
 """
 import torch
 
@@ -13,11 +16,6 @@ from torch_memory_saver import torch_memory_saver as tms
 MiB = 1 << 20
 GiB = 1 << 30
 HOOK_MODES = ("preload", "torch")
-# Free memory may move a little for reasons of its own (driver bookkeeping,
-# a small pool segment); a step that should not change it may move this much.
-SLACK = 64 * MiB
-
-
 def say(msg):
     print(msg, flush=True)
 
@@ -123,30 +121,35 @@ def check_states(tag, state):
     check(not wrong, f"tag {tag!r}: {len(wrong)} of {len(rows)} allocations are not {state}: {wrong}")
 
 
-# ---- free device memory ---------------------------------------------------------
+# ---- what a pause or resume did --------------------------------------------------
 
-def check_released(before, after, nbytes, what, fraction=0.95):
-    """Free memory grew from `before` to `after` by at least fraction * nbytes."""
-    grown = after - before
-    say(f"  {what}: free memory +{mib(grown)} (region holds {mib(nbytes)})")
+def _reported(report, op, device):
+    check(report is not None and getattr(report, "op", None) == op, f"expected the Report of a {op}, got {report!r}")
+    if device is None:
+        return report.released_bytes
+    return report.devices[device].released_bytes if device in report.devices else 0
+
+
+def check_released(report, nbytes, what, device=None):
+    """A pause's report says it released exactly nbytes (on `device`, or on every device):
+    what the allocations it paused held."""
+    got = _reported(report, "pause", device)
+    say(f"  {what}: released {mib(got)} (the allocations hold {mib(nbytes)})")
     check(nbytes > 0, f"{what}: nothing to release (0 bytes)")
-    check(grown >= fraction * nbytes,
-          f"{what}: free memory grew by {mib(grown)}, expected at least {fraction:.0%} of {mib(nbytes)}")
+    check(got == nbytes, f"{what}: the pause released {got} bytes, the allocations hold {nbytes} ({report!r})")
 
 
-def check_taken(before, after, nbytes, what, fraction=0.95):
-    """Free memory dropped from `before` to `after` by at least fraction * nbytes."""
-    taken = before - after
-    say(f"  {what}: free memory -{mib(taken)} (region holds {mib(nbytes)})")
+def check_taken(report, nbytes, what, device=None):
+    """A resume's report says it mapped back exactly nbytes (on `device`, or on every device)."""
+    got = _reported(report, "resume", device)
+    say(f"  {what}: mapped {mib(got)} (the allocations hold {mib(nbytes)})")
     check(nbytes > 0, f"{what}: nothing to map back (0 bytes)")
-    check(taken >= fraction * nbytes,
-          f"{what}: free memory dropped by {mib(taken)}, expected at least {fraction:.0%} of {mib(nbytes)}")
+    check(got == nbytes, f"{what}: the resume mapped {got} bytes, the allocations hold {nbytes} ({report!r})")
 
 
-def check_near(before, after, what, slack=SLACK):
-    say(f"  {what}: free memory moved by {mib(after - before)}")
-    check(abs(after - before) <= slack,
-          f"{what}: free memory moved by {mib(after - before)}, expected at most {mib(slack)}")
+def mapped_bytes(device=None):
+    """Bytes of device memory the library's allocations hold mapped now (stats() counters)."""
+    return sum(r["bytes_mapped"] for r in core().stats() if device is None or r["device"] == device)
 
 
 # ---- tensors --------------------------------------------------------------------
@@ -193,18 +196,23 @@ def expect_error(exc_type, fn, *fragments):
 # ---- disable() ------------------------------------------------------------------
 
 def check_disable_gives_memory_back(tms, what, nbytes):
-    """Allocates and frees nbytes under disable(): free memory must be back within
-    10 MiB when the block ends, and the tensor must not be the library's."""
-    before = free_bytes()
+    """Allocates and frees nbytes under disable(): when the block ends, the segment that
+    held it is no longer PyTorch's and PyTorch holds no more than before (its own
+    counters), and the tensor was never the library's."""
+    before = torch.cuda.memory_reserved()
     with tms.disable():
         t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         t.fill_(9)
         check(owner(t) is None, f"disable() {what}: a tensor allocated inside is pauseable")
+        ptr = t.data_ptr()
         del t
-    after = free_bytes()
-    say(f"  disable() {what}: free memory moved by {mib(after - before)} after {mib(nbytes)} in and out")
-    check(abs(after - before) <= 10 * MiB,
-          f"disable() {what}: {mib(before - after)} still held after the block ({mib(nbytes)} allocated and freed)")
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_reserved()
+    kept = [s for s in torch.cuda.memory_snapshot() if s["address"] <= ptr < s["address"] + s["total_size"]]
+    say(f"  disable() {what}: PyTorch reserves {mib(after - before)} more after {mib(nbytes)} in and out")
+    check(not kept, f"disable() {what}: the segment of the block's tensor is still PyTorch's after the block: {kept}")
+    check(after <= before, f"disable() {what}: PyTorch reserves {mib(after - before)} more after the block "
+                           f"({mib(nbytes)} allocated and freed)")
 
 
 # ---- raw cudaMalloc, as C++ extensions (DeepEP, NCCL buffers) call it ----------------

@@ -30,12 +30,8 @@ def main(hook_mode):
         out = model(x).cpu()
     tms.pause("rl_inference_model")              # a tag never used: no-op
     held = tag_bytes(TAG)
-    before = free_bytes()
-    tms.pause(TAG)
-    paused = free_bytes()
-    check_released(before, paused, held, f"pause('{TAG}')")
-    tms.resume(TAG)
-    check_taken(paused, free_bytes(), held, f"resume('{TAG}')")
+    check_released(tms.pause(TAG), held, f"pause('{TAG}')")
+    check_taken(tms.resume(TAG), held, f"resume('{TAG}')")
     with torch.no_grad():
         check_equal(model(x), out, "model output after resume")
     print("OK")

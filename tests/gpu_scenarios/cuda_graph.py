@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from _common import (MiB, begin, check, check_equal, check_released, check_states, check_taken, free_bytes,
+from _common import (MiB, begin, check, check_equal, check_released, check_states, check_taken,
                      graph_body, say, tag_bytes, warm_up)
 
 TAG = "graph"
@@ -34,13 +34,10 @@ def main(hook_mode):
     say("first replay matches eager computation")
     out_ptr = out.data_ptr()
 
-    before = free_bytes()
-    tms.pause(TAG)
-    paused = free_bytes()
+    report = tms.pause(TAG)
     check_states(TAG, "paused")
-    check_released(before, paused, held, f"pause('{TAG}')")
-    tms.resume(TAG)
-    check_taken(paused, free_bytes(), held, f"resume('{TAG}')")
+    check_released(report, held, f"pause('{TAG}')")
+    check_taken(tms.resume(TAG), held, f"resume('{TAG}')")
 
     x.copy_(torch.randn(x.shape, device="cuda"))
     graph.replay()

@@ -8,7 +8,7 @@ which the library keeps alive, so empty_cache() does not cudaFree them.)
 Part B, through the hook's own entry points (what PyTorch calls:
 cudaMalloc/cudaFree in preload mode, tms_torch_malloc/tms_torch_free in torch
 mode): an allocation freed while paused leaves the table, resume() of its tag
-is a no-op, and free memory is back at the baseline: no leak.
+is a no-op, and what the library holds is back at the baseline: no leak.
 
 Part C (preload mode): a CUDA graph's private pool is freed by PyTorch
 (cudaFree of every segment) while its tag is paused."""
@@ -18,25 +18,31 @@ import sys
 
 import torch
 
-from _common import (MiB, begin, check, check_filled, check_near, check_owned, check_released, check_states,
-                     check_taken, core, free_bytes, graph_body, owner, say, tag_bytes, warm_up)
+from _common import (MiB, begin, check, check_filled, check_owned, check_released, check_states, core,
+                     free_bytes, graph_body, mapped_bytes, owner, say, tag_bytes, warm_up)
+
+
+def check_holds(base, what, more=0):
+    """The library maps exactly base + more bytes (stats() counters)."""
+    now = mapped_bytes()
+    check(now == base + more, f"{what}: the library maps {now - base} bytes more than at the baseline, expected {more}")
 
 
 def part_a_tensors(tms):
     say("-- A: delete a paused tag's tensors")
-    base = free_bytes()
+    base = mapped_bytes()
     with tms.region(tag="f"):
         tensors = [torch.empty(256 * MiB, dtype=torch.uint8, device="cuda"),
                    torch.randn(64 * MiB, device="cuda")]
     held = tag_bytes("f")
-    taken = free_bytes()
-    check_taken(base, taken, held, "allocating tag 'f'")
-    tms.pause("f")
-    check_released(taken, free_bytes(), held, "pause('f')")
+    check_holds(base, "allocating tag 'f'", held)
+    check_released(tms.pause("f"), held, "pause('f')")
     del tensors
     gc.collect()
     torch.cuda.empty_cache()
-    check_near(base, free_bytes(), "paused, tensors deleted, cache emptied vs before the region")
+    left = [r["state"] for r in core().allocations() if r["tag"] == "f"]
+    check(set(left) <= {"paused"}, f"tag 'f' after its tensors were deleted while paused: {left}")
+    check_holds(base, "paused, tensors deleted, cache emptied vs before the region")   # nothing mapped
     tms.resume("f")
     with tms.region(tag="f"):
         fresh = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
@@ -89,32 +95,34 @@ class HookEntryPoints:
 def part_b_hook(tms, hook_mode):
     say("-- B: free through the hook while paused")
     hook = HookEntryPoints(hook_mode)
-    size = 1024 * MiB   # large next to the fixed cost (~16 MiB) of the first backed-up pause
-    base = free_bytes()
+    size = 96 * MiB + 4096
+    base = mapped_bytes()
     for tag, backup in (("raw", False), ("raw_backup", True)):
         with tms.region(tag=tag, enable_cpu_backup=backup):
             ptr = hook.malloc(size)
             row = owner(ptr)
             check(row is not None and row["tag"] == tag and row["state"] == "active",
                   f"hook allocation not recorded as active in tag {tag!r}: {row}")
-            taken = free_bytes()
-            check_taken(base, taken, row["reserved"], f"hook allocation in '{tag}'")
-            tms.pause(tag)
+            check_holds(base, f"hook allocation in '{tag}'", row["reserved"])
+            report = tms.pause(tag)
             check(owner(ptr)["state"] == "paused", f"hook allocation in {tag!r} not paused")
-            check_released(taken, free_bytes(), row["reserved"], f"pause('{tag}')")
+            check_released(report, row["reserved"], f"pause('{tag}')")
             hook.free(ptr, size)
             check(owner(ptr) is None, f"allocation in {tag!r} freed while paused is still in the table")
-            tms.resume(tag)   # nothing left in the tag: a no-op
-            tms.pause(tag)
-            tms.resume(tag)
-            check_near(base, free_bytes(), f"after freeing the paused allocation of '{tag}' vs the baseline")
+            check(core().host_budget()["mine"] == 0, f"the backup of the allocation freed while paused is still held: "
+                                                     f"{core().host_budget()}")
+            for report in (tms.resume(tag), tms.pause(tag), tms.resume(tag)):   # nothing left in the tag: no-ops
+                check(report.released_bytes == 0 and report.allocations == 0, f"{report.op} of an emptied tag did "
+                                                                              f"something: {report!r}")
+            check(tag_bytes(tag) == 0, f"tag {tag!r} still holds {tag_bytes(tag)} bytes")
+            check_holds(base, f"after freeing the paused allocation of '{tag}' vs the baseline")
 
             again = hook.malloc(size)
             check(owner(again)["tag"] == tag, f"new hook allocation not in tag {tag!r}")
-            check_taken(base, free_bytes(), owner(again)["reserved"], f"new allocation in '{tag}'")
+            check_holds(base, f"new allocation in '{tag}'", owner(again)["reserved"])
             hook.free(again, size)     # active this time
             check(owner(again) is None, "allocation freed while active is still in the table")
-            check_near(base, free_bytes(), f"after freeing the active allocation of '{tag}' vs the baseline")
+            check_holds(base, f"after freeing the active allocation of '{tag}' vs the baseline")
     say("freed while paused: gone from the table, resume a no-op, no memory leaked")
 
 
@@ -123,7 +131,7 @@ def part_c_graph_pool(tms):
     x = torch.randn(32 * MiB, device="cuda")
     warm_up(graph_body, x)
     torch.cuda.empty_cache()
-    base = free_bytes()
+    base = mapped_bytes()
     graph = torch.cuda.CUDAGraph()
     with tms.cuda_graph(graph, tag="gfree"):
         out = graph_body(x)
@@ -131,10 +139,9 @@ def part_c_graph_pool(tms):
     torch.cuda.synchronize()
     held = tag_bytes("gfree")
     check(held >= x.nbytes, f"graph pool in tag 'gfree' holds {held} bytes, less than one intermediate")
-    before = free_bytes()
-    tms.pause("gfree")
+    report = tms.pause("gfree")
     check_states("gfree", "paused")
-    check_released(before, free_bytes(), held, "pause('gfree')")
+    check_released(report, held, "pause('gfree')")
     del out
     graph.reset()
     del graph
@@ -143,7 +150,7 @@ def part_c_graph_pool(tms):
     left = tag_bytes("gfree")
     check(left == 0, f"{left} bytes of the graph's pool are still in the table after PyTorch freed it")
     tms.resume("gfree")        # nothing left in the tag: a no-op
-    check_near(base, free_bytes(), "after the graph and its paused pool were freed vs before the capture")
+    check_holds(base, "after the graph and its paused pool were freed vs before the capture")
     say("graph pool freed while paused; nothing leaked")
 
 

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from _common import GiB, MiB, begin, check, check_filled, check_near, check_owned, free_bytes, say, tag_bytes
+from _common import GiB, MiB, allocations, begin, check, check_filled, check_owned, free_bytes, mapped_bytes, say, tag_bytes
 
 TorchOOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 TAG = "m"
@@ -28,7 +28,7 @@ def main(hook_mode):
         check_owned(small, TAG, "256 MiB allocation within the margin")
         say("256 MiB allocation (within the margin) succeeded")
 
-        before = free_bytes()
+        before = (mapped_bytes(), len(allocations()))
         try:
             torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")
         except TorchOOM as e:
@@ -39,7 +39,9 @@ def main(hook_mode):
                                  "torch.OutOfMemoryError")
         check(tag_bytes(TAG) == check_owned(small, TAG, "small tensor")["reserved"],
               f"the failed allocation left something behind in tag {TAG!r}: {tag_bytes(TAG)} bytes")
-        check_near(before, free_bytes(), "after the failed allocation")
+        check((mapped_bytes(), len(allocations())) == before,
+              f"the failed allocation changed what the library holds: (mapped bytes, allocations) {before} -> "
+              f"{(mapped_bytes(), len(allocations()))}")
 
         tms.memory_margin_bytes = 0
         big = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")

@@ -17,16 +17,13 @@ def cycle_and_verify(tms, tensors, expected, what):
     held = {d: tag_bytes(TAG, d) for d in DEVICES}
     for d in DEVICES:
         check(held[d] > 0, f"{what}: tag {TAG!r} holds nothing on cuda:{d}")
-    before = {d: free_bytes(d) for d in DEVICES}
-    tms.pause(TAG)
-    paused = {d: free_bytes(d) for d in DEVICES}
+    report = tms.pause(TAG)
     check_states(TAG, "paused")
     for d in DEVICES:
-        check_released(before[d], paused[d], held[d], f"{what}: pause on cuda:{d}")
-    tms.resume(TAG)
-    resumed = {d: free_bytes(d) for d in DEVICES}
+        check_released(report, held[d], f"{what}: pause on cuda:{d}", device=d)
+    report = tms.resume(TAG)
     for d in DEVICES:
-        check_taken(paused[d], resumed[d], held[d], f"{what}: resume on cuda:{d}")
+        check_taken(report, held[d], f"{what}: resume on cuda:{d}", device=d)
     for name, (t, device, ptr) in tensors.items():
         check(t.device == torch.device("cuda", device), f"{name}: now on {t.device}, expected cuda:{device}")
         check(t.data_ptr() == ptr, f"{name}: data_ptr() changed")
@@ -38,12 +35,12 @@ def main(hook_mode):
     tms = begin("multi_gpu", hook_mode)
     check(torch.cuda.device_count() >= 2, "needs 2 GPUs")
     for d in DEVICES:
-        free_bytes(d)  # contexts up on both devices before anything is measured
+        free_bytes(d)  # contexts up on both devices before the regions
 
     with tms.region(tag=TAG, enable_cpu_backup=True):
         made = {
-            "cuda:0 float": torch.randn(128 * MiB, device="cuda:0"),                 # 512 MiB
-            "cuda:1 int64": random_tensor(64 * MiB, torch.int64, device="cuda:1"),   # 512 MiB
+            "cuda:0 float": torch.randn(32 * MiB, device="cuda:0"),                  # 128 MiB
+            "cuda:1 int64": random_tensor(16 * MiB, torch.int64, device="cuda:1"),   # 128 MiB
             "cuda:1 bfloat16": random_tensor(3_000_017, torch.bfloat16, device="cuda:1"),
             "cuda:0 uint8": random_tensor(1_000_003, torch.uint8, device="cuda:0"),
         }

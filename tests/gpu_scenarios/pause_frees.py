@@ -4,8 +4,8 @@ import sys
 
 import torch
 
-from _common import (MiB, begin, check, check_filled, check_owned, check_released, check_states, check_taken,
-                     free_bytes, say, tag_bytes)
+from _common import (MiB, allocations, begin, check, check_filled, check_owned, check_released, check_states,
+                     check_taken, free_bytes, say, tag_bytes)
 
 TAG = "kv"
 
@@ -30,16 +30,15 @@ def main(hook_mode):
     check(held >= nbytes, f"the library holds {held} bytes for tag {TAG!r}, less than the tensors' {nbytes}")
     ptrs = [t.data_ptr() for t in tensors]
 
-    before = free_bytes()
-    tms.pause(TAG)
-    paused = free_bytes()
+    report = tms.pause(TAG)
     check_states(TAG, "paused")
-    check_released(before, paused, held, "pause")
+    check_released(report, held, "pause")
+    rows = len(allocations(TAG))
+    check(report.allocations == rows, f"the pause covered {report.allocations} allocations, the tag has {rows}")
 
-    tms.resume(TAG)
-    resumed = free_bytes()
+    report = tms.resume(TAG)
     check_states(TAG, "active")
-    check_taken(paused, resumed, held, "resume")
+    check_taken(report, held, "resume")
 
     check([t.data_ptr() for t in tensors] == ptrs, "data_ptr() changed across pause/resume")
     say("data_ptr() unchanged")
@@ -51,9 +50,7 @@ def main(hook_mode):
     say("tensors writable and readable after resume")
 
     # A second cycle behaves the same.
-    before = free_bytes()
-    tms.pause(TAG)
-    check_released(before, free_bytes(), held, "second pause")
+    check_released(tms.pause(TAG), held, "second pause")
     tms.resume(TAG)
     tensors[0].fill_(99)
     check_filled(tensors[0], 99, "tensor 0 after the second resume")

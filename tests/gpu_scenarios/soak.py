@@ -1,11 +1,12 @@
 """A load test: 200 pause/resume cycles over mixed tags and backups, with a
-content check every cycle and no growth of host RSS or device memory between
-cycles once warm."""
+content check every cycle, every pause and resume releasing and mapping exactly
+what the tags hold, and nothing left behind between cycles (the library's counts
+of what it maps, its allocations and its host backups stay where they were)."""
 import sys
 
 import torch
 
-from _common import MiB, begin, check, free_bytes, rss_bytes, say
+from _common import MiB, allocations, begin, check, core, free_bytes, mapped_bytes, say, tag_bytes
 
 CYCLES = 200
 
@@ -21,7 +22,16 @@ def main(hook_mode):
         w_pinned = torch.empty(5 * MiB, dtype=torch.int64, device="cuda")
     tags = ("kv", "w_mmap", "w_pinned")
     gen = torch.Generator(device="cuda").manual_seed(7)
-    samples = {}
+    held = {tag: tag_bytes(tag) for tag in tags}
+    moved = []  # (op, tags, report) of every call of a cycle
+
+    def call(op, *tag):
+        moved.append((op, tag[0] if tag else tags, getattr(tms, op)(*tag)))
+
+    def held_now():
+        return mapped_bytes(), len(allocations()), core().host_budget()["mine"]
+
+    start = held_now()
     for cycle in range(CYCLES):
         for t in w_mmap:
             t.uniform_(generator=gen)
@@ -30,32 +40,32 @@ def main(hook_mode):
         expect = [t.clone() for t in w_mmap] + [w_pinned.clone()]
         # Mixed orders: all at once, one by one, and partial sets.
         which = cycle % 3
+        moved.clear()
         if which == 0:
-            tms.pause()
-            tms.resume()
+            call("pause")
+            call("resume")
         elif which == 1:
             for tag in tags:
-                tms.pause(tag)
+                call("pause", tag)
             for tag in reversed(tags):
-                tms.resume(tag)
+                call("resume", tag)
         else:
-            tms.pause("w_mmap")
-            tms.pause("w_pinned")
-            tms.resume("w_mmap")
-            tms.resume("w_pinned")
+            call("pause", "w_mmap")
+            call("pause", "w_pinned")
+            call("resume", "w_mmap")
+            call("resume", "w_pinned")
+        for op, covered, report in moved:
+            want = held[covered] if isinstance(covered, str) else sum(held.values())
+            check(report.released_bytes == want, f"cycle {cycle}: {op}({covered}) moved {report.released_bytes} "
+                                                 f"bytes, the tags hold {want}")
         got = list(w_mmap) + [w_pinned]
         for i, (e, g) in enumerate(zip(expect, got)):
             check(torch.equal(e, g), f"cycle {cycle}: tensor {i} differs after pause/resume")
         del expect
         kv.fill_(1)                                              # discarded memory is usable again
         check(int(kv[-1]) == 1, f"cycle {cycle}: kv unusable after resume")
-        if cycle in (20, CYCLES - 1):
-            torch.cuda.synchronize()
-            samples[cycle] = (rss_bytes(), free_bytes())
-            say(f"cycle {cycle}: RSS {samples[cycle][0] / MiB:.1f} MiB, device free {samples[cycle][1] / MiB:.1f} MiB")
-    (rss0, free0), (rss1, free1) = samples[20], samples[CYCLES - 1]
-    check(rss1 - rss0 <= 64 * MiB, f"host RSS grew by {(rss1 - rss0) / MiB:.1f} MiB over {CYCLES - 20} cycles")
-    check(free0 - free1 <= 64 * MiB, f"device free memory shrank by {(free0 - free1) / MiB:.1f} MiB")
+        check(held_now() == start, f"cycle {cycle}: (bytes mapped, allocations, host backup bytes) "
+                                   f"{held_now()}, before the cycles {start}")
     stats = tms.stats()[torch.cuda.current_device()]
     check(stats["w_mmap"]["pauses"] == CYCLES and stats["w_mmap"]["resumes"] == CYCLES,
           f"stats count {stats['w_mmap']['pauses']} pauses, {stats['w_mmap']['resumes']} resumes")

@@ -6,8 +6,8 @@ import sys
 
 import torch
 
-from _common import (MiB, begin, check, check_equal, check_released, check_states, check_taken, core,
-                     expect_error, free_bytes, random_tensor, say, tag_bytes)
+from _common import (MiB, allocations, begin, check, check_equal, check_released, check_states, check_taken, core,
+                     expect_error, free_bytes, mapped_bytes, random_tensor, say, tag_bytes)
 
 
 def main(hook_mode):
@@ -15,27 +15,24 @@ def main(hook_mode):
     free_bytes()  # CUDA context up before the regions
 
     with tms.region(tag="a", enable_cpu_backup=True):
-        # Large next to the fixed cost (~16 MiB) of the process's first backed-up pause.
-        a = {"a float": torch.randn(192 * MiB, device="cuda"),            # 768 MiB
-             "a int": random_tensor(8 * MiB, torch.int64)}               # 64 MiB
+        a = {"a float": torch.randn(32 * MiB, device="cuda"),             # 128 MiB
+             "a int": random_tensor(2 * MiB, torch.int64)}               # 16 MiB
     with tms.region(tag="b", enable_cpu_backup=True):
         # Small values: the arithmetic below must not overflow.
-        b = {"b int": torch.randint(-2**20, 2**20, (32 * MiB,), dtype=torch.int32, device="cuda"),  # 128 MiB
-             "b float": torch.randn(16 * MiB, device="cuda")}            # 64 MiB
+        b = {"b int": torch.randint(-2**20, 2**20, (8 * MiB,), dtype=torch.int32, device="cuda"),  # 32 MiB
+             "b float": torch.randn(4 * MiB, device="cuda")}             # 16 MiB
     expect_a = {k: v.cpu() for k, v in a.items()}
     expect_b = {k: v.cpu() for k, v in b.items()}
     bytes_a, bytes_b = tag_bytes("a"), tag_bytes("b")
     say(f"tag a holds {bytes_a / MiB:.0f} MiB, tag b {bytes_b / MiB:.0f} MiB")
 
     say("-- pause('a') releases a's memory only")
-    before = free_bytes()
-    tms.pause("a")
-    paused = free_bytes()
+    report = tms.pause("a")
     check_states("a", "paused")
     check_states("b", "active")
-    check_released(before, paused, bytes_a, "pause('a')")
-    check(paused - before <= bytes_a + 32 * MiB,
-          f"pause('a') released {(paused - before) / MiB:.0f} MiB, more than a's {bytes_a / MiB:.0f} MiB")
+    check_released(report, bytes_a, "pause('a')")   # exactly a's: nothing of b's
+    check(report.allocations == len(allocations("a")),
+          f"pause('a') paused {report.allocations} allocations, tag a has {len(allocations('a'))}")
 
     # b is fully usable meanwhile: compute on it and keep the result.
     b["b int"].mul_(3).add_(7)
@@ -57,23 +54,21 @@ def main(hook_mode):
     check(type(err) is core().Error, f"resume of an active tag raised {type(err)!r}, expected {core().Error!r}")
 
     say("-- a tag never used: no-op")
-    free_before = free_bytes()
-    tms.pause("nope")
-    tms.resume("nope")
+    mapped = mapped_bytes()
+    for report in (tms.pause("nope"), tms.resume("nope")):
+        check((report.released_bytes, report.allocations, report.devices) == (0, 0, {}),
+              f"{report.op} of an unused tag did something: {report!r}")
     check_states("a", "active")
     check_states("b", "active")
-    check(abs(free_bytes() - free_before) <= 32 * MiB, "pause/resume of an unused tag changed free memory")
+    check(mapped_bytes() == mapped, "pause/resume of an unused tag changed what the library holds mapped")
 
     say("-- pause()/resume() with no tag act on every tag")
-    before = free_bytes()
-    tms.pause()
-    paused = free_bytes()
+    report = tms.pause()
     check_states("a", "paused")
     check_states("b", "paused")
-    check_released(before, paused, bytes_a + bytes_b, "pause()")
+    check_released(report, bytes_a + bytes_b, "pause()")
     expect_error(RuntimeError, lambda: tms.pause("b"), "tag 'b'", "already paused")
-    tms.resume()
-    check_taken(paused, free_bytes(), bytes_a + bytes_b, "resume()")
+    check_taken(tms.resume(), bytes_a + bytes_b, "resume()")
     check_states("a", "active")
     check_states("b", "active")
     for k, v in a.items():

@@ -1,18 +1,30 @@
-"""What every host-backend scenario imports: the public singleton, random fill and
-read-back of pauseable memory through ctypes, the allocation table and RSS.
+"""The one prelude of the host-backend children: the public singleton, random fill and
+read-back of pauseable memory through ctypes, the allocation table, and counts of what
+the library holds (device bytes in use, host backup bytes).
 
-A scenario file holds the cases of one topic, each a function with a docstring; the
-test runs one in a fresh process (tests/conftest.py: run_scenario) with its name and
-arguments on the command line and TMS_BACKEND=host. A case asserts, prints what the
-test checks, and exits 0. To run one by hand, from the repository root:
+A child is a fresh Python process on the host backend (TMS_BACKEND=host) that runs a
+function: a test hands one of its own module or of a scenario module here to the
+`in_child` fixture (tests/child.py runs it and returns what it returned). A scenario
+module holds the cases of one topic, each a function with a docstring, and can still be
+run by hand or by `run_scenario` with the case's name and arguments on the command
+line, from the repository root:
 
     PYTHONPATH=. TMS_BACKEND=host python tests/host_scenarios/pause_resume.py by_tag
 
-Cases go through the public singleton `tms`; core() (the native module) is for what
-only the native layer has, and a file that uses it says so in its first line."""
+`run_py` snippets start with `from _prelude import *`. Cases go through the public
+singleton `tms`; core() (the native module) is for what only the native layer has, and
+a file that uses it says so in its first line.
+
+Counts, not RSS: the host backend's mem_get_info is exact (its capacity less what the
+library created and has not released), so device_used() says what the library holds on
+the emulated device whatever else the process or the machine does; backup_bytes()
+says what its backups hold in host memory."""
 import contextlib
 import ctypes
 import os
+import random
+import sys
+import threading
 
 from torch_memory_saver import torch_memory_saver as tms
 
@@ -54,13 +66,36 @@ def states():
     return sorted((r["tag"], r["state"]) for r in tms.allocations())
 
 
-def rss_bytes(pid="self"):
-    """VmRSS of a process, in bytes (the host backend's memfd pages count in it)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+def device_used(device=0):
+    """Bytes of the emulated device the library holds now: what it created and has not
+    released (the host backend counts each create and release exactly)."""
+    free, total = core().mem_get_info(device)
+    return total - free
+
+
+def backup_bytes(tag=None, device=0):
+    """Bytes of host memory the backups of `tag` (None: every tag) hold now, by the
+    library's own counters: {"pinned": n, "mmap": n, "disk": n}."""
+    out = {"pinned": 0, "mmap": 0, "disk": 0}
+    for r in core().stats():
+        if r["device"] == device and (tag is None or r["tag"] == tag):
+            for kind in out:
+                out[kind] += r[f"bytes_backup_{kind}"]
+    return out
+
+
+def resident_bytes(buffer):
+    """Bytes of the pages under a writable buffer (a backup's view) that are in memory,
+    by mincore(2): what that mapping holds, whatever else the process does."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    start = addr - addr % page
+    n = (addr + len(buffer) - start + page - 1) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vec) * page
 
 
 def expect(exc_type, fn, *args, match=None, **kwargs):

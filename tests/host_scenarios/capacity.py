@@ -6,7 +6,7 @@ import ctypes
 import sys
 
 import torch_memory_saver
-from _prelude import MiB, core, expect, fill, read, row, rss_bytes, run_cases, tms
+from _prelude import MiB, core, device_used, expect, fill, read, row, run_cases, tms
 
 
 def margin():
@@ -93,9 +93,9 @@ def chunked(kind):
     ctypes.memset(big, 7, N)
     for cycle in range(2):
         data = [fill(p, n) for p, (n, _) in zip(ptrs, specs)]
-        before = rss_bytes()
-        tms.pause("discard")
-        assert before - rss_bytes() >= 0.9 * N, (before, rss_bytes())   # every chunk released
+        before = device_used()
+        released = tms.pause("discard").released_bytes
+        assert (released, before - device_used()) == (N, N), (released, before, device_used())  # every chunk
         tms.pause("c")
         tms.resume()
         ctypes.memset(big, 8, N)                       # every chunk mapped again

@@ -106,7 +106,7 @@ def per_thread():
 def init_enable(active):
     """TMS_INIT_ENABLE: fresh threads start in the 'default' region when active ("True")."""
     native = core()
-    active = {"True": True, "False": False}[active]
+    active = active in (True, "True")                  # "True" on the command line
     assert native.defaults()["init_enable"] is active
     got = {}
 

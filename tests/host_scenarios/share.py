@@ -23,7 +23,7 @@ from torch_memory_saver import Error
 from torch_memory_saver import _share as tms_share
 from torch_memory_saver._share import MAGIC
 
-from _prelude import MiB, core, expect, fill, read, rss_bytes, run_cases, tms
+from _prelude import MiB, core, device_used, expect, fill, read, run_cases, tms
 
 N = 6 * MiB
 PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "share_peers.py")  # attackers, without torch
@@ -194,10 +194,10 @@ def round_trip():
     assert os.waitpid(pid, 0)[1] == 0
     expect(Error, tms.pause, "w", match="is mapped by 1 other process")
     assert r.ask("close") == (1, 0)
-    before = rss_bytes()
+    before = device_used()
     report = tms.pause("w")  # the close is complete when the receiver answers: nothing to wait for
     assert report.released_bytes == N and report.unconfirmed == [], report  # it said it let go
-    assert before - rss_bytes() >= N // 2, (before, rss_bytes())
+    assert before - device_used() == N, (before, device_used())
     tms.resume("w")
     again = fill(p, N)
     r.open(tms.share(t))
@@ -266,9 +266,9 @@ def forged_token(r):
     assert opened[0] == "error" and "is paused: resume it first" in opened[2], opened
 
 
-def sender_exits_first(*_):  # reads its arguments from sys.argv
+def sender_exits_first(role=None):
     """The receiver's mapping outlives the sender; a new open then says the sender is gone."""
-    if len(sys.argv) > 2:  # the sender, in a process of its own
+    if role == "sender":  # the sender, in a process of its own
         p, t = region_tensor("s")
         data = fill(p, N)
         sys.stdout.buffer.write(pickle.dumps((tms.share(t), data)))
@@ -399,7 +399,8 @@ def refusal_flood(*user):
     _, warm = region_tensor("j", 2 * MiB)
     r = Receiver(tms.share(warm))  # started and importing before the flood
     before = thread_cpu(sender)
-    attacker = subprocess.Popen([sys.executable, PEERS, "flooder", socket_name(shared), "churn", "1.5", *user],
+    attacker = subprocess.Popen([sys.executable, PEERS, "flooder", socket_name(shared), "churn", "1.5",
+                                 *map(str, user)],
                                 stdout=subprocess.PIPE, text=True)
     assert attacker.stdout.readline() == "flooding\n"
     opened = r.open(shared)  # while the flood runs
@@ -464,11 +465,11 @@ def not_shareable():
     print("done")
 
 
-def other_user(*_):  # reads its arguments from sys.argv
+def other_user(uid, gid):
     """A receiver running as another user gets nothing: the sender hangs up on it."""
     p, t = region_tensor("u")
     fill(p, N)
-    uid, gid = int(sys.argv[2]), int(sys.argv[3])
+    uid, gid = int(uid), int(gid)
     r = Receiver(tms.share(t), user=(uid, gid))
     assert r.opened[:3] == ("error", "ValueError", f"torch_memory_saver: open_shared: the socket of pid {os.getpid()} "
                                                    "belongs to another user: refused"), r.opened
