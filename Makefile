@@ -4,12 +4,17 @@
 PYTHON ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: build deps reinstall test test-packaging check test-gpu soak demo bench bench-multi-gpu bench-alloc-count bench-speed bench-switch bench-dry-run sanitize sanitize-thread sanitize-python fuzz clean
+.PHONY: build ptx deps reinstall test test-packaging check test-gpu soak demo bench bench-multi-gpu bench-alloc-count bench-speed bench-switch bench-dry-run sanitize sanitize-thread sanitize-python fuzz clean
 
 # The extensions compiled in place (torch_memory_saver/_tms_*.abi3.so, the upstream-named
 # shims at the root) for tests; warnings are errors here and in CI, never in a user's install.
 build:
 	TMS_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace
+
+# The fingerprint kernel's PTX embedded in the library (src/platform/fingerprint_ptx.h),
+# rebuilt from src/platform/fingerprint.cu; needs nvcc, which the build itself does not.
+ptx:
+	$(PYTHON) src/platform/gen_ptx.py
 
 # An editable install of this tree into the current environment (offline, with the
 # environment's setuptools), from any state: nothing installed, a regular install or

@@ -44,8 +44,8 @@ class _Env:
         return total
 
     @staticmethod
-    def region_kw(tag, backup, backend, disk):
-        kw = {"tag": tag}
+    def region_kw(tag, backup, backend, disk, skip=None):
+        kw = {"tag": tag} if skip is None else {"tag": tag, "skip_unchanged": skip}
         if backup:
             kw.update(enable_cpu_backup=True, cpu_backup_backend=backend)
         if disk:
@@ -85,10 +85,10 @@ class GpuEnv(_Env):
         self.torch.cuda.synchronize()
         return int(self.torch.cuda.mem_get_info(self.device)[0])
 
-    def alloc(self, tag, sizes, backup=False, backend=None, disk=False):
+    def alloc(self, tag, sizes, backup=False, backend=None, disk=False, skip=None):
         torch = self.torch
         try:
-            with self.tms.region(**self.region_kw(tag, backup, backend, disk)):
+            with self.tms.region(**self.region_kw(tag, backup, backend, disk, skip)):
                 block = [torch.empty(int(s), dtype=torch.uint8, device=self.device) for s in sizes]
         except BaseException:
             if not backup and not disk:
@@ -117,6 +117,12 @@ class GpuEnv(_Env):
 
     def addresses(self, block):
         return [t.data_ptr() for t in block]
+
+    def poke(self, block, offsets):
+        """Adds one to the byte at each offset into the block's tensors laid end to end."""
+        for off in offsets:
+            block[off // block[0].numel()][off % block[0].numel()] += 1
+        self.sync()
 
     def touch(self, block, value):
         """Writes the first and last bytes of the block: the memory is usable."""
@@ -194,8 +200,8 @@ class HostEnv(_Env):
     def free_bytes(self):
         return None  # freed memory is read from RSS instead
 
-    def alloc(self, tag, sizes, backup=False, backend=None, disk=False):
-        with self.tms.region(**self.region_kw(tag, backup, backend, disk)):
+    def alloc(self, tag, sizes, backup=False, backend=None, disk=False, skip=None):
+        with self.tms.region(**self.region_kw(tag, backup, backend, disk, skip)):
             block = [(self.tms.malloc(int(s)), int(s)) for s in sizes]
         for p, n in block:
             ctypes.memset(p, 0, n)  # resident, as device memory is once created
@@ -211,6 +217,12 @@ class HostEnv(_Env):
 
     def addresses(self, block):
         return [p for p, _ in block]
+
+    def poke(self, block, offsets):
+        for off in offsets:
+            p, n = block[off // block[0][1]]
+            b = ctypes.c_ubyte.from_address(p + off % n)
+            b.value = (b.value + 1) & 0xFF
 
     def touch(self, block, value):
         for p, n in block:

@@ -2,31 +2,21 @@
 with it in one run: `python -m benchmarks speed [--upstream DIR] [--before DIR] [--gib G]
 [--gap S] [--out DIR] [--dry-run]`.
 
-Each library (this checkout; with --upstream, the torch_memory_saver in DIR, its wheel
-unpacked; with --before, an earlier checkout of this library, built in place) runs in
-three workers of its own, fresh processes: torch hook mode, preload
-hook mode (started under the library's own configure_subprocess()), and preload mode
-with TMS_INIT_ENABLE=1 TMS_INIT_ENABLE_CPU_BACKUP=1 (how slime and AReaL run). A
-fourth worker without any library measures the link (pinned copies both ways). Rows:
-
-- first region: allocating and filling 1 GiB in the process's first backed-up region,
-  beside the same through plain PyTorch just before it; then the first backed-up pause
-  of that tag (in the preload-init worker: of every allocation, which is what that mode
-  holds);
-- discard pause and resume, 1 x 8 GiB and 64 x 128 MiB (median of 11 after a warm-up);
-- backup kinds: `mmap` and `pinned`, G GiB in 16 tensors, first and second cycle;
-- retained backup (the library's default kind, retain_cpu_backup on), G GiB in 16
-  tensors: first cycle, seven pauses each right after a resume (no gap), then one
-  after S seconds idle (default 8);
-- a model's resume: a Llama-shaped set of parameter tensors (a backed-up tag) and its
-  KV cache (a discarded tag) paused and resumed, beside the same bytes in 512 MiB
-  tensors (bulk); where the time goes: the model tag and the KV tag timed apart.
-
-Contents are compared after every resume (checksums). Ratios: ours over upstream in
-the same mode, and GB/s over the link. --dry-run: the host backend, this library only,
-tiny sizes; the figures mean nothing. Report: speed_<device>.{md,json,png}.
+Each library (this checkout; --upstream: the torch_memory_saver unpacked in DIR; --before:
+an earlier checkout, built in place) runs in three fresh workers: torch mode, preload mode
+(under its own configure_subprocess()) and preload mode with TMS_INIT_ENABLE=1
+TMS_INIT_ENABLE_CPU_BACKUP=1 (how slime and AReaL run); a fourth measures the link. Rows:
+the first backed-up region and pause (1 GiB, beside plain PyTorch); discard pause and resume
+(1 x 8 GiB, 64 x 128 MiB, medians of 11); `mmap` and `pinned` backups and retained ones
+(G GiB in 16 tensors: the first cycle, seven right after a resume, one after S s idle);
+skip_unchanged (ours: nothing, 1 % of the chunks, all changed); a Llama-shaped model's and
+KV cache's resume beside the same bytes in 512 MiB tensors. Contents are compared after
+every resume. --dry-run: the host backend, this library only, tiny sizes.
+Report: speed_<device>.{md,json,png}.
 """
+import inspect
 import os
+import random
 import statistics
 import sys
 import time
@@ -150,6 +140,31 @@ def _retained(env, tms, total, gap_s):
             "exact": first[2] and gap[2] and all(c[2] for c in no_gap)}
 
 
+def _skip(env, tms, total, cycles):
+    """skip_unchanged (this library only): pauses of G GiB in 16 tensors with nothing, one byte in 1 %
+    of the 2 MiB chunks and every byte changed since the last; (seconds, copied, fingerprint s) each."""
+    if "skip_unchanged" not in inspect.signature(tms.region).parameters:
+        return None
+    block, rnd, n = env.alloc("skip", [total // 16] * 16, backup=True, skip=True), random.Random(7), total // (2 * MiB)
+    env.fill_random(block, 7)
+    out, snap = {"bytes": total // 16 * 16, "exact": True}, env.snapshot(block, False)
+    _cycle(env, tms, "skip", block, snap)  # the first pause copies all and records
+    for case, change in (("unchanged", None), ("1 % changed", lambda c: env.poke(block, [
+            rnd.randrange(n) * 2 * MiB for _ in range(max(1, n // 100))])), ("all changed", lambda c: env.fill_random(block, c))):
+        out[case] = []
+        for c in range(cycles):
+            if change:
+                change(100 + c)
+                snap = env.snapshot(block, False)
+            r = []
+            t = _timed(env.sync, lambda: r.append(tms.pause("skip")))
+            out[case].append((t, r[0].copied_bytes, r[0].fingerprint_seconds, r[0].why_not_skipped))
+            tms.resume("skip")
+            out["exact"] &= bool(env.verify(block, snap))
+    env.dispose(block, "skip")
+    return out
+
+
 def _model(env, tms, model, kv, bulk_tensor, cycles):
     weights = env.alloc("model", model, backup=True)
     cache = env.alloc("kv", kv)
@@ -201,6 +216,7 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None):
         steps += [("latency", lambda: _latency(env, tms, sizes["latency"], sizes["cycles"])),
                   ("kinds", lambda: _kinds(env, tms, sizes["backup"])),
                   ("retained", lambda: _retained(env, tms, sizes["backup"], gap_s)),
+                  ("skip", lambda: _skip(env, tms, sizes["backup"], 5)),
                   ("model", lambda: _model(env, tms, sizes["model"], sizes["kv"], sizes["bulk_tensor"], 3))]
     for name, fn in steps:
         try:
@@ -274,6 +290,10 @@ def figures(doc):
             f["retained pause, no gap (GB/s)"] = _gbps(rt["bytes"], statistics.median(rt["no_gap_pause_s"]))
             f["retained resume, no gap (GB/s)"] = _gbps(rt["bytes"], statistics.median(rt["no_gap_resume_s"]))
             f[f"retained pause, after {rt['gap_s']:g} s idle (GB/s)"] = _gbps(rt["bytes"], rt["gap"][0])
+            f["retained pause, no gap (ms)"] = statistics.median(rt["no_gap_pause_s"]) * 1e3
+        for case, runs in {k: v for k, v in (s.get("skip") or {}).items() if "changed" in k}.items():
+            f[f"skip_unchanged pause, {case} (ms)"] = statistics.median(r[0] for r in runs) * 1e3
+            f[f"skip_unchanged pause, {case}: fingerprints (ms)"] = statistics.median(r[2] for r in runs) * 1e3
         m = s.get("model")
         if m:
             resume = statistics.median(c["resume_model_s"] + c["resume_kv_s"] for c in m["cycles"])

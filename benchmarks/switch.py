@@ -2,31 +2,19 @@
 (slime, verl) run it: `python -m benchmarks switch [--upstream DIR] [--gib G]
 [--kv-fraction F] [--cycles N] [--part all|switch|wait] [--deadline S] [--out DIR] [--dry-run]`.
 
-*switch*: the trainer holds bf16 weights, fp32 gradients and Adam's two moments of a
-Llama-shaped model (G GiB, default 12) in one tag backed up with the library's default
-kind; the rollout, the same weights and a KV cache (2 tensors a layer, F of the memory
-then free, default 0.9), neither backed up. A cycle: (1) the rollout resumes its
-weights; (2) it receives the trainer's (this library: share() / open_shared(); upstream:
-torch.multiprocessing's CUDA IPC), copies them into its own and closes them; (3) the
-trainer pauses; (4) the rollout resumes its KV cache; (5) it pauses both tags; (6) the
-trainer resumes. Each phase is timed in its process, synchronised; the whole switch runs
-from (1)'s start to (6)'s end, less the rollout's check of the weights. After a warm-up,
-cycles where (4) and (6) follow the other process's pause at once alternate with cycles
-where they come after 2 s idle. Floors, from the same run: pinned copies for (3) and
-(6); a device copy of the weights for (2); the driver's own create + map of the
-rollout's allocations on the idle device for (1) and (4), their unmap + release for (5).
-Checked: the rollout's weights equal the trainer's after (2); the trainer's state is
-exact after (6).
-
-*wait*: create + map of N GiB right after another process freed M, against the same
-after 2 s idle, with the device nearly full (that process holds a ballast) or nearly
-empty: the driver alone (ctypes) and a resume through this library; lending (that
-process exports the handles of 8 GiB, sends the descriptors and drops its own; this one
-imports and maps them); whether an imported handle can be exported again.
-
-Every wait on a worker is bounded, the JSON is rewritten after each step, and what would
-not fit in --deadline (default 390 s) is skipped, saying so. --dry-run: the host backend,
-tiny sizes, this library only, no driver rows. Report: switch_<device>.{md,json,png}.
+*switch*: the trainer's bf16 weights, fp32 gradients and Adam moments of a Llama-shaped
+model (G GiB) in one backed-up tag; the rollout's weights and a KV cache (F of the free
+memory), not backed up. A cycle: (1) the rollout resumes its weights; (2) it receives the
+trainer's (ours: share()/open_shared(); upstream: CUDA IPC), copies and closes them; (3) the
+trainer pauses; (4) the rollout resumes its KV cache; (5) it pauses both; (6) the trainer
+resumes. Each phase is timed in its process, beside its floor from the same run (pinned
+copies, a device copy, the driver's own create + map or unmap + release on an idle
+device); cycles where (4) and (6) follow the other's pause at once alternate with cycles
+after 2 s idle. *wait*: create + map of N GiB right after another process freed M, against
+after 2 s idle, nearly full or empty, the driver alone and through this library; lending
+handles between processes; whether an imported handle exports again. Every wait is
+bounded, the JSON is rewritten after each step, --deadline skips what would not fit.
+--dry-run: the host backend, tiny sizes. Report: switch_<device>.{md,json,png}.
 """
 import collections
 import ctypes as C

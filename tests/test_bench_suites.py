@@ -35,10 +35,13 @@ CHECKS = {
                               and all(len(p["pause"]) == 8 and len(p["lookup_s"]) == 3 for p in d["points"])),
     "speed": lambda d: ([(w["mode"], w["init"], w["exit_code"], sorted(w["sections"]), w["errors"])
                          for w in d["workers"]]
-                        == [(m, False, 0, ["first_region", "kinds", "latency", "model", "retained"], {})
+                        == [(m, False, 0, ["first_region", "kinds", "latency", "model", "retained", "skip"], {})
                             for m in ("torch", "preload")]
                         and d["workers"][0]["sections"]["model"]["tensors"] == 24
                         and all(w["sections"]["retained"]["exact"] and w["sections"]["model"]["exact"]
+                                and w["sections"]["skip"]["exact"]
+                                and [r[1] for r in w["sections"]["skip"]["unchanged"]] == [0] * 5
+                                and all(r[1] == w["sections"]["skip"]["bytes"] for r in w["sections"]["skip"]["all changed"])
                                 for w in d["workers"])),
     "switch": lambda d: (list(d["switch"]) == ["ours"] and not d["switch"]["ours"]["errors"]
                          and [c["kind"] for c in d["switch"]["ours"]["cycles"]] == ["warm", "after", "idle"]

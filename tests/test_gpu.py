@@ -181,6 +181,7 @@ def test_budget_two_processes_as_a_group(hook_mode):
     "stress_threads",
     "stats_match",
     "nothing_waits",
+    "skip_unchanged",
 ])
 def test_scenario(scenario, hook_mode):
     check_passed(run_scenario(scenario, hook_mode))

@@ -125,9 +125,9 @@ def test_a_value_is_checked_once_in_c_the_same_before_and_after_first_use():
 # Two rows of the kinds the next settings will be: a switch that changes at run time, and a
 # name the environment gives.
 PLANTED = [
-    '    X(skip_unchanged, boolean, "TMS_SKIP_UNCHANGED", 0, (), NULL, '
-    'RUN(tms_core_set_skip_unchanged, tms_core_skip_unchanged), "Planted: pauses skip what did not change.") \\',
-    '    X(job, name, "TMS_JOB", "", (64), "a name of 1 to 64 letters, digits, \'_\', \'-\' or \'.\'", ENV, '
+    '    X(planted_switch, boolean, "TMS_PLANTED_SWITCH", 0, (), NULL, '
+    'RUN(tms_core_set_planted_switch, tms_core_planted_switch), "Planted: pauses skip what did not change.") \\',
+    '    X(planted_name, name, "TMS_PLANTED_NAME", "", (64), "a name of 1 to 64 letters, digits, \'_\', \'-\' or \'.\'", ENV, '
     '"planted: the job") \\',
 ]
 
@@ -193,7 +193,7 @@ def test_a_new_setting_is_one_row_of_the_table(tmp_path):
     config.write_text(text)
     _build_package(tree)
 
-    env = _env(PYTHONPATH=str(tree), TMS_SKIP_UNCHANGED="yes", TMS_JOB="rl-step_1")
+    env = _env(PYTHONPATH=str(tree), TMS_PLANTED_SWITCH="yes", TMS_PLANTED_NAME="rl-step_1")
     out = _python("""
         import warnings
         warnings.simplefilter("error")                       # a planted variable is no unknown one
@@ -201,24 +201,24 @@ def test_a_new_setting_is_one_row_of_the_table(tmp_path):
         from torch_memory_saver import _tms_env
         tms = torch_memory_saver.torch_memory_saver
         rows = {row["name"]: row for row in _tms_env.settings()}
-        assert rows["job"]["env"] == "TMS_JOB" and not rows["job"]["run"] and rows["skip_unchanged"]["run"]
-        assert {"TMS_SKIP_UNCHANGED", "TMS_JOB"} <= set(_tms_env.names())
-        assert tms.skip_unchanged is True                    # the environment's, before first use
-        assert type(tms).skip_unchanged.__doc__ == "Planted: pauses skip what did not change."
-        tms.skip_unchanged = False                           # waits for the core
+        assert rows["planted_name"]["env"] == "TMS_PLANTED_NAME" and not rows["planted_name"]["run"] and rows["planted_switch"]["run"]
+        assert {"TMS_PLANTED_SWITCH", "TMS_PLANTED_NAME"} <= set(_tms_env.names())
+        assert tms.planted_switch is True                    # the environment's, before first use
+        assert type(tms).planted_switch.__doc__ == "Planted: pauses skip what did not change."
+        tms.planted_switch = False                           # waits for the core
         try:
-            tms.skip_unchanged = 1
+            tms.planted_switch = 1
         except TypeError as e:
             print(e)
         core = tms._core
-        assert core.get_skip_unchanged() is False            # reached the core's accessor
-        tms.skip_unchanged = True
-        assert core.get_skip_unchanged() is True and torch_memory_saver.skip_unchanged is True
+        assert core.get_planted_switch() is False            # reached the core's accessor
+        tms.planted_switch = True
+        assert core.get_planted_switch() is True and torch_memory_saver.planted_switch is True
         print(core.__file__.endswith("tree/torch_memory_saver/_tms_preload.abi3.so"))
         """, env, cwd=tree)
-    assert out == "torch_memory_saver: skip_unchanged must be a bool, not int\nTrue\n", out
-    for var, value, said in [("TMS_JOB", "../etc", "TMS_JOB='../etc' is not a name of 1 to 64"),
-                             ("TMS_SKIP_UNCHANGED", "maybe", "TMS_SKIP_UNCHANGED='maybe' is not a boolean")]:
+    assert out == "torch_memory_saver: planted_switch must be a bool, not int\nTrue\n", out
+    for var, value, said in [("TMS_PLANTED_NAME", "../etc", "TMS_PLANTED_NAME='../etc' is not a name of 1 to 64"),
+                             ("TMS_PLANTED_SWITCH", "maybe", "TMS_PLANTED_SWITCH='maybe' is not a boolean")]:
         proc = subprocess.run([sys.executable, "-c", "import torch_memory_saver"], cwd=tree, env=_env(
             PYTHONPATH=str(tree), **{var: value}), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1 and f"ValueError: torch_memory_saver: {said}" in proc.stderr, proc.stderr

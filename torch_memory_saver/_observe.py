@@ -162,6 +162,10 @@ def logged(core, fn, args, op, tag, report, progress):
     moved, seconds = out.copied_bytes, out.seconds
     rate = f", {out.gb_per_s:.1f} GB/s" if out.gb_per_s else ""
     skipped = f", {_fmt_bytes(out.skipped_bytes)} skipped as free" if out.skipped_bytes else ""
+    if out.unchanged_bytes:
+        skipped += f", {_fmt_bytes(out.unchanged_bytes)} unchanged (found in {out.fingerprint_seconds * 1e3:.1f} ms)"
+    if out.why_not_skipped:
+        skipped += f", copied whole: {out.why_not_skipped}"
     what = "released" if op == "pause" else "mapped"
     logger.info("%s tag=%s: %s %s, %s copied in %.1f ms%s%s", op, _name(tag), what,
                 _fmt_bytes(out.released_bytes), _fmt_bytes(moved), seconds * 1e3, rate, skipped)

@@ -12,8 +12,8 @@ class DeviceReport:
     (0 where it could not say), measured only when the call was given
     measure_free=True or logged at INFO (else None)."""
 
-    __slots__ = ("device", "allocations", "released_bytes", "copied_bytes", "skipped_bytes", "seconds",
-                 "free_before", "free_after")
+    __slots__ = ("device", "allocations", "released_bytes", "copied_bytes", "skipped_bytes", "unchanged_bytes",
+                 "seconds", "free_before", "free_after")
 
     def __init__(self, row, seconds):
         self.device = row["device"]
@@ -21,6 +21,7 @@ class DeviceReport:
         self.released_bytes = row["released"]
         self.copied_bytes = row["copied"]
         self.skipped_bytes = row["skipped"]
+        self.unchanged_bytes = row.get("unchanged", 0)
         self.seconds = seconds
         self.free_before = row["free_before"]
         self.free_after = row["free_after"]
@@ -38,7 +39,7 @@ class DeviceReport:
     def __repr__(self):
         return (f"DeviceReport(device={self.device}, allocations={self.allocations}, "
                 f"released_bytes={self.released_bytes}, copied_bytes={self.copied_bytes}, "
-                f"skipped_bytes={self.skipped_bytes}, seconds={self.seconds:.6f}, "
+                f"skipped_bytes={self.skipped_bytes}, unchanged_bytes={self.unchanged_bytes}, seconds={self.seconds:.6f}, "
                 f"free_before={self.free_before}, free_after={self.free_after})")
 
 
@@ -50,11 +51,13 @@ class Report:
     saying it let go, and its process lived), as dicts of ptr, bytes, device,
     tag, receivers and pids (the first 64); their bytes are not in released_bytes."""
 
-    __slots__ = ("op", "seconds", "devices", "unconfirmed")
+    __slots__ = ("op", "seconds", "devices", "unconfirmed", "fingerprint_seconds", "why_not_skipped")
 
     def __init__(self, op, raw):
         self.op = op
         self.seconds = raw["ns"] / 1e9
+        self.fingerprint_seconds = raw.get("fingerprint_ns", 0) / 1e9
+        self.why_not_skipped = raw.get("why_not_skipped") or None
         self.devices = {row["device"]: DeviceReport(row, self.seconds) for row in raw["devices"]}
         self.unconfirmed = raw.get("unconfirmed", [])
 
@@ -81,6 +84,12 @@ class Report:
         return self._sum("skipped_bytes")
 
     @property
+    def unchanged_bytes(self):
+        """Bytes of backed-up allocations not copied because they had not changed
+        since their backup was written (skip_unchanged)."""
+        return self._sum("unchanged_bytes")
+
+    @property
     def gb_per_s(self):
         """Bytes copied per second over every device, in GB/s."""
         return gb_per_s(self.copied_bytes, self.seconds)
@@ -88,6 +97,8 @@ class Report:
     def as_dict(self):
         return {"op": self.op, "seconds": self.seconds, "released_bytes": self.released_bytes,
                 "copied_bytes": self.copied_bytes, "skipped_bytes": self.skipped_bytes,
+                "unchanged_bytes": self.unchanged_bytes, "fingerprint_seconds": self.fingerprint_seconds,
+                "why_not_skipped": self.why_not_skipped,
                 "devices": {d: r.as_dict() for d, r in self.devices.items()}, "unconfirmed": self.unconfirmed}
 
     def __repr__(self):
@@ -102,7 +113,9 @@ def memory_report(core, use_torch, devices=()):
     allocations (ours_active), PyTorch's caching allocator outside them
     (torch_outside, of which torch_outside_free is cached free blocks), and the
     rest (other: CUDA context, NCCL, cuBLAS workspaces, other processes).
-    ours_paused is reserved address space whose memory is released. Every
+    ours_paused is reserved address space whose memory is released;
+    host_retained, the host memory of backups kept while their allocations are
+    active (retain_cpu_backup, skip_unchanged). Every
     device holding an allocation or a PyTorch segment, and devices."""
     out = {}
 
@@ -110,7 +123,7 @@ def memory_report(core, use_torch, devices=()):
         if d not in out:
             free, total = core.mem_get_info(d)
             out[d] = {"total": total, "free": free, "used": total - free, "ours_active": 0, "ours_paused": 0,
-                      "torch_outside": 0, "torch_outside_free": 0, "other": 0}
+                      "torch_outside": 0, "torch_outside_free": 0, "other": 0, "host_retained": 0}
         return out[d]
 
     for d in devices:
@@ -118,6 +131,8 @@ def memory_report(core, use_torch, devices=()):
     for row in core.allocations():
         d = device(row["device"])
         d["ours_paused" if row["state"] in ("paused", "resuming") else "ours_active"] += row["reserved"]
+        if row["state"] in ("active", "pausing") and row["has_cpu_backup"]:
+            d["host_retained"] += row["backup_bytes"]  # a host copy kept while active: retained
     if use_torch:
         import torch
 
@@ -135,7 +150,7 @@ def memory_report(core, use_torch, devices=()):
 
 def format_memory_report(report):
     GiB = float(1 << 30)
-    cols = ("total", "used", "ours_active", "ours_paused", "torch_outside", "torch_outside_free", "other")
+    cols = ("total", "used", "ours_active", "ours_paused", "torch_outside", "torch_outside_free", "other", "host_retained")
     lines = ["device " + " ".join(f"{c:>18}" for c in cols)]
     for dev in sorted(report):
         lines.append(f"{dev:>6} " + " ".join(f"{report[dev][c] / GiB:>14.3f} GiB" for c in cols))

@@ -109,16 +109,24 @@ class TorchMemorySaver:
 
     @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, enable_disk_backup: bool = False,
-               cpu_backup_backend: Optional[str] = None):
+               cpu_backup_backend: Optional[str] = None, skip_unchanged: Optional[bool] = None):
         """Allocations made by this thread inside are pauseable under `tag`.
         enable_cpu_backup keeps their contents in host memory across a pause;
         enable_disk_backup in a file each, in the disk backup directory (see
-        set_disk_backup_dir), with host memory flat. (Upstream's parameter order.)"""
+        set_disk_backup_dir), with host memory flat. (Upstream's parameter order.)
+        skip_unchanged: pauses copy only what changed since the backup was written
+        (None: the skip_unchanged setting decides)."""
         kind = self._check_region(tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup)
+        if skip_unchanged is not None and not isinstance(skip_unchanged, bool):
+            raise TypeError(f"torch_memory_saver: region(skip_unchanged=...) must be a bool or None, "
+                            f"not {type(skip_unchanged).__name__}")
+        if skip_unchanged and not enable_cpu_backup:
+            raise ValueError(f"torch_memory_saver: region(tag={tag!r}, skip_unchanged=True) needs "
+                             f"enable_cpu_backup=True: unchanged memory is found by comparing with a host backup")
         impl = self._ensure_initialized()
         self._tags_seen.add(tag)
         with self._nested("region", tag, (enable_cpu_backup, kind, enable_disk_backup)):
-            with impl.region(tag, enable_cpu_backup, kind, enable_disk_backup):
+            with impl.region(tag, enable_cpu_backup, kind, enable_disk_backup, skip_unchanged):
                 yield
 
     @contextlib.contextmanager
@@ -246,7 +254,7 @@ class TorchMemorySaver:
             return torch.empty(x.shape, dtype=x.dtype)
         span = _share.span_bytes(x)
         try:
-            view = core.get_cpu_backup(x.data_ptr(), span)
+            view = core.get_cpu_backup(x.data_ptr(), span, zero_copy)
         except ValueError:
             # An expandable segment's pages are allocations of their own: a tensor
             # may span several, each with its own backup.

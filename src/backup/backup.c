@@ -139,8 +139,18 @@ void tms_backup_unref(struct tms_backup *b)
     b->ops->release(b);
     tms_ledger_release(b->reserved);
     free(b->ranges);
+    tms_backup_forget_fingerprints(b);
     free(b);
 }
+
+void tms_backup_forget_fingerprints(struct tms_backup *b)
+{
+    free(b->fp);
+    free(b->fp_valid);
+    b->fp = NULL, b->fp_valid = NULL, b->n_fp = 0;
+}
+
+void tms_backup_viewed(struct tms_backup *b) { __atomic_store_n(&b->viewed, 1, __ATOMIC_RELEASE); }
 
 size_t tms_backup_granule(int kind)
 {
@@ -173,6 +183,7 @@ void tms_backup_release_restored(void *backup)
     b->ops->release(b);
     tms_ledger_release(b->reserved);
     b->reserved = 0;
+    tms_backup_forget_fingerprints(b);
     TMS_DEBUG("backup of %zu bytes restored and released by its copy worker", b->size);
 }
 

@@ -41,6 +41,11 @@ struct tms_backup_move {
     tms_va va;
     size_t size;
     struct tms_backup *held;    /* its backup now (a save may write into it again; a restore reads it), or NULL */
+    int retain;                 /* its backup is kept while the allocation is active (retain on, or skip_unchanged) */
+    /* Save: copy only the chunks whose bytes changed since the backup it
+     * reuses was written (fingerprints on the device); the first save of a
+     * backup copies all and records them. */
+    int skip_unchanged;
     /* Save: the bytes to copy (NULL: every one; tms_backup_granule says how
      * ranges are cut); the call takes them. */
     struct tms_range *ranges;
@@ -48,6 +53,7 @@ struct tms_backup_move {
     /* Out: */
     struct tms_backup *copy;    /* its backup after the call: held or a new one, NULL if it has none */
     size_t copied;              /* bytes copied */
+    size_t unchanged;           /* save: bytes of its ranges found unchanged, not copied */
     int whole;                  /* save: failed, yet its copy is whole and kept; restore: every byte is back */
 };
 
@@ -77,19 +83,23 @@ struct tms_backup_hooks {
  * whole one the saved hook reported, which is kept (whole = 1); a failure
  * before any copy started leaves each copy = held. pre: the devices are
  * synchronized; the memory stays mapped unless the hook lets it go. */
-int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const *m, size_t n, int retain, int spill,
-                    const struct tms_backup_hooks *hooks, struct tms_err *err);
+struct tms_save_info {
+    uint64_t fingerprint_ns;    /* spent fingerprinting moves that skip unchanged memory */
+    char why_not[160];          /* "" or why such moves were copied whole (no kernel, a failed run) */
+};
+int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const *m, size_t n, int spill,
+                    const struct tms_backup_hooks *hooks, struct tms_save_info *info, struct tms_err *err);
 
 /* Copies each move's held backup (what its last save wrote) back to the
  * device, calling before_restore first (that is where the caller maps the
  * memory). A move whose every byte is back has whole = 1, and copy = held if
- * the backup is kept while active (retain, or its kind keeps it), else NULL
+ * the backup is kept while active (its retain, or its kind keeps it), else NULL
  * (its storage went as soon as its bytes were back). A backup that cannot be
  * opened stops the restore there as a failed hook does. Returns the first
  * failure in move order (a hook's own is the caller's to report: the call
  * returns TMS_OK for it); a move left with whole = 0 keeps copy = held.
  * pre: nothing else writes the device ranges. */
-int tms_backup_restore(const struct tms_driver *drv, struct tms_backup_move *const *m, size_t n, int retain,
+int tms_backup_restore(const struct tms_driver *drv, struct tms_backup_move *const *m, size_t n,
                        const struct tms_backup_hooks *hooks, struct tms_err *err);
 
 /* Drops the backup a move would install if it is not the one it held. */
@@ -108,6 +118,9 @@ int tms_backup_pinned(const struct tms_backup *b);
 int tms_backup_kept_while_active(const struct tms_backup *b, int retain);
 /* After a pause or resume that keeps b (a retained one is page-locked in the background). */
 void tms_backup_kept(struct tms_backup *b, int retain);
+/* A zero-copy view of b is handed out: its bytes may change behind the
+ * library, so its fingerprints are never trusted again. */
+void tms_backup_viewed(struct tms_backup *b);
 
 void tms_backup_ref(struct tms_backup *b);
 void tms_backup_unref(struct tms_backup *b);

@@ -105,6 +105,16 @@ struct tms_backup {
     size_t n_ranges;
     int parts_left;                  /* atomic: a resume's items still copying (tms_backup_part_restored) */
     size_t reserved;                 /* bytes of the host backup budget it holds (backup/ledger.h) */
+    /* What its host copy holds, chunk by chunk (skip.c): the fingerprint of
+     * each TMS_FP_CHUNK of the allocation as its save copied it, trusted only
+     * where fp_valid says, under key fp_generation. Written by the save that
+     * owns the allocation (moving). A zero-copy view may change the bytes
+     * behind it: once one was handed out, none is trusted again (viewed). */
+    struct tms_fp *fp;
+    unsigned char *fp_valid;
+    size_t n_fp;
+    uint64_t fp_generation;
+    int viewed;                      /* atomic */
 };
 
 /* The kind of an allocation's backup, by enum tms_backup_kind. */
@@ -151,5 +161,7 @@ void tms_backup_part_restored(void *backup);
 void tms_backup_set_ranges(struct tms_backup *b, struct tms_range *ranges, size_t n_ranges);
 /* The kind a host backup is made as when the host backup budget has no room for it. */
 int tms_backup_spill_kind(void);
+/* Its fingerprints go (its host copy is gone or no longer trusted). */
+void tms_backup_forget_fingerprints(struct tms_backup *b);
 
 #endif

@@ -38,7 +38,7 @@ static int prepare_move(void *arg)
 
 static size_t items_of(const struct tms_backup *b) { return b->ranges ? b->n_ranges : 1; }
 
-int tms_backup_restore(const struct tms_driver *drv, struct tms_backup_move *const *m, size_t n, int retain,
+int tms_backup_restore(const struct tms_driver *drv, struct tms_backup_move *const *m, size_t n,
                        const struct tms_backup_hooks *hooks, struct tms_err *err)
 {
     size_t n_items = 0, n_backups = 0;
@@ -61,7 +61,7 @@ int tms_backup_restore(const struct tms_driver *drv, struct tms_backup_move *con
         if ((rc = tms_backup_open(held, err))) break;
         first[i] = (struct first_item){.r = &r, .move = i};
         /* A backup not kept goes once its last item is restored. */
-        struct tms_restore_opts opts = {.release_when_restored = !tms_backup_kept_while_active(held, retain),
+        struct tms_restore_opts opts = {.release_when_restored = !tms_backup_kept_while_active(held, m[i]->retain),
                                         .prepare = prepare_move, .prepare_arg = &first[i]};
         tms_transfer_batch_add(&b, held, m[i]->device, m[i]->va, m[i]->size, held->ranges, held->n_ranges, &opts,
                                &item0[i], &items[i]);
@@ -78,7 +78,7 @@ int tms_backup_restore(const struct tms_driver *drv, struct tms_backup_move *con
         if (m[i]->held) m[i]->copied = tms_transfer_batch_done(&b, item0[i], items[i], &complete);
         if (!complete) continue;
         m[i]->whole = 1;
-        if (m[i]->held && !tms_backup_kept_while_active(m[i]->held, retain)) m[i]->copy = NULL;  /* its storage went */
+        if (m[i]->held && !tms_backup_kept_while_active(m[i]->held, m[i]->retain)) m[i]->copy = NULL;  /* its storage went */
     }
     if (planned) tms_transfer_batch_end(&b);
     free(first);

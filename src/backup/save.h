@@ -14,7 +14,40 @@ struct tms_save_plan {
     int spill;                  /* backed up to disk: the budget had no room for it */
     int early;                  /* saved whole into its reused backup: the saved hook tells the caller */
     size_t first_item, n_items; /* its copy's items */
+    /* Skip unchanged memory (skip.c): its chunks in the call's fingerprints,
+     * whether its held backup's own can be compared, and the ranges to copy. */
+    int fingerprinted;
+    int compare;
+    size_t fp_first, fp_n;
+    struct tms_range *copy;
+    size_t n_copy;
 };
+
+/* The fingerprints of one save (skip.c). */
+struct tms_skip {
+    tms_va *chunks;             /* device address of each chunk listed */
+    size_t *index;              /* its index in its allocation (offset / TMS_FP_CHUNK) */
+    struct tms_fp *fp;
+    size_t n;
+    uint64_t generation;        /* of the key they were taken under */
+};
+
+/* Fingerprints every chunk of the moves that skip unchanged memory (one call
+ * per device) and says which of them can be compared with what their held
+ * backup recorded. Where that cannot be done (no kernel, a failed run, no
+ * memory) the moves are copied whole, their backups forget what they
+ * recorded, and info->why_not says why. */
+void tms_skip_fingerprint(const struct tms_driver *drv, struct tms_save_plan *p, size_t n, struct tms_skip *s,
+                          struct tms_save_info *info);
+/* The ranges of plan p to copy (p->copy), once its backup for this save is
+ * known: all of its ranges, less the granules whose every chunk matches what
+ * the backup it reuses recorded; m->unchanged counts what was left out.
+ * TMS_E_HOST_OOM. */
+int tms_skip_ranges(struct tms_save_plan *p, const struct tms_skip *s, struct tms_err *err);
+/* After the copies succeeded: the backup records the fingerprints of the
+ * chunks it now holds as they were. */
+void tms_skip_record(struct tms_save_plan *p, size_t n, const struct tms_skip *s);
+void tms_skip_end(struct tms_save_plan *p, size_t n, struct tms_skip *s);
 
 /* Reserves from the budget what the plans' host backups need beyond what
  * those they reuse hold (*reserved); where the budget has no room and spill

@@ -88,6 +88,7 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     a->state = TMS_ACTIVE;
     a->backup = r->backup || r->disk_backup;
     a->backup_kind = tms_backup_kind_of_region(r->backup_kind, r->disk_backup);
+    a->skip_unchanged = r->skip_unchanged;
     /* Exportable from the start: a handle cannot be made shareable later. */
     a->handle_types = defaults->shareable && drv->share_types ? drv->share_types(device) : 0;
     a->handles = a->n_chunks == 1 ? &a->one_handle : calloc(n_chunks, sizeof *a->handles);
@@ -244,6 +245,7 @@ int tms_core_adopt(uint64_t va, size_t size, int device, tms_phys handle, uint64
         .va = va, .size = size, .reserved = size, .chunk = size, .n_chunks = 1, .device = device,
         .tag_id = r->tag_id, .state = TMS_ACTIVE, .backup = r->backup || r->disk_backup,
         .backup_kind = tms_backup_kind_of_region(r->backup_kind, r->disk_backup), .adopted = 1,
+        .skip_unchanged = r->skip_unchanged,
         .owner_handle = owner_handle, .handle_types = handle_types, .one_handle = handle,
     };
     a->handles = &a->one_handle;
@@ -294,4 +296,9 @@ int tms_core_disown(uint64_t va, size_t max_size, tms_phys *handle, uint64_t *ow
               a->state == TMS_ACTIVE ? "active" : "paused: nothing mapped, backup dropped");
     tms_alloc_destroy(a);
     return TMS_OK;
+}
+
+int tms_alloc_skips_unchanged(const struct tms_alloc *a)
+{
+    return a->backup && (a->skip_unchanged >= 0 ? a->skip_unchanged : tms_core_skip_unchanged());
 }

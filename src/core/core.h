@@ -57,6 +57,8 @@ struct tms_region {
     int backup;       /* keep a host copy across pause */
     int backup_kind;  /* the CPU backup's kind (tms_core_backup_kind_parse): pinned or mmap */
     int disk_backup;  /* back up to a file instead; wins over backup when both are set */
+    int skip_unchanged; /* a pause copies only chunks changed since the backup was written (keeping the
+                         * backup while active): 1, 0, or -1: the process's setting decides at the pause */
 };
 
 /* The calling thread's region. */
@@ -66,6 +68,7 @@ void tms_core_region_set_active(int active);
 void tms_core_region_set_backup(int backup);
 void tms_core_region_set_backup_kind(int kind);
 void tms_core_region_set_disk_backup(int disk);
+void tms_core_region_set_skip_unchanged(int skip);  /* 1, 0 or -1 (the process's setting) */
 /* Makes tag (checked as for a region) the calling thread's region tag,
  * holding a reference on it until the thread names another or ends. */
 int tms_core_set_region_tag(const char *tag, struct tms_err *err);
@@ -145,6 +148,7 @@ struct tms_op_device {
     size_t released;      /* bytes unmapped by a pause, or mapped by a resume */
     size_t copied;        /* bytes moved to (from) backups */
     size_t skipped;       /* bytes of backed-up allocations not copied: free in the caller's cache */
+    size_t unchanged;     /* bytes not copied because they had not changed since their backup was written */
     size_t free_before, free_after;  /* the driver's free bytes around the call (0 if it could not say) */
     int free_measured;    /* free_before and free_after were asked for (tms_op_args.measure_free) */
 };
@@ -170,6 +174,8 @@ struct tms_op_report {
     struct tms_op_device devices[TMS_REPORT_DEVICES];
     size_t n_unconfirmed; /* all of them; the first TMS_REPORT_UNCONFIRMED are listed */
     struct tms_op_unconfirmed unconfirmed[TMS_REPORT_UNCONFIRMED];
+    uint64_t fingerprint_ns;  /* a pause's time spent finding unchanged memory */
+    char why_not_skipped[160];  /* "" or why memory that was to skip unchanged chunks was copied whole */
 };
 
 /* How one pause or resume runs; every field optional (zeroed: as tms_core_pause). */
@@ -199,8 +205,11 @@ int tms_core_resume_ex(const char *const *tags, size_t n_tags, const struct tms_
  * releases it) and *offset the position of ptr in it; *out = NULL if ptr is in
  * no allocation or the allocation has no host copy now. TMS_E_ARG if the range
  * starts inside an allocation and runs past its end. Waits while a pause or
- * resume is moving that allocation (its backup is being written). */
-int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *offset, struct tms_err *err);
+ * resume is moving that allocation (its backup is being written). writable:
+ * the caller may write the bytes (a zero-copy view), so the backup's record of
+ * what it holds is no longer trusted (tms_backup_viewed). */
+int tms_core_backup_of(uint64_t ptr, size_t n, int writable, struct tms_backup **out, size_t *offset,
+                       struct tms_err *err);
 /* The bytes a host backup holds (a view of it aliases them), and letting go
  * of the view's reference. */
 void *tms_core_backup_bytes(const struct tms_backup *b);
@@ -337,6 +346,16 @@ int tms_core_current_device(int *device, struct tms_err *err);
 int tms_core_device_active(int device, int *active, struct tms_err *err);
 /* Bytes copied so far by the backup copy running now (or the last), and its size. */
 void tms_core_copy_progress(size_t *done, size_t *total);
+/* Fingerprints of the n chunks of 2 MiB from va on device as a pause takes
+ * them (platform/fingerprint.h), for tests: TMS_E_UNSUPPORTED where the
+ * backend has none, TMS_E_DRIVER with the code where its kernel fails. */
+#define TMS_CORE_FP_CHUNK ((size_t)2 << 20)
+int tms_core_fingerprint(int device, uint64_t va, size_t n, uint64_t (*out)[4], struct tms_err *err);
+/* The same on the CPU over len bytes in chunks of chunk bytes (whole 256 KiB
+ * blocks), under the process's key, or under key (4 x 256 uint32 NH words,
+ * then 4 uint64 points) where it is not NULL. */
+int tms_core_fingerprint_bytes(const void *data, size_t len, size_t chunk, const void *key, uint64_t (*out)[4],
+                               struct tms_err *err);
 /* The message of this thread's last failed hook or C ABI call ("" if none). */
 const char *tms_core_last_error(void);
 void tms_core_keep_error(const struct tms_err *err);

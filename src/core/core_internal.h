@@ -29,6 +29,7 @@ struct tms_alloc {
     int free_requested;      /* freed while moving: its mover frees it when done */
     int backup;
     int backup_kind;
+    int skip_unchanged;      /* the region's: 1, 0, or -1 (tms_core_skip_unchanged at each pause) */
     /* Adopted (core.h): mapped by its owner in a range the owner reserved;
      * the core never reserves, frees or hands it to a free() of its own. */
     int adopted;
@@ -173,6 +174,8 @@ int tms_core_resume_moves(const char *const *tags, size_t n_tags, const struct t
 int tms_core_restore_moves(const struct tms_driver *drv, struct tms_move *const *m, size_t n, int retain,
                            struct tms_err *err);
 uint64_t tms_core_now_ns(void);
+/* Does a pause of a copy only what changed (and keep its backup while active)? */
+int tms_alloc_skips_unchanged(const struct tms_alloc *a);
 
 /* Physical memory of one allocation (chunks.c). tag names it in messages. */
 size_t tms_chunk_size(const struct tms_alloc *a, int i);

@@ -1,6 +1,7 @@
 /* Pause: synchronize, save the backed-up allocations, unmap and release; all outside the table lock. */
 #include "core/core.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "core/core_internal.h"
@@ -80,7 +81,7 @@ static void restore_released(struct pause_run *p, size_t n, struct tms_err *err)
  * backup the call began to overwrite is dropped (the move's copy NULL)
  * unless it was written whole for an allocation let go early. */
 static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const struct tms_op_args *args, int retain,
-                      struct tms_err *err)
+                      struct tms_save_info *info, struct tms_err *err)
 {
     size_t n_saved = 0;
     for (size_t i = 0; i < n; i++) n_saved += m[i].a->backup != 0;
@@ -93,8 +94,10 @@ static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const s
         const struct tms_alloc *a = m[i].a;
         if (!a->backup) continue;
         struct tms_backup_move *b = &m[i].b;
+        int skip = tms_alloc_skips_unchanged(a);
         *b = (struct tms_backup_move){.kind = a->backup_kind, .device = a->device, .va = a->va, .size = a->size,
-                                      .held = b->held, .copy = b->held};
+                                      .held = b->held, .copy = b->held, .retain = retain || skip,
+                                      .skip_unchanged = skip};
         if (args->n_skip)
             rc = tms_live_plan(a->backup_kind, a->va, a->size, args->skip, args->n_skip, &b->ranges, &b->n_ranges,
                                err);
@@ -106,21 +109,21 @@ static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const s
     for (size_t i = 0, j = 0; p->saved && i < n; i++)
         if (m[i].a->backup) p->saved[j++] = &m[i];
     struct tms_backup_hooks hooks = {.arg = p, .saved = release_saved};
-    if (!rc) rc = tms_backup_save(p->drv, saved, n_saved, retain, tms_core_spill(), p->early ? &hooks : NULL, err);
+    if (!rc) rc = tms_backup_save(p->drv, saved, n_saved, tms_core_spill(), p->early ? &hooks : NULL, info, err);
     for (size_t j = 0; j < k; j++) {
         free(saved[j]->ranges);  /* the save took them; left only if planning failed */
         saved[j]->ranges = NULL;
     }
     if (rc && p->early) restore_released(p, n_saved, err);
     for (size_t i = 0; i < n && !rc; i++)
-        if (m[i].a->backup) m[i].skipped = m[i].a->size - m[i].b.copied;
+        if (m[i].a->backup) m[i].skipped = m[i].a->size - m[i].b.copied - m[i].b.unchanged;
     free(saved);
     return rc;
 }
 
 /* Unmaps and releases each allocation not let go yet; one whose unmap fails
  * stays active and whole (and keeps its new copy only as a retained one). */
-static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, int retain, struct tms_err *err)
+static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, struct tms_err *err)
 {
     int rc = TMS_OK;
     for (size_t i = 0, j = 0; i < n; i++) {
@@ -139,7 +142,7 @@ static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, in
         if (one == TMS_OK) {
             m[i].state = TMS_PAUSED;
             one = tms_chunks_release(p->drv, a, tag, &one_err);  /* paused all the same: reported, not undone */
-        } else if (m[i].b.copy && !tms_backup_kept_while_active(m[i].b.copy, retain)) {
+        } else if (m[i].b.copy && !tms_backup_kept_while_active(m[i].b.copy, m[i].b.retain)) {
             tms_backup_move_discard(&m[i].b);  /* still active: the device holds the bytes */
         }
         if (one && !rc) {
@@ -163,15 +166,20 @@ int tms_core_pause_moves(const char *const *tags, size_t n_tags, const struct tm
     tms_report_begin(drv, args, m, n);
     int retain = tms_core_retain();  /* once: the backups are planned and kept by the same answer */
     struct pause_run p = {.drv = drv};
+    struct tms_save_info info = {0};
     rc = synchronize_devices(drv, m, n, err);
     /* All backups first: if one fails, nothing has been unmapped yet, or
      * what was let go early is restored. */
-    if (!rc) rc = backup_all(&p, m, n, args, retain, err);
-    if (!rc) rc = unmap_all(&p, m, n, retain, err);
+    if (!rc) rc = backup_all(&p, m, n, args, retain, &info, err);
+    if (!rc) rc = unmap_all(&p, m, n, err);
     free(p.saved);
     free(p.early);
-    for (size_t i = 0; retain && i < n; i++)
-        if (m[i].b.copy) tms_backup_kept(m[i].b.copy, 1);  /* a retained one is page-locked in the background */
+    for (size_t i = 0; i < n; i++)
+        if (m[i].b.copy && m[i].b.retain) tms_backup_kept(m[i].b.copy, 1);  /* page-locked in the background */
+    if (args->report) {
+        args->report->fingerprint_ns = info.fingerprint_ns;
+        snprintf(args->report->why_not_skipped, sizeof args->report->why_not_skipped, "%s", info.why_not);
+    }
     uint64_t ns = tms_core_now_ns() - start;
     tms_report_end(drv, args, m, n, ns);
     tms_table_settle(drv, m, n, 1, ns);

@@ -21,7 +21,8 @@ int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, tms_phys *handle)
 }
 
 
-int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *offset, struct tms_err *err)
+int tms_core_backup_of(uint64_t ptr, size_t n, int writable, struct tms_backup **out, size_t *offset,
+                       struct tms_err *err)
 {
     int rc = TMS_OK;
     *out = NULL;
@@ -39,6 +40,7 @@ int tms_core_backup_of(uint64_t ptr, size_t n, struct tms_backup **out, size_t *
                       (unsigned long long)ptr, n, (unsigned long long)owner->va, owner->size);
     } else if (owner->host_copy && tms_backup_host(owner->host_copy)) {  /* a file is no CPU backup */
         tms_backup_ref(owner->host_copy);
+        if (writable) tms_backup_viewed(owner->host_copy);  /* what it recorded no longer proves anything */
         *out = owner->host_copy;
         *offset = (size_t)(ptr - owner->va);
     }

@@ -21,6 +21,7 @@ struct tms_region *tms_region_current(void)
         thread_region.backup = d->init_backup;
         thread_region.backup_kind = tms_backup_default_kind();
         thread_region.disk_backup = d->init_disk_backup;
+        thread_region.skip_unchanged = -1;
         thread_region_ready = 1;
     }
     return &thread_region;
@@ -32,6 +33,7 @@ void tms_core_region_set_active(int active) { tms_region_current()->active = act
 void tms_core_region_set_backup(int backup) { tms_region_current()->backup = backup; }
 void tms_core_region_set_backup_kind(int kind) { tms_region_current()->backup_kind = kind; }
 void tms_core_region_set_disk_backup(int disk) { tms_region_current()->disk_backup = disk; }
+void tms_core_region_set_skip_unchanged(int skip) { tms_region_current()->skip_unchanged = skip < 0 ? -1 : !!skip; }
 
 int tms_core_tag_id(const char *tag, int *id, struct tms_err *err)
 {

@@ -56,6 +56,7 @@ void tms_report_end(const struct tms_driver *drv, const struct tms_op_args *args
         if (hung_up) add_unconfirmed(r, m[i].a, hung_up, pids);
         else d->released += m[i].a->reserved;
         d->copied += m[i].b.copied;
+        d->unchanged += m[i].b.unchanged;
         d->skipped += m[i].skipped;
     }
     if (locked) tms_table_unlock();

@@ -65,13 +65,14 @@ int tms_core_restore_moves(const struct tms_driver *drv, struct tms_move *const 
         const struct tms_alloc *a = m[i]->a;
         struct tms_backup_move *bm = &m[i]->b;
         *bm = (struct tms_backup_move){.kind = a->backup_kind, .device = a->device, .va = a->va, .size = a->size,
-                                       .held = bm->held, .copy = bm->held};
+                                       .held = bm->held, .copy = bm->held,
+                                       .retain = retain || tms_alloc_skips_unchanged(a)};
         b[i] = bm;
     }
     struct resume_maps maps = {.drv = drv, .m = m};
     struct tms_backup_hooks hooks = {.arg = &maps, .before_restore = map_before_restore};
     struct tms_err restore_err = {0};
-    int rc = tms_backup_restore(drv, b, n, retain, &hooks, &restore_err);
+    int rc = tms_backup_restore(drv, b, n, &hooks, &restore_err);
     free(b);
     /* The map that stopped the resume came first: a backup that could not be
      * opened is only ever later. */
@@ -110,8 +111,8 @@ int tms_core_resume_moves(const char *const *tags, size_t n_tags, const struct t
     rc = order ? tms_core_restore_moves(drv, order, n, retain, err)
                : tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning the resume of %zu allocations", n);
     free(order);
-    for (size_t i = 0; retain && i < n; i++)
-        if (m[i].b.copy) tms_backup_kept(m[i].b.copy, 1);
+    for (size_t i = 0; i < n; i++)
+        if (m[i].b.copy && m[i].b.retain) tms_backup_kept(m[i].b.copy, 1);
     uint64_t ns = tms_core_now_ns() - start;
     tms_report_end(drv, args, m, n, ns);
     tms_table_settle(drv, m, n, 0, ns);

@@ -115,7 +115,7 @@ TMS_EXPORT_ABI uint8_t *tms_get_cpu_backup_pointer(const uint8_t *ptr, uint64_t 
     }
     struct tms_backup *b = NULL;
     size_t offset = 0;
-    if (answer(tms_core_backup_of((uint64_t)(uintptr_t)ptr, (size_t)size, &b, &offset, &err), &err)) return NULL;
+    if (answer(tms_core_backup_of((uint64_t)(uintptr_t)ptr, (size_t)size, 1, &b, &offset, &err), &err)) return NULL;
     if (!b) return NULL;
     uint8_t *host = (uint8_t *)tms_core_backup_bytes(b) + offset;
     tms_core_backup_release(b);  /* the allocation keeps its own reference */

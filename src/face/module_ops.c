@@ -7,16 +7,22 @@
 /* ---- region settings (thread-local in C) ----------------------------------- */
 
 PyDoc_STRVAR(set_region_doc,
-"set_region($module, active, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup=False, /)\n--\n\n"
+"set_region($module, active, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup=False,\n"
+"           skip_unchanged=None, /)\n--\n\n"
 "Set the calling thread's region: allocations it makes while active are pauseable\n"
-"(backed up to a file each when enable_disk_backup, which wins over enable_cpu_backup).");
+"(backed up to a file each when enable_disk_backup, which wins over enable_cpu_backup);\n"
+"skip_unchanged: their pauses copy only what changed (None: the process's setting).");
 
 static PyObject *py_set_region(PyObject *module, PyObject *args)
 {
-    int active, backup, disk = 0;
-    PyObject *tag_obj;
+    int active, backup, disk = 0, skip = -1;
+    PyObject *tag_obj, *skip_obj = Py_None;
     const char *kind_name;
-    if (!PyArg_ParseTuple(args, "pOps|p:set_region", &active, &tag_obj, &backup, &kind_name, &disk)) return NULL;
+    if (!PyArg_ParseTuple(args, "pOps|pO:set_region", &active, &tag_obj, &backup, &kind_name, &disk, &skip_obj))
+        return NULL;
+    if (skip_obj != Py_None && !PyBool_Check(skip_obj))
+        return tms_py_type_error("set_region: skip_unchanged", "a bool or None", skip_obj);
+    if (skip_obj != Py_None) skip = skip_obj == Py_True;
     const char *tag = tms_py_tag_bytes(tag_obj, "set_region: tag");
     if (!tag) return NULL;
     struct tms_err err = {0};
@@ -29,6 +35,7 @@ static PyObject *py_set_region(PyObject *module, PyObject *args)
         Py_END_ALLOW_THREADS
     }
     if (rc) return tms_py_raise(module, &err);
+    tms_core_region_set_skip_unchanged(skip);
     Py_RETURN_NONE;
 }
 
@@ -55,15 +62,18 @@ static PyObject *py_check_region(PyObject *module, PyObject *args)
 
 PyDoc_STRVAR(get_region_doc,
 "get_region($module, /)\n--\n\n"
-"The calling thread's region as (active, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup).");
+"The calling thread's region as (active, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup,\n"
+"skip_unchanged), skip_unchanged None where the process's setting decides.");
 
 static PyObject *py_get_region(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const struct tms_region *r = tms_core_region();
-    return Py_BuildValue("(NsNsN)", PyBool_FromLong(r->active), tms_core_tag_name(r->tag_id),
+    PyObject *skip = r->skip_unchanged < 0 ? Py_None : r->skip_unchanged ? Py_True : Py_False;
+    Py_INCREF(skip);
+    return Py_BuildValue("(NsNsNN)", PyBool_FromLong(r->active), tms_core_tag_name(r->tag_id),
                          PyBool_FromLong(r->backup), tms_core_backup_kind_name(r->backup_kind),
-                         PyBool_FromLong(r->disk_backup));
+                         PyBool_FromLong(r->disk_backup), skip);
 }
 
 /* ---- pause / resume ---------------------------------------------------------- */
@@ -122,9 +132,10 @@ static PyObject *free_bytes(int measured, size_t n)
 static PyObject *device_report_dict(const void *row)
 {
     const struct tms_op_device *d = row;
-    return Py_BuildValue("{s:i,s:n,s:n,s:n,s:n,s:N,s:N}", "device", d->device, "allocations", (Py_ssize_t)d->allocations,
-                         "released", (Py_ssize_t)d->released, "copied", (Py_ssize_t)d->copied, "skipped",
-                         (Py_ssize_t)d->skipped, "free_before", free_bytes(d->free_measured, d->free_before),
+    return Py_BuildValue("{s:i,s:n,s:n,s:n,s:n,s:n,s:N,s:N}", "device", d->device, "allocations",
+                         (Py_ssize_t)d->allocations, "released", (Py_ssize_t)d->released, "copied",
+                         (Py_ssize_t)d->copied, "skipped", (Py_ssize_t)d->skipped, "unchanged",
+                         (Py_ssize_t)d->unchanged, "free_before", free_bytes(d->free_measured, d->free_before),
                          "free_after", free_bytes(d->free_measured, d->free_after));
 }
 
@@ -154,8 +165,9 @@ static PyObject *report_dict(const struct tms_op_report *r)
         Py_XDECREF(devices);
         return NULL;
     }
-    return Py_BuildValue("{s:K,s:N,s:N}", "ns", (unsigned long long)r->ns, "devices", devices, "unconfirmed",
-                         unconfirmed);
+    return Py_BuildValue("{s:K,s:N,s:N,s:K,s:s}", "ns", (unsigned long long)r->ns, "devices", devices, "unconfirmed",
+                         unconfirmed, "fingerprint_ns", (unsigned long long)r->fingerprint_ns, "why_not_skipped",
+                         r->why_not_skipped);
 }
 
 /* What a pause may leave out: skip as skip_of takes it, or a callable returning

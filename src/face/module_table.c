@@ -37,15 +37,18 @@ PyType_Spec tms_py_view_spec = {
 };
 
 PyDoc_STRVAR(get_cpu_backup_doc,
-"get_cpu_backup($module, ptr, nbytes, /)\n--\n\n"
+"get_cpu_backup($module, ptr, nbytes, zero_copy=True, /)\n--\n\n"
 "A writable memoryview of the host backup of [ptr, ptr+nbytes), or None if the\n"
-"allocation holding ptr has no host copy now. The view keeps the bytes alive.");
+"allocation holding ptr has no host copy now. The view keeps the bytes alive.\n"
+"zero_copy: the caller may write it, so unchanged memory is never again found by\n"
+"comparing with this backup; False: the caller only copies out of it.");
 
 static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
 {
     PyObject *ptr_obj;
     Py_ssize_t nbytes;
-    if (!PyArg_ParseTuple(args, "O!n:get_cpu_backup", &PyLong_Type, &ptr_obj, &nbytes)) return NULL;
+    int zero_copy = 1;
+    if (!PyArg_ParseTuple(args, "O!n|p:get_cpu_backup", &PyLong_Type, &ptr_obj, &nbytes, &zero_copy)) return NULL;
     unsigned long long ptr = PyLong_AsUnsignedLongLong(ptr_obj);  /* checks sign and range */
     if (ptr == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear();
@@ -57,7 +60,7 @@ static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
     size_t offset = 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS  /* waits while a pause or resume moves that allocation */
-    rc = tms_core_backup_of(ptr, (size_t)nbytes, &b, &offset, &err);
+    rc = tms_core_backup_of(ptr, (size_t)nbytes, zero_copy, &b, &offset, &err);
     Py_END_ALLOW_THREADS
     if (rc) return tms_py_raise(module, &err);
     if (!b) Py_RETURN_NONE;
@@ -179,8 +182,74 @@ static PyObject *py_stats(PyObject *module, PyObject *unused)
     return list;
 }
 
+/* ---- fingerprints, for tests ------------------------------------------------------ */
+
+static PyObject *fingerprints_list(uint64_t (*fp)[4], size_t n)
+{
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        PyObject *row = Py_BuildValue("(KKKK)", (unsigned long long)fp[i][0], (unsigned long long)fp[i][1],
+                                      (unsigned long long)fp[i][2], (unsigned long long)fp[i][3]);
+        if (!row || PyList_SetItem(list, (Py_ssize_t)i, row) < 0) Py_CLEAR(list);  /* steals row */
+    }
+    return list;
+}
+
+PyDoc_STRVAR(fingerprint_doc,
+"fingerprint($module, device, ptr, chunks, /)\n--\n\n"
+"The fingerprints (four ints each) of the chunks of 2 MiB from ptr on device, computed\n"
+"as a pause that skips unchanged memory computes them (on the GPU where it can).");
+static PyObject *py_fingerprint(PyObject *module, PyObject *args)
+{
+    int device;
+    unsigned long long ptr;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "iKn:fingerprint", &device, &ptr, &n)) return NULL;
+    if (n < 0 || (size_t)n > ((size_t)1 << 30))
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: fingerprint: chunks must be 0 to 2**30, got %zd", n);
+    uint64_t (*out)[4] = PyMem_Calloc(n ? (size_t)n : 1, sizeof *out);
+    if (!out) return PyErr_NoMemory();
+    struct tms_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tms_core_fingerprint(device, ptr, (size_t)n, out, &err);
+    Py_END_ALLOW_THREADS
+    PyObject *list = rc ? tms_py_raise(module, &err) : fingerprints_list(out, (size_t)n);
+    PyMem_Free(out);
+    return list;
+}
+
+PyDoc_STRVAR(fingerprint_bytes_doc,
+"fingerprint_bytes($module, data, chunk_bytes, key=None, /)\n--\n\n"
+"The fingerprints of each chunk of data (bytes) on the CPU, under the process's key or\n"
+"key (bytes: 4 x 256 uint32 NH words, then 4 uint64 points, native order).");
+static PyObject *py_fingerprint_bytes(PyObject *module, PyObject *args)
+{
+    PyObject *data, *key = Py_None;
+    Py_ssize_t chunk;
+    if (!PyArg_ParseTuple(args, "O!n|O:fingerprint_bytes", &PyBytes_Type, &data, &chunk, &key)) return NULL;
+    if (key != Py_None && (!PyBytes_Check(key) || PyBytes_Size(key) != 4 * 256 * 4 + 4 * 8))
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: fingerprint_bytes: key must be %d bytes or None",
+                            4 * 256 * 4 + 4 * 8);
+    Py_ssize_t len = PyBytes_Size(data);
+    if (chunk <= 0 || len % chunk)
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: fingerprint_bytes: %zd bytes are not whole chunks "
+                            "of %zd", len, chunk);
+    size_t n = (size_t)(len / chunk);
+    uint64_t (*out)[4] = PyMem_Calloc(n ? n : 1, sizeof *out);
+    if (!out) return PyErr_NoMemory();
+    struct tms_err err = {0};
+    int rc = tms_core_fingerprint_bytes(PyBytes_AsString(data), (size_t)len, (size_t)chunk,
+                                        key == Py_None ? NULL : PyBytes_AsString(key), out, &err);
+    PyObject *list = rc ? tms_py_raise(module, &err) : fingerprints_list(out, n);
+    PyMem_Free(out);
+    return list;
+}
+
 PyMethodDef tms_py_table_methods[] = {
     {"get_cpu_backup", py_get_cpu_backup, METH_VARARGS, get_cpu_backup_doc},
+    {"fingerprint", py_fingerprint, METH_VARARGS, fingerprint_doc},
+    {"fingerprint_bytes", py_fingerprint_bytes, METH_VARARGS, fingerprint_bytes_doc},
     {"allocations", py_allocations, METH_NOARGS, allocations_doc},
     {"allocation_at", py_allocation_at, METH_O, allocation_at_doc},
     {"stats", py_stats, METH_NOARGS, stats_doc},

@@ -11,9 +11,11 @@
 #pragma weak PyArg_ParseTupleAndKeywords
 #pragma weak PyArg_UnpackTuple
 #pragma weak PyBool_FromLong
+#pragma weak PyBool_Type
 #pragma weak PyBuffer_FillInfo
 #pragma weak PyBytes_AsString
 #pragma weak PyBytes_Size
+#pragma weak PyBytes_Type
 #pragma weak PyDict_SetItemString
 #pragma weak PyErr_Format
 #pragma weak PyLong_Type

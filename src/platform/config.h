@@ -23,7 +23,8 @@
     X(TMS_FAULT_TO_HOST, "copy_to_host") X(TMS_FAULT_TO_DEVICE, "copy_to_device")                              \
     X(TMS_FAULT_HOST_ALLOC, "host_alloc") X(TMS_FAULT_DISK_WRITE, "disk_write")                                \
     X(TMS_FAULT_DISK_READ, "disk_read") X(TMS_FAULT_DISK_SHORT_WRITE, "disk_short_write")                      \
-    X(TMS_FAULT_DISK_NO_DIRECT, "disk_no_direct") X(TMS_FAULT_DISK_SYNC, "disk_sync")
+    X(TMS_FAULT_DISK_NO_DIRECT, "disk_no_direct") X(TMS_FAULT_DISK_SYNC, "disk_sync")                          \
+    X(TMS_FAULT_FINGERPRINT, "fingerprint")
 #define TMS_FAULT_ENUM(op, name) op,
 enum tms_fault_op { TMS_FAULT_LIST(TMS_FAULT_ENUM) TMS_FAULT_OPS };
 #undef TMS_FAULT_ENUM
@@ -92,6 +93,11 @@ enum tms_fault_op { TMS_FAULT_LIST(TMS_FAULT_ENUM) TMS_FAULT_OPS };
       "the ledger the processes sharing a budget name")                                                        \
     X(host_memory_safety, boolean, "TMS_HOST_MEMORY_SAFETY", 1, (), NULL, ENV,                                 \
       "without a budget, pauses keep 5 % of the host's memory available")                                      \
+    X(skip_unchanged, boolean, "TMS_SKIP_UNCHANGED", 0, (), NULL,                                              \
+      RUN(tms_core_set_skip_unchanged, tms_core_skip_unchanged),                                               \
+      "Backed-up pauses copy only the 2 MiB chunks that changed since the backup was written (found by "       \
+      "fingerprints on the GPU), keeping each backup between cycles; a region's skip_unchanged overrides it. "  \
+      "Off by default; TMS_SKIP_UNCHANGED=1.")                                                                 \
     X(spill_to_disk, boolean, "TMS_SPILL_TO_DISK", 0, (), NULL, RUN(tms_core_set_spill, tms_core_spill),       \
       "When a backed-up pause would exceed the host backup budget (TMS_HOST_BACKUP_LIMIT, or 5 % of the "      \
       "host's memory kept available), the largest allocations that do not fit are backed up to disk (the "     \

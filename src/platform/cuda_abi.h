@@ -12,6 +12,8 @@ typedef struct tms_CUctx_opaque *tms_CUcontext;
 typedef struct tms_CUstream_opaque *tms_CUstream;
 typedef unsigned long long tms_CUdeviceptr;
 typedef unsigned long long tms_CUmemHandle;
+typedef struct tms_CUmod_opaque *tms_CUmodule;
+typedef struct tms_CUfunc_opaque *tms_CUfunction;
 
 enum {
     TMS_CUDA_SUCCESS = 0,
@@ -102,7 +104,15 @@ typedef struct {
     X(cuMemGetAllocationPropertiesFromHandle, (tms_CUmemAllocationProp *prop, tms_CUmemHandle h), OPTIONAL) \
     X(cuMemRetainAllocationHandle, (tms_CUmemHandle *h, void *addr), OPTIONAL) \
     X(cuMemImportFromShareableHandle, (tms_CUmemHandle *h, void *shareable, int type), OPTIONAL) \
-    X(cuDeviceGetAttribute, (int *value, int attribute, tms_CUdevice dev), OPTIONAL)
+    X(cuDeviceGetAttribute, (int *value, int attribute, tms_CUdevice dev), OPTIONAL) \
+    X(cuModuleLoadData, (tms_CUmodule *module, const void *image), OPTIONAL) \
+    X(cuModuleGetFunction, (tms_CUfunction *function, tms_CUmodule module, const char *name), OPTIONAL) \
+    X(cuModuleGetGlobal, (tms_CUdeviceptr *dptr, size_t *bytes, tms_CUmodule module, const char *name), OPTIONAL) \
+    X(cuMemHostGetDevicePointer, (tms_CUdeviceptr *dptr, void *p, unsigned flags), OPTIONAL) \
+    X(cuMemcpyHtoD, (tms_CUdeviceptr dst, const void *src, size_t n), OPTIONAL) \
+    X(cuLaunchKernel, (tms_CUfunction function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x, \
+      unsigned block_y, unsigned block_z, unsigned shared_bytes, tms_CUstream stream, void **params, \
+      void **extra), OPTIONAL)
 
 /* The presence column as a number: 1 for a required entry. */
 #define TMS_CUDA_REQUIRED 1

@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "platform/error.h"
+#include "platform/fingerprint.h"
 
 /*
  * Conventions every backend keeps:
@@ -99,6 +100,12 @@ struct tms_driver {
     /* NUMA node of the host memory nearest the device (its backups go
      * there), -1 where unknown; NULL where the backend cannot tell. */
     int (*numa_node)(int device);
+    /* Fingerprints (platform/fingerprint.h, the process's key) of the n
+     * chunks of TMS_FP_CHUNK bytes at chunks[] on device, into out[]. NULL
+     * where the backend has no way to compute them on the device; a backend
+     * whose kernel cannot be loaded here returns that code every time.
+     * pre: the chunks are mapped and nothing writes them. */
+    int (*fingerprint)(int device, const tms_va *chunks, size_t n, struct tms_fp *out);
 };
 
 extern const struct tms_driver tms_driver_cuda;

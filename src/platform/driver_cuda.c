@@ -7,6 +7,7 @@
 
 #include "platform/cuda_abi.h"
 #include "platform/driver.h"
+#include "platform/fingerprint_ptx.h"
 #include "platform/fork.h"
 #include "platform/topology.h"
 
@@ -353,6 +354,129 @@ static int cuda_numa_node(int device)
     return device_get(device, &d) ? -1 : d->numa_node;
 }
 
+/* ---- fingerprints on the device ---------------------------------------------------
+ * The kernel of fingerprint.cu, loaded from its PTX by the driver on a device's
+ * first fingerprint: a driver that cannot load it (too old for the PTX, no JIT)
+ * says so with its code, kept, so a pause after it copies everything at once.
+ * The chunk list and the results live in page-locked host memory the kernel
+ * reads and writes through its device address. */
+struct cuda_fp {
+    int tried;                /* the module was asked for */
+    int code;                 /* what the driver said when loading it failed (0: loaded) */
+    tms_CUmodule module;
+    tms_CUfunction kernel;
+    tms_CUstream stream;
+    uint64_t key_generation;  /* of the key in the module's constants */
+    tms_va *chunks;           /* capacity entries, mapped into the device */
+    struct tms_fp *out;
+    tms_CUdeviceptr chunks_dev, out_dev;
+    size_t capacity;
+};
+
+static pthread_mutex_t fp_lock = PTHREAD_MUTEX_INITIALIZER;  /* the fps below; held across a kernel's run */
+static struct cuda_fp fps[CUDA_MAX_DEVICES];
+static pthread_once_t fp_fork_once = PTHREAD_ONCE_INIT;
+
+static void fp_fork_prepare(void) { pthread_mutex_lock(&fp_lock); }
+static void fp_fork_release(void) { pthread_mutex_unlock(&fp_lock); }
+static void fp_register_fork(void)
+{
+    static const struct tms_fork_handlers handlers = {fp_fork_prepare, fp_fork_release, fp_fork_release};
+    tms_fork_register(TMS_FORK_FP_RUN, &handlers);
+}
+
+static int fp_load(struct cuda_fp *f)
+{
+    if (!cu.cuModuleLoadData || !cu.cuModuleGetFunction || !cu.cuModuleGetGlobal || !cu.cuLaunchKernel ||
+        !cu.cuMemHostGetDevicePointer || !cu.cuMemcpyHtoD)
+        return TMS_CUDA_ERROR_NOT_SUPPORTED;
+    int rc = cu.cuModuleLoadData(&f->module, tms_fingerprint_ptx);
+    if (!rc) rc = cu.cuModuleGetFunction(&f->kernel, f->module, "tms_fingerprint");
+    if (!rc) rc = cu.cuStreamCreate(&f->stream, TMS_CU_STREAM_NON_BLOCKING);
+    return rc;
+}
+
+/* The process's key into the module's constants, once per key. */
+static int fp_key(struct cuda_fp *f)
+{
+    const struct tms_fp_key *key;
+    uint64_t generation;
+    struct tms_err err = {0};
+    if (tms_fp_key(&key, &generation, &err)) return TMS_CUDA_ERROR_NOT_SUPPORTED;
+    if (generation == f->key_generation) return 0;
+    tms_CUdeviceptr nh, point;
+    size_t nh_bytes, point_bytes;
+    int rc = cu.cuModuleGetGlobal(&nh, &nh_bytes, f->module, "tms_fp_nh_key");
+    if (!rc) rc = cu.cuModuleGetGlobal(&point, &point_bytes, f->module, "tms_fp_point");
+    if (!rc && (nh_bytes != sizeof key->nh || point_bytes != sizeof key->point)) rc = TMS_CUDA_ERROR_INVALID_VALUE;
+    if (!rc) rc = cu.cuMemcpyHtoD(nh, key->nh, sizeof key->nh);
+    if (!rc) rc = cu.cuMemcpyHtoD(point, key->point, sizeof key->point);
+    if (!rc) f->key_generation = generation;
+    return rc;
+}
+
+static int fp_room(struct cuda_fp *f, size_t n)
+{
+    if (n <= f->capacity) return 0;
+    if (f->chunks) cu.cuMemFreeHost(f->chunks);
+    if (f->out) cu.cuMemFreeHost(f->out);
+    f->chunks = NULL, f->out = NULL, f->capacity = 0;
+    size_t want = n < 1024 ? 1024 : n;
+    unsigned flags = 0x01 | 0x02; /* CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP */
+    void *chunks = NULL, *out = NULL;
+    int rc = cu.cuMemHostAlloc(&chunks, want * sizeof *f->chunks, flags);
+    if (!rc) rc = cu.cuMemHostAlloc(&out, want * sizeof *f->out, flags);
+    if (!rc) rc = cu.cuMemHostGetDevicePointer(&f->chunks_dev, chunks, 0);
+    if (!rc) rc = cu.cuMemHostGetDevicePointer(&f->out_dev, out, 0);
+    if (rc) {
+        if (chunks) cu.cuMemFreeHost(chunks);
+        if (out) cu.cuMemFreeHost(out);
+        return rc;
+    }
+    f->chunks = chunks, f->out = out, f->capacity = want;
+    return 0;
+}
+
+static int fp_run(int device, const tms_va *chunks, size_t n, struct tms_fp *out)
+{
+    struct cuda_fp *f = &fps[device];
+    if (!f->tried) {
+        f->tried = 1;
+        f->code = fp_load(f);
+    }
+    if (f->code) return f->code;
+    int rc = fp_key(f);
+    if (!rc) rc = fp_room(f, n);
+    for (size_t done = 0; !rc && done < n;) {
+        size_t k = n - done < f->capacity ? n - done : f->capacity;
+        memcpy(f->chunks, chunks + done, k * sizeof *chunks);
+        unsigned long long chunk_bytes = TMS_FP_CHUNK;
+        void *params[] = {&f->chunks_dev, &chunk_bytes, &f->out_dev};
+        rc = cu.cuLaunchKernel(f->kernel, (unsigned)k, 1, 1, TMS_FP_THREADS, 1, 1, 0, f->stream, params, NULL);
+        if (!rc) rc = cu.cuStreamSynchronize(f->stream);
+        if (!rc) memcpy(out + done, f->out, k * sizeof *out);
+        done += k;
+    }
+    return rc;
+}
+
+static int cuda_fingerprint(int device, const tms_va *chunks, size_t n, struct tms_fp *out)
+{
+    struct cuda_device *d;
+    if (device < 0 || device >= CUDA_MAX_DEVICES) return TMS_CUDA_ERROR_INVALID_DEVICE;
+    pthread_once(&fp_fork_once, fp_register_fork);
+    pthread_mutex_lock(&fp_lock);
+    int rc = device_get(device, &d);
+    if (!rc && !(rc = cu.cuCtxPushCurrent(d->ctx))) {
+        rc = fp_run(device, chunks, n, out);
+        tms_CUcontext popped;
+        int pop_rc = cu.cuCtxPopCurrent(&popped);
+        if (!rc) rc = pop_rc;
+    }
+    pthread_mutex_unlock(&fp_lock);
+    return rc;
+}
+
 const struct tms_driver tms_driver_cuda = {
     .name = "cuda",
     .load = cuda_load,
@@ -384,4 +508,5 @@ const struct tms_driver tms_driver_cuda = {
     .host_unregister = cuda_host_unregister,
     .numa_node = cuda_numa_node,
     .device_active = cuda_device_active,
+    .fingerprint = cuda_fingerprint,
 };

@@ -345,6 +345,20 @@ static int host_numa_node(int device)
     return tms_defaults()->host_numa_node;
 }
 
+/* The CPU computes what the GPU kernel would (platform/fingerprint.c); the
+ * n-th call fails as a kernel that cannot load would (TMS_FAULT=fingerprint:n). */
+static int host_fingerprint(int device, const tms_va *chunks, size_t n, struct tms_fp *out)
+{
+    touch(device);
+    if (fault_hit(TMS_FAULT_FINGERPRINT)) return ENOEXEC;
+    const struct tms_fp_key *key;
+    uint64_t generation;
+    struct tms_err err = {0};
+    if (tms_fp_key(&key, &generation, &err)) return err.driver_code ? err.driver_code : EIO;
+    for (size_t i = 0; i < n; i++) tms_fp_compute((const void *)(uintptr_t)chunks[i], TMS_FP_CHUNK, key, &out[i]);
+    return 0;
+}
+
 const struct tms_driver tms_driver_host = {
     .name = "host",
     .load = host_load,
@@ -375,4 +389,5 @@ const struct tms_driver tms_driver_host = {
     .host_unregister = host_unregister,
     .numa_node = host_numa_node,
     .device_active = host_device_active,
+    .fingerprint = host_fingerprint,
 };

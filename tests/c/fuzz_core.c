@@ -238,7 +238,7 @@ static void check_copy(const struct m_alloc *a)
     struct tms_err err = {0};
     struct tms_backup *b = NULL;
     size_t offset = 99;
-    int rc = tms_core_backup_of((uint64_t)(uintptr_t)a->ptr, a->size, &b, &offset, &err);
+    int rc = tms_core_backup_of((uint64_t)(uintptr_t)a->ptr, a->size, 0, &b, &offset, &err);
     REQUIRE(rc == TMS_OK, "backup_of %p: %s", (void *)a->ptr, err.msg);
     if (!a->has_copy) {
         REQUIRE(b == NULL, "host copy for %p, none expected", (void *)a->ptr);
@@ -759,7 +759,7 @@ static void op_read_backup(struct reader *r)
     struct tms_err err = {0};
     struct tms_backup *b = (struct tms_backup *)1;
     size_t offset = 0;
-    int rc = tms_core_backup_of((uint64_t)(uintptr_t)(a->ptr + off), n, &b, &offset, &err);
+    int rc = tms_core_backup_of((uint64_t)(uintptr_t)(a->ptr + off), n, 0, &b, &offset, &err);
     if (off + n > a->size) {
         expect_rc(rc, TMS_E_ARG, &err, "tms_core_backup_of past the end");
         REQUIRE(strstr(err.msg, "runs past allocation"), "%s", err.msg);
@@ -793,7 +793,7 @@ static void op_bad_pointer(struct reader *r)
         size_t offset = 0;
         memset(&err, 0, sizeof err);
         /* Foreign memory has no backup (get_cpu_backup returns None, as upstream). */
-        expect_rc(tms_core_backup_of(4096, 1, &b, &offset, &err), TMS_OK, &err, "backup_of(4096)");
+        expect_rc(tms_core_backup_of(4096, 1, 0, &b, &offset, &err), TMS_OK, &err, "backup_of(4096)");
         REQUIRE(b == NULL, "backup_of(4096) gave a backup");
     }
 }

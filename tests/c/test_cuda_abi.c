@@ -30,6 +30,8 @@ SAME_TYPE(tms_CUdeviceptr, CUdeviceptr);
 SAME_TYPE(tms_CUmemHandle, CUmemGenericAllocationHandle);
 SAME_SIZE(tms_CUcontext, CUcontext);
 SAME_SIZE(tms_CUstream, CUstream);
+SAME_SIZE(tms_CUmodule, CUmodule);
+SAME_SIZE(tms_CUfunction, CUfunction);
 /* CUresult and the struct fields below are enums in cuda.h and int here:
  * same size and alignment, and every value we use fits both. */
 SAME_SIZE(tms_CUresult, CUresult);
@@ -60,6 +62,7 @@ SAME_CONST(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED);
 SAME_CONST(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
 /* Literals in driver_cuda.c. */
 _Static_assert(CU_MEMHOSTALLOC_PORTABLE == 0x01, "driver_cuda.c passes 0x01 as CU_MEMHOSTALLOC_PORTABLE");
+_Static_assert(CU_MEMHOSTALLOC_DEVICEMAP == 0x02, "driver_cuda.c passes 0x02 as CU_MEMHOSTALLOC_DEVICEMAP");
 _Static_assert(CUDA_ABI_VERSION <= CUDA_VERSION, "driver_cuda.c asks for an ABI newer than this cuda.h");
 
 /* cudaError_t values the hooks answer with (hook.h) against the runtime's. */
@@ -146,6 +149,8 @@ CUresult tms_check_attribute(int *value, int attribute, CUdevice dev);
 #define tms_CUmemHandle CUmemGenericAllocationHandle
 #define tms_CUmemAllocationProp CUmemAllocationProp
 #define tms_CUmemAccessDesc CUmemAccessDesc
+#define tms_CUmodule CUmodule
+#define tms_CUfunction CUfunction
 
 #define CHECK_ENTRY(name, params, presence) \
     _Static_assert(_Generic(&name, CUresult (*) params: 1, default: 0), \
