@@ -1,5 +1,8 @@
 """The singleton's settings, in one store: each setting's type, its default, and
 where it lives once the core is loaded."""
+import re
+
+_JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 # name -> (Python type it converts to, the core's getter and setter or None). A
 # setting the core keeps is written to it from its first use on (the core checks
@@ -9,12 +12,15 @@ TABLE = {
     "memory_margin_bytes": (int, ("get_memory_margin_bytes", "set_memory_margin_bytes")),
     "retain_cpu_backup": (bool, ("get_retain_cpu_backup", "set_retain_cpu_backup")),
     "spill_to_disk": (bool, ("get_spill_to_disk", "set_spill_to_disk")),
+    "job": ((str, type(None)), ("get_job", "set_job")),
     "progress": (bool, None),
     "backup_live_only": (bool, None),
 }
 
 
 def _type_name(t):
+    if isinstance(t, tuple):
+        return " or ".join("None" if k is type(None) else _type_name(k) for k in t)
     return ("an " if t.__name__[0] in "aeiou" else "a ") + t.__name__
 
 
@@ -62,3 +68,6 @@ class Settings:
             raise ValueError(f"torch_memory_saver: memory_margin_bytes must be >= 0, got {value}")
         if name == "memory_margin_bytes" and value >= 1 << 64:
             raise ValueError(f"torch_memory_saver: memory_margin_bytes must be < 2**64, got {value}")
+        if name == "job" and value is not None and not _JOB_NAME.fullmatch(value):
+            raise ValueError(f"torch_memory_saver: job {value!r} is not a name of 1 to 64 letters, digits, '_', '-' "
+                             f"or '.'")

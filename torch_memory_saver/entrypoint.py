@@ -151,6 +151,19 @@ class TorchMemorySaver:
     def spill_to_disk(self, value: bool):
         self._settings.set("spill_to_disk", value)
 
+    @property
+    def job(self) -> Optional[str]:
+        """The job this process lends memory in (None: none, the default; TMS_JOB):
+        processes of one user that name the same job and use the same GPU pass each
+        other the memory a pause releases, so that a resume right after another
+        member's pause maps memory the driver need not clean first. Fixed from the
+        process's first pause or resume in the job on."""
+        return self._settings.get("job")
+
+    @job.setter
+    def job(self, value: Optional[str]):
+        self._settings.set("job", value)
+
     def host_budget(self):
         """The host backup budget this process shares: name, limit (0: none),
         reserved (by every process of the ledger), mine, free, the host's

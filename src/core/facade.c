@@ -17,6 +17,7 @@ void tms_core_defaults(struct tms_core_defaults *out)
         .disk_block_bytes = d->disk_block_bytes, .progress = d->progress, .backup_live_only = d->backup_live_only,
         .spill_to_disk = d->spill_to_disk, .reloc_hooks = d->reloc_hooks,
     };
+    snprintf(out->job, sizeof out->job, "%s", d->job);
 }
 
 int tms_core_env_check(struct tms_err *err) { return tms_env_check(err); }

@@ -5,6 +5,15 @@
 #include <string.h>
 
 #include "hooks/hook_preload.h"
+#include "share/job.h"
+
+/* The job, as a setting reads it (a buffer of the calling thread's). */
+static const char *job_name_now(void)
+{
+    static _Thread_local char name[72];
+    tms_job_get_name(name, sizeof name);
+    return name;
+}
 
 /* ---- process-wide settings: a setter and a getter each ----------------------------
  * X(name, type, argument, core setter, core getter, what the setting does) */
@@ -13,10 +22,13 @@
       "Allocations fail with OOM if they would leave fewer than n bytes free.")                    \
     X(retain_cpu_backup, bool, retain, tms_core_set_retain, tms_core_retain,                       \
       "Keep host backups across resume.")                                                          \
-    X(spill_to_disk, bool, spill, tms_core_set_spill, tms_core_spill, "Backups past the host budget go to disk.")
+    X(spill_to_disk, bool, spill, tms_core_set_spill, tms_core_spill, "Backups past the host budget go to disk.") \
+    X(job, str, name, tms_job_set_name, job_name_now,                                              \
+      "The job whose members (this user's processes on the same GPU) lend each other memory; None: none.")
 
-static PyObject *set_size(const char *name, PyObject *arg, void (*set)(size_t))
+static PyObject *set_size(PyObject *module, const char *name, PyObject *arg, void (*set)(size_t))
 {
+    (void)module;
     if (!PyLong_Check(arg)) return tms_py_type_error(name, "an int", arg);
     if (PyObject_RichCompareBool(arg, Py_False, Py_LT) == 1)
         return PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s must be >= 0, got %R", name, arg);
@@ -26,24 +38,45 @@ static PyObject *set_size(const char *name, PyObject *arg, void (*set)(size_t))
     Py_RETURN_NONE;
 }
 
-static PyObject *set_bool(const char *name, PyObject *arg, void (*set)(int))
+static PyObject *set_bool(PyObject *module, const char *name, PyObject *arg, void (*set)(int))
 {
-    (void)name;
+    (void)module, (void)name;
     int v = PyObject_IsTrue(arg);
     if (v < 0) return NULL;
     set(v);
     Py_RETURN_NONE;
 }
 
+/* A name or None; the core (or the layer keeping it) checks what it means. */
+static PyObject *set_str(PyObject *module, const char *name, PyObject *arg, int (*set)(const char *, struct tms_err *))
+{
+    const char *value = NULL;
+    if (arg != Py_None && !(value = PyUnicode_Check(arg) ? PyUnicode_AsUTF8AndSize(arg, NULL) : NULL)) {
+        if (!PyErr_Occurred()) return tms_py_type_error(name, "a str or None", arg);
+        return NULL;
+    }
+    struct tms_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = set(value, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) return tms_py_raise(module, &err);
+    Py_RETURN_NONE;
+}
+
 static PyObject *get_size(size_t v) { return PyLong_FromSize_t(v); }
 static PyObject *get_bool(int v) { return PyBool_FromLong(v); }
+static PyObject *get_str(const char *v)
+{
+    if (!v[0]) Py_RETURN_NONE;
+    return PyUnicode_FromString(v);
+}
 
 #define SETTING_FUNCTIONS(name, type, arg, set, get, doc)                               \
     PyDoc_STRVAR(set_##name##_doc, "set_" #name "($module, " #arg ", /)\n--\n\n" doc); \
     static PyObject *py_set_##name(PyObject *module, PyObject *value)                    \
     {                                                                                    \
-        (void)module;                                                                    \
-        return set_##type(#name, value, set);                                            \
+        return set_##type(module, #name, value, set);                                    \
     }                                                                                    \
     PyDoc_STRVAR(get_##name##_doc, "get_" #name "($module, /)\n--\n\n");                \
     static PyObject *py_get_##name(PyObject *module, PyObject *unused)                   \
@@ -79,6 +112,23 @@ static PyObject *py_host_budget(PyObject *module, PyObject *unused)
                          (Py_ssize_t)info.mem_available, "safety", info.safety ? Py_True : Py_False,
                          "spill_to_disk", tms_core_spill() ? Py_True : Py_False, "ledger",
                          info.alone || !info.ledger[0] ? NULL : info.ledger);
+}
+
+PyDoc_STRVAR(job_memory_doc,
+"job_memory($module, device, /)\n--\n\n"
+"(kept, lent, borrowed): bytes on device this process keeps idle for its job, has lent to\n"
+"other members, and maps from memory other members lent.");
+static PyObject *py_job_memory(PyObject *module, PyObject *args)
+{
+    (void)module;
+    int device;
+    if (!PyArg_ParseTuple(args, "i:job_memory", &device)) return NULL;
+    if (device < 0) return PyErr_Format(PyExc_ValueError, "torch_memory_saver: device must be >= 0, got %d", device);
+    size_t kept, lent, borrowed;
+    Py_BEGIN_ALLOW_THREADS
+    tms_core_job_memory(device, &kept, &lent, &borrowed);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(nnn)", (Py_ssize_t)kept, (Py_ssize_t)lent, (Py_ssize_t)borrowed);
 }
 
 PyDoc_STRVAR(use_backend_doc, "use_backend($module, name, /)\n--\n\nChoose 'cuda', 'hip' or 'host' before first use.");
@@ -288,14 +338,15 @@ static PyObject *py_defaults(PyObject *module, PyObject *unused)
     (void)module, (void)unused;
     struct tms_core_defaults defaults, *d = &defaults;
     tms_core_defaults(d);
-    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
+    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O,s:O,s:z}", "init_enable", d->init_enable ? Py_True : Py_False,
                          "init_enable_cpu_backup", d->init_backup ? Py_True : Py_False,
                          "init_cpu_backup_backend", tms_core_backup_kind_name(d->init_backup_kind),
                          "init_enable_disk_backup", d->init_disk_backup ? Py_True : Py_False,
                          "retain_cpu_backup", d->retain_backup ? Py_True : Py_False, "chunk_bytes",
                          (Py_ssize_t)d->chunk_bytes, "disk_backup_chunk_bytes", (Py_ssize_t)d->disk_block_bytes,
                          "progress", d->progress ? Py_True : Py_False, "backup_live_only",
-                         d->backup_live_only ? Py_True : Py_False, "spill_to_disk", d->spill_to_disk ? Py_True : Py_False);
+                         d->backup_live_only ? Py_True : Py_False, "spill_to_disk", d->spill_to_disk ? Py_True : Py_False,
+                         "job", d->job[0] ? d->job : NULL);
 }
 
 PyDoc_STRVAR(set_disk_backup_dir_doc,
@@ -337,6 +388,7 @@ PyMethodDef tms_py_process_methods[] = {
     SETTINGS(SETTING_METHODS)
     {"set_platform_hint", py_set_platform_hint, METH_O, set_platform_hint_doc},
     {"host_budget", py_host_budget, METH_NOARGS, host_budget_doc},
+    {"job_memory", py_job_memory, METH_VARARGS, job_memory_doc},
     {"use_backend", py_use_backend, METH_O, use_backend_doc},
     {"backend", py_backend, METH_NOARGS, backend_doc},
     {"loaded_backend", py_loaded_backend, METH_NOARGS, loaded_backend_doc},

@@ -69,6 +69,44 @@ static void env_host_limit(void)
                  "(not starting with '.')", name);
 }
 
+int tms_job_name_ok(const char *name)
+{
+    size_t n = strlen(name);
+    int ok = n >= 1 && n <= TMS_JOB_NAME_MAX;
+    for (size_t i = 0; ok && i < n; i++)
+        ok = (name[i] >= 'a' && name[i] <= 'z') || (name[i] >= 'A' && name[i] <= 'Z') ||
+             (name[i] >= '0' && name[i] <= '9') || name[i] == '_' || name[i] == '-' || name[i] == '.';
+    return ok;
+}
+
+/* A bound in whole milliseconds, 0 to TMS_JOB_MS_MAX. */
+static void env_ms(const char *var, unsigned fallback, unsigned *out)
+{
+    *out = fallback;
+    const char *s = getenv(var);
+    unsigned long long n;
+    if (!s || !*s) return;
+    if (tms_parse_uint(s, TMS_JOB_MS_MAX, &n) == TMS_OK) *out = (unsigned)n;
+    else if (!defaults.parse_error.status)
+        tms_fail(&defaults.parse_error, TMS_E_ARG, 0, "%s='%s' is not a whole number of milliseconds from 0 to %d", var,
+                 s, TMS_JOB_MS_MAX);
+}
+
+/* The job lending happens in, and its two bounds. */
+static void env_job(void)
+{
+    const char *name = getenv("TMS_JOB");
+    if (name && *name) {
+        if (tms_job_name_ok(name)) strcpy(defaults.job, name);
+        else if (!defaults.parse_error.status)
+            tms_fail(&defaults.parse_error, TMS_E_ARG, 0,
+                     "TMS_JOB='%.80s' is not a job name of 1 to %d letters, digits, '_', '-' or '.'", name,
+                     TMS_JOB_NAME_MAX);
+    }
+    env_ms("TMS_JOB_HOLD_MS", TMS_JOB_HOLD_MS_DEFAULT, &defaults.job_hold_ms);
+    env_ms("TMS_JOB_WAIT_MS", TMS_JOB_WAIT_MS_DEFAULT, &defaults.job_wait_ms);
+}
+
 /* Upstream's spelling: whole MiB. */
 static void env_disk_block(void)
 {
@@ -116,6 +154,7 @@ static void load_defaults(void)
     env_host_limit();
     env_path("TMS_HOST_MEMINFO", defaults.host_meminfo, sizeof defaults.host_meminfo);
     env_disk_block();
+    env_job();
     /* The names of the CPU backup kinds (backup/backup.h turns one into its kind). */
     const char *kind = getenv("TMS_INIT_CPU_BACKUP_BACKEND");
     if (kind && (!strcmp(kind, "pinned") || !strcmp(kind, "mmap")))
@@ -290,7 +329,8 @@ static const char *const env_names[] = {
     "TMS_PROGRESS", "TMS_BACKUP_LIVE_ONLY", "TMS_SPILL_TO_DISK", "TMS_HOST_MEMORY_SAFETY",
     "TMS_HOST_BACKUP_LIMIT", "TMS_HOST_BACKUP_LIMIT_NAME", "TMS_BACKUP_THREADS", "TMS_BACKUP_BLOCK_BYTES",
     "TMS_CHUNK_BYTES", "TMS_LOG", "TMS_PLATFORM", "TMS_BACKEND", "TMS_HOST_DEVICE_BYTES", "TMS_HOST_DEVICES",
-    "TMS_HOST_NUMA_NODE", "TMS_HOST_CURRENT_DEVICE", "TMS_FAULT", "TMS_HOST_COPY_GATE",
+    "TMS_HOST_NUMA_NODE", "TMS_HOST_CURRENT_DEVICE", "TMS_FAULT", "TMS_HOST_COPY_GATE", "TMS_JOB", "TMS_JOB_HOLD_MS",
+    "TMS_JOB_WAIT_MS",
     /* read where they are used: the disk directory, the ledger's and ROCm's test seams */
     "TMS_DISK_BACKUP_DIR", "TMS_HOST_MEMINFO", "TMS_HIP_LIBRARY",
     /* the command line's and the build's */

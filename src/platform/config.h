@@ -7,6 +7,13 @@
 #include "platform/error.h"
 
 #define TMS_CHUNK_BYTES_MAX ((size_t)1 << 40)
+#define TMS_JOB_NAME_MAX 64
+#define TMS_JOB_HOLD_MS_DEFAULT 2000
+#define TMS_JOB_WAIT_MS_DEFAULT 20
+#define TMS_JOB_MS_MAX 60000
+
+/* 1 if name is a job's name: 1 to TMS_JOB_NAME_MAX letters, digits, '_', '-' or '.'. */
+int tms_job_name_ok(const char *name);
 
 struct tms_defaults {
     int init_enable;             /* TMS_INIT_ENABLE */
@@ -30,6 +37,9 @@ struct tms_defaults {
     int backup_threads;          /* TMS_BACKUP_THREADS; 0 = one per core, at most 16 */
     size_t backup_block_bytes;   /* TMS_BACKUP_BLOCK_BYTES: copy block size both ways; 0 = per direction */
     char host_meminfo[256];      /* TMS_HOST_MEMINFO (tests): a file read instead of /proc/meminfo; "" = none */
+    char job[TMS_JOB_NAME_MAX + 1];  /* TMS_JOB: the job whose members lend each other memory; "" = none */
+    unsigned job_hold_ms;        /* TMS_JOB_HOLD_MS: how long memory kept for the job waits for a borrower */
+    unsigned job_wait_ms;        /* TMS_JOB_WAIT_MS: how long a pause or resume waits for one member's answer */
     struct tms_err parse_error;  /* status != 0 if a variable was malformed */
 };
 

@@ -55,6 +55,10 @@ typedef struct {
     int flags;
 } tms_CUmemAccessDesc;
 
+typedef struct {
+    char bytes[16];
+} tms_CUuuid;
+
 /*
  * The driver entry points the library calls (the cuda backend) or wraps
  * (hooks/cumem.c, for PyTorch's expandable segments), each at the ABI of CUDA
@@ -102,7 +106,8 @@ typedef struct {
     X(cuMemGetAllocationPropertiesFromHandle, (tms_CUmemAllocationProp *prop, tms_CUmemHandle h), OPTIONAL) \
     X(cuMemRetainAllocationHandle, (tms_CUmemHandle *h, void *addr), OPTIONAL) \
     X(cuMemImportFromShareableHandle, (tms_CUmemHandle *h, void *shareable, int type), OPTIONAL) \
-    X(cuDeviceGetAttribute, (int *value, int attribute, tms_CUdevice dev), OPTIONAL)
+    X(cuDeviceGetAttribute, (int *value, int attribute, tms_CUdevice dev), OPTIONAL) \
+    X(cuDeviceGetUuid, (tms_CUuuid *uuid, tms_CUdevice dev), OPTIONAL)
 
 /* The presence column as a number: 1 for a required entry. */
 #define TMS_CUDA_REQUIRED 1
