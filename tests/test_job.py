@@ -65,22 +65,14 @@ def test_a_malformed_job_variable_is_named_at_import(run_py):
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (gloo)")
 def test_a_group_pause_in_a_job(run_scenario):
-    # Four ranks on one device, all in one job: they keep and borrow each other's memory
-    # as they pause and resume together, every byte exact.
-    proc = run_scenario("distributed", "pause_and_resume", "--world", 4, timeout=60,
-                        env={"TMS_JOB": f"group-{uuid.uuid4().hex[:12]}", "TMS_JOB_WAIT_MS": "5000"})
-    assert sorted(check_ok(proc).splitlines()) == [f"rank {r}: 4 reports each way, bytes exact" for r in range(4)]
+    # Four ranks on one device, all in one job, and a fault in the last rank's second resume.
+    proc = run_scenario("job_group", "lend_in_a_group", 3, "--world", 4, "--fault", "3=copy_to_device:3", timeout=90,
+                        env={"TMS_JOB": f"group-{uuid.uuid4().hex[:12]}", "TMS_JOB_WAIT_MS": "5000",
+                             "TMS_JOB_HOLD_MS": "60000"})
+    assert sorted(check_ok(proc).splitlines()) == [f"rank {r}: kept, mapped again, rolled back, bytes exact"
+                                                   for r in range(4)]
 
 
-def test_the_budget_in_a_job(tmp_path):
-    # As test_budget's, with every holder a member of one job: the budget decides the same.
-    from test_budget import MiB, Holder, _env
-
-    env = _env(tmp_path, TMS_HOST_BACKUP_LIMIT="80MiB", TMS_SPILL_TO_DISK="1", TMS_JOB=f"budget-{uuid.uuid4().hex[:12]}",
-               TMS_JOB_WAIT_MS="5000", TMS_CHUNK_BYTES="2MiB")
-    holders = [Holder(env) for _ in range(4)]
-    got = [(h.state["error"], h.state["cpu"], h.state["disk"]) for h in holders]
-    assert got == [(None, 2, 0), (None, 2, 0), (None, 1, 1), (None, 0, 2)], got
-    assert [h.state["budget"]["mine"] for h in holders] == [32 * MiB, 32 * MiB, 16 * MiB, 0]
-    for h in holders:
-        assert h.finish() == "done\n"
+def test_the_budget_in_a_job(run_scenario, tmp_path):
+    assert check_ok(run_scenario("job", "budget_in_a_job", env={"TMS_DISK_BACKUP_DIR": tmp_path},
+                                 timeout=TIMEOUT)) == "done\n"

@@ -230,8 +230,9 @@ void tms_core_job_status(int device, size_t *demand, size_t *idle)
     size_t paused = 0, kept = 0;
     tms_table_lock();
     TMS_FOR_EACH_ALLOC(a) {
-        /* Memory a resume will ask for: a resume in flight has asked already. */
-        if (a->device == device && a->state == TMS_PAUSED && !a->moving && !a->adopted) paused += a->reserved;
+        /* Memory a resume will ask the job for (lend.c's lendable ones): a resume in flight has asked already. */
+        if (a->device == device && a->state == TMS_PAUSED && !a->moving && !a->adopted && a->handle_types)
+            paused += a->reserved;
     }
     tms_table_unlock();
     lock();

@@ -119,14 +119,14 @@ static PyObject *free_bytes(int measured, size_t n)
     Py_RETURN_NONE;
 }
 
-/* The job's fallback in words (None: the job was not asked). */
+/* Why the driver made memory the job's members were asked for, in words;
+ * None: they were not asked, or lent all of it. */
 static const char *fallback_name(int fallback)
 {
     switch (fallback) {
     case TMS_JOB_NO_MEMBER: return "no member";
     case TMS_JOB_TIMED_OUT: return "member timed out";
     case TMS_JOB_NOTHING_TO_LEND: return "nothing to lend";
-    case TMS_JOB_ENOUGH: return "none";
     default: return NULL;
     }
 }

@@ -163,7 +163,9 @@ static int ask(int fd, const struct tms_share_handle *h, struct tms_share_reply 
     if (n < 0 && !truncated)
         return tms_fail(err, TMS_E_IO, errno, "open_shared: no answer from pid %u%s: %s", (unsigned)h->pid,
                         errno == EAGAIN ? " within the timeout" : "", strerror(errno));
-    if (n != (ssize_t)sizeof *reply)
+    /* Chunks of one size (and refusals) come without the lengths. */
+    if (n != (ssize_t)sizeof *reply &&
+        !(n == (ssize_t)offsetof(struct tms_share_reply, lens) && (reply->chunk || reply->status)))
         return tms_fail(err, TMS_E_ARG, 0, "open_shared: a malformed answer from pid %u", (unsigned)h->pid);
     reply->message[sizeof reply->message - 1] = '\0';
     return TMS_OK;

@@ -125,9 +125,10 @@ int tms_share_send(int fd, const void *buf, size_t len, const int *fds, int n_fd
     return n == (ssize_t)len ? 0 : -1;
 }
 
+/* A refusal, as the reply always was: without the lengths of a lend's pieces. */
 static int send_reply(int fd, const struct tms_share_reply *reply, const int *fds, int n_fds, int flags)
 {
-    return tms_share_send(fd, reply, sizeof *reply, fds, n_fds, flags);
+    return tms_share_send(fd, reply, offsetof(struct tms_share_reply, lens), fds, n_fds, flags);
 }
 
 /* What a request ended with: held (the receiver got the descriptors) or to be closed. */
@@ -230,7 +231,9 @@ static struct outcome answer(int fd, int pid, const struct listener *l)
     reply.reserved = info.reserved;
     reply.chunk = info.chunk;
     for (int i = 0; !info.chunk && i < info.n_chunks; i++) reply.lens[i] = info.lens[i];
-    int sent = send_reply(fd, &reply, fds, info.n_chunks, 0);
+    /* The lengths only where they differ: chunks of one size go as they always did. */
+    size_t len = info.chunk ? offsetof(struct tms_share_reply, lens) : sizeof reply;
+    int sent = tms_share_send(fd, &reply, len, fds, info.n_chunks, 0);
     for (int i = 0; i < info.n_chunks; i++) close(fds[i]);
     if (sent) {
         (void)tms_core_share_detach(req.va, req.token, pid, 1);  /* nothing reached it */

@@ -113,6 +113,10 @@ def member():
                 answer = read(*args)
             elif op in ("pause", "resume"):
                 answer = getattr(tms, op)(args[0]).as_dict()
+            elif op == "budget":
+                answer = tms.host_budget()
+            elif op == "backups":
+                answer = sorted((r["has_cpu_backup"], r["has_disk_backup"]) for r in tms.allocations())
             elif op == "memory":
                 report = tms.memory_report()[0]
                 active = sum(r["reserved"] for r in tms.allocations() if r["state"] == "active")
@@ -211,7 +215,7 @@ def lend_and_reuse():
     assert (a.memory()["job_kept"], a.memory()["job_lent"]) == (16 * MiB, 0)
 
     d = device(b.resume("w"))
-    assert (d["borrowed_bytes"], d["lenders"], d["fallback"]) == (12 * MiB, {a.pid: 12 * MiB}, "none"), d
+    assert (d["borrowed_bytes"], d["lenders"], d["fallback"]) == (12 * MiB, {a.pid: 12 * MiB}, None), d
     assert mapped_in(b.pid, b_w, 12 * MiB) <= lent  # every chunk A's
     assert b.ask("read", b_w, 12 * MiB) == b_bytes  # the restore wrote over A's bytes
     memory = a.memory()
@@ -373,6 +377,34 @@ def without_a_job():
         assert not [line for line in f if "@tms-job-" in line and (f"-{a.pid}-" in line or f"-{b.pid}-" in line)]
     assert (a.memory()["job_kept"], b.memory()["job_borrowed"]) == (0, 0)
     check_exit_frees((a, b), made)
+    print("done")
+
+
+def budget_in_a_job():
+    """Members under one host backup budget: a pause keeps device memory for the others
+    and spills its backups past the budget to disk all the same; a resume into another
+    member's memory gives its reservation back; every byte comes back."""
+    env = dict(TMS_HOST_BACKUP_LIMIT="24MiB", TMS_SPILL_TO_DISK="1", TMS_HOST_BACKUP_LIMIT_NAME=f"job-{os.getpid()}")
+    a, b = Member(J, **env), Member(J, **env)
+    data = {}
+    for m in (a, b):
+        ptrs = [m.alloc("w", 8 * MiB, backup=True) for _ in range(2)]
+        data[m.pid] = [(p, m.ask("fill", p, 8 * MiB)) for p in ptrs]
+    assert device(a.pause())["kept_bytes"] == 0
+    assert a.ask("budget")["mine"] == 16 * MiB
+    r = b.pause()  # 8 MiB of the budget left: one backup in host memory, one on disk
+    assert device(r)["kept_bytes"] == 16 * MiB, r
+    assert b.ask("backups") == [(False, True), (True, False)]
+    assert (b.ask("budget")["mine"], b.ask("budget")["reserved"]) == (8 * MiB, 24 * MiB)
+    d = device(a.resume())
+    assert (d["borrowed_bytes"], d["lenders"]) == (16 * MiB, {b.pid: 16 * MiB}), d
+    assert a.ask("budget")["mine"] == 0
+    d = device(b.resume())  # its kept memory is A's now
+    assert (d["reused_bytes"], d["borrowed_bytes"]) == (0, 0), d
+    for m in (a, b):
+        assert all(m.ask("read", p, 8 * MiB) == x for p, x in data[m.pid])
+    assert (b.ask("budget")["mine"], b.ask("budget")["reserved"]) == (0, 0)
+    check_exit_frees((a, b), made_by(a.pid) | made_by(b.pid))
     print("done")
 
 
