@@ -260,6 +260,7 @@ class TorchMemorySaver:
         impl = self._ensure_initialized()
         core, tag = impl.core, list(tag) if isinstance(tag, tuple) else tag
         if tag is not None:
+            core.check_tags(op, tag)  # a malformed tag raises, not warns as unknown
             self._warn_unknown_tags(op, [tag] if isinstance(tag, str) else tag, core)
         if not isinstance(measure_free, bool):
             raise TypeError(f"torch_memory_saver: {op}: measure_free must be a bool, not {type(measure_free).__name__}")

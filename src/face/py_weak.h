@@ -14,6 +14,9 @@
 #pragma weak PyBuffer_FillInfo
 #pragma weak PyBytes_AsString
 #pragma weak PyBytes_Size
+#pragma weak PyCallable_Check
+#pragma weak PyDict_New
+#pragma weak PyDict_SetItem
 #pragma weak PyDict_SetItemString
 #pragma weak PyErr_Format
 #pragma weak PyLong_Type
@@ -39,6 +42,7 @@
 #pragma weak PyList_New
 #pragma weak PyList_SetItem
 #pragma weak PyObject_CallFunction
+#pragma weak PyObject_CallObject
 #pragma weak PyType_GetSlot
 #pragma weak _PyObject_CallFunction_SizeT
 #pragma weak PyLong_AsSize_t
