@@ -27,23 +27,23 @@ struct kept {
 
 /* A leaf lock: nothing else is taken under it, and no driver call runs
  * under it (handles are exported and released after it is dropped). */
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct kept *pool;           /* guarded by pool_lock */
-static size_t n_pool, cap_pool;     /* guarded by pool_lock */
-static uint64_t last_key, last_batch;  /* guarded by pool_lock */
+static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct kept *pool;           /* guarded by kept_lock */
+static size_t n_pool, cap_pool;     /* guarded by kept_lock */
+static uint64_t last_key, last_batch;  /* guarded by kept_lock */
 static size_t pool_entries;         /* atomic: n_pool, read without the lock */
 static size_t borrowed[TMS_STATS_DEVICES];  /* atomic: bytes mapped here from memory members lent */
 static const struct tms_job_ops *job_ops;   /* atomic: set by the job layer */
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
-static void fork_prepare(void) { pthread_mutex_lock(&pool_lock); }
-static void fork_parent(void) { pthread_mutex_unlock(&pool_lock); }
+static void fork_prepare(void) { pthread_mutex_lock(&kept_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&kept_lock); }
 /* The child is in no job: what its parent kept or lent is the parent's. */
 static void fork_child(void)
 {
     n_pool = 0;
     __atomic_store_n(&pool_entries, 0, __ATOMIC_RELAXED);
-    pthread_mutex_unlock(&pool_lock);
+    pthread_mutex_unlock(&kept_lock);
 }
 static void register_fork(void)
 {
@@ -54,9 +54,9 @@ static void register_fork(void)
 static void lock(void)
 {
     pthread_once(&fork_once, register_fork);
-    pthread_mutex_lock(&pool_lock);
+    pthread_mutex_lock(&kept_lock);
 }
-static void unlock(void) { pthread_mutex_unlock(&pool_lock); }
+static void unlock(void) { pthread_mutex_unlock(&kept_lock); }
 
 void tms_core_job_set_ops(const struct tms_job_ops *ops) { __atomic_store_n(&job_ops, ops, __ATOMIC_RELEASE); }
 
