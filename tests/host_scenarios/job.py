@@ -48,8 +48,8 @@ class Member:
     """This file run as case `member` in a child process: one job (None: outside any)."""
 
     def __init__(self, job, wait_ms=5000, hold_ms=60000, **env):
-        full = dict(os.environ, TMS_CHUNK_BYTES=str(CHUNK), TMS_JOB_WAIT_MS=str(wait_ms), TMS_JOB_HOLD_MS=str(hold_ms),
-                    **env)
+        full = dict(os.environ, TMS_CHUNK_BYTES=str(CHUNK), TMS_JOB_WAIT_MS=str(wait_ms), TMS_JOB_HOLD_MS=str(hold_ms))
+        full.update(env)
         full.pop("TMS_JOB", None)
         if job is not None:
             full["TMS_JOB"] = job
@@ -255,6 +255,26 @@ def own_memory_back():
     assert mapped_in(a.pid, p, 8 * MiB) <= kept and a.ask("read", p, 8 * MiB) == data
     assert a.memory()["job_kept"] == 0
     check_exit_frees((a, b), kept)
+    print("done")
+
+
+def prefix_of_a_larger_handle():
+    """A kept handle a little larger than a need serves it by its first bytes: B maps 30 MiB
+    of A's 32 MiB chunk, restored byte-exact; A counts the whole chunk lent until B's pause."""
+    a, b = Member(J, TMS_CHUNK_BYTES="0"), Member(J)
+    p = b.alloc("w", 30 * MiB, backup=True)
+    data = b.ask("fill", p, 30 * MiB)
+    b.pause()
+    a.alloc("kv", 32 * MiB)
+    assert device(a.pause("kv"))["kept_bytes"] == 32 * MiB  # within an eighth of the 30 B will ask for
+    lent = made_by(a.pid)
+    d = device(b.resume())
+    assert (d["borrowed_bytes"], d["fallback"]) == (30 * MiB, None), d
+    assert mapped_in(b.pid, p, 30 * MiB) == lent and b.ask("read", p, 30 * MiB) == data
+    assert (a.memory()["job_lent"], b.memory()["job_borrowed"]) == (32 * MiB, 30 * MiB)
+    assert device(b.pause())["returned_bytes"] == 30 * MiB
+    assert until("A has its chunk back", lambda: a.memory()["job_lent"] == 0)
+    check_exit_frees((a, b), lent)
     print("done")
 
 
