@@ -401,87 +401,115 @@ static int lend_ok(const struct tms_job_lend_reply *r, ssize_t got, int n_fds, c
     return 1;
 }
 
-/* Borrows from each member in turn what the allocations still need. */
+/* What one borrow of the members' memory needs as it goes. */
+struct borrowing {
+    const struct tms_driver *drv;
+    int device;
+    size_t gran, n, total;     /* needs asked, bytes still needed */
+    size_t left[TMS_JOB_MAX_NEEDS];
+    struct tms_job_request *req;
+    struct tms_job_lend_reply *reply;
+    struct tms_job_piece *out;
+    size_t got, cap;
+};
+
+/* One BORROW of member m: the pieces it lent, imported, appended to b->out
+ * and taken off b->left. Returns how many (0 where it lent nothing, timed
+ * out or failed); *full: it lent all one answer carries, and may lend more. */
+static size_t borrow_once(struct borrowing *b, const struct member *m, struct tms_job_note *note, int *full)
+{
+    *full = 0;
+    b->req->n_needs = (uint32_t)b->n;
+    for (size_t i = 0; i < b->n; i++) b->req->needs[i] = b->left[i];
+    int fd, timed_out = 0, n_fds = 0, fds[TMS_JOB_MAX_PIECES];
+    int asked = send_request(m, b->req, TMS_JOB_REQUEST_HEAD + b->n * sizeof b->req->needs[0], &fd);
+    ssize_t got = asked == ASKED ? take_answer(fd, now_ms() + tms_defaults()->job_wait_ms, b->reply, sizeof *b->reply,
+                                               fds, TMS_JOB_MAX_PIECES, &n_fds, &timed_out)
+                                 : -1;
+    if (asked == TIMED_OUT || timed_out) note_timeout(note, m->pid);
+    const struct tms_job_lend_reply *r = b->reply;
+    int ok = got > 0 && lend_ok(r, got, n_fds, b->left, b->n, b->gran);
+    if (ok && b->got + r->n > b->cap) {
+        size_t cap = b->got + r->n + TMS_JOB_MAX_PIECES;
+        struct tms_job_piece *more = realloc(b->out, cap * sizeof *more);
+        if (more) b->out = more, b->cap = cap;
+        else ok = 0;
+    }
+    size_t imported = 0;
+    for (; ok && imported < r->n; imported++) {
+        struct tms_job_piece *p = &b->out[b->got + imported];
+        tms_phys h;
+        int irc = b->drv->import_fd(b->device, fds[imported], &h);
+        if (irc) {
+            TMS_DEBUG("job: import of pid %d's lent memory failed: %s (%d)", m->pid, b->drv->code_name(irc), irc);
+            ok = 0;
+            break;
+        }
+        *p = (struct tms_job_piece){.need = r->pieces[imported].need, .handle = h, .size = r->pieces[imported].size,
+                                    .len = r->pieces[imported].len, .key = r->pieces[imported].key, .lender = m->pid};
+    }
+    for (int i = 0; i < n_fds; i++) close(fds[i]);
+    if (!ok) {
+        for (size_t i = 0; i < imported; i++) (void)b->drv->release(b->out[b->got + i].handle);
+        /* Whatever it lent (or will, once it answers) is not taken: all of it back. */
+        if (fd >= 0 && asked == ASKED) send_returned(fd, NULL, 0);
+        if (fd >= 0) close_conn(fd);
+        return 0;
+    }
+    if (!r->n) {
+        close_conn(fd);
+        return 0;
+    }
+    lock();
+    uint64_t via = ++last_via;
+    for (size_t i = 0; i < n_conns; i++)
+        if (conns[i].fd == fd) conns[i] = (struct member_conn){.fd = fd, .via = via, .lender = m->pid, .held = r->n};
+    unlock();
+    for (uint32_t i = 0; i < r->n; i++) {
+        struct tms_job_piece *p = &b->out[b->got + i];
+        p->via = via;
+        b->left[p->need] -= p->len;
+        b->total -= p->len;
+    }
+    b->got += r->n;
+    *full = r->n == TMS_JOB_MAX_PIECES;
+    return r->n;
+}
+
+/* Borrows from each member in turn what the allocations still need (from one
+ * member again while its answers come full). */
 static int borrow(int device, const size_t *needs, size_t n, struct tms_job_piece **pieces, size_t *n_pieces,
                   struct tms_job_note *note)
 {
     char job[TMS_JOB_NAME_MAX + 1], identity[TMS_JOB_IDENTITY_MAX + 1], prefix[64];
     struct tms_err err = {0};
-    const struct tms_driver *drv;
-    size_t gran = 0;
+    struct borrowing b = {.device = device};
     *pieces = NULL;
     *n_pieces = 0;
-    if (join_device(device, job, identity, &err) || tms_driver_get(&drv, &err) || drv->granularity(device, &gran) || !gran) {
+    if (join_device(device, job, identity, &err) || tms_driver_get(&b.drv, &err) ||
+        b.drv->granularity(device, &b.gran) || !b.gran) {
         TMS_DEBUG("job: no borrowing on device %d: %s", device, err.msg);
         return TMS_OK;
     }
-    if (n > TMS_JOB_MAX_NEEDS) n = TMS_JOB_MAX_NEEDS;  /* the rest from the driver */
+    b.n = n < TMS_JOB_MAX_NEEDS ? n : TMS_JOB_MAX_NEEDS;  /* the rest from the driver */
+    for (size_t i = 0; i < b.n; i++) b.total += b.left[i] = needs[i];
     name_prefix(job, identity, prefix, sizeof prefix);
     struct member members[MEMBERS_MAX];
     size_t n_members = find_members(prefix, members, MEMBERS_MAX);
-    struct tms_job_request *req = malloc(sizeof *req);
-    struct tms_job_lend_reply *reply = malloc(sizeof *reply);
-    size_t left[TMS_JOB_MAX_NEEDS], total = 0, got_pieces = 0;
-    struct tms_job_piece *out = calloc(TMS_JOB_MAX_PIECES * (n_members ? n_members : 1), sizeof *out);
-    for (size_t i = 0; i < n; i++) total += left[i] = needs[i];
-    unsigned wait_ms = tms_defaults()->job_wait_ms;
-    for (size_t m = 0; req && reply && out && m < n_members && total; m++) {
+    b.req = malloc(sizeof *b.req);
+    b.reply = malloc(sizeof *b.reply);
+    if (b.req) fill_request(b.req, TMS_JOB_BORROW, job, identity);
+    for (size_t m = 0; b.req && b.reply && m < n_members && b.total; m++) {
         note->members++;
-        fill_request(req, TMS_JOB_BORROW, job, identity);
-        req->n_needs = (uint32_t)n;
-        for (size_t i = 0; i < n; i++) req->needs[i] = left[i];
-        int fd, timed_out = 0, n_fds = 0, fds[TMS_JOB_MAX_PIECES];
-        int asked = send_request(&members[m], req, TMS_JOB_REQUEST_HEAD + n * sizeof req->needs[0], &fd);
-        ssize_t got = asked == ASKED ? take_answer(fd, now_ms() + wait_ms, reply, sizeof *reply, fds, TMS_JOB_MAX_PIECES, &n_fds,
-                                                   &timed_out)
-                                     : -1;
-        if (asked == TIMED_OUT || timed_out) note_timeout(note, members[m].pid);
-        int ok = got > 0 && lend_ok(reply, got, n_fds, left, n, gran);
-        size_t imported = 0;
-        for (; ok && imported < reply->n; imported++) {
-            struct tms_job_piece *p = &out[got_pieces + imported];
-            int irc = drv->import_fd(device, fds[imported], &p->handle);
-            if (irc) {
-                TMS_DEBUG("job: import of pid %d's lent memory failed: %s (%d)", members[m].pid, drv->code_name(irc), irc);
-                ok = 0;
-                break;
-            }
-            *p = (struct tms_job_piece){.need = reply->pieces[imported].need, .handle = p->handle,
-                                        .size = reply->pieces[imported].size, .len = reply->pieces[imported].len,
-                                        .key = reply->pieces[imported].key, .lender = members[m].pid};
-        }
-        for (int i = 0; i < n_fds; i++) close(fds[i]);
-        if (!ok) {
-            for (size_t i = 0; i < imported; i++) (void)drv->release(out[got_pieces + i].handle);
-            /* Whatever it lent (or will, once it answers) is not taken: all of it back. */
-            if (fd >= 0 && asked == ASKED) send_returned(fd, NULL, 0);
-            if (fd >= 0) close_conn(fd);
-            continue;
-        }
-        if (!reply->n) {
-            close_conn(fd);
-            continue;
-        }
-        lock();
-        uint64_t via = ++last_via;
-        for (size_t i = 0; i < n_conns; i++)
-            if (conns[i].fd == fd) conns[i] = (struct member_conn){.fd = fd, .via = via, .lender = members[m].pid,
-                                                                    .held = reply->n};
-        unlock();
-        for (uint32_t i = 0; i < reply->n; i++) {
-            struct tms_job_piece *p = &out[got_pieces + i];
-            p->via = via;
-            left[p->need] -= p->len;
-            total -= p->len;
-        }
-        got_pieces += reply->n;
-        TMS_DEBUG("job '%s': borrowed %u pieces from pid %d on device %d", job, reply->n, members[m].pid, device);
+        int full = 1;
+        for (size_t lent; full && b.total;)
+            if ((lent = borrow_once(&b, &members[m], note, &full)))
+                TMS_DEBUG("job '%s': borrowed %zu pieces from pid %d on device %d", job, lent, members[m].pid, device);
     }
-    free(req);
-    free(reply);
-    if (!got_pieces) free(out), out = NULL;
-    *pieces = out;
-    *n_pieces = got_pieces;
+    free(b.req);
+    free(b.reply);
+    *pieces = b.out;
+    *n_pieces = b.got;
     return TMS_OK;
 }
 

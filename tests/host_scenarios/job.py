@@ -278,6 +278,22 @@ def prefix_of_a_larger_handle():
     print("done")
 
 
+def many_pieces():
+    """More kept chunks than one answer carries: the borrower asks the same member again."""
+    a, b = Member(J), Member(J)
+    p = b.alloc("kv", 300 * CHUNK)
+    b.pause()
+    a.alloc("kv", 300 * CHUNK)
+    assert device(a.pause("kv"))["kept_bytes"] == 300 * CHUNK
+    d = device(b.resume())
+    assert (d["borrowed_bytes"], d["lenders"], d["fallback"]) == (300 * CHUNK, {a.pid: 300 * CHUNK}, None), d
+    assert len(mapped_in(b.pid, p, 300 * CHUNK)) == 300
+    assert device(b.pause())["returned_bytes"] == 300 * CHUNK
+    assert until("A has every chunk back", lambda: a.memory()["job_lent"] == 0)
+    check_exit_frees((a, b), made_by(a.pid))
+    print("done")
+
+
 def kept_memory_expires():
     """Memory kept for a member that never asks goes back to the driver after the bound."""
     a, b = Member(J, hold_ms=200), Member(J)
