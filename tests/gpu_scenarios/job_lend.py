@@ -2,13 +2,16 @@
 driven over stdin/stdout) and one outside the job. A pauses its KV cache and keeps it for
 B, whose backed-up weights are paused; B's resume maps A's memory (its report names A),
 restored byte-exact; the outsider's resume gets none of it; A's own resume takes other
-memory; every byte checked in both; B's pause gives A's memory back, the bound releases
+memory; B's weights, on A's memory, are shared with A again; every byte checked in both;
+B's pause gives A's memory back, the bound releases
 it; once all have exited the device's free memory is back where it started. With
 `off`, the same steps without a job: nothing kept, nothing borrowed, a pause frees its
 memory at once, as without lending.
 
     python tests/gpu_scenarios/job_lend.py <preload|torch> [on|off]
 """
+import gc
+import hashlib
 import os
 import pickle
 import struct
@@ -61,6 +64,10 @@ class Member:
         check(self.proc.wait(timeout=120) == 0, f"{self.name} exited with {self.proc.returncode}")
 
 
+def digest(t):
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
 def member(hook_mode):
     # The pipe to the scenario is stdout's descriptor; whatever prints goes to stderr.
     proto_in, proto_out = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
@@ -90,6 +97,18 @@ def member(hook_mode):
                 answer = getattr(tms, op)(args[0]).as_dict()
             elif op == "memory":
                 answer = tms.memory_report()[torch.cuda.current_device()]
+            elif op == "share":
+                answer = (tms.share(tensors[args[0]]), digest(expected[args[0]]))
+            elif op == "open":
+                shared, want = args
+                tensors["opened"] = tms.open_shared(shared)
+                torch.cuda.synchronize()
+                answer = digest(tensors["opened"].cpu()) == want
+            elif op == "close":
+                del tensors["opened"]
+                gc.collect()
+                torch.cuda.synchronize()
+                answer = None
             else:
                 raise ValueError(op)
             reply = ("ok", answer)
@@ -160,6 +179,11 @@ def main(hook_mode, mode="on"):
               "the memory reports do not show the lend")
     else:
         check(d["borrowed_bytes"] == 0 and d["fallback"] is None and d["reused_bytes"] == 0, f"without a job: {d}")
+
+    if on:  # memory a job lent is shared again as it is (cuMemExportToShareableHandle of an imported handle)
+        check(a.ask("open", *b.ask("share", "w")), "A opened B's shared weights and read other bytes")
+        a.ask("close")
+        say("B's weights, on A's memory, shared with A and read exact")
 
     d = dev(a.ask("resume", None))
     check(a.ask("exact", "w"), "A's weights differ after its resume")

@@ -5,6 +5,8 @@ nothing. Which process's memory backs an address is read from /proc: a chunk of 
 host backend is a memfd, the same inode in the process that made it (its descriptor)
 and in every process that maps it."""
 import atexit
+import ctypes
+import gc
 import os
 import pickle
 import signal
@@ -113,6 +115,18 @@ def member():
                 answer = read(*args)
             elif op in ("pause", "resume"):
                 answer = getattr(tms, op)(args[0]).as_dict()
+            elif op == "share":
+                import torch
+
+                ptr, n = args
+                answer = tms.share(torch.frombuffer((ctypes.c_char * n).from_address(ptr), dtype=torch.uint8))
+            elif op == "open":
+                opened = tms.open_shared(args[0])
+                answer = opened.numpy().tobytes()
+            elif op == "close":
+                del opened
+                gc.collect()
+                answer = None
             elif op == "budget":
                 answer = tms.host_budget()
             elif op == "backups":
@@ -221,6 +235,8 @@ def lend_and_reuse():
     memory = a.memory()
     assert (memory["job_kept"], memory["job_lent"]) == (4 * MiB, 12 * MiB), memory
     assert b.memory()["job_borrowed"] == 12 * MiB
+    assert a.ask("open", b.ask("share", b_w, 12 * MiB)) == b_bytes  # shared again: A maps its own chunks
+    a.ask("close")
 
     d = device(b.resume("kv"))  # 4 MiB more of A's, 4 from the driver
     assert (d["borrowed_bytes"], d["fallback"]) == (4 * MiB, "nothing to lend"), d
