@@ -259,9 +259,6 @@ class TorchMemorySaver:
             _library.load(self._hook_mode).check_tags(op, tag)
         impl = self._ensure_initialized()
         core, tag = impl.core, list(tag) if isinstance(tag, tuple) else tag
-        if tag is not None:
-            core.check_tags(op, tag)  # a malformed tag raises, not warns as unknown
-            self._warn_unknown_tags(op, [tag] if isinstance(tag, str) else tag, core)
         if not isinstance(measure_free, bool):
             raise TypeError(f"torch_memory_saver: {op}: measure_free must be a bool, not {type(measure_free).__name__}")
         measure_free = measure_free or _observe.logs_calls()
@@ -270,7 +267,10 @@ class TorchMemorySaver:
             fn, args = core.pause, (tag, skip, measure_free)
         else:
             fn, args = core.resume, (tag, measure_free)
-        return _observe.logged(core, fn, args, op, tag, lambda raw: _report.Report(op, raw), self.progress)
+        report = _observe.logged(core, fn, args, op, tag, lambda raw: _report.Report(op, raw), self.progress)
+        if tag is not None:  # after the call: a malformed tag raised there, it is not warned about as unknown
+            self._warn_unknown_tags(op, [tag] if isinstance(tag, str) else tag, core)
+        return report
 
     def _warn_unknown_tags(self, op, tags, core):
         """A tag no region or allocation of this process has used is most likely a
