@@ -12,14 +12,21 @@ size_t tms_chunk_size(const struct tms_alloc *a, int i)
 
 static tms_va chunk_va(const struct tms_alloc *a, int i) { return a->va + (tms_va)i * a->chunk; }
 
+static int create_once(const struct tms_driver *drv, struct tms_alloc *a, size_t size, tms_phys *h)
+{
+    return a->handle_types && drv->create_shareable ? drv->create_shareable(a->device, size, a->handle_types, h)
+                                                    : drv->create(a->device, size, h);
+}
+
 /* One handle of size bytes for a, exportable as it was made. Where the
  * driver will not make exportable memory (a container without the right, an
  * old driver), ours is made plain and cannot be shared (first: no handle of
  * it exists yet); an adopted allocation keeps what its owner asked for. */
 static int create_handle(const struct tms_driver *drv, struct tms_alloc *a, size_t size, int first, tms_phys *h)
 {
-    int rc = a->handle_types && drv->create_shareable ? drv->create_shareable(a->device, size, a->handle_types, h)
-                                                      : drv->create(a->device, size, h);
+    int rc = create_once(drv, a, size, h);
+    /* Memory kept for a job gives way: released (this process's, then the members'), then tried again. */
+    if (rc && drv->is_oom(rc) && tms_pool_make_room(a->device, size)) rc = create_once(drv, a, size, h);
     if (rc && a->handle_types && !a->adopted && first && !drv->is_oom(rc) && drv->create_shareable) {
         TMS_DEBUG("exportable create on device %d failed (%s): allocation 0x%llx is made plain", a->device,
                   drv->code_name(rc), (unsigned long long)a->va);

@@ -355,6 +355,9 @@ struct tms_job_ops {
     void (*returned)(uint64_t via, const uint64_t *keys, size_t n);
     /* The pool changed: idle memory now waits for its bound (the job's thread sleeps until the first). */
     void (*wake)(void);
+    /* The driver is out of memory on device: the members release up to
+     * bytes of what they keep idle there. Returns the bytes they released. */
+    size_t (*release)(int device, size_t bytes);
 };
 void tms_core_job_set_ops(const struct tms_job_ops *ops);
 
@@ -377,6 +380,9 @@ int tms_core_job_lend(int device, const uint64_t *needs, size_t n, int pid, stru
  * when its process ended): they are idle again, kept within the bound.
  * Returns how many of the batch are still lent. */
 size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n);
+/* Releases up to bytes of the memory kept idle on device (another member ran
+ * out of memory there): the bytes released. */
+size_t tms_core_job_release(int device, size_t bytes);
 /* Releases the kept memory nobody borrowed within the bound (TMS_JOB_HOLD_MS);
  * milliseconds until the next would go, -1 if none waits. */
 int tms_core_job_expire(void);

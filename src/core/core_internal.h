@@ -222,6 +222,10 @@ int tms_pool_return_borrowed(const struct tms_driver *drv, int device, const str
                              size_t *bytes);
 /* bytes of borrowed memory were mapped on device. */
 void tms_pool_count_borrowed(int device, size_t bytes);
+/* The driver is out of memory for size bytes on device: memory kept for the
+ * job there is released, this process's first, then the members' (asked, in
+ * a job). 1 if any was, and a create is worth trying again. */
+int tms_pool_make_room(int device, size_t size);
 /* Whether a handle of size bytes may serve a need of want (whole, or a prefix wasting at most an eighth). */
 int tms_pool_fits(size_t size, size_t want);
 

@@ -328,6 +328,42 @@ size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n)
     return left;
 }
 
+size_t tms_core_job_release(int device, size_t bytes)
+{
+    const struct tms_driver *drv;
+    if (!tms_pool_any() || tms_driver_get(&drv, NULL)) return 0;
+    tms_phys drop[64];
+    size_t n_drop = 0, freed = 0;
+    lock();
+    for (size_t i = 0; i < n_pool && freed < bytes && n_drop < sizeof drop / sizeof *drop;) {
+        if (pool[i].device != device || pool[i].state != IDLE) {
+            i++;
+            continue;
+        }
+        freed += pool[i].size;
+        drop[n_drop++] = pool[i].handle;
+        remove_at_locked(i);
+    }
+    unlock();
+    for (size_t i = 0; i < n_drop; i++) {
+        int rc = drv->release(drop[i]);
+        if (rc && !drv->is_shutdown(rc))
+            tms_log_warn("releasing memory kept for the job failed: %s (%d)", drv->code_name(rc), rc);
+    }
+    if (freed) TMS_DEBUG("released %zu bytes kept for the job on device %d: memory ran out", freed, device);
+    return freed;
+}
+
+int tms_pool_make_room(int device, size_t size)
+{
+    const struct tms_job_ops *ops = tms_pool_ops();
+    int on = ops && ops->on();
+    if (!on && !tms_pool_any()) return 0;
+    size_t freed = tms_core_job_release(device, size);
+    if (freed < size && on) freed += ops->release(device, size - freed);
+    return freed > 0;
+}
+
 int tms_core_job_expire(void)
 {
     if (!tms_pool_any()) return -1;

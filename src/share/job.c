@@ -368,6 +368,34 @@ static size_t keep(int device, size_t releasable, struct tms_job_note *note)
     return want < releasable ? want : releasable;
 }
 
+/* The driver is out of memory here: the members release what they keep idle
+ * on the device, up to bytes in all. */
+static size_t release(int device, size_t bytes)
+{
+    char job[TMS_JOB_NAME_MAX + 1], identity[TMS_JOB_IDENTITY_MAX + 1], prefix[64];
+    struct tms_err err = {0};
+    if (join_device(device, job, identity, &err)) return 0;
+    name_prefix(job, identity, prefix, sizeof prefix);
+    struct member members[MEMBERS_MAX];
+    size_t n = find_members(prefix, members, MEMBERS_MAX), freed = 0;
+    struct tms_job_request req;
+    fill_request(&req, TMS_JOB_RELEASE, job, identity);
+    req.n_needs = 1;
+    for (size_t i = 0; i < n && freed < bytes; i++) {
+        req.needs[0] = bytes - freed;
+        int fd, asked = send_request(&members[i], &req, TMS_JOB_REQUEST_HEAD + sizeof req.needs[0], &fd), timed_out = 0,
+                n_fds;
+        struct tms_job_status_reply reply;
+        ssize_t got = asked == ASKED ? take_answer(fd, now_ms() + tms_defaults()->job_wait_ms, &reply, sizeof reply,
+                                                   NULL, 0, &n_fds, &timed_out)
+                                     : -1;
+        if (fd >= 0) close_conn(fd);
+        if (got == (ssize_t)sizeof reply && !reply.status) freed += reply.demand;
+    }
+    TMS_DEBUG("job '%s': members released %zu bytes kept on device %d (%zu asked)", job, freed, device, bytes);
+    return freed;
+}
+
 /* Tells a lender over fd that keys[0..n) (n 0: all it lent) are released here. */
 static void send_returned(int fd, const uint64_t *keys, size_t n)
 {
@@ -530,7 +558,7 @@ static void returned(uint64_t via, const uint64_t *keys, size_t n)
 static void wake(void) { tms_share_serve_wake(); }
 
 static const struct tms_job_ops job_ops = {
-    .on = job_on, .keep = keep, .borrow = borrow, .returned = returned, .wake = wake,
+    .on = job_on, .keep = keep, .borrow = borrow, .returned = returned, .wake = wake, .release = release,
 };
 
 void tms_job_register(void) { tms_core_job_set_ops(&job_ops); }

@@ -153,10 +153,11 @@ static struct outcome answer_job(int fd, int pid, const struct listener *l, cons
                 memchr(req->job, 0, sizeof req->job) && memchr(req->device, 0, sizeof req->device);
     /* Only its own job's members, about its own device: another job's process gets nothing. */
     int ours = named && l->device >= 0 && strcmp(req->job, l->job) == 0 && strcmp(req->device, l->identity) == 0;
-    if (ours && req->op == TMS_JOB_STATUS) {
+    if (ours && (req->op == TMS_JOB_STATUS || (req->op == TMS_JOB_RELEASE && req->n_needs == 1))) {
         struct tms_job_status_reply reply = {0};
-        size_t demand, idle;
-        tms_core_job_status(l->device, &demand, &idle);
+        size_t demand = 0, idle = 0;
+        if (req->op == TMS_JOB_STATUS) tms_core_job_status(l->device, &demand, &idle);
+        else demand = tms_core_job_release(l->device, req->needs[0]);
         reply.demand = demand;
         reply.idle = idle;
         (void)tms_share_send(fd, &reply, sizeof reply, NULL, 0, 0);

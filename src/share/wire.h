@@ -61,11 +61,15 @@ struct tms_share_reply {
 #define TMS_JOB_IDENTITY_MAX 95   /* a device's identity (driver.h's device_identity) */
 #define TMS_JOB_MAX_NEEDS 256     /* allocations one borrow asks for */
 
-enum { TMS_JOB_STATUS = 1, TMS_JOB_BORROW = 2 };
+/* STATUS: what the member has paused and keeps idle (a status reply). BORROW:
+ * kept memory for the needs (a lend reply). RELEASE: the asker's driver ran
+ * out of memory: the member releases up to needs[0] bytes it keeps idle (a
+ * status reply, `demand` the bytes released). */
+enum { TMS_JOB_STATUS = 1, TMS_JOB_BORROW = 2, TMS_JOB_RELEASE = 3 };
 
 struct tms_job_request {
     char magic[8];
-    uint32_t op;                 /* TMS_JOB_STATUS or TMS_JOB_BORROW */
+    uint32_t op;                 /* TMS_JOB_STATUS, TMS_JOB_BORROW or TMS_JOB_RELEASE */
     uint32_t n_needs;            /* BORROW: entries of needs that follow */
     char job[72];                /* NUL-terminated, TMS_JOB_NAME_MAX at most */
     char device[TMS_JOB_IDENTITY_MAX + 1];

@@ -109,6 +109,13 @@ def member():
                 tag, size, backup = args
                 with tms.region(tag, enable_cpu_backup=backup):
                     answer = tms.malloc(size)
+            elif op == "try_alloc":  # an error is the answer
+                tag, size = args
+                try:
+                    with tms.region(tag):
+                        answer = tms.malloc(size)
+                except Exception as e:
+                    answer = f"{type(e).__name__}: {e}"
             elif op == "fill":
                 answer = fill(*args)
             elif op == "read":
@@ -307,6 +314,32 @@ def many_pieces():
     assert device(b.pause())["returned_bytes"] == 300 * CHUNK
     assert until("A has every chunk back", lambda: a.memory()["job_lent"] == 0)
     check_exit_frees((a, b), made_by(a.pid))
+    print("done")
+
+
+def kept_memory_gives_way():
+    """Memory kept for the job never makes a member's allocation run out: the member
+    releases what it keeps, and one whose device is full asks the others to release theirs."""
+    a, b = Member(J, TMS_HOST_DEVICE_BYTES="32MiB"), Member(J)
+    b.alloc("w", 16 * MiB)
+    b.pause()
+    a.alloc("kv", 16 * MiB)
+    assert device(a.pause("kv"))["kept_bytes"] == 16 * MiB
+    got = a.ask("try_alloc", "x", 24 * MiB)  # 16 kept + 24 > 32: fits once 8 of the kept 16 are released
+    assert isinstance(got, int), got
+    memory = a.memory()
+    assert (memory["job_kept"], memory["used"]) == (8 * MiB, 32 * MiB), memory  # what it needed, no more
+    # The members' side: C's device is full; the others release what it asks of what they keep (on a
+    # GPU, room for C).
+    c, d = Member(J, TMS_HOST_DEVICE_BYTES="8MiB"), Member(J)
+    d.alloc("kv", 16 * MiB)
+    assert device(d.pause("kv"))["kept_bytes"] == 16 * MiB
+    kept = lambda: a.memory()["job_kept"] + d.memory()["job_kept"]  # noqa: E731
+    assert kept() == 24 * MiB
+    got = c.ask("try_alloc", "y", 16 * MiB)  # its 5th chunk finds the device full
+    assert got.startswith("OutOfMemoryError"), got  # the host backend counts each process's own device
+    assert kept() == 22 * MiB  # the members released the chunk it asked for
+    check_exit_frees((a, b, c, d), made_by(a.pid) | made_by(d.pid))
     print("done")
 
 
