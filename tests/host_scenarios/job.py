@@ -80,7 +80,20 @@ class Member:
         return self.ask("memory")
 
     def stop(self):
+        """SIGSTOP, returning once every thread of it has stopped: a stop reaches the other
+        threads only when the one that took it runs, and until then they answer."""
         os.kill(self.pid, signal.SIGSTOP)
+        until(f"pid {self.pid} stopped", lambda: all(state == "T" for state in self.thread_states()))
+
+    def thread_states(self):
+        out = []
+        for tid in os.listdir(f"/proc/{self.pid}/task"):
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/stat") as f:
+                    out.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:  # a thread that ended meanwhile
+                pass
+        return out
 
     def go_on(self):
         os.kill(self.pid, signal.SIGCONT)
