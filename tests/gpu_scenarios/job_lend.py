@@ -1,10 +1,10 @@
 """Lending within a job on one GPU: two member processes (this file again, role `member`,
 driven over stdin/stdout) and one outside the job. A pauses its KV cache and keeps it for
 B, whose backed-up weights are paused; B's resume maps A's memory (its report names A),
-restored byte-exact; the outsider's resume gets none of it; A's own resume takes other
-memory; B's weights, on A's memory, are shared with A again; every byte checked in both;
-B's pause gives A's memory back, the bound releases
-it; once all have exited the device's free memory is back where it started. With
+restored byte-exact; the outsider's resume gets none of it; B's weights, on A's memory, are
+shared with A again; A's own resume takes other memory; every byte checked in both; B's
+pause gives A's memory back, the bound releases it; once all have exited the device's free
+memory is back where it started. With
 `off`, the same steps without a job: nothing kept, nothing borrowed, a pause frees its
 memory at once, as without lending.
 
@@ -43,7 +43,7 @@ def take(pipe):
 
 class Member:
     def __init__(self, name, hook_mode, job):
-        env = dict(os.environ, TMS_JOB_HOLD_MS="500", TMS_JOB_WAIT_MS="2000")
+        env = dict(os.environ, TMS_JOB_HOLD_MS="3000", TMS_JOB_WAIT_MS="2000")
         env.pop("TMS_JOB", None)
         if job:
             env["TMS_JOB"] = job
