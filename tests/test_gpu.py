@@ -255,6 +255,15 @@ def test_share_ipc(hook_mode):
     check_passed(run_scenario("share_ipc", hook_mode))
 
 
+# Lending within a job: two processes on one GPU and one outside the job; B's resume maps
+# A's memory, every byte exact, and the device's free memory is back once all have exited.
+# "off": the same steps without a job.
+@pytest.mark.parametrize("hook_mode", GPU_MODES)
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_job_lends_between_two_processes(mode, hook_mode):
+    check_passed(run_scenario("job_lend", hook_mode, mode))
+
+
 @pytest.mark.parametrize("hook_mode", HOOK_MODES)
 @pytest.mark.parametrize("case", ["active", "paused", "paused_backup", "backup_first_use"])
 def test_exit_states(case, hook_mode):

@@ -10,10 +10,19 @@ class DeviceReport:
     """One device's part of a pause or resume. Bytes are exact counts from the
     core; free_before/free_after are the driver's free memory around the call
     (0 where it could not say), measured only when the call was given
-    measure_free=True or logged at INFO (else None)."""
+    measure_free=True or logged at INFO (else None).
+
+    In a job (TorchMemorySaver.job), a pause's kept_bytes (of released_bytes)
+    stay this process's for the other members to borrow, and returned_bytes
+    went back to the members that lent them; a resume's reused_bytes are memory
+    this process kept, borrowed_bytes memory members lent ({pid: bytes} in
+    lenders), and fallback says why the driver made the rest: None (not asked:
+    no job, or what it kept was enough), "none" (nothing from the driver), "no
+    member", "member timed out" (their pids in timed_out) or "nothing to lend"."""
 
     __slots__ = ("device", "allocations", "released_bytes", "copied_bytes", "skipped_bytes", "unchanged_bytes",
-                 "seconds", "free_before", "free_after")
+                 "seconds", "free_before", "free_after", "kept_bytes", "returned_bytes", "reused_bytes",
+                 "borrowed_bytes", "lenders", "fallback", "timed_out")
 
     def __init__(self, row, seconds):
         self.device = row["device"]
@@ -25,6 +34,13 @@ class DeviceReport:
         self.seconds = seconds
         self.free_before = row["free_before"]
         self.free_after = row["free_after"]
+        self.kept_bytes = row.get("kept", 0)
+        self.returned_bytes = row.get("returned", 0)
+        self.reused_bytes = row.get("reused", 0)
+        self.borrowed_bytes = row.get("borrowed", 0)
+        self.lenders = row.get("lenders", {})
+        self.fallback = row.get("fallback")
+        self.timed_out = row.get("timed_out", [])
 
     @property
     def gb_per_s(self):
@@ -90,6 +106,16 @@ class Report:
         return self._sum("unchanged_bytes")
 
     @property
+    def kept_bytes(self):
+        """Of released_bytes, those a pause kept for the other members of its job."""
+        return self._sum("kept_bytes")
+
+    @property
+    def borrowed_bytes(self):
+        """Bytes a resume mapped from memory other members of its job lent."""
+        return self._sum("borrowed_bytes")
+
+    @property
     def gb_per_s(self):
         """Bytes copied per second over every device, in GB/s."""
         return gb_per_s(self.copied_bytes, self.seconds)
@@ -98,7 +124,8 @@ class Report:
         return {"op": self.op, "seconds": self.seconds, "released_bytes": self.released_bytes,
                 "copied_bytes": self.copied_bytes, "skipped_bytes": self.skipped_bytes,
                 "unchanged_bytes": self.unchanged_bytes, "fingerprint_seconds": self.fingerprint_seconds,
-                "why_not_skipped": self.why_not_skipped,
+                "why_not_skipped": self.why_not_skipped, "kept_bytes": self.kept_bytes,
+                "borrowed_bytes": self.borrowed_bytes,
                 "devices": {d: r.as_dict() for d, r in self.devices.items()}, "unconfirmed": self.unconfirmed}
 
     def __repr__(self):
@@ -115,15 +142,19 @@ def memory_report(core, use_torch, devices=()):
     rest (other: CUDA context, NCCL, cuBLAS workspaces, other processes).
     ours_paused is reserved address space whose memory is released;
     host_retained, the host memory of backups kept while their allocations are
-    active (retain_cpu_backup, skip_unchanged). Every
-    device holding an allocation or a PyTorch segment, and devices."""
+    active (retain_cpu_backup, skip_unchanged). In a job: job_kept is memory
+    this process keeps idle for the other members, job_lent what they map of it
+    now, job_borrowed the part of ours_active they lent. Every device holding an
+    allocation or a PyTorch segment, and devices."""
     out = {}
 
     def device(d):
         if d not in out:
             free, total = core.mem_get_info(d)
+            kept, lent, borrowed = core.job_memory(d)
             out[d] = {"total": total, "free": free, "used": total - free, "ours_active": 0, "ours_paused": 0,
-                      "torch_outside": 0, "torch_outside_free": 0, "other": 0, "host_retained": 0}
+                      "torch_outside": 0, "torch_outside_free": 0, "other": 0, "host_retained": 0,
+                      "job_kept": kept, "job_lent": lent, "job_borrowed": borrowed}
         return out[d]
 
     for d in devices:
@@ -144,7 +175,8 @@ def memory_report(core, use_torch, devices=()):
                 d["torch_outside"] += seg["total_size"]
                 d["torch_outside_free"] += sum(b["size"] for b in seg["blocks"] if b["state"] == "inactive")
     for d in out.values():
-        d["other"] = max(0, d["used"] - d["ours_active"] - d["torch_outside"])
+        # Kept and lent memory is this process's own: not another's.
+        d["other"] = max(0, d["used"] - d["ours_active"] - d["torch_outside"] - d["job_kept"] - d["job_lent"])
     return out
 
 

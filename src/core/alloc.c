@@ -130,6 +130,8 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
 
 void tms_alloc_destroy(struct tms_alloc *a)
 {
+    tms_pool_forget(a);  /* memory it kept for the job, if paused */
+    free(a->ext);
     if (a->handles != &a->one_handle) free(a->handles);
     tms_backup_unref(a->host_copy);
     free(a);

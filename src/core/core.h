@@ -141,6 +141,18 @@ struct tms_free_span {
 
 #define TMS_REPORT_DEVICES 16
 
+#define TMS_REPORT_PIDS 4
+
+/* Why a resume in a job took memory from the driver rather than from other
+ * members (tms_op_device.fallback). */
+enum tms_job_fallback {
+    TMS_JOB_NOT_ASKED = 0,   /* no job, or its own kept memory was enough */
+    TMS_JOB_NO_MEMBER,       /* no other member of the job on the device */
+    TMS_JOB_TIMED_OUT,       /* a member did not answer within the bound (timed_out_pids) */
+    TMS_JOB_NOTHING_TO_LEND, /* the members answered, with less than was needed */
+    TMS_JOB_ENOUGH,          /* the members lent all that was needed: nothing from the driver */
+};
+
 /* One device's part of a pause or resume. */
 struct tms_op_device {
     int device;
@@ -151,10 +163,21 @@ struct tms_op_device {
     size_t unchanged;     /* bytes not copied because they had not changed since their backup was written */
     size_t free_before, free_after;  /* the driver's free bytes around the call (0 if it could not say) */
     int free_measured;    /* free_before and free_after were asked for (tms_op_args.measure_free) */
+    /* Lending within a job (all 0 without one). A pause: the bytes it kept
+     * for other members instead of releasing them, and the borrowed bytes it
+     * gave back. A resume: the bytes of its own kept memory it mapped again,
+     * the bytes other members lent (the first lenders listed), and why the
+     * driver served the rest. */
+    size_t kept, returned, reused, borrowed;
+    int lenders;          /* members it borrowed from; the first TMS_REPORT_PIDS in lender_pids */
+    int lender_pids[TMS_REPORT_PIDS];
+    size_t lender_bytes[TMS_REPORT_PIDS];
+    int fallback;         /* enum tms_job_fallback (resume) */
+    int timed_out;        /* members that did not answer in time (pause or resume); the first listed */
+    int timed_out_pids[TMS_REPORT_PIDS];
 };
 
 #define TMS_REPORT_UNCONFIRMED 64
-#define TMS_REPORT_PIDS 4
 
 /* An allocation a pause unmapped while a receiver may still map its memory:
  * the receiver hung up without saying it let go, and its process lived. Its
@@ -271,9 +294,10 @@ int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, uint64_t *handle);
 
 struct tms_share_info {
     uint64_t va;               /* the allocation's start */
-    size_t size, reserved, chunk;
+    size_t size, reserved, chunk;  /* chunk 0: the handles' lengths differ, each in lens */
     int n_chunks, device, tag_id;
     unsigned char token[TMS_SHARE_TOKEN_BYTES];
+    size_t lens[TMS_SHARE_MAX_CHUNKS];  /* chunk 0: bytes of each handle mapped, in order (memory a job lent) */
 };
 
 /* The allocation holding ptr (start or inside), given its token on first
@@ -304,6 +328,78 @@ int tms_core_mark_exported(uint64_t va, uint64_t owner_handle, int delta, uint64
  * them on its own time otherwise). */
 void tms_core_share_reap(void);
 void tms_core_share_set_reaper(void (*fn)(void));
+
+/* ---- lending within a job (pool.c, lend.c; the job's sockets: share/job.c) -------------
+ * Processes of one user that name one job and use one GPU lend each other
+ * the physical memory a pause releases, so that a resume right after
+ * another member's pause need not wait for the driver to clean it. A pause
+ * keeps what the other members will ask for (ops->keep) in this process's
+ * pool; a resume maps its own kept memory again, then what members lend
+ * (ops->borrow), then asks the driver. The job layer registers the ops;
+ * without them nothing is kept or borrowed. */
+struct tms_job_piece {     /* a handle another member lent, imported here */
+    size_t need;           /* index of the need (tms_job_ops.borrow) it serves */
+    uint64_t handle;       /* imported: a handle of this process's backend */
+    size_t size, len;      /* the handle's size; bytes of it to map (a prefix) */
+    uint64_t key;          /* the lender's name for it, given back when it is returned */
+    uint64_t via;          /* the job layer's name for the connection it came over */
+    int lender;            /* the lender's pid */
+};
+
+struct tms_job_note {      /* what asking the members found, for the report */
+    int members;           /* members asked */
+    int timed_out;         /* of them, those that did not answer within the bound */
+    int timed_out_pids[TMS_REPORT_PIDS];
+};
+
+struct tms_job_ops {
+    /* 1 while the process is in a job. */
+    int (*on)(void);
+    /* A pause is about to release `releasable` bytes it could lend on device:
+     * how many of them to keep (what the other members will ask for). */
+    size_t (*keep)(int device, size_t releasable, struct tms_job_note *note);
+    /* A resume needs needs[i] more bytes for n allocations on device: the
+     * members' lent handles, imported (*pieces: malloc'd, the caller's). */
+    int (*borrow)(int device, const size_t *needs, size_t n, struct tms_job_piece **pieces, size_t *n_pieces,
+                  struct tms_job_note *note);
+    /* The borrowed handles keys[0..n) that came over via are unmapped and released here. */
+    void (*returned)(uint64_t via, const uint64_t *keys, size_t n);
+    /* The pool changed: idle memory now waits for its bound (the job's thread sleeps until the first). */
+    void (*wake)(void);
+    /* The driver is out of memory on device: the members release up to
+     * bytes of what they keep idle there. Returns the bytes they released. */
+    size_t (*release)(int device, size_t bytes);
+};
+void tms_core_job_set_ops(const struct tms_job_ops *ops);
+
+/* The member side, for the job's thread. What this process has paused on
+ * device (its demand) and keeps idle for the job. */
+void tms_core_job_status(int device, size_t *demand, size_t *idle);
+
+#define TMS_JOB_MAX_PIECES 250  /* handles one lend carries (descriptors in one message: the kernel takes 253) */
+struct tms_job_lent {
+    size_t need;           /* the need it serves */
+    size_t size, len;      /* the handle's size; bytes of it the borrower maps */
+    uint64_t key;
+};
+/* Lends kept memory on device for needs[0..n) to process pid: at most
+ * TMS_JOB_MAX_PIECES handles, exported into fds (the caller's to close),
+ * counted lent under *batch until tms_core_job_returned. *n_out may be 0. */
+int tms_core_job_lend(int device, const uint64_t *needs, size_t n, int pid, struct tms_job_lent *out, int *fds,
+                      size_t *n_out, uint64_t *batch, struct tms_err *err);
+/* The borrower of batch released keys[0..n) (n 0: every handle of it, as
+ * when its process ended): they are idle again, kept within the bound.
+ * Returns how many of the batch are still lent. */
+size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n);
+/* Releases up to bytes of the memory kept idle on device (another member ran
+ * out of memory there): the bytes released. */
+size_t tms_core_job_release(int device, size_t bytes);
+/* Releases the kept memory nobody borrowed within the bound (TMS_JOB_HOLD_MS);
+ * milliseconds until the next would go, -1 if none waits. */
+int tms_core_job_expire(void);
+/* Bytes on device this process keeps idle for the job, has lent to other
+ * members, and maps from memory other members lent. */
+void tms_core_job_memory(int device, size_t *kept, size_t *lent, size_t *borrowed);
 
 /* ---- process-wide settings -------------------------------------------------------- */
 

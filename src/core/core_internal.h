@@ -52,9 +52,25 @@ struct tms_alloc {
     int exported_by_owner;
     tms_phys *handles;       /* n_chunks entries; points at one_handle when n_chunks == 1 */
     tms_phys one_handle;
+    /* Lending within a job (lend.c): set, the allocation's memory is these
+     * extents instead of handles[] (memory members lent, or its own in
+     * another layout); while a resume moves it, the memory planned for it. */
+    struct tms_extent *ext;
+    int n_ext;
     struct tms_backup *host_copy;  /* paused with backup, or retained after resume */
     struct tms_alloc *next;        /* hash chain */
     struct tms_alloc *tag_prev, *tag_next;  /* its tag's list (table.c) */
+};
+
+/* A piece of an allocation's physical memory when it is not its plain
+ * chunks: extents lie back to back from the allocation's start. */
+struct tms_extent {
+    tms_phys handle;
+    size_t len;      /* bytes of the allocation it backs */
+    size_t size;     /* the handle's size: a borrowed one may be longer than len (only a prefix is mapped) */
+    uint64_t key;    /* borrowed: the lender's name for it; 0: this process made it */
+    uint64_t via;    /* borrowed: the job layer's connection it came over */
+    int lender;      /* borrowed: the lender's pid */
 };
 
 /* One allocation in a pause or resume. The mover fills it outside the table
@@ -187,6 +203,53 @@ int tms_chunks_unmap(const struct tms_driver *drv, struct tms_alloc *a, const ch
 /* Releases the handles of an unmapped allocation. A failure leaks a handle
  * and changes nothing else: it is reported, not undone. */
 int tms_chunks_release(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
+
+/* ---- memory kept for the job (pool.c) ----------------------------------------
+ * Its own lock, a leaf: never taken with the table lock held, no driver
+ * call under it. */
+const struct tms_job_ops *tms_pool_ops(void);
+/* Whether anything is kept or lent now (no lock). */
+int tms_pool_any(void);
+/* Keeps an own exportable handle of the paused allocation owner (its
+ * order-th piece), idle for the job until the bound; TMS_E_HOST_OOM: not
+ * kept, the caller releases it. */
+int tms_pool_keep(int device, tms_phys handle, size_t size, const struct tms_alloc *owner, int order);
+/* owner resumes: its idle kept handles back as extents, in order (*ext
+ * malloc'd, NULL if none); those lent out stay the job's. Returns their bytes. */
+size_t tms_pool_take(const struct tms_alloc *owner, struct tms_extent **ext, int *n_ext);
+/* owner is freed: its idle handles released, those lent out the job's. */
+void tms_pool_forget(const struct tms_alloc *owner);
+/* Releases the borrowed extents of e[0..n) (of device), then tells each
+ * lender; *bytes grows by theirs. Returns the first release failure's code. */
+int tms_pool_return_borrowed(const struct tms_driver *drv, int device, const struct tms_extent *e, int n,
+                             size_t *bytes);
+/* bytes of borrowed memory were mapped on device. */
+void tms_pool_count_borrowed(int device, size_t bytes);
+/* The driver is out of memory for size bytes on device: memory kept for the
+ * job there is released, this process's first, then the members' (asked, in
+ * a job). 1 if any was, and a create is worth trying again. */
+int tms_pool_make_room(int device, size_t size);
+/* Whether a handle of size bytes may serve a need of want (whole, or a prefix wasting at most an eighth). */
+int tms_pool_fits(size_t size, size_t want);
+
+/* ---- lending: what a pause keeps, where a resume's memory comes from (lend.c) ---- */
+/* 1 while the process is in a job. */
+int tms_lend_on(void);
+/* After a pause unmapped m[i] (unmapped[i] set): borrowed memory goes back to
+ * its lenders, own memory is kept for the other members as far as they will
+ * ask for it (asked per device), the rest released. Failures of releases are
+ * reported (first in *rc, err), not undone. */
+void tms_lend_let_go(const struct tms_driver *drv, struct tms_move *m, size_t n, const unsigned char *unmapped,
+                     const struct tms_op_args *args, int *rc, struct tms_err *err);
+/* Before a resume maps m[0..n): each allocation's own kept memory taken back,
+ * then what the members lend, as its plan (a->ext); the driver makes the rest
+ * when it is mapped. */
+void tms_lend_plan(const struct tms_driver *drv, struct tms_move *const *m, size_t n, const struct tms_op_args *args);
+/* A plan that was not mapped: own memory kept again, borrowed memory returned. */
+void tms_lend_unplan(const struct tms_driver *drv, struct tms_alloc *a);
+
+/* The report's row of device (NULL without a report, or past TMS_REPORT_DEVICES). */
+struct tms_op_device *tms_report_device(const struct tms_op_args *args, int device);
 
 /* Under the table lock: takes a's marks of receivers that hung up without
  * letting go (shares.c): returns how many, the first of their pids in pids

@@ -122,10 +122,16 @@ static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const s
 }
 
 /* Unmaps and releases each allocation not let go yet; one whose unmap fails
- * stays active and whole (and keeps its new copy only as a retained one). */
-static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, struct tms_err *err)
+ * stays active and whole (and keeps its new copy only as a retained one).
+ * In a job, every unmap comes first and the memory is let go after, some of
+ * it kept for the other members (lend.c); else each is released as it is
+ * unmapped. */
+static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, const struct tms_op_args *args,
+                     struct tms_err *err)
 {
-    int rc = TMS_OK;
+    int rc = TMS_OK, job = tms_lend_on();
+    unsigned char *unmapped = job ? calloc(n ? n : 1, 1) : NULL;
+    if (job && !unmapped) job = 0;  /* without the list, released as without a job */
     for (size_t i = 0, j = 0; i < n; i++) {
         const struct early *e = p->early && m[i].a->backup ? &p->early[j++] : NULL;
         if (e && e->released) {
@@ -141,7 +147,8 @@ static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, st
         int one = tms_chunks_unmap(p->drv, a, tag, &one_err);
         if (one == TMS_OK) {
             m[i].state = TMS_PAUSED;
-            one = tms_chunks_release(p->drv, a, tag, &one_err);  /* paused all the same: reported, not undone */
+            if (job) unmapped[i] = 1;
+            else one = tms_chunks_release(p->drv, a, tag, &one_err);  /* paused all the same: reported, not undone */
         } else if (m[i].b.copy && !tms_backup_kept_while_active(m[i].b.copy, m[i].b.retain)) {
             tms_backup_move_discard(&m[i].b);  /* still active: the device holds the bytes */
         }
@@ -150,6 +157,8 @@ static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, st
             if (err) *err = one_err;
         }
     }
+    if (job) tms_lend_let_go(p->drv, m, n, unmapped, args, &rc, err);
+    free(unmapped);
     return rc;
 }
 
@@ -162,6 +171,7 @@ int tms_core_pause_moves(const char *const *tags, size_t n_tags, const struct tm
     struct tms_move *m;
     size_t n;
     tms_core_share_reap();
+    (void)tms_core_job_expire();  /* memory kept for the job past its bound goes first */
     if ((rc = tms_table_claim(tags, n_tags, TMS_ACTIVE, &m, &n, err)) || n == 0) return rc;
     tms_report_begin(drv, args, m, n);
     int retain = tms_core_retain();  /* once: the backups are planned and kept by the same answer */
@@ -171,7 +181,7 @@ int tms_core_pause_moves(const char *const *tags, size_t n_tags, const struct tm
     /* All backups first: if one fails, nothing has been unmapped yet, or
      * what was let go early is restored. */
     if (!rc) rc = backup_all(&p, m, n, args, retain, &info, err);
-    if (!rc) rc = unmap_all(&p, m, n, err);
+    if (!rc) rc = unmap_all(&p, m, n, args, err);
     free(p.saved);
     free(p.early);
     for (size_t i = 0; i < n; i++)

@@ -1,4 +1,4 @@
-/* What a pause or resume did, per device: allocations it changed, bytes released or mapped, copied and skipped, free memory around it, memory receivers may still map. */
+/* What a pause or resume did, per device: allocations it changed, bytes released or mapped, copied and skipped, free memory around it, memory receivers may still map, memory kept, lent and borrowed in a job. */
 #include "core/core_internal.h"
 
 static struct tms_op_device *report_device(struct tms_op_report *r, int device)
@@ -9,6 +9,11 @@ static struct tms_op_device *report_device(struct tms_op_report *r, int device)
     struct tms_op_device *d = &r->devices[r->n_devices++];
     *d = (struct tms_op_device){.device = device};
     return d;
+}
+
+struct tms_op_device *tms_report_device(const struct tms_op_args *args, int device)
+{
+    return args->report ? report_device(args->report, device) : NULL;
 }
 
 void tms_report_begin(const struct tms_driver *drv, const struct tms_op_args *args, const struct tms_move *m, size_t n)

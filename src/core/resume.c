@@ -108,9 +108,14 @@ int tms_core_resume_moves(const char *const *tags, size_t n_tags, const struct t
     int retain = tms_core_retain();
     struct tms_move **order = calloc(n, sizeof *order);
     for (size_t i = 0; order && i < n; i++) order[i] = &m[i];
+    /* In a job: each allocation's memory planned first, from what this process
+     * kept and what the other members lend (lend.c); its map uses the plan. */
+    if (order) tms_lend_plan(drv, order, n, args);
     rc = order ? tms_core_restore_moves(drv, order, n, retain, err)
                : tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning the resume of %zu allocations", n);
     free(order);
+    for (size_t i = 0; i < n; i++)
+        if (m[i].state == TMS_PAUSED && m[i].a->ext) tms_lend_unplan(drv, m[i].a);  /* never mapped */
     for (size_t i = 0; i < n; i++)
         if (m[i].b.copy && m[i].b.retain) tms_backup_kept(m[i].b.copy, 1);
     uint64_t ns = tms_core_now_ns() - start;

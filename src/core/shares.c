@@ -24,10 +24,16 @@ static int token_unset(const unsigned char *token)
     return memcmp(token, zero, sizeof zero) == 0;
 }
 
+static int handle_count(const struct tms_alloc *a) { return a->ext ? a->n_ext : a->n_chunks; }
+
+/* Memory mapped from extents (a job lent some) is described handle by
+ * handle: chunk 0 and each handle's mapped length. */
 static void fill_info(const struct tms_alloc *a, struct tms_share_info *out)
 {
-    *out = (struct tms_share_info){.va = a->va, .size = a->size, .reserved = a->reserved, .chunk = a->chunk,
-                                   .n_chunks = a->n_chunks, .device = a->device, .tag_id = a->tag_id};
+    *out = (struct tms_share_info){.va = a->va, .size = a->size, .reserved = a->reserved,
+                                   .chunk = a->ext ? 0 : a->chunk, .n_chunks = handle_count(a),
+                                   .device = a->device, .tag_id = a->tag_id};
+    for (int i = 0; a->ext && i < a->n_ext && i < TMS_SHARE_MAX_CHUNKS; i++) out->lens[i] = a->ext[i].len;
     memcpy(out->token, a->share_token, sizeof out->token);
 }
 
@@ -49,9 +55,10 @@ int tms_core_share_find(uint64_t ptr, struct tms_share_info *out, struct tms_err
                       "share: allocation 0x%llx (tag '%s', device %d) was made without an exportable handle "
                       "(TMS_SHAREABLE=0, or the driver refused one)",
                       (unsigned long long)a->va, tms_core_tag_name(a->tag_id), a->device);
-    else if (a->n_chunks > TMS_SHARE_MAX_CHUNKS)
+    else if (handle_count(a) > TMS_SHARE_MAX_CHUNKS)
         rc = tms_fail(err, TMS_E_UNSUPPORTED, 0, "share: allocation 0x%llx has %d chunks, more than the %d one share "
-                      "carries (TMS_CHUNK_BYTES)", (unsigned long long)a->va, a->n_chunks, TMS_SHARE_MAX_CHUNKS);
+                      "carries (TMS_CHUNK_BYTES, or memory a job lent in pieces)", (unsigned long long)a->va,
+                      handle_count(a), TMS_SHARE_MAX_CHUNKS);
     if (!rc) {
         if (token_unset(a->share_token)) memcpy(a->share_token, fresh, sizeof fresh);
         fill_info(a, out);
@@ -89,10 +96,14 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
     else if (a->state != TMS_ACTIVE)
         rc = tms_fail(err, TMS_E_STATE, 0, "the shared allocation 0x%llx (tag '%s') is paused: resume it first",
                       (unsigned long long)va, tms_core_tag_name(a->tag_id));
+    else if (handle_count(a) > TMS_SHARE_MAX_CHUNKS)
+        rc = tms_fail(err, TMS_E_UNSUPPORTED, 0, "the shared allocation 0x%llx is mapped from %d pieces of memory a "
+                      "job lent, more than the %d one share carries", (unsigned long long)va, handle_count(a),
+                      TMS_SHARE_MAX_CHUNKS);
     if (!rc) {
         /* Moving: a pause waits and a free is deferred while the handles are exported. */
         a->moving = 1;
-        memcpy(handles, a->handles, (size_t)a->n_chunks * sizeof *handles);
+        for (int i = 0; i < handle_count(a); i++) handles[i] = a->ext ? a->ext[i].handle : a->handles[i];
         fill_info(a, out);
     }
     tms_table_unlock();

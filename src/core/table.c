@@ -206,6 +206,7 @@ static void fork_child(void)
             }
             tms_table_unlink_locked(link);
             if (a->handles != &a->one_handle) free(a->handles);
+            free(a->ext);
             free(a);  /* its backup's pinned pages belong to the parent's driver state */
         }
     }

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "hooks/variant.h"
+#include "share/job.h"
 
 #define TMS_EXPORT __attribute__((visibility("default")))
 
@@ -118,6 +119,7 @@ static int module_exec(PyObject *module)
         PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s", env_err.msg);
         return -1;
     }
+    tms_job_register();  /* TMS_JOB (or the job setting) makes this process a member */
     module_state *st = tms_py_state(module);
     if (import_error_types(st) < 0) return -1;
     st->view_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &tms_py_view_spec, NULL);

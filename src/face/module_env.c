@@ -42,7 +42,7 @@ static PyObject *row_dict(const struct tms_setting_row *r)
 {
     static const char *const groups[] = {
         [TMS_SETTING_GROUP_RUN] = "run", [TMS_SETTING_GROUP_ENV] = "env",
-        [TMS_SETTING_GROUP_HOST] = "host", [TMS_SETTING_GROUP_OUTSIDE] = "outside",
+        [TMS_SETTING_GROUP_HOST] = "host", [TMS_SETTING_GROUP_OUTSIDE] = "outside", [TMS_SETTING_GROUP_CALL] = "run",
     };
     const char *kind = r->type == TMS_SETTING_TYPE_boolean ? "bool" : r->text || r->type == TMS_SETTING_TYPE_faults ? "str" : "int";
     PyObject *dflt = r->type == TMS_SETTING_TYPE_boolean ? PyBool_FromLong((long)r->number)
@@ -51,7 +51,8 @@ static PyObject *row_dict(const struct tms_setting_row *r)
                                                           : PyLong_FromLongLong(r->number);
     if (!dflt) return NULL;
     PyObject *d = Py_BuildValue("{s:s,s:z,s:s,s:s,s:O,s:O,s:s,s:s}", "name", r->name, "env", r->env, "type", kind,
-                                "group", groups[r->group], "run", r->group == TMS_SETTING_GROUP_RUN ? Py_True : Py_False,
+                                "group", groups[r->group], "run",
+                                r->group == TMS_SETTING_GROUP_RUN || r->group == TMS_SETTING_GROUP_CALL ? Py_True : Py_False,
                                 "default", dflt, "accepts", tms_setting_accepts(r), "doc", r->doc);
     Py_DECREF(dflt);
     return d;
@@ -87,8 +88,13 @@ static PyObject *check_setting(PyObject *module, PyObject *args)
     PyObject *value;
     if (!PyArg_ParseTuple(args, "sO:check_setting", &name, &value)) return NULL;
     const struct tms_setting_row *r = tms_setting_find(name);
-    if (!r || r->group != TMS_SETTING_GROUP_RUN)
+    if (!r || (r->group != TMS_SETTING_GROUP_RUN && r->group != TMS_SETTING_GROUP_CALL))
         return PyErr_Format(PyExc_ValueError, "torch_memory_saver: no setting %s changes at run time", name);
+    const char *text;
+    if (r->group == TMS_SETTING_GROUP_CALL) {
+        if (tms_py_setting_text(r, value, &text) < 0) return NULL;
+        Py_RETURN_NONE;
+    }
     union tms_py_setting v;
     if (tms_py_setting_value(r, value, &v) < 0) return NULL;
     Py_RETURN_NONE;

@@ -129,14 +129,59 @@ static PyObject *free_bytes(int measured, size_t n)
     Py_RETURN_NONE;
 }
 
+/* Why the driver made memory the job's members were asked for, in words;
+ * None: they were not asked, or lent all of it. */
+static const char *fallback_name(int fallback)
+{
+    switch (fallback) {
+    case TMS_JOB_NO_MEMBER: return "no member";
+    case TMS_JOB_TIMED_OUT: return "member timed out";
+    case TMS_JOB_NOTHING_TO_LEND: return "nothing to lend";
+    default: return NULL;
+    }
+}
+
+/* {pid: bytes} of the first lenders, and [pid] of the first members that timed out. */
+static PyObject *lenders_dict(const struct tms_op_device *d)
+{
+    PyObject *out = PyDict_New();
+    for (int i = 0; out && i < d->lenders && i < TMS_REPORT_PIDS; i++) {
+        PyObject *pid = PyLong_FromLong(d->lender_pids[i]), *bytes = PyLong_FromSize_t(d->lender_bytes[i]);
+        int bad = !pid || !bytes || PyDict_SetItem(out, pid, bytes) < 0;
+        Py_XDECREF(pid);
+        Py_XDECREF(bytes);
+        if (bad) Py_CLEAR(out);
+    }
+    return out;
+}
+
+static PyObject *timed_out_list(const struct tms_op_device *d)
+{
+    int shown = d->timed_out < TMS_REPORT_PIDS ? d->timed_out : TMS_REPORT_PIDS;
+    PyObject *out = PyList_New(shown);
+    for (int i = 0; out && i < shown; i++) {
+        PyObject *pid = PyLong_FromLong(d->timed_out_pids[i]);
+        if (!pid || PyList_SetItem(out, i, pid) < 0) Py_CLEAR(out);  /* steals pid */
+    }
+    return out;
+}
+
 static PyObject *device_report_dict(const void *row)
 {
     const struct tms_op_device *d = row;
-    return Py_BuildValue("{s:i,s:n,s:n,s:n,s:n,s:n,s:N,s:N}", "device", d->device, "allocations",
-                         (Py_ssize_t)d->allocations, "released", (Py_ssize_t)d->released, "copied",
+    PyObject *lenders = lenders_dict(d), *timed_out = lenders ? timed_out_list(d) : NULL;
+    if (!timed_out) {
+        Py_XDECREF(lenders);
+        return NULL;
+    }
+    return Py_BuildValue("{s:i,s:n,s:n,s:n,s:n,s:n,s:N,s:N,s:n,s:n,s:n,s:n,s:N,s:z,s:N}", "device", d->device,
+                         "allocations", (Py_ssize_t)d->allocations, "released", (Py_ssize_t)d->released, "copied",
                          (Py_ssize_t)d->copied, "skipped", (Py_ssize_t)d->skipped, "unchanged",
                          (Py_ssize_t)d->unchanged, "free_before", free_bytes(d->free_measured, d->free_before),
-                         "free_after", free_bytes(d->free_measured, d->free_after));
+                         "free_after", free_bytes(d->free_measured, d->free_after), "kept", (Py_ssize_t)d->kept,
+                         "returned", (Py_ssize_t)d->returned, "reused", (Py_ssize_t)d->reused, "borrowed",
+                         (Py_ssize_t)d->borrowed, "lenders", lenders, "fallback", fallback_name(d->fallback),
+                         "timed_out", timed_out);
 }
 
 static PyObject *unconfirmed_dict(const void *row)

@@ -6,6 +6,7 @@
 
 #include "face/py_settings.h"
 #include "hooks/variant.h"
+#include "share/job.h"
 
 /* ---- the settings that change at run time: a setter and a getter each -----------------------
  * One pair per RUN row of platform/config.h's table: set_<name> converts and checks
@@ -26,13 +27,40 @@
         (void)module, (void)unused;                                                                            \
         return TMS_PY_SETTING_OBJECT(type, get());                                                             \
     }
+/* And one pair per CALL row: a text kept by the layer that uses it, which may refuse a change. */
+#define SETTING_TEXT_FUNCTIONS(name, set, get, doc)                                                            \
+    PyDoc_STRVAR(set_##name##_doc, "set_" #name "($module, value, /)\n--\n\n" doc);                           \
+    static PyObject *py_set_##name(PyObject *module, PyObject *value)                                          \
+    {                                                                                                          \
+        const char *text;                                                                                      \
+        if (tms_py_setting_text(&tms_setting_rows[TMS_SETTING_##name], value, &text) < 0) return NULL;         \
+        struct tms_err err = {0};                                                                              \
+        int rc;                                                                                                \
+        Py_BEGIN_ALLOW_THREADS                                                                                 \
+        rc = set(text, &err);                                                                                  \
+        Py_END_ALLOW_THREADS                                                                                   \
+        if (rc) return tms_py_raise(module, &err);                                                             \
+        Py_RETURN_NONE;                                                                                        \
+    }                                                                                                          \
+    PyDoc_STRVAR(get_##name##_doc, "get_" #name "($module, /)\n--\n\n" doc);                                  \
+    static PyObject *py_get_##name(PyObject *module, PyObject *unused)                                         \
+    {                                                                                                          \
+        (void)module, (void)unused;                                                                            \
+        char buf[256];                                                                                         \
+        get(buf, sizeof buf);                                                                                  \
+        if (!buf[0]) Py_RETURN_NONE;                                                                           \
+        return PyUnicode_FromString(buf);                                                                      \
+    }
 #define SETTING_ROW(name, type, env, dflt, range, accepts, when, doc)                                          \
-    TMS_SETTING_IF_RUN(when, SETTING_FUNCTIONS(name, type, TMS_SETTING_SETTER(when), TMS_SETTING_GETTER(when), doc))
+    TMS_SETTING_IF_RUN(when, SETTING_FUNCTIONS(name, type, TMS_SETTING_SETTER(when), TMS_SETTING_GETTER(when), doc)) \
+    TMS_SETTING_IF_CALL(when, SETTING_TEXT_FUNCTIONS(name, TMS_SETTING_SETTER(when), TMS_SETTING_GETTER(when), doc))
 TMS_SETTINGS(SETTING_ROW)
 
 #define SETTING_METHODS(name, type, env, dflt, range, accepts, when, doc)                                      \
     TMS_SETTING_IF_RUN(when, {"set_" #name, py_set_##name, METH_O, set_##name##_doc},                          \
-                       {"get_" #name, py_get_##name, METH_NOARGS, get_##name##_doc},)
+                       {"get_" #name, py_get_##name, METH_NOARGS, get_##name##_doc},)                          \
+    TMS_SETTING_IF_CALL(when, {"set_" #name, py_set_##name, METH_O, set_##name##_doc},                         \
+                        {"get_" #name, py_get_##name, METH_NOARGS, get_##name##_doc},)
 
 PyDoc_STRVAR(host_budget_doc,
 "host_budget($module, /)\n--\n\n"
@@ -56,6 +84,23 @@ static PyObject *py_host_budget(PyObject *module, PyObject *unused)
                          (Py_ssize_t)info.mem_available, "safety", info.safety ? Py_True : Py_False,
                          "spill_to_disk", tms_core_spill() ? Py_True : Py_False, "ledger",
                          info.alone || !info.ledger[0] ? NULL : info.ledger);
+}
+
+PyDoc_STRVAR(job_memory_doc,
+"job_memory($module, device, /)\n--\n\n"
+"(kept, lent, borrowed): bytes on device this process keeps idle for its job, has lent to\n"
+"other members, and maps from memory other members lent.");
+static PyObject *py_job_memory(PyObject *module, PyObject *args)
+{
+    (void)module;
+    int device;
+    if (!PyArg_ParseTuple(args, "i:job_memory", &device)) return NULL;
+    if (device < 0) return PyErr_Format(PyExc_ValueError, "torch_memory_saver: device must be >= 0, got %d", device);
+    size_t kept, lent, borrowed;
+    Py_BEGIN_ALLOW_THREADS
+    tms_core_job_memory(device, &kept, &lent, &borrowed);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(nnn)", (Py_ssize_t)kept, (Py_ssize_t)lent, (Py_ssize_t)borrowed);
 }
 
 PyDoc_STRVAR(use_backend_doc, "use_backend($module, name, /)\n--\n\nChoose 'cuda', 'hip' or 'host' before first use.");
@@ -272,14 +317,15 @@ static PyObject *py_defaults(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const struct tms_defaults *d = tms_defaults();
-    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O,s:O}", "init_enable", d->init_enable ? Py_True : Py_False,
+    return Py_BuildValue("{s:O,s:O,s:s,s:O,s:O,s:n,s:n,s:O,s:O,s:O,s:z}", "init_enable", d->init_enable ? Py_True : Py_False,
                          "init_enable_cpu_backup", d->init_backup ? Py_True : Py_False,
                          "init_cpu_backup_backend", d->init_backup_backend,
                          "init_enable_disk_backup", d->init_disk_backup ? Py_True : Py_False,
                          "retain_cpu_backup", d->retain_cpu_backup ? Py_True : Py_False, "chunk_bytes",
                          (Py_ssize_t)d->chunk_bytes, "disk_backup_chunk_bytes", (Py_ssize_t)d->disk_block_bytes,
                          "progress", d->progress ? Py_True : Py_False, "backup_live_only",
-                         d->backup_live_only ? Py_True : Py_False, "spill_to_disk", d->spill_to_disk ? Py_True : Py_False);
+                         d->backup_live_only ? Py_True : Py_False, "spill_to_disk", d->spill_to_disk ? Py_True : Py_False,
+                         "job", d->job[0] ? d->job : NULL);
 }
 
 PyDoc_STRVAR(set_disk_backup_dir_doc,
@@ -321,6 +367,7 @@ PyMethodDef tms_py_process_methods[] = {
     TMS_SETTINGS(SETTING_METHODS)
     {"set_platform_hint", py_set_platform_hint, METH_O, set_platform_hint_doc},
     {"host_budget", py_host_budget, METH_NOARGS, host_budget_doc},
+    {"job_memory", py_job_memory, METH_VARARGS, job_memory_doc},
     {"use_backend", py_use_backend, METH_O, use_backend_doc},
     {"backend", py_backend, METH_NOARGS, backend_doc},
     {"loaded_backend", py_loaded_backend, METH_NOARGS, loaded_backend_doc},

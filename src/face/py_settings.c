@@ -55,3 +55,15 @@ int tms_py_setting_value(const struct tms_setting_row *r, PyObject *value, union
     if (is_boolean || !PyLong_Check(value)) return type_error(r, "an int", value), -1;
     return check_number(r, value, &out->number);
 }
+
+int tms_py_setting_text(const struct tms_setting_row *r, PyObject *value, const char **out)
+{
+    *out = NULL;
+    if (value == Py_None) return 0;
+    if (!PyUnicode_Check(value)) return type_error(r, "a str or None", value), -1;
+    if (!(*out = PyUnicode_AsUTF8AndSize(value, NULL))) return -1;
+    struct tms_err err = {0};
+    if (tms_setting_check_text(r, *out, &err) == TMS_OK) return 0;
+    PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s", err.msg);
+    return -1;
+}

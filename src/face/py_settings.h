@@ -23,6 +23,11 @@ union tms_py_setting {
  * 0, or -1 with the exception set; every message starts "torch_memory_saver: <name>". */
 int tms_py_setting_value(const struct tms_setting_row *r, PyObject *value, union tms_py_setting *out);
 
+/* value as a text setting's (row r, a CALL row): None (*out NULL: none), or a str the row
+ * takes (TypeError for another type, ValueError "<name> '<value>' is not ..."). 0, or -1
+ * with the exception set; *out lives as long as value. */
+int tms_py_setting_text(const struct tms_setting_row *r, PyObject *value, const char **out);
+
 /* The C value of a run-time setting of each type from the union, and the Python object of one. */
 #define TMS_PY_SETTING_AS(type, v) TMS_PY_SETTING_AS_##type(v)
 #define TMS_PY_SETTING_AS_boolean(v) ((v).flag)

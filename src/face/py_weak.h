@@ -16,6 +16,9 @@
 #pragma weak PyBytes_AsString
 #pragma weak PyBytes_Size
 #pragma weak PyBytes_Type
+#pragma weak PyCallable_Check
+#pragma weak PyDict_New
+#pragma weak PyDict_SetItem
 #pragma weak PyDict_SetItemString
 #pragma weak PyErr_Format
 #pragma weak PyLong_Type
@@ -41,7 +44,6 @@
 #pragma weak PyExc_ValueError
 #pragma weak PyList_New
 #pragma weak PyList_SetItem
-#pragma weak PyCallable_Check
 #pragma weak PyObject_CallFunction
 #pragma weak PyObject_CallObject
 #pragma weak PyType_GetSlot

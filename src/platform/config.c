@@ -143,14 +143,19 @@ static int keep_text(const struct tms_setting_row *r, const char *s, struct tms_
 }
 
 /* A name that is a file name too (the ledger's): no path, no hidden file. */
-static int parse_name(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
+static int name_ok(const struct tms_setting_row *r, const char *s)
 {
     size_t n = strlen(s);
-    int ok = n <= r->hi && s[0] != '.';
+    int ok = n >= 1 && n <= r->hi && s[0] != '.';
     for (size_t i = 0; ok && i < n; i++)
         ok = (s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') || (s[i] >= '0' && s[i] <= '9') ||
              s[i] == '_' || s[i] == '-' || s[i] == '.';
-    return ok ? keep_text(r, s, d, err) : malformed(r, s, err);
+    return ok;
+}
+
+static int parse_name(const struct tms_setting_row *r, const char *s, struct tms_defaults *d, struct tms_err *err)
+{
+    return name_ok(r, s) ? keep_text(r, s, d, err) : malformed(r, s, err);
 }
 
 /* Checked for length only: its reader opens it as what it must be and bounds what it reads. */
@@ -293,6 +298,12 @@ int tms_env_check(struct tms_err *err)
 }
 
 /* ---- run-time values ----------------------------------------------------------------- */
+
+int tms_setting_check_text(const struct tms_setting_row *r, const char *text, struct tms_err *err)
+{
+    if (r->type != TMS_SETTING_TYPE_name || name_ok(r, text)) return TMS_OK;
+    return tms_fail(err, TMS_E_ARG, 0, "%s '%.80s' is not %s", r->name, text, tms_setting_accepts(r));
+}
 
 int tms_setting_check(const struct tms_setting_row *r, int sign, unsigned long long value, const char *text,
                       struct tms_err *err)

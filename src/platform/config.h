@@ -47,7 +47,11 @@ enum tms_fault_op { TMS_FAULT_LIST(TMS_FAULT_ENUM) TMS_FAULT_OPS };
  *            raises. HOST: as ENV, the host backend's (platform/driver_host.c): a malformed
  *            one keeps that backend from loading. OUTSIDE: another program's variable,
  *            read as glibc reads it (secure_getenv: not in a setuid process), never
- *            malformed and not named among the library's.
+ *            malformed and not named among the library's. CALL(setter, getter): a text
+ *            that also changes while the process runs, kept by the layer that uses it,
+ *            which may refuse a change (int setter(const char *text or NULL, struct
+ *            tms_err *), void getter(char *buf, size_t size), "" for none); the faces set
+ *            and read it as a RUN one.
  *   doc      what it does (the Python property's and the native methods' docstrings); a
  *            variable only tests or benchmarks set says so first ("tests...")
  * Types: boolean (1, true, TRUE, yes, YES / 0, false, FALSE, no, NO; empty is malformed),
@@ -98,6 +102,17 @@ enum tms_fault_op { TMS_FAULT_LIST(TMS_FAULT_ENUM) TMS_FAULT_OPS };
       "Backed-up pauses copy only the 2 MiB chunks that changed since the backup was written (found by "       \
       "fingerprints on the GPU), keeping each backup between cycles; a region's skip_unchanged overrides it. "  \
       "Off by default; TMS_SKIP_UNCHANGED=1.")                                                                 \
+    /* lending within a job */                                                                                 \
+    X(job, name, "TMS_JOB", "", (64), "a job name of 1 to 64 letters, digits, '_', '-' or '.' (not starting "  \
+      "with '.')", CALL(tms_job_set_name, tms_job_get_name),                                                   \
+      "The job this process lends memory in (None: none, the default; TMS_JOB): processes of one user that "  \
+      "name the same job and use the same GPU pass each other the physical memory a pause releases, so a "     \
+      "resume right after another member's pause need not wait for the driver to clean it. Set it before "     \
+      "the process's first pause or resume in the job.")                                                       \
+    X(job_hold_ms, count, "TMS_JOB_HOLD_MS", 2000, (0, 60000), "a whole number of milliseconds from 0 to 60000", \
+      ENV, "how long memory a pause keeps for the job's members waits before it goes back to the driver")      \
+    X(job_wait_ms, count, "TMS_JOB_WAIT_MS", 20, (0, 60000), "a whole number of milliseconds from 0 to 60000", \
+      ENV, "how long a pause or resume waits for one member's answer before it goes on without it")            \
     X(spill_to_disk, boolean, "TMS_SPILL_TO_DISK", 0, (), NULL, RUN(tms_core_set_spill, tms_core_spill),       \
       "When a backed-up pause would exceed the host backup budget (TMS_HOST_BACKUP_LIMIT, or 5 % of the "      \
       "host's memory kept available), the largest allocations that do not fit are backed up to disk (the "     \
@@ -208,28 +223,41 @@ enum tms_setting_id { TMS_SETTINGS(TMS_SETTING_ID) TMS_SETTING_COUNT };
  * TMS_SETTING_GROUP(when) its enum tms_setting_group; TMS_SETTING_IF_RUN(when, ...) the
  * rest for a RUN row, nothing for another; TMS_SETTING_SETTER(when) and
  * TMS_SETTING_GETTER(when) the names a RUN row gives. */
-enum tms_setting_group { TMS_SETTING_GROUP_RUN, TMS_SETTING_GROUP_ENV, TMS_SETTING_GROUP_HOST, TMS_SETTING_GROUP_OUTSIDE };
+enum tms_setting_group {
+    TMS_SETTING_GROUP_RUN, TMS_SETTING_GROUP_ENV, TMS_SETTING_GROUP_HOST, TMS_SETTING_GROUP_OUTSIDE, TMS_SETTING_GROUP_CALL
+};
 #define TMS_SETTING_GROUP(when) TMS_SETTING_GROUP_OF_##when
 #define TMS_SETTING_GROUP_OF_RUN(set, get) TMS_SETTING_GROUP_RUN
 #define TMS_SETTING_GROUP_OF_ENV TMS_SETTING_GROUP_ENV
 #define TMS_SETTING_GROUP_OF_HOST TMS_SETTING_GROUP_HOST
 #define TMS_SETTING_GROUP_OF_OUTSIDE TMS_SETTING_GROUP_OUTSIDE
+#define TMS_SETTING_GROUP_OF_CALL(set, get) TMS_SETTING_GROUP_CALL
 #define TMS_SETTING_IF_RUN(when, ...) TMS_SETTING_IF_RUN_##when(__VA_ARGS__)
 #define TMS_SETTING_IF_RUN_RUN(set, get) TMS_SETTING_KEEP
 #define TMS_SETTING_IF_RUN_ENV(...)
 #define TMS_SETTING_IF_RUN_HOST(...)
 #define TMS_SETTING_IF_RUN_OUTSIDE(...)
+#define TMS_SETTING_IF_RUN_CALL(set, get) TMS_SETTING_DROP
+#define TMS_SETTING_IF_CALL(when, ...) TMS_SETTING_IF_CALL_##when(__VA_ARGS__)
+#define TMS_SETTING_IF_CALL_CALL(set, get) TMS_SETTING_KEEP
+#define TMS_SETTING_IF_CALL_RUN(set, get) TMS_SETTING_DROP
+#define TMS_SETTING_IF_CALL_ENV(...)
+#define TMS_SETTING_IF_CALL_HOST(...)
+#define TMS_SETTING_IF_CALL_OUTSIDE(...)
 #define TMS_SETTING_KEEP(...) __VA_ARGS__
+#define TMS_SETTING_DROP(...)
 #define TMS_SETTING_SETTER(when) TMS_SETTING_SETTER_##when
 #define TMS_SETTING_SETTER_RUN(set, get) set
 #define TMS_SETTING_SETTER_ENV
 #define TMS_SETTING_SETTER_HOST
 #define TMS_SETTING_SETTER_OUTSIDE
+#define TMS_SETTING_SETTER_CALL(set, get) set
 #define TMS_SETTING_GETTER(when) TMS_SETTING_GETTER_##when
 #define TMS_SETTING_GETTER_RUN(set, get) get
 #define TMS_SETTING_GETTER_ENV
 #define TMS_SETTING_GETTER_HOST
 #define TMS_SETTING_GETTER_OUTSIDE
+#define TMS_SETTING_GETTER_CALL(set, get) get
 
 /* One row of the table, as the code reads it. */
 struct tms_setting_row {
@@ -261,6 +289,9 @@ const char *tms_setting_accepts(const struct tms_setting_row *r);
  * number as the caller wrote it, for the message. TMS_E_ARG "<name> must be ..., got <text>". */
 int tms_setting_check(const struct tms_setting_row *r, int sign, unsigned long long value, const char *text,
                       struct tms_err *err);
+/* A text asked for a run-time text setting (row r, a name): TMS_E_ARG "<name> '<text>' is not
+ * <accepts>" where its variable would be malformed. */
+int tms_setting_check_text(const struct tms_setting_row *r, const char *text, struct tms_err *err);
 
 /* TMS_E_ARG and the message of row id's malformed variable, if it was; else TMS_OK. For a
  * reader that must not go on with the default (the backend TMS_BACKEND names). */

@@ -57,6 +57,10 @@ typedef struct {
     int flags;
 } tms_CUmemAccessDesc;
 
+typedef struct {
+    char bytes[16];
+} tms_CUuuid;
+
 /*
  * The driver entry points the library calls (the cuda backend) or wraps
  * (hooks/cumem.c, for PyTorch's expandable segments), each at the ABI of CUDA
@@ -112,7 +116,8 @@ typedef struct {
     X(cuMemcpyHtoD, (tms_CUdeviceptr dst, const void *src, size_t n), OPTIONAL) \
     X(cuLaunchKernel, (tms_CUfunction function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x, \
       unsigned block_y, unsigned block_z, unsigned shared_bytes, tms_CUstream stream, void **params, \
-      void **extra), OPTIONAL)
+      void **extra), OPTIONAL) \
+    X(cuDeviceGetUuid, (tms_CUuuid *uuid, tms_CUdevice dev), OPTIONAL)
 
 /* The presence column as a number: 1 for a required entry. */
 #define TMS_CUDA_REQUIRED 1

@@ -65,8 +65,13 @@ struct tms_driver {
     int (*share_types)(int device);
     int (*export_fd)(tms_phys handle, int *fd);
     int (*import_fd)(int device, int fd, tms_phys *handle);
-    /* Maps handle at va and grants device read-write access.
-     * pre: [va, va+size) reserved and unmapped; size == the handle's size. */
+    /* What names the physical device behind ordinal device the same way in
+     * every process of the host (a GPU's UUID), into buf (NUL-terminated);
+     * NULL where the backend cannot share memory. */
+    int (*device_identity)(int device, char *buf, size_t size);
+    /* Maps the first size bytes of handle at va and grants device read-write
+     * access. pre: [va, va+size) reserved and unmapped; size <= the handle's
+     * size (all of it but for memory another process of a job lent). */
     int (*map)(int device, tms_va va, size_t size, tms_phys handle);
     /* pre: [va, va+size) mapped; no work in flight touches it. */
     int (*unmap)(tms_va va, size_t size);

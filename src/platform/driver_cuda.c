@@ -255,6 +255,27 @@ static int cuda_import_fd(int device, int fd, tms_phys *handle)
     return rc;
 }
 
+/* The GPU's UUID (a MIG instance's own), as nvidia-smi prints it; its PCI
+ * address where the driver has no UUID entry. */
+static int cuda_device_identity(int device, char *buf, size_t size)
+{
+    tms_CUdevice dev = 0;
+    int rc = cu.cuDeviceGet(&dev, device);
+    if (rc) return rc;
+    if (!cu.cuDeviceGetUuid) {
+        char bus_id[32];
+        if ((rc = cu.cuDeviceGetPCIBusId(bus_id, (int)sizeof bus_id, dev))) return rc;
+        snprintf(buf, size, "pci-%s", bus_id);
+        return 0;
+    }
+    tms_CUuuid uuid;
+    if ((rc = cu.cuDeviceGetUuid(&uuid, dev))) return rc;
+    const unsigned char *b = (const unsigned char *)uuid.bytes;
+    snprintf(buf, size, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+             b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+    return 0;
+}
+
 static int cuda_map(int device, tms_va va, size_t size, tms_phys handle)
 {
     int rc = cu.cuMemMap(va, size, 0, handle, 0);
@@ -496,6 +517,7 @@ const struct tms_driver tms_driver_cuda = {
     .share_types = cuda_share_types,
     .export_fd = cuda_export_fd,
     .import_fd = cuda_import_fd,
+    .device_identity = cuda_device_identity,
     .map = cuda_map,
     .unmap = cuda_unmap,
     .synchronize = cuda_synchronize,

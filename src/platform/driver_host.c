@@ -240,6 +240,21 @@ static int host_import_fd(int device, int fd, tms_phys *handle)
     return 0;
 }
 
+/* An emulated device is the same device to every process of one boot. */
+static int host_device_identity(int device, char *buf, size_t size)
+{
+    touch(device);
+    char boot[64] = "";
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    ssize_t n = fd >= 0 ? read(fd, boot, sizeof boot - 1) : -1;
+    if (fd >= 0) close(fd);
+    if (n <= 0) return EIO;
+    boot[n] = '\0';
+    boot[strcspn(boot, "\n")] = '\0';
+    snprintf(buf, size, "host-%s-%d", boot, device);
+    return 0;
+}
+
 /* Another process's memory is mapped only if it holds size bytes and cannot
  * shrink: a short or shrinkable file would fault this process's reads. */
 static int sealed_at_least(int fd, size_t size)
@@ -377,6 +392,7 @@ const struct tms_driver tms_driver_host = {
     .share_types = host_share_types,
     .export_fd = host_export_fd,
     .import_fd = host_import_fd,
+    .device_identity = host_device_identity,
     .map = host_map,
     .unmap = host_unmap,
     .synchronize = host_synchronize,

@@ -15,8 +15,10 @@ enum tms_fork_rank {
     TMS_FORK_CUMEM,     /* hooks/cumem.c: cumem_lock, held while the wrappers call the core */
     TMS_FORK_RELOC,     /* hooks/reloc.c: its locks made anew in the child */
     TMS_FORK_SHARE_OPEN,   /* share/open.c: open_lock; the child lets go of what its parent opened */
+    TMS_FORK_SHARE_JOB,    /* share/job.c: job_lock; the child is in no job and borrows nothing */
     TMS_FORK_SHARE_SERVE,  /* share/serve.c: serve_lock */
     TMS_FORK_TABLE,     /* core/table.c: table_lock */
+    TMS_FORK_POOL,      /* core/pool.c: kept_lock; the child keeps no memory for the job */
     TMS_FORK_TRANSFER,  /* backup/transfer.c: the copy workers forgotten in the child */
     TMS_FORK_RETAINED,  /* backup/retained.c: pin_lock */
     TMS_FORK_LEDGER,    /* backup/ledger.c: ledger_lock */

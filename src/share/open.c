@@ -19,7 +19,8 @@
  * hang-up (a close, or this process's exit) tells the sender. */
 struct opened {
     uint64_t va;
-    size_t size, reserved, chunk;
+    size_t size, reserved, chunk;  /* chunk 0: each handle's length in lens (memory a job lent the sender) */
+    size_t lens[TMS_SHARE_MAX_CHUNKS];
     int n_chunks;
     int conn;
     int refs;
@@ -100,6 +101,39 @@ static int connect_sender(struct opened *o, const struct tms_share_handle *h, st
     return TMS_OK;
 }
 
+ssize_t tms_share_recv(int fd, void *buf, size_t len, int *fds, int max_fds, int *n_fds, int flags)
+{
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * TMS_JOB_MAX_PIECES)];
+        struct cmsghdr align;
+    } control;
+    struct iovec iov = {.iov_base = buf, .iov_len = len};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    ssize_t n;
+    do n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC | flags);
+    while (n < 0 && errno == EINTR);
+    *n_fds = 0;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); n >= 0 && cm; cm = CMSG_NXTHDR(&msg, cm)) {
+        if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
+        size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < count; i++) {
+            int got;
+            memcpy(&got, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+            if (*n_fds < max_fds) fds[(*n_fds)++] = got;
+            else close(got);  /* more than asked for: not kept */
+        }
+    }
+    /* A cut message or cut descriptors are refused whole: what arrived is closed. */
+    if (n >= 0 && (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+        for (int i = 0; i < *n_fds; i++) close(fds[i]);
+        *n_fds = 0;
+        errno = EMSGSIZE;
+        return -1;
+    }
+    return n;
+}
+
 /* Sends the request and takes the answer with its descriptors. *unanswered:
  * the sender hung up before any answer (it closes a connection that came
  * while it kept too many that had not asked: another try may get in). */
@@ -114,23 +148,9 @@ static int ask(int fd, const struct tms_share_handle *h, struct tms_share_reply 
     do n = send(fd, &req, sizeof req, MSG_NOSIGNAL);
     while (n < 0 && errno == EINTR);
     int send_errno = n == (ssize_t)sizeof req ? 0 : n < 0 ? errno : EIO;
-    union {
-        char buf[CMSG_SPACE(sizeof(int) * TMS_SHARE_MAX_CHUNKS)];
-        struct cmsghdr align;
-    } control;
-    struct iovec iov = {.iov_base = reply, .iov_len = sizeof *reply};
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
-                         .msg_controllen = sizeof control.buf};
     /* A request that could not be sent may have crossed the sender's refusal: read it. */
-    do n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC | (send_errno ? MSG_DONTWAIT : 0));
-    while (n < 0 && errno == EINTR);
-    *n_fds = 0;
-    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); n >= 0 && cm; cm = CMSG_NXTHDR(&msg, cm)) {
-        if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
-        size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < count && *n_fds < TMS_SHARE_MAX_CHUNKS; i++)
-            memcpy(&fds[(*n_fds)++], CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
-    }
+    n = tms_share_recv(fd, reply, sizeof *reply, fds, TMS_SHARE_MAX_CHUNKS, n_fds, send_errno ? MSG_DONTWAIT : 0);
+    int truncated = n < 0 && errno == EMSGSIZE;
     if (send_errno && n <= 0) {
         *unanswered = send_errno == EPIPE || send_errno == ECONNRESET;
         return tms_fail(err, TMS_E_IO, send_errno, "open_shared: cannot ask pid %u: %s", (unsigned)h->pid,
@@ -140,10 +160,12 @@ static int ask(int fd, const struct tms_share_handle *h, struct tms_share_reply 
         *unanswered = 1;
         return tms_fail(err, TMS_E_STATE, 0, "open_shared: pid %u hung up without an answer", (unsigned)h->pid);
     }
-    if (n < 0)
+    if (n < 0 && !truncated)
         return tms_fail(err, TMS_E_IO, errno, "open_shared: no answer from pid %u%s: %s", (unsigned)h->pid,
                         errno == EAGAIN ? " within the timeout" : "", strerror(errno));
-    if (n != (ssize_t)sizeof *reply || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)))
+    /* Chunks of one size (and refusals) come without the lengths. */
+    if (n != (ssize_t)sizeof *reply &&
+        !(n == (ssize_t)offsetof(struct tms_share_reply, lens) && (reply->chunk || reply->status)))
         return tms_fail(err, TMS_E_ARG, 0, "open_shared: a malformed answer from pid %u", (unsigned)h->pid);
     reply->message[sizeof reply->message - 1] = '\0';
     return TMS_OK;
@@ -159,14 +181,28 @@ static int sender_status(int32_t status)
     }
 }
 
+/* Handles of lengths that differ (chunk 0): each a whole number of granules,
+ * adding up to the allocation. */
+static int lens_add_up(const struct tms_share_reply *r, size_t gran)
+{
+    uint64_t sum = 0;
+    for (int i = 0; i < r->n_chunks; i++) {
+        if (!r->lens[i] || r->lens[i] % gran || r->lens[i] > r->reserved - sum) return 0;
+        sum += r->lens[i];
+    }
+    return sum == r->reserved;
+}
+
 /* What the sender said must describe memory this process can map: sizes that
  * add up, in whole granules, one descriptor per chunk. */
 static int check_reply(const struct tms_share_reply *r, int n_fds, size_t gran, const struct tms_share_handle *h,
                        struct tms_err *err)
 {
-    int ok = r->n_chunks >= 1 && r->n_chunks <= TMS_SHARE_MAX_CHUNKS && n_fds == r->n_chunks && r->chunk && gran &&
-             r->chunk % gran == 0 && r->reserved % gran == 0 && r->size <= r->reserved && r->size == h->size &&
-             r->reserved > (uint64_t)(r->n_chunks - 1) * r->chunk && r->reserved <= (uint64_t)r->n_chunks * r->chunk;
+    int ok = r->n_chunks >= 1 && r->n_chunks <= TMS_SHARE_MAX_CHUNKS && n_fds == r->n_chunks && gran &&
+             r->reserved % gran == 0 && r->size <= r->reserved && r->size == h->size &&
+             (r->chunk ? r->chunk % gran == 0 && r->reserved > (uint64_t)(r->n_chunks - 1) * r->chunk &&
+                             r->reserved <= (uint64_t)r->n_chunks * r->chunk
+                       : lens_add_up(r, gran));
     if (ok) return TMS_OK;
     return tms_fail(err, TMS_E_ARG, 0,
                     "open_shared: pid %u described 0x%llx as %llu bytes in %d chunks of %llu (%d descriptors): refused",
@@ -176,8 +212,17 @@ static int check_reply(const struct tms_share_reply *r, int n_fds, size_t gran, 
 
 static size_t chunk_bytes(const struct opened *o, int i)
 {
+    if (!o->chunk) return o->lens[i];
     size_t start = (size_t)i * o->chunk;
     return o->reserved - start < o->chunk ? o->reserved - start : o->chunk;
+}
+
+static uint64_t chunk_offset(const struct opened *o, int i)
+{
+    if (o->chunk) return (uint64_t)i * o->chunk;
+    uint64_t off = 0;
+    for (int j = 0; j < i; j++) off += o->lens[j];
+    return off;
 }
 
 /* Unmaps and releases what map_opened made; returns the first failure's code. */
@@ -185,7 +230,7 @@ static int unmap_opened(const struct tms_driver *drv, struct opened *o, int mapp
 {
     int first = 0;
     for (int i = 0; i < mapped; i++) {
-        int rc = drv->unmap(o->va + (uint64_t)i * o->chunk, chunk_bytes(o, i));
+        int rc = drv->unmap(o->va + chunk_offset(o, i), chunk_bytes(o, i));
         if (rc && !first) first = rc;
     }
     for (int i = 0; i < imported; i++) {
@@ -214,7 +259,7 @@ static int map_opened(const struct tms_driver *drv, struct opened *o, const int 
     if (!rc) {
         op = "map";
         for (; mapped < o->n_chunks; mapped++)
-            if ((rc = drv->map(o->device, o->va + (uint64_t)mapped * o->chunk, chunk_bytes(o, mapped),
+            if ((rc = drv->map(o->device, o->va + chunk_offset(o, mapped), chunk_bytes(o, mapped),
                                o->handles[mapped])))
                 break;
     }
@@ -313,6 +358,7 @@ int tms_share_open(const unsigned char *handle, int device, uint64_t *va, size_t
         o->reserved = reply.reserved;
         o->chunk = reply.chunk;
         o->n_chunks = reply.n_chunks;
+        for (int i = 0; !o->chunk && i < o->n_chunks; i++) o->lens[i] = reply.lens[i];
         rc = map_opened(drv, o, fds, gran, &left, err);
     }
     for (int i = 0; i < n_fds; i++) close(fds[i]);

@@ -1,4 +1,4 @@
-/* The sender: handles for this process's allocations, and the thread that hands their memory to receivers and watches who holds it. */
+/* The sender: handles for this process's allocations, and the thread that hands their memory to receivers (and kept memory to the members of its job) and watches who holds it. */
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
@@ -8,6 +8,7 @@
 #include <sys/prctl.h>
 #include <sys/random.h>
 #include <sys/resource.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -29,12 +30,15 @@ size_t tms_share_address(struct sockaddr_un *addr, uint32_t pid, uint64_t socket
     return offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n;
 }
 
-/* The listening socket of this process. A forked child has the parent's
- * descriptor but not its thread: it starts its own on its first share. */
+/* The share listening socket of this process, and its thread. A forked
+ * child has the parent's descriptors but not its thread: it starts its own
+ * on its first share (or lend). */
 static pthread_mutex_t serve_lock = PTHREAD_MUTEX_INITIALIZER;
 static int listen_fd = -1;      /* guarded by serve_lock */
 static pid_t serving_pid;       /* guarded by serve_lock: the process whose thread serves listen_fd */
 static uint64_t serving_id;     /* guarded by serve_lock */
+static pid_t thread_pid;        /* guarded by serve_lock: the process whose thread runs */
+static int wake_fd = -1;        /* guarded by serve_lock: an eventfd the thread polls, kept for the process */
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
 static void register_fork(void);
@@ -47,8 +51,14 @@ enum conn_state {
     DONE,     /* closed: dropped from the list */
 };
 
+/* What a connection came for: a share's memory, or a job's (job.c). */
+enum conn_kind { SHARE, JOB };
+
 struct conn {
     int fd;          /* the socket (ASKING, HOLDING), the process's pidfd (HUNG_UP) */
+    int kind;        /* enum conn_kind, once it asked */
+    int listener;    /* the listener it came through */
+    uint64_t batch;  /* JOB: the lend it holds (tms_core_job_lend) */
     int pid;         /* SO_PEERCRED's: 0 where its process is outside this PID namespace */
     int state;
     int ready;       /* ASKING: it is being answered, or its request was there when accepted */
@@ -79,13 +89,25 @@ struct conn {
 #define ACCEPTS_PER_WAKE 16
 #define LISTEN_REST_MS 100  /* out of descriptors or memory */
 
-static int send_reply(int fd, const struct tms_share_reply *reply, const int *fds, int n_fds, int flags)
+/* A listening socket: the share one (device -1), or one a member of a job
+ * listens on for device. Listeners are only added, and closed with the
+ * thread (or in a fork's child). */
+struct listener {
+    int fd;
+    int device;
+    char job[72];
+    char identity[TMS_JOB_IDENTITY_MAX + 1];
+};
+#define LISTENERS_MAX 65  /* the share one and one per device */
+
+int tms_share_send(int fd, const void *buf, size_t len, const int *fds, int n_fds, int flags)
 {
-    struct iovec iov = {.iov_base = (void *)reply, .iov_len = sizeof *reply};
+    struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
     union {
-        char buf[CMSG_SPACE(sizeof(int) * TMS_SHARE_MAX_CHUNKS)];
+        char buf[CMSG_SPACE(sizeof(int) * TMS_JOB_MAX_PIECES)];
         struct cmsghdr align;
     } control;
+    if (n_fds < 0 || n_fds > TMS_JOB_MAX_PIECES) return -1;
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
     if (n_fds > 0) {
         memset(&control, 0, sizeof control);
@@ -100,7 +122,13 @@ static int send_reply(int fd, const struct tms_share_reply *reply, const int *fd
     ssize_t n;
     do n = sendmsg(fd, &msg, MSG_NOSIGNAL | flags);
     while (n < 0 && errno == EINTR);
-    return n == (ssize_t)sizeof *reply ? 0 : -1;
+    return n == (ssize_t)len ? 0 : -1;
+}
+
+/* A refusal, as the reply always was: without the lengths of a lend's pieces. */
+static int send_reply(int fd, const struct tms_share_reply *reply, const int *fds, int n_fds, int flags)
+{
+    return tms_share_send(fd, reply, offsetof(struct tms_share_reply, lens), fds, n_fds, flags);
 }
 
 /* What a request ended with: held (the receiver got the descriptors) or to be closed. */
@@ -108,20 +136,84 @@ struct outcome {
     int fd;
     int holding;
     int refused;     /* malformed, or the memory could not be given: counts against the flood budget */
+    int kind;
     uint64_t va;
     unsigned char token[TMS_SHARE_TOKEN_BYTES];
+    uint64_t batch;
 };
+
+/* Answers a member of the job l listens for: what it has paused and keeps
+ * idle on the device, or kept memory for what it needs. */
+static struct outcome answer_job(int fd, int pid, const struct listener *l, const struct tms_job_request *req,
+                                 size_t len)
+{
+    struct outcome out = {.fd = fd, .refused = 1, .kind = JOB};
+    int named = len >= TMS_JOB_REQUEST_HEAD && (len - TMS_JOB_REQUEST_HEAD) % sizeof(uint64_t) == 0 &&
+                req->n_needs == (len - TMS_JOB_REQUEST_HEAD) / sizeof(uint64_t) && req->n_needs <= TMS_JOB_MAX_NEEDS &&
+                memchr(req->job, 0, sizeof req->job) && memchr(req->device, 0, sizeof req->device);
+    /* Only its own job's members, about its own device: another job's process gets nothing. */
+    int ours = named && l->device >= 0 && strcmp(req->job, l->job) == 0 && strcmp(req->device, l->identity) == 0;
+    if (ours && (req->op == TMS_JOB_STATUS || (req->op == TMS_JOB_RELEASE && req->n_needs == 1))) {
+        struct tms_job_status_reply reply = {0};
+        size_t demand = 0, idle = 0;
+        if (req->op == TMS_JOB_STATUS) tms_core_job_status(l->device, &demand, &idle);
+        else demand = tms_core_job_release(l->device, req->needs[0]);
+        reply.demand = demand;
+        reply.idle = idle;
+        (void)tms_share_send(fd, &reply, sizeof reply, NULL, 0, 0);
+        out.refused = 0;
+        return out;
+    }
+    struct tms_job_lend_reply reply = {0};
+    if (!ours || req->op != TMS_JOB_BORROW) {
+        reply.status = TMS_E_ARG;
+        (void)tms_share_send(fd, &reply, offsetof(struct tms_job_lend_reply, pieces), NULL, 0, 0);
+        return out;
+    }
+    struct tms_job_lent lent[TMS_JOB_MAX_PIECES];
+    int fds[TMS_JOB_MAX_PIECES];
+    size_t k = 0;
+    uint64_t batch = 0;
+    struct tms_err err = {0};
+    reply.status = tms_core_job_lend(l->device, req->needs, req->n_needs, pid, lent, fds, &k, &batch, &err);
+    reply.n = (uint32_t)k;
+    for (size_t i = 0; i < k; i++) {
+        reply.pieces[i].need = (uint32_t)lent[i].need;
+        reply.pieces[i].size = lent[i].size;
+        reply.pieces[i].len = lent[i].len;
+        reply.pieces[i].key = lent[i].key;
+    }
+    int sent = tms_share_send(fd, &reply, offsetof(struct tms_job_lend_reply, pieces) + k * sizeof reply.pieces[0],
+                              fds, (int)k, 0);
+    for (size_t i = 0; i < k; i++) close(fds[i]);
+    out.refused = reply.status != TMS_OK;
+    if (!k) return out;
+    if (sent) {
+        (void)tms_core_job_returned(batch, NULL, 0);  /* nothing reached it */
+        return out;
+    }
+    TMS_DEBUG("lent %zu kept handles on device %d to pid %d", k, l->device, pid);
+    out.holding = 1;
+    out.batch = batch;
+    return out;
+}
 
 /* Answers a request: the memory's descriptors, or why not. Runs without
  * conns_lock: attaching may wait for a pause of that memory, and other
  * tags' pauses (which reap first) must not wait with it. */
-static struct outcome answer(int fd, int pid)
+static struct outcome answer(int fd, int pid, const struct listener *l)
 {
     struct outcome out = {.fd = fd, .refused = 1};
-    struct tms_share_request req;
+    union {
+        struct tms_share_request share;
+        struct tms_job_request job;
+    } msg;
     ssize_t n;
-    do n = recv(fd, &req, sizeof req, MSG_DONTWAIT);
+    do n = recv(fd, &msg, sizeof msg, MSG_DONTWAIT);
     while (n < 0 && errno == EINTR);
+    if (n >= 8 && memcmp(msg.job.magic, TMS_JOB_MAGIC, sizeof msg.job.magic) == 0)
+        return answer_job(fd, pid, l, &msg.job, (size_t)n);
+    const struct tms_share_request req = msg.share;
     if (n != (ssize_t)sizeof req || memcmp(req.magic, TMS_SHARE_MAGIC, sizeof req.magic) != 0) return out;
     struct tms_share_reply reply = {0};
     struct tms_share_info info;
@@ -139,7 +231,10 @@ static struct outcome answer(int fd, int pid)
     reply.size = info.size;
     reply.reserved = info.reserved;
     reply.chunk = info.chunk;
-    int sent = send_reply(fd, &reply, fds, info.n_chunks, 0);
+    for (int i = 0; !info.chunk && i < info.n_chunks; i++) reply.lens[i] = info.lens[i];
+    /* The lengths only where they differ: chunks of one size go as they always did. */
+    size_t len = info.chunk ? offsetof(struct tms_share_reply, lens) : sizeof reply;
+    int sent = tms_share_send(fd, &reply, len, fds, info.n_chunks, 0);
     for (int i = 0; i < info.n_chunks; i++) close(fds[i]);
     if (sent) {
         (void)tms_core_share_detach(req.va, req.token, pid, 1);  /* nothing reached it */
@@ -161,6 +256,8 @@ static pthread_mutex_t conns_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct conn *conns;     /* guarded by conns_lock */
 static size_t n_conns, cap_conns;
 static int changed;
+static struct listener listeners[LISTENERS_MAX];  /* guarded by conns_lock */
+static size_t n_listeners;
 /* The thread's own (under conns_lock): until when the listener rests, and
  * the refusals of the current window. */
 static uint64_t listen_resume_ms;
@@ -224,11 +321,55 @@ static int peer_ended(int sock, int pid, int *pidfd)
     return 0;
 }
 
+/* Whether a job's lend still has handles out, asking without changing it
+ * (key 0 names none). */
+static size_t still_lent(uint64_t batch)
+{
+    const uint64_t none = 0;
+    return tms_core_job_returned(batch, &none, 1);
+}
+
+/* A borrower's socket is readable: it returned pieces (and hangs up once
+ * nothing of the lend is left), or it hung up. What it hung up on still
+ * counts as lent until its process ends: it may map the memory. */
+static void borrower_spoke_locked(struct conn *c)
+{
+    struct tms_job_returned msg;
+    ssize_t n;
+    do n = recv(c->fd, &msg, sizeof msg, MSG_DONTWAIT);
+    while (n < 0 && errno == EINTR);
+    if (n < 0 && errno == EAGAIN) return;
+    size_t head = offsetof(struct tms_job_returned, keys);
+    if (n >= (ssize_t)head && memcmp(msg.magic, TMS_JOB_RETURNED, sizeof msg.magic) == 0 &&
+        msg.n <= TMS_JOB_MAX_PIECES && (size_t)n == head + msg.n * sizeof msg.keys[0]) {
+        if (tms_core_job_returned(c->batch, msg.keys, msg.n) == 0) close_conn(c);
+        return;
+    }
+    if (!still_lent(c->batch)) {
+        close_conn(c);
+        return;
+    }
+    int pidfd = -1, ended = peer_ended(c->fd, c->pid, &pidfd);
+    close_conn(c);
+    if (ended == 1) {
+        (void)tms_core_job_returned(c->batch, NULL, 0);
+        return;
+    }
+    TMS_DEBUG("job: pid %d hung up on borrowed memory without returning it", c->pid);
+    if (pidfd < 0) return;  /* counted lent for as long as this process lives */
+    c->fd = pidfd;
+    c->state = HUNG_UP;
+}
+
 /* A holder's socket is readable: it said it let go (and hangs up), or it
  * hung up without saying so. Only a process that has ended is taken to have
  * let go without saying it: its mappings went with it. */
 static void holder_spoke_locked(struct conn *c)
 {
+    if (c->kind == JOB) {
+        borrower_spoke_locked(c);
+        return;
+    }
     struct tms_share_let_go msg;
     ssize_t n;
     do n = recv(c->fd, &msg, sizeof msg, MSG_DONTWAIT);
@@ -250,7 +391,8 @@ static void holder_spoke_locked(struct conn *c)
 /* A watched process has ended: whatever it mapped went with it. */
 static void ended_locked(struct conn *c)
 {
-    tms_core_share_gone(c->va, c->token, c->pid, c->mark);
+    if (c->kind == JOB) (void)tms_core_job_returned(c->batch, NULL, 0);
+    else tms_core_share_gone(c->va, c->token, c->pid, c->mark);
     close_conn(c);
 }
 
@@ -277,8 +419,9 @@ static void refuse_busy(int fd, size_t held)
  * at once; one of this user's that has not asked yet takes a place only
  * within ASKING_MAX and ASKING_PER_PEER (the oldest of those that have not
  * asked makes room for a new one). */
-static void accept_some_locked(int lfd, uint64_t now)
+static void accept_some_locked(size_t listener, uint64_t now)
 {
+    int lfd = listeners[listener].fd;
     size_t cap = held_cap();
     for (int k = 0; k < ACCEPTS_PER_WAKE && now >= listen_resume_ms; k++) {
         int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
@@ -334,7 +477,7 @@ static void accept_some_locked(int lfd, uint64_t now)
             cap_conns = grown;
         }
         conns[n_conns++] = (struct conn){.fd = fd, .pid = cred.pid, .state = ASKING, .ready = ready,
-                                         .ask_by_ms = now + ASK_WITHIN_MS};
+                                         .listener = (int)listener, .ask_by_ms = now + ASK_WITHIN_MS};
     }
 }
 
@@ -368,16 +511,24 @@ static void reap(void)
     pthread_mutex_unlock(&conns_lock);
 }
 
-/* What the thread polls: the listener unless it rests, every receiver's
- * socket, every watched process, with of[k] the index in conns of polls[k]
- * (SIZE_MAX: the listener); *timeout_ms until the first deadline (a
- * connection's, or the rest's end). */
-static size_t fill_polls_locked(struct pollfd *polls, size_t *of, size_t cap, int lfd, uint64_t now, int *timeout_ms)
+/* What the thread polls: the listeners unless they rest, the wake-up, every
+ * receiver's socket, every watched process, with of[k] the index in conns of
+ * polls[k] (LISTENER + i: listener i; WAKE: the wake-up); *timeout_ms until
+ * the first deadline (a connection's, the rest's end, or what expire_ms says
+ * of the memory kept for the job). */
+#define WAKE (SIZE_MAX - LISTENERS_MAX - 1)
+#define LISTENER (SIZE_MAX - LISTENERS_MAX)
+static size_t fill_polls_locked(struct pollfd *polls, size_t *of, size_t cap, int wake, uint64_t now, int expire_ms,
+                                int *timeout_ms)
 {
-    uint64_t next = UINT64_MAX;
+    uint64_t next = expire_ms >= 0 ? now + (uint64_t)expire_ms : UINT64_MAX;
     size_t n = 0;
-    if (now >= listen_resume_ms) of[n] = SIZE_MAX, polls[n++] = (struct pollfd){.fd = lfd, .events = POLLIN};
-    else next = listen_resume_ms;
+    for (size_t l = 0; l < n_listeners && n < cap; l++) {
+        if (now < listen_resume_ms) break;
+        of[n] = LISTENER + l, polls[n++] = (struct pollfd){.fd = listeners[l].fd, .events = POLLIN};
+    }
+    if (now < listen_resume_ms && listen_resume_ms < next) next = listen_resume_ms;
+    if (wake >= 0 && n < cap) of[n] = WAKE, polls[n++] = (struct pollfd){.fd = wake, .events = POLLIN};
     for (size_t i = 0; i < n_conns && n < cap; i++) {
         of[n] = i;
         polls[n++] = (struct pollfd){.fd = conns[i].fd, .events = POLLIN};
@@ -396,16 +547,17 @@ static struct conn *conn_with_fd_locked(int fd)
 
 static void *serve(void *arg)
 {
-    int lfd = (int)(intptr_t)arg;
+    int wake = (int)(intptr_t)arg;
     (void)prctl(PR_SET_NAME, "tms-share", 0, 0, 0);  /* named for a person reading /proc (a libc symbol older than pthread_setname_np's) */
     struct pollfd *polls = NULL;
     size_t *of = NULL;
     struct conn *asking = NULL;  /* copies of the connections that asked, answered without the lock */
     size_t poll_cap = 0;
     for (;;) {
+        int expire_ms = tms_core_job_expire();  /* memory kept for the job past its bound goes back */
         pthread_mutex_lock(&conns_lock);
-        if (poll_cap < n_conns + 1) {
-            size_t want = n_conns + 16;
+        if (poll_cap < n_conns + n_listeners + 2) {
+            size_t want = n_conns + LISTENERS_MAX + 16;
             struct pollfd *more = realloc(polls, want * sizeof *more);
             size_t *more_of = more ? realloc(of, want * sizeof *more_of) : NULL;
             struct conn *more_asking = more_of ? realloc(asking, want * sizeof *more_asking) : NULL;
@@ -417,7 +569,7 @@ static void *serve(void *arg)
             }
         }
         int timeout = -1;
-        size_t n = poll_cap ? fill_polls_locked(polls, of, poll_cap, lfd, now_ms(), &timeout) : 0;
+        size_t n = poll_cap ? fill_polls_locked(polls, of, poll_cap, wake, now_ms(), expire_ms, &timeout) : 0;
         changed = 0;
         pthread_mutex_unlock(&conns_lock);
         if (!poll_cap) {
@@ -432,13 +584,18 @@ static void *serve(void *arg)
         pthread_mutex_lock(&conns_lock);
         uint64_t now = now_ms();
         size_t n_asking = 0;
-        int listener_ready = 0;
+        unsigned char listener_ready[LISTENERS_MAX] = {0};
         /* By index, not by descriptor: a socket closed here may come back as a
          * pidfd of the same number. Nothing but a reap (`changed`) moves conns
          * between the poll and this loop. */
         for (size_t k = 0; !changed && k < n; k++) {
-            if (of[k] == SIZE_MAX) {
-                listener_ready = (polls[k].revents & POLLIN) != 0;
+            if (of[k] == WAKE) {
+                uint64_t count;
+                if (polls[k].revents & POLLIN) (void)!read(wake, &count, sizeof count);
+                continue;
+            }
+            if (of[k] >= LISTENER) {
+                listener_ready[of[k] - LISTENER] = (polls[k].revents & POLLIN) != 0;
                 continue;
             }
             struct conn *c = &conns[of[k]];
@@ -458,19 +615,28 @@ static void *serve(void *arg)
             refused_locked(now);
         }
         drop_closed_locked();
-        if (listener_ready) accept_some_locked(lfd, now);
+        for (size_t l = 0; l < n_listeners; l++)
+            if (listener_ready[l]) accept_some_locked(l, now);
         pthread_mutex_unlock(&conns_lock);
         for (size_t k = 0; k < n_asking; k++) {
-            struct outcome out = answer(asking[k].fd, asking[k].pid);
+            /* A copy: the listener list may grow (and move) meanwhile. */
+            pthread_mutex_lock(&conns_lock);
+            struct listener l = listeners[asking[k].listener];
+            pthread_mutex_unlock(&conns_lock);
+            struct outcome out = answer(asking[k].fd, asking[k].pid, &l);
             pthread_mutex_lock(&conns_lock);
             struct conn *c = conn_with_fd_locked(out.fd);
             if (c && out.holding) {
                 c->state = HOLDING;
+                c->kind = out.kind;
                 c->va = out.va;
+                c->batch = out.batch;
                 memcpy(c->token, out.token, sizeof c->token);
             } else if (c) {
                 close_conn(c);
                 drop_closed_locked();
+            } else if (out.holding && out.kind == JOB) {  /* gone meanwhile (a fork's child closed it) */
+                (void)tms_core_job_returned(out.batch, NULL, 0);
             } else if (out.holding) {  /* gone meanwhile (a fork's child closed it): nobody holds it */
                 (void)tms_core_share_detach(out.va, out.token, asking[k].pid, 1);
             }
@@ -478,12 +644,15 @@ static void *serve(void *arg)
             pthread_mutex_unlock(&conns_lock);
         }
     }
+    /* No new handle names a socket nobody answers, and no member finds one. */
     pthread_mutex_lock(&serve_lock);
-    if (listen_fd == lfd) {  /* no new handle names a socket nobody answers */
-        close(lfd);
-        listen_fd = -1;
-        serving_pid = 0;
-    }
+    pthread_mutex_lock(&conns_lock);
+    for (size_t l = 0; l < n_listeners; l++) close(listeners[l].fd);
+    n_listeners = 0;
+    pthread_mutex_unlock(&conns_lock);
+    listen_fd = -1;
+    serving_pid = 0;
+    thread_pid = 0;
     pthread_mutex_unlock(&serve_lock);
     free(polls);
     free(of);
@@ -508,10 +677,15 @@ static void fork_child(void)
     for (size_t i = 0; i < n_conns; i++)
         if (conns[i].state != DONE) close(conns[i].fd);
     n_conns = 0;
-    /* A child that outlives its parent must not keep the name: receivers would wait for an answer. */
-    if (listen_fd >= 0) close(listen_fd);
+    /* A child that outlives its parent must not keep the names: receivers and
+     * members would wait for an answer. */
+    for (size_t l = 0; l < n_listeners; l++) close(listeners[l].fd);
+    n_listeners = 0;
     listen_fd = -1;
     serving_pid = 0;
+    thread_pid = 0;
+    if (wake_fd >= 0) close(wake_fd);
+    wake_fd = -1;
     pthread_mutex_unlock(&conns_lock);
     pthread_mutex_unlock(&serve_lock);
 }
@@ -521,7 +695,62 @@ static void register_fork(void)
     tms_fork_register(TMS_FORK_SHARE_SERVE, &handlers);
 }
 
-/* The listening socket and its thread, once per process. */
+/* Adds a listener for the thread to poll; 0 if there is no room. */
+static int add_listener(int fd, int device, const char *job, const char *identity)
+{
+    pthread_mutex_lock(&conns_lock);
+    int ok = n_listeners < LISTENERS_MAX;
+    if (ok) {
+        struct listener *l = &listeners[n_listeners++];
+        *l = (struct listener){.fd = fd, .device = device};
+        snprintf(l->job, sizeof l->job, "%s", job ? job : "");
+        snprintf(l->identity, sizeof l->identity, "%s", identity ? identity : "");
+        changed = 1;
+    }
+    pthread_mutex_unlock(&conns_lock);
+    return ok;
+}
+
+/* The thread, once per process; it polls the listeners added since. */
+static int start_thread_locked(struct tms_err *err)
+{
+    if (thread_pid == getpid()) return TMS_OK;
+    if (wake_fd < 0 && (wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0)
+        return tms_fail(err, TMS_E_IO, errno, "share: eventfd() failed: %s", strerror(errno));
+    pthread_t thread;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int rc = pthread_create(&thread, &attr, serve, (void *)(intptr_t)wake_fd);
+    pthread_attr_destroy(&attr);
+    if (rc) return tms_fail(err, TMS_E_HOST_OOM, rc, "share: cannot start the sender's thread: %s", strerror(rc));
+    tms_core_share_set_reaper(reap);
+    thread_pid = getpid();
+    return TMS_OK;
+}
+
+void tms_share_serve_wake(void)
+{
+    pthread_mutex_lock(&serve_lock);
+    uint64_t one = 1;
+    if (wake_fd >= 0 && thread_pid == getpid()) (void)!write(wake_fd, &one, sizeof one);
+    pthread_mutex_unlock(&serve_lock);
+}
+
+int tms_share_serve_job(int fd, int device, const char *job, const char *identity, struct tms_err *err)
+{
+    pthread_once(&fork_once, register_fork);
+    pthread_mutex_lock(&serve_lock);
+    int rc = start_thread_locked(err);
+    if (!rc && !add_listener(fd, device, job, identity))
+        rc = tms_fail(err, TMS_E_STATE, 0, "job: this process listens on %d sockets already", LISTENERS_MAX);
+    uint64_t one = 1;
+    if (!rc) (void)!write(wake_fd, &one, sizeof one);
+    pthread_mutex_unlock(&serve_lock);
+    return rc;
+}
+
+/* The share listening socket (and the thread), once per process. */
 static int start_locked(uint64_t *id, struct tms_err *err)
 {
     pid_t pid = getpid();
@@ -543,17 +772,15 @@ static int start_locked(uint64_t *id, struct tms_err *err)
         return tms_fail(err, TMS_E_IO, e, "share: cannot listen on the abstract socket @%s: %s", addr.sun_path + 1,
                         strerror(e));
     }
-    pthread_t thread;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int rc = pthread_create(&thread, &attr, serve, (void *)(intptr_t)fd);
-    pthread_attr_destroy(&attr);
+    int rc = start_thread_locked(err);
+    if (!rc && !add_listener(fd, -1, NULL, NULL))
+        rc = tms_fail(err, TMS_E_STATE, 0, "share: this process listens on %d sockets already", LISTENERS_MAX);
     if (rc) {
         close(fd);
-        return tms_fail(err, TMS_E_HOST_OOM, rc, "share: cannot start the sender's thread: %s", strerror(rc));
+        return rc;
     }
-    tms_core_share_set_reaper(reap);
+    uint64_t one = 1;
+    (void)!write(wake_fd, &one, sizeof one);
     listen_fd = fd;
     serving_pid = pid;
     serving_id = fresh;

@@ -93,6 +93,8 @@ SAME_FIELD(tms_CUmemAllocationProp, CUmemAllocationProp, allocFlags.usage);
 SAME_FIELD(tms_CUmemAllocationProp, CUmemAllocationProp, allocFlags.reserved);
 
 SAME_SIZE(tms_CUmemAccessDesc, CUmemAccessDesc);
+SAME_SIZE(tms_CUuuid, CUuuid);
+SAME_FIELD(tms_CUuuid, CUuuid, bytes);
 SAME_FIELD(tms_CUmemAccessDesc, CUmemAccessDesc, location);
 SAME_FIELD(tms_CUmemAccessDesc, CUmemAccessDesc, location.type);
 SAME_FIELD(tms_CUmemAccessDesc, CUmemAccessDesc, location.id);
@@ -151,6 +153,7 @@ CUresult tms_check_attribute(int *value, int attribute, CUdevice dev);
 #define tms_CUmemAccessDesc CUmemAccessDesc
 #define tms_CUmodule CUmodule
 #define tms_CUfunction CUfunction
+#define tms_CUuuid CUuuid
 
 #define CHECK_ENTRY(name, params, presence) \
     _Static_assert(_Generic(&name, CUresult (*) params: 1, default: 0), \

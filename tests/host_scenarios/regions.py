@@ -156,7 +156,7 @@ def init_backup_and_retain_env():
                                  "init_cpu_backup_backend": "pinned", "init_enable_disk_backup": False,
                                  "retain_cpu_backup": True, "chunk_bytes": 0,
                                  "disk_backup_chunk_bytes": 256 * MiB, "progress": False,
-                                 "backup_live_only": True, "spill_to_disk": False}, native.defaults()
+                                 "backup_live_only": True, "spill_to_disk": False, "job": None}, native.defaults()
     got = {}
 
     def fresh():

@@ -1,0 +1,411 @@
+/* Memory kept for the job: own physical handles a pause did not release, idle until a member borrows them or the bound passes, lent until they come back; and borrowed memory given back. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/core.h"
+#include "core/core_internal.h"
+#include "platform/config.h"
+#include "platform/fork.h"
+#include "platform/log.h"
+
+enum { IDLE, LENT };
+
+struct kept {
+    tms_phys handle;
+    size_t size;
+    int device;
+    int state;
+    uint64_t key;                   /* this process's name for it, never 0 */
+    uint64_t batch;                 /* LENT: the lend it went out with */
+    int borrower;                   /* LENT: the borrower's pid */
+    const struct tms_alloc *owner;  /* the paused allocation it backed; NULL once that took other memory or was freed */
+    int order;                      /* its place in the owner's memory */
+    uint64_t idle_until_ns;         /* IDLE: released to the driver then */
+};
+
+/* A leaf lock: nothing else is taken under it, and no driver call runs
+ * under it (handles are exported and released after it is dropped). */
+static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct kept *pool;           /* guarded by kept_lock */
+static size_t n_pool, cap_pool;     /* guarded by kept_lock */
+static uint64_t last_key, last_batch;  /* guarded by kept_lock */
+static size_t pool_entries;         /* atomic: n_pool, read without the lock */
+static size_t borrowed[TMS_STATS_DEVICES];  /* atomic: bytes mapped here from memory members lent */
+static const struct tms_job_ops *job_ops;   /* atomic: set by the job layer */
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+static void fork_prepare(void) { pthread_mutex_lock(&kept_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&kept_lock); }
+/* The child is in no job: what its parent kept or lent is the parent's. */
+static void fork_child(void)
+{
+    n_pool = 0;
+    __atomic_store_n(&pool_entries, 0, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&kept_lock);
+}
+static void register_fork(void)
+{
+    static const struct tms_fork_handlers handlers = {fork_prepare, fork_parent, fork_child};
+    tms_fork_register(TMS_FORK_POOL, &handlers);
+}
+
+static void lock(void)
+{
+    pthread_once(&fork_once, register_fork);
+    pthread_mutex_lock(&kept_lock);
+}
+static void unlock(void) { pthread_mutex_unlock(&kept_lock); }
+
+void tms_core_job_set_ops(const struct tms_job_ops *ops) { __atomic_store_n(&job_ops, ops, __ATOMIC_RELEASE); }
+
+const struct tms_job_ops *tms_pool_ops(void) { return __atomic_load_n(&job_ops, __ATOMIC_ACQUIRE); }
+
+int tms_pool_any(void) { return __atomic_load_n(&pool_entries, __ATOMIC_RELAXED) != 0; }
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static int slot(int device) { return device < TMS_STATS_DEVICES ? device : TMS_STATS_DEVICES - 1; }
+
+static uint64_t hold_ns(void) { return (uint64_t)tms_defaults()->job_hold_ms * 1000000u; }
+
+static void remove_at_locked(size_t i)
+{
+    pool[i] = pool[--n_pool];
+    __atomic_store_n(&pool_entries, n_pool, __ATOMIC_RELAXED);
+}
+
+int tms_pool_keep(int device, tms_phys handle, size_t size, const struct tms_alloc *owner, int order)
+{
+    uint64_t until = now_ns() + hold_ns();
+    lock();
+    if (n_pool == cap_pool) {
+        size_t grown = cap_pool ? cap_pool * 2 : 64;
+        struct kept *more = realloc(pool, grown * sizeof *more);
+        if (!more) {
+            unlock();
+            return TMS_E_HOST_OOM;  /* the caller releases it instead */
+        }
+        pool = more;
+        cap_pool = grown;
+    }
+    pool[n_pool++] = (struct kept){.handle = handle, .size = size, .device = device, .state = IDLE,
+                                   .key = ++last_key, .owner = owner, .order = order, .idle_until_ns = until};
+    __atomic_store_n(&pool_entries, n_pool, __ATOMIC_RELAXED);
+    unlock();
+    return TMS_OK;
+}
+
+static int by_order(const void *x, const void *y)
+{
+    const struct kept *a = x, *b = y;
+    return (a->order > b->order) - (a->order < b->order);
+}
+
+size_t tms_pool_take(const struct tms_alloc *owner, struct tms_extent **ext, int *n_ext)
+{
+    *ext = NULL;
+    *n_ext = 0;
+    if (!tms_pool_any()) return 0;
+    lock();
+    size_t mine = 0;
+    for (size_t i = 0; i < n_pool; i++) mine += pool[i].owner == owner && pool[i].state == IDLE;
+    struct kept *taken = mine ? calloc(mine, sizeof *taken) : NULL;
+    struct tms_extent *out = taken ? calloc(mine, sizeof *out) : NULL;
+    size_t k = 0, bytes = 0;
+    for (size_t i = 0; i < n_pool;) {
+        if (pool[i].owner != owner) {
+            i++;
+            continue;
+        }
+        if (pool[i].state == LENT || !out) {
+            /* Mapped by another member now (or no memory to take it back):
+             * no longer this allocation's; it stays for the job. */
+            pool[i++].owner = NULL;
+            continue;
+        }
+        taken[k++] = pool[i];
+        remove_at_locked(i);
+    }
+    unlock();
+    if (!out) {
+        free(taken);
+        return 0;
+    }
+    qsort(taken, k, sizeof *taken, by_order);
+    for (size_t i = 0; i < k; i++) {
+        out[i] = (struct tms_extent){.handle = taken[i].handle, .len = taken[i].size, .size = taken[i].size};
+        bytes += taken[i].size;
+    }
+    free(taken);
+    *ext = out;
+    *n_ext = (int)k;
+    return bytes;
+}
+
+void tms_pool_forget(const struct tms_alloc *owner)
+{
+    const struct tms_driver *drv;
+    if (!tms_pool_any() || tms_driver_get(&drv, NULL)) return;
+    tms_phys *drop = NULL;
+    size_t n_drop = 0;
+    lock();
+    size_t idle = 0;
+    for (size_t i = 0; i < n_pool; i++) idle += pool[i].owner == owner && pool[i].state == IDLE;
+    drop = idle ? calloc(idle, sizeof *drop) : NULL;
+    for (size_t i = 0; i < n_pool;) {
+        if (pool[i].owner != owner) {
+            i++;
+            continue;
+        }
+        pool[i].owner = NULL;
+        /* Freed: its idle memory goes back to the driver at once (without a
+         * list for it, at the bound); what is lent comes back first. */
+        if (pool[i].state == IDLE && drop) {
+            drop[n_drop++] = pool[i].handle;
+            remove_at_locked(i);
+            continue;
+        }
+        i++;
+    }
+    unlock();
+    for (size_t i = 0; i < n_drop; i++) {
+        int rc = drv->release(drop[i]);
+        if (rc && !drv->is_shutdown(rc))
+            tms_log_warn("releasing memory kept for the job failed: %s (%d)", drv->code_name(rc), rc);
+    }
+    free(drop);
+}
+
+/* Gives back what a member lent: each imported handle released here first,
+ * then its lender told (it may lend the memory again only once nothing here
+ * maps it). */
+int tms_pool_return_borrowed(const struct tms_driver *drv, int device, const struct tms_extent *e, int n,
+                             size_t *bytes)
+{
+    int first = 0;
+    size_t done = 0;
+    for (int i = 0; i < n; i++) {
+        if (!e[i].key) continue;
+        int rc = drv->release(e[i].handle);
+        if (rc && !drv->is_shutdown(rc) && !first) first = rc;
+        done += e[i].len;
+    }
+    __atomic_sub_fetch(&borrowed[slot(device)], done, __ATOMIC_RELAXED);
+    if (bytes) *bytes += done;
+    const struct tms_job_ops *ops = tms_pool_ops();
+    uint64_t keys[TMS_JOB_MAX_PIECES];
+    /* One message per connection: extents that came over one lie together. */
+    for (int i = 0; ops && i < n; i++) {
+        if (!e[i].key) continue;
+        int seen = 0;
+        for (int j = 0; j < i && !seen; j++) seen = e[j].key && e[j].via == e[i].via;
+        if (seen) continue;
+        size_t k = 0;
+        for (int j = i; j < n; j++) {
+            if (!e[j].key || e[j].via != e[i].via) continue;
+            keys[k++] = e[j].key;
+            if (k == TMS_JOB_MAX_PIECES) ops->returned(e[i].via, keys, k), k = 0;
+        }
+        if (k) ops->returned(e[i].via, keys, k);
+    }
+    return first;
+}
+
+void tms_pool_count_borrowed(int device, size_t bytes)
+{
+    __atomic_add_fetch(&borrowed[slot(device)], bytes, __ATOMIC_RELAXED);
+}
+
+/* ---- the member side: what the job's thread asks ------------------------------------ */
+
+void tms_core_job_status(int device, size_t *demand, size_t *idle)
+{
+    size_t paused = 0, kept = 0;
+    tms_table_lock();
+    TMS_FOR_EACH_ALLOC(a) {
+        /* Memory a resume will ask the job for (lend.c's lendable ones): a resume in flight has asked already. */
+        if (a->device == device && a->state == TMS_PAUSED && !a->moving && !a->adopted && a->handle_types)
+            paused += a->reserved;
+    }
+    tms_table_unlock();
+    lock();
+    for (size_t i = 0; i < n_pool; i++) kept += pool[i].device == device && pool[i].state == IDLE ? pool[i].size : 0;
+    unlock();
+    *demand = paused;
+    *idle = kept;
+}
+
+/* Whether a handle of size bytes serves a need of want bytes: whole, or its
+ * first want bytes with at most an eighth of it left over (the rest is
+ * unusable while borrowed). */
+int tms_pool_fits(size_t size, size_t want) { return want && (size <= want || size - want <= want / 8); }
+
+/* The idle handle on device for a need of want bytes: the largest that fits
+ * whole, else the smallest a prefix of which fits; SIZE_MAX if none. */
+static size_t pick_locked(int device, size_t want)
+{
+    size_t best = SIZE_MAX, prefix = SIZE_MAX;
+    for (size_t i = 0; i < n_pool; i++) {
+        const struct kept *k = &pool[i];
+        if (k->device != device || k->state != IDLE || !tms_pool_fits(k->size, want)) continue;
+        if (k->size <= want && (best == SIZE_MAX || k->size > pool[best].size)) best = i;
+        if (k->size > want && (prefix == SIZE_MAX || k->size < pool[prefix].size)) prefix = i;
+    }
+    return best != SIZE_MAX ? best : prefix;
+}
+
+int tms_core_job_lend(int device, const uint64_t *needs, size_t n, int pid, struct tms_job_lent *out, int *fds,
+                      size_t *n_out, uint64_t *batch, struct tms_err *err)
+{
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    *n_out = 0;
+    if (rc) return rc;
+    if (!drv->export_fd) return tms_fail(err, TMS_E_UNSUPPORTED, 0, "lend: the %s backend cannot export memory", drv->name);
+    tms_phys handles[TMS_JOB_MAX_PIECES];
+    uint64_t keys[TMS_JOB_MAX_PIECES];
+    size_t k = 0;
+    lock();
+    uint64_t b = ++last_batch;
+    for (size_t i = 0; i < n && k < TMS_JOB_MAX_PIECES; i++) {
+        size_t want = needs[i];
+        while (want && k < TMS_JOB_MAX_PIECES) {
+            size_t at = pick_locked(device, want);
+            if (at == SIZE_MAX) break;
+            struct kept *e = &pool[at];
+            size_t len = e->size < want ? e->size : want;
+            e->state = LENT;
+            e->batch = b;
+            e->borrower = pid;
+            out[k] = (struct tms_job_lent){.need = i, .size = e->size, .len = len, .key = e->key};
+            handles[k] = e->handle;
+            keys[k++] = e->key;
+            want -= len;
+        }
+    }
+    unlock();
+    size_t sent = 0;
+    for (size_t i = 0; i < k; i++) {
+        int drc = drv->export_fd(handles[i], &fds[sent]);
+        if (drc) {
+            TMS_DEBUG("lend: export of a kept handle failed: %s (%d)", drv->code_name(drc), drc);
+            (void)tms_core_job_returned(b, &keys[i], 1);
+            continue;
+        }
+        out[sent++] = out[i];
+    }
+    *n_out = sent;
+    *batch = b;
+    return TMS_OK;
+}
+
+size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n)
+{
+    uint64_t until = now_ns() + hold_ns();
+    size_t left = 0;
+    lock();
+    for (size_t i = 0; i < n_pool; i++) {
+        struct kept *e = &pool[i];
+        if (e->state != LENT || e->batch != batch) continue;
+        int named = !n;
+        for (size_t j = 0; j < n && !named; j++) named = keys[j] == e->key;
+        if (!named) {
+            left++;
+            continue;
+        }
+        e->state = IDLE;
+        e->borrower = 0;
+        e->idle_until_ns = until;
+    }
+    unlock();
+    return left;
+}
+
+size_t tms_core_job_release(int device, size_t bytes)
+{
+    const struct tms_driver *drv;
+    if (!tms_pool_any() || tms_driver_get(&drv, NULL)) return 0;
+    tms_phys drop[64];
+    size_t n_drop = 0, freed = 0;
+    lock();
+    for (size_t i = 0; i < n_pool && freed < bytes && n_drop < sizeof drop / sizeof *drop;) {
+        if (pool[i].device != device || pool[i].state != IDLE) {
+            i++;
+            continue;
+        }
+        freed += pool[i].size;
+        drop[n_drop++] = pool[i].handle;
+        remove_at_locked(i);
+    }
+    unlock();
+    for (size_t i = 0; i < n_drop; i++) {
+        int rc = drv->release(drop[i]);
+        if (rc && !drv->is_shutdown(rc))
+            tms_log_warn("releasing memory kept for the job failed: %s (%d)", drv->code_name(rc), rc);
+    }
+    if (freed) TMS_DEBUG("released %zu bytes kept for the job on device %d: memory ran out", freed, device);
+    return freed;
+}
+
+int tms_pool_make_room(int device, size_t size)
+{
+    const struct tms_job_ops *ops = tms_pool_ops();
+    int on = ops && ops->on();
+    if (!on && !tms_pool_any()) return 0;
+    size_t freed = tms_core_job_release(device, size);
+    if (freed < size && on) freed += ops->release(device, size - freed);
+    return freed > 0;
+}
+
+int tms_core_job_expire(void)
+{
+    if (!tms_pool_any()) return -1;
+    const struct tms_driver *drv;
+    if (tms_driver_get(&drv, NULL)) return -1;
+    uint64_t now = now_ns(), next = UINT64_MAX;
+    tms_phys drop[64];
+    size_t n_drop = 0;
+    lock();
+    for (size_t i = 0; i < n_pool;) {
+        struct kept *e = &pool[i];
+        if (e->state == IDLE && e->idle_until_ns <= now && n_drop < sizeof drop / sizeof *drop) {
+            drop[n_drop++] = e->handle;
+            remove_at_locked(i);
+            continue;
+        }
+        if (e->state == IDLE && e->idle_until_ns < next) next = e->idle_until_ns;
+        i++;
+    }
+    unlock();
+    for (size_t i = 0; i < n_drop; i++) {
+        int rc = drv->release(drop[i]);
+        if (rc && !drv->is_shutdown(rc))
+            tms_log_warn("releasing memory kept for the job failed: %s (%d)", drv->code_name(rc), rc);
+    }
+    if (n_drop == sizeof drop / sizeof *drop) return 0;  /* more are due: at once */
+    if (next == UINT64_MAX) return -1;
+    uint64_t ms = next > now ? (next - now + 999999) / 1000000 : 0;
+    return ms > 60000 ? 60000 : (int)ms;
+}
+
+void tms_core_job_memory(int device, size_t *kept, size_t *lent, size_t *borrowed_out)
+{
+    size_t idle = 0, out = 0;
+    lock();
+    for (size_t i = 0; i < n_pool; i++) {
+        if (pool[i].device != device) continue;
+        if (pool[i].state == IDLE) idle += pool[i].size;
+        else out += pool[i].size;
+    }
+    unlock();
+    *kept = idle;
+    *lent = out;
+    *borrowed_out = __atomic_load_n(&borrowed[slot(device)], __ATOMIC_RELAXED);
+}

@@ -1,0 +1,552 @@
+"""Lending within a job on the host backend (tests/test_job.py): member processes (this
+file again, case `member`, driven over stdin/stdout) pause, keep memory for each other,
+resume into what another lent, are killed or stopped at each step; an outsider gets
+nothing. Which process's memory backs an address is read from /proc: a chunk of the
+host backend is a memfd, the same inode in the process that made it (its descriptor)
+and in every process that maps it."""
+import atexit
+import ctypes
+import gc
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+from _prelude import MiB, fill, read, run_cases, tms
+
+CHUNK = 2 * MiB  # the host backend's granularity: every chunk lends to any allocation
+SETTLE_S = 30    # the most a case waits for what a member's thread does on its own
+# The case's own job names: cases running at once (pytest-xdist) never meet.
+J, OTHER = f"j-{os.getpid()}", f"other-{os.getpid()}"
+MEMBERS = []     # every member started, ended (stopped or not) when the case ends
+
+
+@atexit.register
+def _end_members():
+    for m in MEMBERS:
+        if m.proc.poll() is None:
+            os.kill(m.pid, signal.SIGCONT)
+            m.proc.kill()
+            m.proc.wait()
+
+
+def send(pipe, obj):
+    data = pickle.dumps(obj)
+    pipe.write(struct.pack("<I", len(data)) + data)
+    pipe.flush()
+
+
+def take(pipe):
+    head = pipe.read(4)
+    assert len(head) == 4, "the other side hung up"
+    return pickle.loads(pipe.read(struct.unpack("<I", head)[0]))
+
+
+class Member:
+    """This file run as case `member` in a child process: one job (None: outside any)."""
+
+    def __init__(self, job, wait_ms=5000, hold_ms=60000, **env):
+        full = dict(os.environ, TMS_CHUNK_BYTES=str(CHUNK), TMS_JOB_WAIT_MS=str(wait_ms), TMS_JOB_HOLD_MS=str(hold_ms))
+        full.update(env)
+        full.pop("TMS_JOB", None)
+        if job is not None:
+            full["TMS_JOB"] = job
+        self.proc = subprocess.Popen([sys.executable, __file__, "member"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=full)
+        self.pid = self.proc.pid
+        MEMBERS.append(self)
+        assert self.ask("ready") == "ready"
+
+    def ask(self, *request):
+        send(self.proc.stdin, request)
+        kind, answer = take(self.proc.stdout)
+        assert kind == "ok", answer
+        return answer
+
+    def alloc(self, tag, size, backup=False):
+        return self.ask("alloc", tag, size, backup)
+
+    def pause(self, tag=None):
+        return self.ask("pause", tag)
+
+    def resume(self, tag=None):
+        return self.ask("resume", tag)
+
+    def memory(self):
+        return self.ask("memory")
+
+    def stop(self):
+        """SIGSTOP, returning once every thread of it has stopped: a stop reaches the other
+        threads only when the one that took it runs, and until then they answer."""
+        os.kill(self.pid, signal.SIGSTOP)
+        until(f"pid {self.pid} stopped", lambda: all(state == "T" for state in self.thread_states()))
+
+    def thread_states(self):
+        out = []
+        for tid in os.listdir(f"/proc/{self.pid}/task"):
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/stat") as f:
+                    out.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:  # a thread that ended meanwhile
+                pass
+        return out
+
+    def go_on(self):
+        os.kill(self.pid, signal.SIGCONT)
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=60)
+
+    def finish(self):
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=60) == 0, self.proc.returncode
+
+
+def member():
+    """A member: allocates, fills, reads, pauses, resumes and reports on request."""
+    tms.memory_report()  # the core loaded, as a framework's process has it
+    while True:
+        head = sys.stdin.buffer.read(4)
+        if len(head) < 4:
+            return
+        op, *args = pickle.loads(sys.stdin.buffer.read(struct.unpack("<I", head)[0]))
+        try:
+            if op == "ready":
+                answer = "ready"
+            elif op == "alloc":
+                tag, size, backup = args
+                with tms.region(tag, enable_cpu_backup=backup):
+                    answer = tms.malloc(size)
+            elif op == "try_alloc":  # an error is the answer
+                tag, size = args
+                try:
+                    with tms.region(tag):
+                        answer = tms.malloc(size)
+                except Exception as e:
+                    answer = f"{type(e).__name__}: {e}"
+            elif op == "fill":
+                answer = fill(*args)
+            elif op == "read":
+                answer = read(*args)
+            elif op in ("pause", "resume"):
+                answer = getattr(tms, op)(args[0]).as_dict()
+            elif op == "share":
+                import torch
+
+                ptr, n = args
+                answer = tms.share(torch.frombuffer((ctypes.c_char * n).from_address(ptr), dtype=torch.uint8))
+            elif op == "open":
+                opened = tms.open_shared(args[0])
+                answer = opened.numpy().tobytes()
+            elif op == "close":
+                del opened
+                gc.collect()
+                answer = None
+            elif op == "budget":
+                answer = tms.host_budget()
+            elif op == "backups":
+                answer = sorted((r["has_cpu_backup"], r["has_disk_backup"]) for r in tms.allocations())
+            elif op == "memory":
+                report = tms.memory_report()[0]
+                active = sum(r["reserved"] for r in tms.allocations() if r["state"] == "active")
+                answer = dict(report, active=active)
+            else:
+                raise ValueError(op)
+            reply = ("ok", answer)
+        except Exception as e:  # the case checks what failed
+            reply = ("error", f"{type(e).__name__}: {e}")
+        send(sys.stdout.buffer, reply)
+
+
+# ---- what /proc says ---------------------------------------------------------------
+
+def made_by(pid):
+    """Inodes of the chunks a process holds a descriptor of: those it made, and what it imported."""
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:tms-host-device"):
+                out.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except OSError:
+            pass
+    return out
+
+
+def mapped_in(pid, start, size):
+    """Inodes of the chunks mapped in [start, start + size) of a process."""
+    out = set()
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo < start + size and hi > start and "memfd:tms-host-device" in line:
+                out.add(int(fields[4]))
+    return out
+
+
+def alive_anywhere(inodes):
+    """Of these chunks, those any process (that this user may read) still holds or maps."""
+    left = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            left |= (made_by(pid) | mapped_in(pid, 0, 1 << 64)) & inodes
+        except OSError:
+            pass
+    return left
+
+
+def until(what, check):
+    """Waits for check() to hold (the member's thread acts on its own time): its last value."""
+    end = time.monotonic() + SETTLE_S
+    while True:
+        got = check()
+        if got or time.monotonic() > end:
+            assert got, f"{what}: not within {SETTLE_S} s"
+            return got
+        time.sleep(0.01)
+
+
+def device(report):
+    return report["devices"][0]
+
+
+def check_exit_frees(members, inodes):
+    for m in members:
+        m.finish()
+    assert not alive_anywhere(inodes), "chunks still allocated after every member exited"
+
+
+# ---- cases -------------------------------------------------------------------------------
+
+def lend_and_reuse():
+    """A keeps what B will ask for; B's backed-up tag is restored byte-exact into A's chunks,
+    its discarded tag holds A's bytes there; outsiders get nothing; B's pause gives it all back."""
+    a, b = Member(J), Member(J)
+    outsider, other_job = Member(None), Member(OTHER)
+    a_kv = a.alloc("kv", 16 * MiB)
+    a_bytes = a.ask("fill", a_kv, 16 * MiB)
+    b_w, b_kv = b.alloc("w", 12 * MiB, backup=True), b.alloc("kv", 8 * MiB)
+    b_bytes = b.ask("fill", b_w, 12 * MiB)
+    x = [m.alloc("x", 8 * MiB) for m in (outsider, other_job)]
+    assert device(b.pause())["kept_bytes"] == 0  # nobody else has paused anything: nothing to keep
+    for m in (outsider, other_job):
+        m.pause("x")
+    r = a.pause("kv")
+    assert device(r)["kept_bytes"] == 16 * MiB == r["released_bytes"], r  # B will ask for 20
+    lent = made_by(a.pid)
+    assert a.memory()["job_kept"] == 16 * MiB
+
+    # Outside the job: its own memory from the driver, none of A's.
+    for m, why, ptr in ((outsider, None, x[0]), (other_job, "no member", x[1])):
+        d = device(m.resume("x"))
+        assert (d["borrowed_bytes"], d["fallback"], d["lenders"]) == (0, why, {}), d
+        assert not mapped_in(m.pid, ptr, 8 * MiB) & lent
+    assert (a.memory()["job_kept"], a.memory()["job_lent"]) == (16 * MiB, 0)
+
+    d = device(b.resume("w"))
+    assert (d["borrowed_bytes"], d["lenders"], d["fallback"]) == (12 * MiB, {a.pid: 12 * MiB}, None), d
+    assert mapped_in(b.pid, b_w, 12 * MiB) <= lent  # every chunk A's
+    assert b.ask("read", b_w, 12 * MiB) == b_bytes  # the restore wrote over A's bytes
+    memory = a.memory()
+    assert (memory["job_kept"], memory["job_lent"]) == (4 * MiB, 12 * MiB), memory
+    assert b.memory()["job_borrowed"] == 12 * MiB
+    assert a.ask("open", b.ask("share", b_w, 12 * MiB)) == b_bytes  # shared again: A maps its own chunks
+    a.ask("close")
+
+    d = device(b.resume("kv"))  # 4 MiB more of A's, 4 from the driver
+    assert (d["borrowed_bytes"], d["fallback"]) == (4 * MiB, "nothing to lend"), d
+    got = b.ask("read", b_kv, 8 * MiB)
+    pieces = {got[i:i + CHUNK] for i in range(0, 8 * MiB, CHUNK)}
+    assert pieces & {a_bytes[i:i + CHUNK] for i in range(0, 16 * MiB, CHUNK)}  # a discarded tag: A's bytes
+
+    d = device(a.resume("kv"))  # its kept chunks are B's now: memory from elsewhere
+    assert (d["reused_bytes"], d["borrowed_bytes"], d["fallback"]) == (0, 0, "nothing to lend"), d
+    assert not mapped_in(a.pid, a_kv, 16 * MiB) & lent
+
+    r = b.pause()
+    assert (device(r)["returned_bytes"], device(r)["kept_bytes"]) == (16 * MiB, 0), r
+    assert not made_by(b.pid) & lent  # released here before A was told
+    memory = until("A has its chunks back", lambda: (m := a.memory())["job_lent"] == 0 and m)
+    assert memory["job_kept"] == 16 * MiB and memory["used"] == memory["active"] + 16 * MiB, memory
+    check_exit_frees((a, b, outsider, other_job), lent | made_by(b.pid))
+    print("done")
+
+
+def own_memory_back():
+    """A member's resume maps the chunks its pause kept, all of them, when nobody borrowed them."""
+    a, b = Member(J), Member(J)
+    b.alloc("kv", 8 * MiB)
+    b.pause()
+    p = a.alloc("w", 8 * MiB, backup=True)
+    data = a.ask("fill", p, 8 * MiB)
+    assert device(a.pause("w"))["kept_bytes"] == 8 * MiB
+    kept = made_by(a.pid)
+    d = device(a.resume("w"))
+    assert (d["reused_bytes"], d["borrowed_bytes"], d["fallback"]) == (8 * MiB, 0, None), d
+    assert mapped_in(a.pid, p, 8 * MiB) <= kept and a.ask("read", p, 8 * MiB) == data
+    assert a.memory()["job_kept"] == 0
+    check_exit_frees((a, b), kept)
+    print("done")
+
+
+def prefix_of_a_larger_handle():
+    """A kept handle a little larger than a need serves it by its first bytes: B maps 30 MiB
+    of A's 32 MiB chunk, restored byte-exact; A counts the whole chunk lent until B's pause."""
+    a, b = Member(J, TMS_CHUNK_BYTES="0"), Member(J)
+    p = b.alloc("w", 30 * MiB, backup=True)
+    data = b.ask("fill", p, 30 * MiB)
+    b.pause()
+    a.alloc("kv", 32 * MiB)
+    assert device(a.pause("kv"))["kept_bytes"] == 32 * MiB  # within an eighth of the 30 B will ask for
+    lent = made_by(a.pid)
+    d = device(b.resume())
+    assert (d["borrowed_bytes"], d["fallback"]) == (30 * MiB, None), d
+    assert mapped_in(b.pid, p, 30 * MiB) == lent and b.ask("read", p, 30 * MiB) == data
+    assert (a.memory()["job_lent"], b.memory()["job_borrowed"]) == (32 * MiB, 30 * MiB)
+    assert device(b.pause())["returned_bytes"] == 30 * MiB
+    assert until("A has its chunk back", lambda: a.memory()["job_lent"] == 0)
+    check_exit_frees((a, b), lent)
+    print("done")
+
+
+def many_pieces():
+    """More kept chunks than one answer carries: the borrower asks the same member again."""
+    a, b = Member(J), Member(J)
+    p = b.alloc("kv", 300 * CHUNK)
+    b.pause()
+    a.alloc("kv", 300 * CHUNK)
+    assert device(a.pause("kv"))["kept_bytes"] == 300 * CHUNK
+    d = device(b.resume())
+    assert (d["borrowed_bytes"], d["lenders"], d["fallback"]) == (300 * CHUNK, {a.pid: 300 * CHUNK}, None), d
+    assert len(mapped_in(b.pid, p, 300 * CHUNK)) == 300
+    assert device(b.pause())["returned_bytes"] == 300 * CHUNK
+    assert until("A has every chunk back", lambda: a.memory()["job_lent"] == 0)
+    check_exit_frees((a, b), made_by(a.pid))
+    print("done")
+
+
+def kept_memory_gives_way():
+    """Memory kept for the job never makes a member's allocation run out: the member
+    releases what it keeps, and one whose device is full asks the others to release theirs."""
+    a, b = Member(J, TMS_HOST_DEVICE_BYTES="32MiB"), Member(J)
+    b.alloc("w", 16 * MiB)
+    b.pause()
+    a.alloc("kv", 16 * MiB)
+    assert device(a.pause("kv"))["kept_bytes"] == 16 * MiB
+    got = a.ask("try_alloc", "x", 24 * MiB)  # 16 kept + 24 > 32: fits once 8 of the kept 16 are released
+    assert isinstance(got, int), got
+    memory = a.memory()
+    assert (memory["job_kept"], memory["used"]) == (8 * MiB, 32 * MiB), memory  # what it needed, no more
+    # The members' side: C's device is full; the others release what it asks of what they keep (on a
+    # GPU, room for C).
+    c, d = Member(J, TMS_HOST_DEVICE_BYTES="8MiB"), Member(J)
+    d.alloc("kv", 16 * MiB)
+    assert device(d.pause("kv"))["kept_bytes"] == 16 * MiB
+    kept = lambda: a.memory()["job_kept"] + d.memory()["job_kept"]  # noqa: E731
+    assert kept() == 24 * MiB
+    got = c.ask("try_alloc", "y", 16 * MiB)  # its 5th chunk finds the device full
+    assert got.startswith("OutOfMemoryError"), got  # the host backend counts each process's own device
+    assert kept() == 22 * MiB  # the members released the chunk it asked for
+    check_exit_frees((a, b, c, d), made_by(a.pid) | made_by(d.pid))
+    print("done")
+
+
+def kept_memory_expires():
+    """Memory kept for a member that never asks goes back to the driver after the bound."""
+    a, b = Member(J, hold_ms=200), Member(J)
+    b.alloc("kv", 8 * MiB)
+    b.pause()
+    a.alloc("w", 8 * MiB)
+    assert device(a.pause("w"))["kept_bytes"] == 8 * MiB
+    memory = until("the kept memory expires", lambda: (m := a.memory())["job_kept"] == 0 and m)
+    assert memory["used"] == memory["active"] == 0, memory
+    check_exit_frees((a, b), set())
+    print("done")
+
+
+def lender_killed(step):
+    """A lender killed after keeping, while its memory is borrowed, or after it came back:
+    the borrower's bytes stay intact while it maps them, and none of the lender's chunks
+    outlives the borrower's release."""
+    a, b = Member(J), Member(J)
+    b_w = b.alloc("w", 8 * MiB, backup=True)
+    data = b.ask("fill", b_w, 8 * MiB)
+    b.pause()
+    a.alloc("kv", 8 * MiB)
+    assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
+    lent = made_by(a.pid)
+    if step == "kept":
+        a.kill()
+        d = device(b.resume())
+        assert (d["borrowed_bytes"], d["fallback"]) == (0, "no member"), d
+    else:
+        assert device(b.resume())["borrowed_bytes"] == 8 * MiB
+        if step == "returned":
+            b.pause()
+        a.kill()
+        if step == "returned":
+            assert device(b.resume())["fallback"] == "no member"
+    assert b.ask("read", b_w, 8 * MiB) == data
+    again = b.ask("fill", b_w, 8 * MiB)  # still usable: its import keeps A's memory alive
+    r = b.pause()
+    assert device(r)["returned_bytes"] == (8 * MiB if step == "lent" else 0), r
+    assert not (made_by(b.pid) | mapped_in(b.pid, 0, 1 << 64)) & lent, "B holds A's chunks after its pause"
+    b.resume()
+    assert b.ask("read", b_w, 8 * MiB) == again
+    check_exit_frees((b,), lent | made_by(b.pid))
+    print("done")
+
+
+def borrower_killed(step):
+    """A borrower killed while it maps lent memory, or after returning it, or while its
+    borrow waits on a stopped lender: the lender gets every chunk back for itself."""
+    a, b = Member(J), Member(J, wait_ms=300)
+    b.alloc("w", 8 * MiB, backup=True)
+    b.pause()
+    a_kv = a.alloc("kv", 8 * MiB)
+    assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
+    kept = made_by(a.pid)
+    if step == "asking":
+        a.stop()  # B's request waits in A's socket
+        d = device(b.resume())
+        assert (d["fallback"], d["timed_out"], d["borrowed_bytes"]) == ("member timed out", [a.pid], 0), d
+        b.kill()
+        a.go_on()  # A answers a request whose asker is gone
+    else:
+        assert device(b.resume())["borrowed_bytes"] == 8 * MiB
+        if step == "returned":
+            b.pause()
+        b.kill()
+    memory = until("A has its chunks back", lambda: (m := a.memory())["job_lent"] == 0 and m)
+    assert memory["job_kept"] == 8 * MiB, memory
+    d = device(a.resume("kv"))
+    assert d["reused_bytes"] == 8 * MiB, d  # its own chunks, back from the dead borrower
+    assert mapped_in(a.pid, a_kv, 8 * MiB) <= kept
+    memory = a.memory()
+    assert memory["used"] == memory["active"] == 8 * MiB and memory["job_kept"] == 0, memory
+    check_exit_frees((a,), kept)
+    print("done")
+
+
+def stuck_member():
+    """A stopped member blocks neither a pause nor a resume past the bound: each goes on
+    while it stays stopped, the report naming it; once it runs again, it lends nothing to
+    the asker that gave up."""
+    a, b = Member(J), Member(J, wait_ms=300)
+    b.alloc("kv", 8 * MiB)
+    b.pause("kv")  # B's demand: A keeps for it
+    p = b.alloc("w", 8 * MiB, backup=True)
+    data = b.ask("fill", p, 8 * MiB)
+    a.alloc("kv", 8 * MiB)
+    assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
+    a.stop()
+    r = b.pause("w")
+    assert (device(r)["timed_out"], device(r)["kept_bytes"]) == ([a.pid], 0), r
+    d = device(b.resume())
+    assert (d["fallback"], d["timed_out"], d["borrowed_bytes"]) == ("member timed out", [a.pid], 0), d
+    assert b.ask("read", p, 8 * MiB) == data
+    a.go_on()
+    memory = until("A answered what waited", lambda: (m := a.memory())["job_kept"] == 8 * MiB and m)
+    assert memory["job_lent"] == 0, memory  # B gave up on it: nothing of A's is B's
+    check_exit_frees((a, b), made_by(a.pid) | made_by(b.pid))
+    print("done")
+
+
+def without_a_job():
+    """Without a job nothing is kept, asked or listened on: a pause releases every chunk."""
+    a, b = Member(None), Member(None)
+    a.alloc("kv", 8 * MiB)
+    p = b.alloc("w", 8 * MiB, backup=True)
+    data = b.ask("fill", p, 8 * MiB)
+    b.pause()
+    made = made_by(a.pid)
+    assert len(made) == 4
+    d = device(a.pause())
+    assert (d["kept_bytes"], d["timed_out"]) == (0, []) and not made_by(a.pid), d
+    d = device(b.resume())
+    assert (d["reused_bytes"], d["borrowed_bytes"], d["fallback"]) == (0, 0, None), d
+    assert b.ask("read", p, 8 * MiB) == data and not mapped_in(b.pid, p, 8 * MiB) & made
+    with open("/proc/net/unix") as f:  # other tests' members may listen: only these two count
+        assert not [line for line in f if "@tms-job-" in line and (f"-{a.pid}-" in line or f"-{b.pid}-" in line)]
+    assert (a.memory()["job_kept"], b.memory()["job_borrowed"]) == (0, 0)
+    check_exit_frees((a, b), made)
+    print("done")
+
+
+def budget_in_a_job():
+    """Members under one host backup budget: a pause keeps device memory for the others
+    and spills its backups past the budget to disk all the same; a resume into another
+    member's memory gives its reservation back; every byte comes back."""
+    env = dict(TMS_HOST_BACKUP_LIMIT="24MiB", TMS_SPILL_TO_DISK="1", TMS_HOST_BACKUP_LIMIT_NAME=f"job-{os.getpid()}")
+    a, b = Member(J, **env), Member(J, **env)
+    data = {}
+    for m in (a, b):
+        ptrs = [m.alloc("w", 8 * MiB, backup=True) for _ in range(2)]
+        data[m.pid] = [(p, m.ask("fill", p, 8 * MiB)) for p in ptrs]
+    assert device(a.pause())["kept_bytes"] == 0
+    assert a.ask("budget")["mine"] == 16 * MiB
+    r = b.pause()  # 8 MiB of the budget left: one backup in host memory, one on disk
+    assert device(r)["kept_bytes"] == 16 * MiB, r
+    assert b.ask("backups") == [(False, True), (True, False)]
+    assert (b.ask("budget")["mine"], b.ask("budget")["reserved"]) == (8 * MiB, 24 * MiB)
+    d = device(a.resume())
+    assert (d["borrowed_bytes"], d["lenders"]) == (16 * MiB, {b.pid: 16 * MiB}), d
+    assert a.ask("budget")["mine"] == 0
+    d = device(b.resume())  # its kept memory is A's now
+    assert (d["reused_bytes"], d["borrowed_bytes"]) == (0, 0), d
+    for m in (a, b):
+        assert all(m.ask("read", p, 8 * MiB) == x for p, x in data[m.pid])
+    assert (b.ask("budget")["mine"], b.ask("budget")["reserved"]) == (0, 0)
+    check_exit_frees((a, b), made_by(a.pid) | made_by(b.pid))
+    print("done")
+
+
+def forged_requests(uid=None, gid=None):
+    """A process outside the job that finds a member's socket and asks it anyway, naming
+    another job or another device (or running as another user), gets no memory."""
+    a, b = Member(J), Member(J)
+    b.alloc("w", 8 * MiB)
+    b.pause()
+    a.alloc("kv", 8 * MiB)
+    assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
+    with open("/proc/net/unix") as f:
+        names = [line.split()[-1][1:] for line in f if f"-{a.pid}-" in line and "@tms-job-" in line]
+    assert names, "A's socket is not in /proc/net/unix"
+    identity = None
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        identity = f"host-{f.read().strip()}-0"
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(int(gid))
+        os.setuid(int(uid))
+    for job, dev in ((OTHER, identity), (J, "host-0-0"), (J, identity)):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            try:
+                s.connect("\0" + names[0])
+                head = b"TMSJOB01" + struct.pack("<II", 2, 1) + job.encode().ljust(72, b"\0") + dev.encode().ljust(96, b"\0")
+                s.send(head + struct.pack("<Q", 8 * MiB))
+                msg, fds, _, _ = socket.recv_fds(s, 1 << 16, 300)
+            except (ConnectionResetError, BrokenPipeError, ConnectionRefusedError):
+                msg, fds = b"", []
+        for fd in fds:
+            os.close(fd)
+        if uid is not None or job != J or dev != identity:
+            status = struct.unpack_from("<i", msg)[0] if len(msg) >= 4 else None
+            assert not fds and status != 0, (job, dev, status, fds)
+        else:  # the same user naming the job and the device is a member, by definition
+            assert fds, "a member of the job got nothing"
+            s.close()
+    # The honest request hung up without returning: counted lent while this process lives.
+    assert a.memory()["job_lent"] == (8 * MiB if uid is None else 0)
+    a.finish()
+    b.finish()
+    print("done")
+
+
+if __name__ == "__main__":
+    run_cases({name: fn for name, fn in globals().items() if callable(fn)}, sys.argv)

@@ -1,0 +1,78 @@
+"""Lending within a job (TMS_JOB / torch_memory_saver.job) on the host backend: member
+processes keep what the others will ask for, a resume maps another member's chunks
+(restored byte-exact for a backed-up tag), outsiders get nothing, killed and stopped
+members leave no chunk behind and hold nobody up (tests/host_scenarios/job.py). The GPU
+case is test_gpu.py's test_job_lends_between_two_processes."""
+import importlib.util
+import uuid
+
+import pytest
+
+from conftest import check_ok
+
+# Each case waits at most a few seconds for what a member's thread does on its own.
+TIMEOUT = 120
+
+
+@pytest.mark.parametrize("case", ["lend_and_reuse", "own_memory_back", "prefix_of_a_larger_handle", "many_pieces",
+                                  "kept_memory_gives_way", "kept_memory_expires", "stuck_member", "forged_requests", "without_a_job"])
+def test_members_lend_and_outsiders_get_nothing(run_scenario, case):
+    assert check_ok(run_scenario("job", case, timeout=TIMEOUT)) == "done\n"
+
+
+@pytest.mark.parametrize("step", ["kept", "lent", "returned"])
+def test_a_killed_lender_leaves_no_chunk_behind(run_scenario, step):
+    assert check_ok(run_scenario("job", "lender_killed", step, timeout=TIMEOUT)) == "done\n"
+
+
+@pytest.mark.parametrize("step", ["asking", "lent", "returned"])
+def test_a_killed_borrower_gives_every_chunk_back(run_scenario, step):
+    assert check_ok(run_scenario("job", "borrower_killed", step, timeout=TIMEOUT)) == "done\n"
+
+
+def test_another_users_process_gets_nothing(run_scenario, other_uids):
+    _, attacker = other_uids
+    assert check_ok(run_scenario("job", "forged_requests", attacker, attacker, timeout=TIMEOUT)) == "done\n"
+
+
+def test_the_job_setting(run_py):
+    proc = run_py("""
+        import torch_memory_saver
+        assert tms.job == "from-env"
+        expect(ValueError, setattr, tms, "job", "no spaces", match="is not a name of 1 to 64")
+        expect(TypeError, setattr, tms, "job", 3, match="job must be a str or None")
+        tms.job = None
+        assert tms.job is None and core.get_job() is None
+        tms.job = f"j-{os.getpid()}"
+        with tms.region("w"):
+            p = tms.malloc(2 * MiB)
+        r = tms.pause("w")
+        assert (r.kept_bytes, r.devices[0].fallback) == (0, None), r  # alone in the job: nothing to keep
+        e = expect(torch_memory_saver.Error, setattr, tms, "job", "k", match="member of job 'j-")
+        tms.job = f"j-{os.getpid()}"  # the same name is fine
+        r = tms.resume("w")
+        assert (r.borrowed_bytes, r.devices[0].fallback) == (0, "no member"), r
+        print("ok")
+        """, env={"TMS_JOB": "from-env"})
+    assert check_ok(proc) == "ok\n"
+
+
+def test_a_malformed_job_variable_is_named_at_import(run_py):
+    for var, value in (("TMS_JOB", "a b"), ("TMS_JOB_HOLD_MS", "2s"), ("TMS_JOB_WAIT_MS", "-1")):
+        proc = run_py("import torch_memory_saver", prelude=False, env={var: value})
+        assert proc.returncode == 1 and f"{var}='{value}'" in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (gloo)")
+def test_a_group_pause_in_a_job(run_scenario):
+    # Four ranks on one device, all in one job, and a fault in the last rank's second resume.
+    proc = run_scenario("job_group", "lend_in_a_group", 3, "--world", 4, "--fault", "3=copy_to_device:3", timeout=90,
+                        env={"TMS_JOB": f"group-{uuid.uuid4().hex[:12]}", "TMS_JOB_WAIT_MS": "5000",
+                             "TMS_JOB_HOLD_MS": "60000"})
+    assert sorted(check_ok(proc).splitlines()) == [f"rank {r}: kept, mapped again, rolled back, bytes exact"
+                                                   for r in range(4)]
+
+
+def test_the_budget_in_a_job(run_scenario, tmp_path):
+    assert check_ok(run_scenario("job", "budget_in_a_job", env={"TMS_DISK_BACKUP_DIR": tmp_path},
+                                 timeout=TIMEOUT)) == "done\n"
