@@ -39,7 +39,7 @@ def test_the_job_setting(run_py):
     proc = run_py("""
         import torch_memory_saver
         assert tms.job == "from-env"
-        expect(ValueError, setattr, tms, "job", "no spaces", match="is not a name of 1 to 64")
+        expect(ValueError, setattr, tms, "job", "no spaces", match="is not a job name of 1 to 64")
         expect(TypeError, setattr, tms, "job", 3, match="job must be a str or None")
         tms.job = None
         assert tms.job is None and core.get_job() is None

@@ -45,7 +45,9 @@ def test_the_table_describes_every_row():
     for row in ROWS:
         assert row["type"] in ("bool", "int", "str") and row["doc"] and row["accepts"], row
         assert row["group"] in ("run", "env", "host", "outside") and row["run"] is (row["group"] == "run"), row
-    assert [row["type"] for row in RUN] and all(row["type"] in ("bool", "int") for row in RUN)
+    # Run-time settings are switches and numbers, and texts a layer above keeps (the job).
+    assert [row["type"] for row in RUN] and all(row["type"] in ("bool", "int", "str") for row in RUN)
+    assert [row["name"] for row in RUN if row["type"] == "str"] == ["job"]
 
 
 def test_the_known_variables_are_the_tables():
@@ -97,7 +99,8 @@ def test_a_value_is_checked_once_in_c_the_same_before_and_after_first_use():
         cases = {}
         for row in _tms_env.settings():
             if row["run"]:
-                bad = [1, "yes", None, 0.0] if row["type"] == "bool" else [-1, -(1 << 70), 1 << 64, 1.5, True, "1"]
+                bad = ([1, "yes", None, 0.0] if row["type"] == "bool" else [3, b"x", True, "no spaces", ".dot", "x" * 65]
+                       if row["type"] == "str" else [-1, -(1 << 70), 1 << 64, 1.5, True, "1"])
                 cases[row["name"]] = [(v, said(lambda v: _tms_env.check_setting(row["name"], v), v)) for v in bad]
         for name, seen in cases.items():
             before = getattr(tms, name)

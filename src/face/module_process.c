@@ -27,7 +27,10 @@
         (void)module, (void)unused;                                                                            \
         return TMS_PY_SETTING_OBJECT(type, get());                                                             \
     }
-/* And one pair per CALL row: a text kept by the layer that uses it, which may refuse a change. */
+/* And one pair per CALL row: a text kept by the layer that uses it, which may refuse a change
+ * (its tms_<setter> and tms_<getter>, the row's names pasted after they are expanded). */
+#define SETTING_TMS(x) SETTING_TMS_(x)
+#define SETTING_TMS_(x) tms_##x
 #define SETTING_TEXT_FUNCTIONS(name, set, get, doc)                                                            \
     PyDoc_STRVAR(set_##name##_doc, "set_" #name "($module, value, /)\n--\n\n" doc);                           \
     static PyObject *py_set_##name(PyObject *module, PyObject *value)                                          \
@@ -37,7 +40,7 @@
         struct tms_err err = {0};                                                                              \
         int rc;                                                                                                \
         Py_BEGIN_ALLOW_THREADS                                                                                 \
-        rc = set(text, &err);                                                                                  \
+        rc = SETTING_TMS(set)(text, &err);                                                                     \
         Py_END_ALLOW_THREADS                                                                                   \
         if (rc) return tms_py_raise(module, &err);                                                             \
         Py_RETURN_NONE;                                                                                        \
@@ -47,7 +50,7 @@
     {                                                                                                          \
         (void)module, (void)unused;                                                                            \
         char buf[256];                                                                                         \
-        get(buf, sizeof buf);                                                                                  \
+        SETTING_TMS(get)(buf, sizeof buf);                                                                     \
         if (!buf[0]) Py_RETURN_NONE;                                                                           \
         return PyUnicode_FromString(buf);                                                                      \
     }

@@ -49,8 +49,9 @@ enum tms_fault_op { TMS_FAULT_LIST(TMS_FAULT_ENUM) TMS_FAULT_OPS };
  *            read as glibc reads it (secure_getenv: not in a setuid process), never
  *            malformed and not named among the library's. CALL(setter, getter): a text
  *            that also changes while the process runs, kept by the layer that uses it,
- *            which may refuse a change (int setter(const char *text or NULL, struct
- *            tms_err *), void getter(char *buf, size_t size), "" for none); the faces set
+ *            which may refuse a change (int tms_<setter>(const char *text or NULL, struct
+ *            tms_err *), void tms_<getter>(char *buf, size_t size), "" for none: the names
+ *            are pasted, so the table names no function of a layer above); the faces set
  *            and read it as a RUN one.
  *   doc      what it does (the Python property's and the native methods' docstrings); a
  *            variable only tests or benchmarks set says so first ("tests...")
@@ -104,7 +105,7 @@ enum tms_fault_op { TMS_FAULT_LIST(TMS_FAULT_ENUM) TMS_FAULT_OPS };
       "Off by default; TMS_SKIP_UNCHANGED=1.")                                                                 \
     /* lending within a job */                                                                                 \
     X(job, name, "TMS_JOB", "", (64), "a job name of 1 to 64 letters, digits, '_', '-' or '.' (not starting "  \
-      "with '.')", CALL(tms_job_set_name, tms_job_get_name),                                                   \
+      "with '.')", CALL(job_set_name, job_get_name),                                                   \
       "The job this process lends memory in (None: none, the default; TMS_JOB): processes of one user that "  \
       "name the same job and use the same GPU pass each other the physical memory a pause releases, so a "     \
       "resume right after another member's pause need not wait for the driver to clean it. Set it before "     \
