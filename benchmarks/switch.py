@@ -534,7 +534,7 @@ class Broken(RuntimeError):
 class Proc:
     """A worker process and the runner's end of its socket; every wait is bounded."""
 
-    def __init__(self, label, role, library, args, tmp, until, peer=None):
+    def __init__(self, label, role, library, args, tmp, until, peer=None, env=None):
         ours, theirs = socket.socketpair()
         self.label, self.conn, self.until = label, Connection(ours.detach()), until
         self.tail = collections.deque(maxlen=8)
@@ -543,8 +543,8 @@ class Proc:
                          {"role": role, "fd": fds[0], "library": library, "mode": args.mode, "dry_run": args.dry_run,
                           "peer": fds[1] if peer else None},
                          library=library if library and args.mode == "preload" and not args.dry_run else None)
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(args.dry_run, clean=True), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, errors="replace", pass_fds=fds)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env={**child_env(args.dry_run, clean=True), **(env or {})},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", pass_fds=fds)
         theirs.close()  # the child holds its copy: its exit reads as end of file here
         self.pump = threading.Thread(target=self._echo, daemon=True)
         self.pump.start()
@@ -609,8 +609,8 @@ class Team(list):
         super().__init__()
         self.args, self.until, self.tmp = args, until, tempfile.TemporaryDirectory(prefix="tms-switch-")
 
-    def start(self, label, role, library=None, peer=None):
-        self.append(Proc(label, role, library, self.args, self.tmp.name, self.until, peer))
+    def start(self, label, role, library=None, peer=None, env=None):
+        self.append(Proc(label, role, library, self.args, self.tmp.name, self.until, peer, env))
         if peer:
             peer.close()  # the worker has it
         return self[-1]
@@ -665,10 +665,10 @@ def cycle(tr, ro, c, kind, idle_s):
     return out
 
 
-def run_switch(label, library, args, sizes, until, save):
-    part, shapes = {"library": label, "cycles": [], "errors": []}, sizes["trainer"]
+def run_switch(label, library, args, sizes, until, save, env=None):
+    part, shapes = {"library": label, "cycles": [], "errors": [], "env": env}, sizes["trainer"]
     with Team(args, until) as team:
-        tr, ro = team.start(f"{label} trainer", "trainer", library), team.start(f"{label} rollout", "rollout", library)
+        tr, ro = (team.start(f"{label} {r}", r, library, env=env) for r in ("trainer", "rollout"))
         try:
             t = part["trainer"] = tr.call("setup", 600, shapes=shapes, probe_bytes=sizes["probe"])
             part["rollout"] = ro.call("setup", 300, weights=shapes["weights"])
@@ -824,14 +824,14 @@ def _x(v):
 def switch_table(parts, idle_s):
     labels, floors = list(parts), parts[next(iter(parts))].get("floors") or {}
     head = ["phase", "floor", "floor ms"] + [f"{k} ms{w}" for k in labels for w in ("", f", {idle_s:g} s idle")] + \
-        [f"{labels[0]} ÷ floor"] + (["ours ÷ upstream"] if len(labels) > 1 else [])
+        [f"{labels[0]} ÷ floor"] + (["ours ÷ upstream"] if "upstream" in parts else [])
     rows = []
     for name, (label, what) in list(PHASES.items()) + [("switch", ("whole switch, (1) to (6)", "sum of the floors"))]:
         floor = _floor_sum(parts[labels[0]]) if name == "switch" else floors.get(name)
         vals = [(_switch(parts[k]), None) if name == "switch" else
                 (_phase(parts[k], name), _phase(parts[k], name, "idle")) for k in labels]
         rows.append([label, what, _ms(floor)] + [_ms(v) for pair in vals for v in pair] + [_x(_div(vals[0][0], floor))]
-                    + ([_x(_div(vals[0][0], vals[1][0]))] if len(labels) > 1 else []))
+                    + ([_x(_div(vals[0][0], vals[labels.index("upstream")][0]))] if "upstream" in parts else []))
     return report.table(head, rows, "ll" + "r" * (len(head) - 2))
 
 
@@ -844,8 +844,8 @@ def ratios(doc):
             out[f"{k}: {what} right after the {by} pause ÷ after 2 s idle"] = (
                 _div(_phase(p, name), _phase(p, name, "idle")), "≤ 1.2")
         out[f"{k}: whole switch ÷ sum of its floors"] = (_div(_switch(p), _floor_sum(p)), "≤ 1.2")
-    if len(parts) > 1:
-        out["whole switch, ours ÷ upstream"] = (_div(_switch(parts["ours"]), _switch(parts["upstream"])), "< 1")
+    for k in (k for k in parts if "upstream" in parts and k != "upstream"):
+        out[f"whole switch, {k} ÷ upstream"] = (_div(_switch(parts[k]), _switch(parts["upstream"])), "< 1")
     return {k: v for k, v in out.items() if v[0] is not None}
 
 
@@ -955,15 +955,16 @@ def main(argv=None):
     ap.add_argument("--mode", choices=("preload", "torch"), default="preload", help="hook mode (default preload)")
     ap.add_argument("--part", choices=("all", "switch", "wait"), default="all")
     ap.add_argument("--deadline", type=float, default=390.0, help="seconds the run may take (default 390)")
-    argv = sys.argv[1:] if argv is None else argv
-    args = ap.parse_args(argv)
+    ap.add_argument("--also", metavar="VAR=VALUE ...", help="also run this library with these variables (TMS_JOB=...)")
+    args = ap.parse_args(argv := sys.argv[1:] if argv is None else argv)
     meta, sizes, start = report.collect_meta("switch", argv, args.dry_run), _sizes(args), time.time()
     out, stem = report.out_dir(args.out, args.dry_run), report.name(meta)
-    doc = {"meta": meta, "switch": {}, "wait": None,
-           "settings": {k: getattr(args, k) for k in ("gib", "kv_fraction", "cycles", "mode", "deadline")}}
+    doc = {"meta": meta, "switch": {}, "settings": {k: getattr(args, k) for k in ("gib", "kv_fraction", "cycles", "mode", "deadline")},
+           "wait": None if args.part == "switch" else {"rows": [], "lend": [], "skipped": [], "errors": []}}
     save = lambda: write_json_atomic(os.path.join(out, f"{stem}.json"), doc, strip=REPO + os.sep)  # noqa: E731
     # Each part gets its weight's share of the time left; what one leaves goes to the next.
-    parts = [("ours", REPO, 1.0)] if args.part != "wait" else []
+    also = dict(kv.split("=", 1) for kv in (args.also or "").split())
+    parts = [("ours", REPO, 1.0)] + ([(f"ours, {args.also}", REPO, 1.0)] if also else []) if args.part != "wait" else []
     if args.upstream and parts and not args.dry_run:  # the upstream library has no host backend
         parts.append(("upstream", os.path.abspath(args.upstream), 1.3))
     parts += [("wait", None, 1.5)] if args.part != "switch" else []
@@ -972,10 +973,9 @@ def main(argv=None):
         until = time.time() + left * weight / sum(p[2] for p in parts[i:])
         log(f"{label}: {until - time.time():.0f} s of the {left:.0f} s left")
         if label == "wait":
-            doc["wait"] = {"rows": [], "lend": [], "skipped": [], "errors": []}
             run_wait(args, sizes, until, save, doc["wait"])
         else:
-            doc["switch"][label] = run_switch(label, library, args, sizes, until, save)
+            doc["switch"][label] = run_switch(label, library, args, sizes, until, save, also if "," in label else None)
         save()
     doc["ratios"] = ratios(doc)
     info = (doc["switch"].get("ours", {}).get("trainer") or {}).get("info") or {}

@@ -265,7 +265,7 @@ static void test_backup_roundtrip(int kind)
         CHECK(tms_core_owns(p[i]));
         struct tms_backup *b = NULL;
         size_t offset = 99;
-        CHECK_RC(tms_core_backup_of((uintptr_t)p[i], sizes[i], &b, &offset, &err), TMS_OK);
+        CHECK_RC(tms_core_backup_of((uintptr_t)p[i], sizes[i], 0, &b, &offset, &err), TMS_OK);
         CHECK(b && offset == 0 && b->kind == kind && b->size >= sizes[i]);
         if (b) CHECK(matches(b->host, sizes[i], 100 + i));  /* the host copy holds the bytes */
         if (i == N - 1) view = b;
@@ -310,7 +310,7 @@ static void test_discard(void)
     CHECK(row.state == TMS_PAUSED && !row.backup && !row.has_host_copy);
     struct tms_backup *b = (struct tms_backup *)1;
     size_t offset = 0;
-    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, &b, &offset, &err), TMS_OK);
+    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, 0, &b, &offset, &err), TMS_OK);
     CHECK(b == NULL);
     CHECK_RC(tms_core_resume("discard", &err), TMS_OK);
     CHECK(info_of(p).state == TMS_ACTIVE);
@@ -366,7 +366,7 @@ static void test_free_paused(void)
     /* A reference to a's backup (a zero-copy view) outlives the free. */
     struct tms_backup *view = NULL;
     size_t offset = 0;
-    CHECK_RC(tms_core_backup_of((uintptr_t)a, gran + 3, &view, &offset, &err), TMS_OK);
+    CHECK_RC(tms_core_backup_of((uintptr_t)a, gran + 3, 0, &view, &offset, &err), TMS_OK);
     free_ok(a);
     if (view) CHECK(matches(view->host, gran + 3, 1));
     tms_backup_unref(view);
@@ -392,12 +392,12 @@ static void test_retain(void)
     CHECK_RC(tms_core_pause("retain", &err), TMS_OK);
     struct tms_backup *first = NULL, *again = NULL;
     size_t offset = 0;
-    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, &first, &offset, &err), TMS_OK);
+    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, 0, &first, &offset, &err), TMS_OK);
     CHECK_RC(tms_core_resume("retain", &err), TMS_OK);
     CHECK(matches(p, size, 11));
     struct tms_alloc_info row = info_of(p);
     CHECK(row.state == TMS_ACTIVE && row.has_host_copy);  /* kept across resume */
-    CHECK_RC(tms_core_backup_of((uintptr_t)p + 100, 50, &again, &offset, &err), TMS_OK);
+    CHECK_RC(tms_core_backup_of((uintptr_t)p + 100, 50, 0, &again, &offset, &err), TMS_OK);
     CHECK(again != NULL && again == first && offset == 100);
     tms_backup_unref(again);
     again = NULL;
@@ -405,7 +405,7 @@ static void test_retain(void)
     /* Re-pause reuses the retained buffer and refreshes its bytes. */
     fill(p, size, 12);
     CHECK_RC(tms_core_pause("retain", &err), TMS_OK);
-    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, &again, &offset, &err), TMS_OK);
+    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, 0, &again, &offset, &err), TMS_OK);
     CHECK(again == first);
     if (again) CHECK(matches(again->host, size, 12));
     tms_backup_unref(again);
@@ -415,20 +415,20 @@ static void test_retain(void)
      * paused (a zero-copy view) keeps the bytes alive. */
     tms_core_set_retain(0);
     struct tms_backup *view = NULL;
-    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, &view, &offset, &err), TMS_OK);
+    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, 0, &view, &offset, &err), TMS_OK);
     CHECK_RC(tms_core_resume("retain", &err), TMS_OK);
     CHECK(matches(p, size, 12));
     CHECK(!info_of(p).has_host_copy);
     struct tms_backup *none = (struct tms_backup *)1;
-    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, &none, &offset, &err), TMS_OK);
+    CHECK_RC(tms_core_backup_of((uintptr_t)p, size, 0, &none, &offset, &err), TMS_OK);
     CHECK(none == NULL);
     if (view) CHECK(matches(view->host, size, 12));
     tms_backup_unref(view);
 
     /* Ranges outside the allocation. */
-    CHECK_RC(tms_core_backup_of((uintptr_t)p + size - 10, 20, &none, &offset, &err), TMS_E_ARG);
+    CHECK_RC(tms_core_backup_of((uintptr_t)p + size - 10, 20, 0, &none, &offset, &err), TMS_E_ARG);
     none = (struct tms_backup *)1;  /* foreign memory: no backup, no error (as upstream) */
-    CHECK_RC(tms_core_backup_of((uintptr_t)&err, 1, &none, &offset, &err), TMS_OK);
+    CHECK_RC(tms_core_backup_of((uintptr_t)&err, 1, 0, &none, &offset, &err), TMS_OK);
     CHECK(none == NULL);
     free_ok(p);
 }
@@ -812,7 +812,7 @@ static void *backup_main(void *arg)
     struct pause_call *c = arg;
     struct tms_backup *b = NULL;
     size_t offset = 0;
-    c->rc = tms_core_backup_of((uint64_t)(uintptr_t)c->ptr, 1 << 20, &b, &offset, &c->err);
+    c->rc = tms_core_backup_of((uint64_t)(uintptr_t)c->ptr, 1 << 20, 0, &b, &offset, &c->err);
     if (b) {
         c->rc = matches((char *)b->host + offset, 1 << 20, 77) ? c->rc : -1;
         tms_backup_unref(b);
