@@ -59,6 +59,12 @@ class Member:
         check(kind == "ok", f"{self.name}: {answer}")
         return answer
 
+    def pause(self, tag):
+        return self.ask("pause", tag)
+
+    def resume(self, tag):
+        return self.ask("resume", tag)
+
     def finish(self):
         self.proc.stdin.close()
         check(self.proc.wait(timeout=120) == 0, f"{self.name} exited with {self.proc.returncode}")
