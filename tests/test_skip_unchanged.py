@@ -116,6 +116,29 @@ def test_a_pause_copies_only_the_chunks_that_changed(run_py, ok):
     """))
 
 
+def test_scattered_changes_copy_each_changed_chunk_alone(run_py, ok):
+    # Every other chunk changed: one copy per chunk, many more than the allocation's one range.
+    ok(run_py(f"""
+        CHUNK = {CHUNK}
+        n = 64
+        with tms.region("s", enable_cpu_backup=True, skip_unchanged=True):
+            p = core.malloc(n * CHUNK)
+        data = bytearray(fill(p, n * CHUNK))
+        tms.pause("s"); tms.resume("s")
+        for cycle in range(3):
+            for c in range(cycle % 2, n, 2):
+                off = c * CHUNK + 7 * c
+                data[off] ^= 0xA5
+                ctypes.memmove(p + off, bytes([data[off]]), 1)
+            r = tms.pause("s")
+            assert (r.copied_bytes, r.unchanged_bytes) == (n // 2 * CHUNK, n // 2 * CHUNK), (cycle, r)
+            tms.resume("s")
+            assert read(p, n * CHUNK) == bytes(data), cycle
+        core.free(p)
+        print("done")
+    """))
+
+
 def test_random_writes_over_hundreds_of_cycles_restore_every_byte(run_py, ok):
     ok(run_py(f"""
         import struct

@@ -91,9 +91,8 @@ int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const 
         if (!rc && m[i]->copy == m[i]->held && !p[i].compare) tms_backup_forget_fingerprints(m[i]->copy);
         if (!rc) rc = tms_skip_ranges(&p[i], &skip, err);
         if (!rc && p[i].early && m[i]->copy == m[i]->held) {
-            p[i].n_items = 1;
-            tms_transfer_batch_add_whole(&b, m[i]->copy, m[i]->device, m[i]->va, m[i]->size, saved_early, &early[i],
-                                         &p[i].first_item);
+            p[i].n_items = (size_t)tms_transfer_batch_add_whole(&b, m[i]->copy, m[i]->device, m[i]->va, m[i]->size,
+                                                                saved_early, &early[i], &p[i].first_item);
         } else if (!rc) {
             p[i].early = 0;
             const struct tms_range *copy = p[i].copy ? p[i].copy : m[i]->ranges;

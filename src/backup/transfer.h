@@ -57,7 +57,7 @@ struct tms_transfer_batch {
     const struct tms_driver *drv;
     int to_host;
     struct tms_transfer *items;   /* every item of the call */
-    size_t start, count;          /* the batch: items[start, count) */
+    size_t start, count, cap;     /* the batch: items[start, count) of cap */
     struct tms_backup **open;     /* the batch's backups, each once */
     size_t n_open;
     int rc;                       /* the first failure */
@@ -71,7 +71,7 @@ struct tms_restore_opts {
     void *prepare_arg;
 };
 
-/* Room for items items of backups backups; TMS_E_HOST_OOM. */
+/* Room for items items (it grows as items are added) of backups backups; TMS_E_HOST_OOM. */
 int tms_transfer_batch_start(struct tms_transfer_batch *b, const struct tms_driver *drv, int to_host, size_t items,
                              size_t backups, struct tms_err *err);
 /* Adds the copy of an open backup between the allocation of size bytes at va
@@ -82,8 +82,9 @@ void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *bac
                             size_t size, const struct tms_range *ranges, size_t n_ranges,
                             const struct tms_restore_opts *restore, size_t *first, size_t *n);
 /* A pause's copy of a whole allocation (one item) that calls backed_up(arg)
- * once all of it is in the backup (struct tms_transfer). */
-void tms_transfer_batch_add_whole(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
+ * once all of it is in the backup (struct tms_transfer); 0 where it found no
+ * room for the item (b->rc says why). */
+int tms_transfer_batch_add_whole(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
                                   size_t size, void (*backed_up)(void *arg), void *arg, size_t *first);
 /* Runs what is queued and closes its backups; a close after a pause's copies
  * that finds a write not durable fails the batch (b->rc, b->err). */

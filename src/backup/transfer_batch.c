@@ -1,7 +1,9 @@
 /* The copies of a pause or resume in batches that keep at most a kind's open limit of backups open; what the core asks of the copy workers. */
 #include "backup/transfer.h"
 
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Closes the batch's backups; after a pause's copies, a close that finds a
  * write not durable fails the batch. */
@@ -34,12 +36,33 @@ static void opened(struct tms_transfer_batch *b, struct tms_backup *backup)
     if (limit && b->n_open == (size_t)limit) tms_transfer_batch_run(b);
 }
 
+/* Room for k more items: a save that leaves unchanged chunks out copies more
+ * ranges than its allocations have, known only once each backup is chosen. */
+static int room(struct tms_transfer_batch *b, size_t k)
+{
+    if (b->count + k <= b->cap) return 1;
+    size_t cap = b->cap * 2 > b->count + k ? b->cap * 2 : b->count + k;
+    struct tms_transfer *grown = cap <= SIZE_MAX / sizeof *grown ? realloc(b->items, cap * sizeof *grown) : NULL;
+    if (!grown) {
+        if (!b->rc) b->rc = tms_fail(&b->err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu copies", b->count + k);
+        return 0;
+    }
+    memset(grown + b->cap, 0, (cap - b->cap) * sizeof *grown);
+    b->items = grown, b->cap = cap;
+    return 1;
+}
+
 void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
                             size_t size, const struct tms_range *ranges, size_t n_ranges,
                             const struct tms_restore_opts *restore, size_t *first, size_t *n)
 {
     *first = b->count;
     *n = ranges ? n_ranges : 1;
+    if (!room(b, *n)) {
+        *n = 0;
+        opened(b, backup);  /* closed with the batch all the same */
+        return;
+    }
     for (size_t r = 0; r < *n; r++)
         b->items[b->count++] = (struct tms_transfer){
             .device = device, .dev = va, .backup = backup,
@@ -53,20 +76,26 @@ void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *bac
     opened(b, backup);
 }
 
-void tms_transfer_batch_add_whole(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
+int tms_transfer_batch_add_whole(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
                                   size_t size, void (*backed_up)(void *arg), void *arg, size_t *first)
 {
     *first = b->count;
+    if (!room(b, 1)) {
+        opened(b, backup);
+        return 0;
+    }
     b->items[b->count++] = (struct tms_transfer){.device = device, .dev = va, .backup = backup, .n = size,
                                                  .backed_up = backed_up, .backed_up_arg = arg};
     opened(b, backup);
+    return 1;
 }
 
 int tms_transfer_batch_start(struct tms_transfer_batch *b, const struct tms_driver *drv, int to_host, size_t items,
                              size_t backups, struct tms_err *err)
 {
     *b = (struct tms_transfer_batch){.drv = drv, .to_host = to_host};
-    b->items = calloc(items ? items : 1, sizeof *b->items);
+    b->cap = items ? items : 1;
+    b->items = calloc(b->cap, sizeof *b->items);
     b->open = calloc(backups ? backups : 1, sizeof *b->open);
     if (b->items && b->open) return TMS_OK;
     free(b->items);
