@@ -344,6 +344,8 @@ struct tms_job_piece {     /* a handle another member lent, imported here */
     uint64_t key;          /* the lender's name for it, given back when it is returned */
     uint64_t via;          /* the job layer's name for the connection it came over */
     int lender;            /* the lender's pid */
+    int fd;                /* the descriptor it came as, kept: the driver does not export an imported handle
+                            * again, so a share of memory on it passes this one on */
 };
 
 struct tms_job_note {      /* what asking the members found, for the report */

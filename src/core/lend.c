@@ -137,7 +137,7 @@ static int plan_piece(struct tms_alloc *a, const struct tms_job_piece *p)
     if (!more) return 0;
     a->ext = more;
     a->ext[a->n_ext++] = (struct tms_extent){.handle = p->handle, .len = p->len, .size = p->size, .key = p->key,
-                                             .via = p->via, .lender = p->lender};
+                                             .via = p->via, .lender = p->lender, .fd = p->fd};
     return 1;
 }
 
@@ -165,7 +165,8 @@ static void borrow_device(const struct tms_driver *drv, const struct tms_job_ops
         if (a && plan_piece(a, &pieces[i])) continue;
         /* Without a record for it, it goes straight back. */
         struct tms_extent e = {.handle = pieces[i].handle, .len = pieces[i].len, .size = pieces[i].size,
-                               .key = pieces[i].key, .via = pieces[i].via, .lender = pieces[i].lender};
+                               .key = pieces[i].key, .via = pieces[i].via, .lender = pieces[i].lender,
+                               .fd = pieces[i].fd};
         tms_pool_count_borrowed(m[start]->a->device, e.len);
         (void)tms_pool_return_borrowed(drv, m[start]->a->device, &e, 1, NULL);
         pieces[i].len = 0;

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "core/core.h"
 #include "core/core_internal.h"
@@ -193,6 +194,7 @@ int tms_pool_return_borrowed(const struct tms_driver *drv, int device, const str
     size_t done = 0;
     for (int i = 0; i < n; i++) {
         if (!e[i].key) continue;
+        close(e[i].fd);
         int rc = drv->release(e[i].handle);
         if (rc && !drv->is_shutdown(rc) && !first) first = rc;
         done += e[i].len;

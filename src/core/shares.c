@@ -1,4 +1,6 @@
 /* Allocations shared with other processes: the token a handle carries, the handles exported to a receiver, who maps what, and who hung up without letting go. */
+#include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
@@ -86,6 +88,7 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
     if (rc) return rc;
     if (!drv->export_fd) return tms_fail(err, TMS_E_UNSUPPORTED, 0, "share: the %s backend cannot export memory", drv->name);
     tms_phys handles[TMS_SHARE_MAX_CHUNKS];
+    int lent_fds[TMS_SHARE_MAX_CHUNKS];  /* memory a job lent: the descriptor it came as; -1 for its own */
     tms_table_lock();
     struct tms_alloc *a;
     /* A pause or resume in flight settles first; then the state decides. */
@@ -103,13 +106,24 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
     if (!rc) {
         /* Moving: a pause waits and a free is deferred while the handles are exported. */
         a->moving = 1;
-        for (int i = 0; i < handle_count(a); i++) handles[i] = a->ext ? a->ext[i].handle : a->handles[i];
+        for (int i = 0; i < handle_count(a); i++) {
+            handles[i] = a->ext ? a->ext[i].handle : a->handles[i];
+            lent_fds[i] = a->ext && a->ext[i].key ? a->ext[i].fd : -1;
+        }
         fill_info(a, out);
     }
     tms_table_unlock();
     if (rc) return rc;
     int exported = 0;
     for (; exported < out->n_chunks; exported++) {
+        /* The driver does not export an imported handle again: what a job lent goes on as it came. */
+        if (lent_fds[exported] >= 0) {
+            if ((fds[exported] = fcntl(lent_fds[exported], F_DUPFD_CLOEXEC, 0)) >= 0) continue;
+            rc = tms_fail(err, TMS_E_IO, errno, "share of allocation 0x%llx (chunk %d of %d, memory a job lent): "
+                          "dup of its descriptor failed (errno %d)", (unsigned long long)va, exported + 1,
+                          out->n_chunks, errno);
+            break;
+        }
         int drc = drv->export_fd(handles[exported], &fds[exported]);
         if (drc) {
             rc = tms_driver_fail(err, TMS_E_DRIVER, drv, drc, "export of allocation 0x%llx (chunk %d of %d) failed",

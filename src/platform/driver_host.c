@@ -220,8 +220,10 @@ static int host_share_types(int device)
     return 1;
 }
 
+/* As the CUDA driver does, an imported handle is not exported again. */
 static int host_export_fd(tms_phys handle, int *fd)
 {
+    if (handle & HOST_IMPORTED) return EINVAL;
     int copy = fcntl((int)(handle & 0xffffffffu), F_DUPFD_CLOEXEC, 0);
     if (copy < 0) return errno;
     *fd = copy;

@@ -472,9 +472,12 @@ static size_t borrow_once(struct borrowing *b, const struct member *m, struct tm
             break;
         }
         *p = (struct tms_job_piece){.need = r->pieces[imported].need, .handle = h, .size = r->pieces[imported].size,
-                                    .len = r->pieces[imported].len, .key = r->pieces[imported].key, .lender = m->pid};
+                                    .len = r->pieces[imported].len, .key = r->pieces[imported].key, .lender = m->pid,
+                                    .fd = fds[imported]};
     }
-    for (int i = 0; i < n_fds; i++) close(fds[i]);
+    for (size_t i = 0; ok && i < imported; i++) fds[i] = -1;  /* the pieces keep them */
+    for (int i = 0; i < n_fds; i++)
+        if (fds[i] >= 0) close(fds[i]);
     if (!ok) {
         for (size_t i = 0; i < imported; i++) (void)b->drv->release(b->out[b->got + i].handle);
         /* Whatever it lent (or will, once it answers) is not taken: all of it back. */
