@@ -1,6 +1,5 @@
-"""`python -m benchmarks <suite> [options]`: runs one suite (`--help` after the
-suite's name lists its options). Every suite writes its report through
-benchmarks/report.py and has a --dry-run on the host backend."""
+"""`python -m benchmarks <suite> [options]`: runs one suite (`--help` after the suite's name lists its options). Every
+suite writes its report through benchmarks/report.py and has a --dry-run on the host backend."""
 import importlib
 import sys
 

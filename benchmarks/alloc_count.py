@@ -1,19 +1,16 @@
-"""The `alloc_count` suite: pause/resume cost per allocation against the raw
-driver loop: `python -m benchmarks alloc_count [--counts 1,10,100,1000,10000]
-[--cycles C] [--idle-us U] [--beside N] [--out DIR] [--dry-run]`.
+"""The `alloc_count` suite: pause/resume cost per allocation against the raw driver loop: `python -m benchmarks
+alloc_count [--counts 1,10,100,1000,10000] [--cycles C] [--idle-us U] [--beside N] [--out DIR] [--dry-run]`.
 
-A worker process per n (torch hook mode) holds n allocations of 2 MiB in one tag
-(2n tensors of 1 MiB: PyTorch packs two in each 2 MiB segment) and times
-pause(tag)/resume(tag): the Python call's wall time and the time the core counts
-(stats' pause_ns/resume_ns), writing the first and last allocation between cycles.
-vmm_floor.c runs the same driver calls for the same shapes in a process of its own
-(then --shuffle'd), and inside each worker beside each of the library's cycles, in turn
-(floor.Paired: the same process, context and idle time). --beside N keeps N more
-allocations of another tag live. Each worker then times allocation_at() 4 KiB inside
-each tensor (what get_cpu_backup looks up), three passes.
+A worker process per n (torch hook mode) holds n allocations of 2 MiB in one tag (2n tensors of 1 MiB: PyTorch packs
+two in each 2 MiB segment) and times pause(tag)/resume(tag): the Python call's wall time and the time the core
+counts (stats' pause_ns/resume_ns), writing the first and last allocation between cycles. vmm_floor.c runs the same
+driver calls for the same shapes in a process of its own (then --shuffle'd), and inside each worker beside each of
+the library's cycles, in turn (floor.Paired: the same process, context and idle time). --beside N keeps N more
+allocations of another tag live. Each worker then times allocation_at() 4 KiB inside each tensor (what
+get_cpu_backup looks up), three passes.
 
---dry-run: host backend, up to 100 allocations and no floor, for the plumbing only.
-Report: alloc_count_<device>[-idle<U>us][-beside<N>].{md,json}.
+--dry-run: host backend, up to 100 allocations and no floor, for the plumbing only. Report:
+alloc_count_<device>[-idle<U>us][-beside<N>].{md,json}.
 """
 import sys
 import time

@@ -1,5 +1,5 @@
-"""Helpers every suite shares: units, logging, statistics, JSON files, the command
-line's common options and the launching of worker processes (no torch import here)."""
+"""Helpers every suite shares: units, logging, statistics, JSON files, the command line's common options and the
+launching of worker processes (no torch import here)."""
 import argparse
 import collections
 import json

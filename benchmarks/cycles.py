@@ -4,9 +4,8 @@
 - backup: backed-up pause/resume of 8 GiB in 16 tensors, contents verified,
 - disk: the same with disk backup, beside the directory's own parallel O_DIRECT rate.
 
-Every timing calls the public singleton's pause(tag)/resume(tag); the library's
-own view of a tag (allocation count, reserved bytes, bytes copied) comes from
-its stats() and allocations().
+Every timing calls the public singleton's pause(tag)/resume(tag); the library's own view of a tag (allocation count,
+reserved bytes, bytes copied) comes from its stats() and allocations().
 """
 import collections
 import itertools

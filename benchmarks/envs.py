@@ -1,8 +1,8 @@
-"""Where the measured memory lives: GPU tensors (GpuEnv) or, for --dry-run on a
-machine without a GPU, allocations of the library's host backend (HostEnv).
+"""Where the measured memory lives: GPU tensors (GpuEnv) or, for --dry-run on a machine without a GPU, allocations of
+the library's host backend (HostEnv).
 
-Both offer the same small interface, so the measurement loops of every suite are
-the same code in a real run and in a dry run:
+Both offer the same small interface, so the measurement loops of every suite are the same code in a real run and in
+a dry run:
 
   alloc(tag, sizes, backup, backend, disk) -> block   allocations made inside region(tag)
   alloc_granules(tag, n) -> block               n allocations of one granule (2 MiB)

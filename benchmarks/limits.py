@@ -1,6 +1,6 @@
-"""The limits of this machine, measured with plain PyTorch (no torch_memory_saver): pinned
-and pageable host<->device copies (the link a backup is compared with), the cost of pinning
-fresh host memory, of first-touching fresh pageable memory and of cudaHostRegister on it."""
+"""The limits of this machine, measured with plain PyTorch (no torch_memory_saver): pinned and pageable host<->device
+copies (the link a backup is compared with), the cost of pinning fresh host memory, of first-touching fresh pageable
+memory and of cudaHostRegister on it."""
 import ctypes
 import time
 

@@ -1,33 +1,25 @@
-"""The `multi_gpu` suite: every GPU of the host pausing at once:
-`python -m benchmarks multi_gpu [--gib G] [--cycles C] [--gpus N] [--share-gpu]
-[--limits-last] [--configs LIST] [--tensor-mib M] [--out DIR] [--dry-run]`.
+"""The `multi_gpu` suite: every GPU of the host pausing at once: `python -m benchmarks multi_gpu [--gib G] [--cycles C]
+[--gpus N] [--share-gpu] [--limits-last] [--configs LIST] [--tensor-mib M] [--out DIR] [--dry-run]`.
 
-One process per GPU (CUDA_VISIBLE_DEVICES=i, torch hook mode; with --share-gpu N
-processes all on GPU 0, a stand-in for the host side of N GPUs), each holding G GiB
-of random data in one backed-up region, in tensors of M MiB (512 by default;
-PyTorch packs tensors under 10 MiB into shared 20 MiB segments, each one allocation
-and one backup of the library's). A barrier starts every pause and every resume in
-all processes together. Per backup configuration and cycle it reports each GPU's
-GB/s and the aggregate (all bytes over the span from the first start to the last
-end; the start skew, last start less first, says how much of that span the
-barrier's release cost), page faults and huge pages per pause, contents checked
-after every resume (two checksums of every tensor, taken before the pause), and
+One process per GPU (CUDA_VISIBLE_DEVICES=i, torch hook mode; with --share-gpu N processes all on GPU 0, a stand-in
+for the host side of N GPUs), each holding G GiB of random data in one backed-up region, in tensors of M MiB (512 by
+default; PyTorch packs tensors under 10 MiB into shared 20 MiB segments, each one allocation and one backup of the
+library's). A barrier starts every pause and every resume in all processes together. Per backup configuration and
+cycle it reports each GPU's GB/s and the aggregate (all bytes over the span from the first start to the last end;
+the start skew, last start less first, says how much of that span the barrier's release cost), page faults and huge
+pages per pause, contents checked after every resume (two checksums of every tensor, taken before the pause), and
 every process's exit status.
 
-The host limits are measured in the same run with the same number of processes:
-fresh-page fill (each process writes G GiB of new anonymous huge-page memory with as
-many threads as it would run copy workers, all processes at once, three times: the
-bound of a backup that keeps no memory between cycles; the first time apart, as it
-touches memory the virtual machine had not backed yet), host copy (the same threads
-copy the filled memory out in 4 MiB blocks, each into two buffers of its own in
-turn, median of 3: the host side of a resume of a non-retained mmap backup, which
-copies each block into a pinned staging slot before its DMA) and pinned
-device->host / host->device copies of 4 GiB on every GPU at once, the median of 5
-(the link).
+The host limits are measured in the same run with the same number of processes: fresh-page fill (each process writes
+G GiB of new anonymous huge-page memory with as many threads as it would run copy workers, all processes at once,
+three times: the bound of a backup that keeps no memory between cycles; the first time apart, as it touches memory
+the virtual machine had not backed yet), host copy (the same threads copy the filled memory out in 4 MiB blocks,
+each into two buffers of its own in turn, median of 3: the host side of a resume of a non-retained mmap backup,
+which copies each block into a pinned staging slot before its DMA) and pinned device->host / host->device copies of
+4 GiB on every GPU at once, the median of 5 (the link).
 
---dry-run: two processes on the host backend, 64 MiB each in 8 MiB allocations,
-a host memcpy standing in for the link; the figures mean nothing.
-Report: multi_gpu_<device>-x<N> (or -<N>procs-on-1).{md,json}.
+--dry-run: two processes on the host backend, 64 MiB each in 8 MiB allocations, a host memcpy standing in for the
+link; the figures mean nothing. Report: multi_gpu_<device>-x<N> (or -<N>procs-on-1).{md,json}.
 """
 import multiprocessing as mp
 import os

@@ -1,10 +1,9 @@
-"""The one report writer of every suite: the run's facts (device, date, commit,
-command line), then <suite>_<device>[-<variant>].json and .md (and the suite's
-PNGs) in the output folder, and README.md there, the index of the reports it holds.
+"""The one report writer of every suite: the run's facts (device, date, commit, command line), then
+<suite>_<device>[-<variant>].json and .md (and the suite's PNGs) in the output folder, and README.md there, the
+index of the reports it holds.
 
-A report's name carries no date: a new run of a suite on the same device
-replaces the last one (git keeps the history), so the folder holds the latest
-report per suite and device.
+A report's name carries no date: a new run of a suite on the same device replaces the last one (git keeps the
+history), so the folder holds the latest report per suite and device.
 """
 import datetime
 import os

@@ -1,17 +1,14 @@
 """The `run` suite, `make bench`: `python -m benchmarks run [--quick] [--dry-run] [--out DIR]`.
 
-One process tree on one GPU. The runner itself never touches the GPU; it builds the
-raw driver floor (vmm_floor.c) as a library the workers cycle beside their own
-pauses (the paired floor), then starts one worker process per step (limits; torch
-hook mode; preload hook mode through `python -m torch_memory_saver run --`; one per
-backup configuration; disk) and writes the report (run_<device>.json, .md) to the
-output folder. A failing step (a worker that fails, dies or runs past its time)
-is recorded as an error and the run goes on. The report is rewritten after every
-step, so a run cut short still leaves its partial results.
+One process tree on one GPU. The runner itself never touches the GPU; it builds the raw driver floor (vmm_floor.c)
+as a library the workers cycle beside their own pauses (the paired floor), then starts one worker process per step
+(limits; torch hook mode; preload hook mode through `python -m torch_memory_saver run --`; one per backup
+configuration; disk) and writes the report (run_<device>.json, .md) to the output folder. A failing step (a worker
+that fails, dies or runs past its time) is recorded as an error and the run goes on. The report is rewritten after
+every step, so a run cut short still leaves its partial results.
 
---dry-run: no GPU. Workers use the library's host backend (TMS_BACKEND=host) and
-tiny sizes, so every loop, the report and the error paths run here; the figures
-mean nothing. Output defaults to build/bench-dry-run.
+--dry-run: no GPU. Workers use the library's host backend (TMS_BACKEND=host) and tiny sizes, so every loop, the
+report and the error paths run here; the figures mean nothing. Output defaults to build/bench-dry-run.
 """
 import collections
 import json

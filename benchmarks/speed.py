@@ -1,18 +1,14 @@
-"""The `speed` suite: the rows a user compares with the upstream library, side by side
-with it in one run: `python -m benchmarks speed [--upstream DIR] [--before DIR] [--gib G]
-[--gap S] [--out DIR] [--dry-run]`.
+"""The `speed` suite: the rows a user compares with the upstream library, side by side with it in one run: `python -m
+benchmarks speed [--upstream DIR] [--before DIR] [--gib G] [--gap S] [--out DIR] [--dry-run]`.
 
-Each library (this checkout; --upstream: the torch_memory_saver unpacked in DIR; --before:
-an earlier checkout, built in place) runs in three fresh workers: torch mode, preload mode
-(under its own configure_subprocess()) and preload mode with TMS_INIT_ENABLE=1
-TMS_INIT_ENABLE_CPU_BACKUP=1 (how slime and AReaL run); a fourth measures the link. Rows:
-the first backed-up region and pause (1 GiB, beside plain PyTorch); discard pause and resume
-(1 x 8 GiB, 64 x 128 MiB, medians of 11); `mmap` and `pinned` backups and retained ones
-(G GiB in 16 tensors: the first cycle, seven right after a resume, one after S s idle);
-skip_unchanged (ours: nothing, 1 % of the chunks, all changed); a Llama-shaped model's and
-KV cache's resume beside the same bytes in 512 MiB tensors. Contents are compared after
-every resume. --dry-run: the host backend, this library only, tiny sizes.
-Report: speed_<device>.{md,json,png}.
+Each library (this checkout; --upstream: the torch_memory_saver unpacked in DIR; --before: an earlier checkout,
+built in place) runs in three fresh workers: torch mode, preload mode (under its own configure_subprocess()) and
+preload mode with TMS_INIT_ENABLE=1 TMS_INIT_ENABLE_CPU_BACKUP=1 (how slime and AReaL run); a fourth measures the
+link. Rows: the first backed-up region and pause (1 GiB, beside plain PyTorch); discard pause and resume (1 x 8 GiB,
+64 x 128 MiB, medians of 11); `mmap` and `pinned` backups and retained ones (G GiB in 16 tensors: the first cycle,
+seven right after a resume, one after S s idle); skip_unchanged (ours: nothing, 1 % of the chunks, all changed); a
+Llama-shaped model's and KV cache's resume beside the same bytes in 512 MiB tensors. Contents are compared after
+every resume. --dry-run: the host backend, this library only, tiny sizes. Report: speed_<device>.{md,json,png}.
 """
 import inspect
 import os

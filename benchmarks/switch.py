@@ -1,6 +1,6 @@
-"""The `switch` suite: a trainer and a rollout trading one GPU as colocated RL stacks
-(slime, verl) run it: `python -m benchmarks switch [--upstream DIR] [--gib G]
-[--kv-fraction F] [--cycles N] [--part all|switch|wait] [--deadline S] [--out DIR] [--dry-run]`.
+"""The `switch` suite: a trainer and a rollout trading one GPU as colocated RL stacks (slime, verl) run it: `python -m
+benchmarks switch [--upstream DIR] [--gib G] [--kv-fraction F] [--cycles N] [--part all|switch|wait] [--deadline S]
+[--out DIR] [--dry-run]`.
 
 *switch*: the trainer's bf16 weights, fp32 gradients and Adam moments of a Llama-shaped
 model (G GiB) in one backed-up tag; the rollout's weights and a KV cache (F of the free
@@ -44,6 +44,7 @@ PHASES = {"weights_resume": ("1 rollout resumes its weights", "driver create + m
 IDLE_S = 2.0    # the idle gap the targets name
 SETTLE_S = 2.0  # before the other process frees: what earlier rows freed is clean by then
 FD_BATCH = 250  # descriptors per message (the kernel takes at most 253)
+LENDING = ("kept_bytes", "returned_bytes", "reused_bytes", "borrowed_bytes")  # a pause or resume report in a job
 
 
 def _state(target, cfg):
@@ -219,10 +220,12 @@ class Engine:
     def timed(self, fn):
         self.env.sync()
         t0 = time.monotonic()  # CLOCK_MONOTONIC: comparable between the processes of one host
-        fn()
+        got = fn()
         self.env.sync()
         t1 = time.monotonic()
-        return {"s": t1 - t0, "t0": t0, "t1": t1}
+        devs = got.as_dict().get("devices", {}).values() if hasattr(got, "as_dict") else ()
+        lent = {k: sum(d.get(k, 0) for d in devs) for k in LENDING if any(k in d for d in devs)}  # a job's
+        return dict(lent, s=t1 - t0, t0=t0, t1=t1)
 
     def alloc(self, tag, sizes, backup=False):
         """(the env's block, tensors over it): on the host backend, CPU tensors over malloc()'s memory."""
@@ -630,6 +633,13 @@ def _ms(x):
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
+def _lending(part):
+    """What a job lent in the last cycle, phase by phase (nothing without a job)."""
+    said = [f"{name} {k.split('_')[0]} {v[k] / GiB:.2f} GiB" for name, v in
+            (part["cycles"][-1]["phases"] if part.get("cycles") else {}).items() for k in LENDING if v.get(k)]
+    return "; last cycle: " + ", ".join(said) if said else ""
+
+
 def cycle(tr, ro, c, kind, idle_s):
     ph = {}
     out = {"cycle": c, "kind": kind, "phases": ph}
@@ -896,7 +906,8 @@ def body(doc, sizes, args):
             for k, p in parts.items():
                 how = next((r["phases"]["refresh"]["how"] for r in p["cycles"][::-1]
                             if "how" in r["phases"].get("refresh", {})), None)
-                lines.append(f"- {k}: refresh by {how}; {p.get('stopped') or '%d cycles' % len(p['cycles'])}")
+                lines.append(f"- {k}: refresh by {how}; {p.get('stopped') or '%d cycles' % len(p['cycles'])}"
+                             + _lending(p))
             lines += ["", report.table(["target", "value", "wanted"],
                                        [[k, f"{v:.2f}", want] for k, (v, want) in doc["ratios"].items()], "lrl"), ""]
         if w:

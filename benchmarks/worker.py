@@ -1,10 +1,9 @@
 """One worker process of a suite: `python -m benchmarks.worker SUITE RESULT ARGS`.
 
-Calls benchmarks.SUITE.worker(**ARGS, save=...) and writes the document it
-returns to RESULT as JSON. A suite that saves as it goes (speed, after each row)
-leaves its partial results there when the process dies or is killed. Suites start
-it through common.run_row, which also puts the preload library on LD_PRELOAD for
-the workers that measure the preload hook mode.
+Calls benchmarks.SUITE.worker(**ARGS, save=...) and writes the document it returns to RESULT as JSON. A suite that
+saves as it goes (speed, after each row) leaves its partial results there when the process dies or is killed. Suites
+start it through common.run_row, which also puts the preload library on LD_PRELOAD for the workers that measure the
+preload hook mode.
 """
 import importlib
 import json

@@ -244,23 +244,20 @@ void tms_core_job_status(int device, size_t *demand, size_t *idle)
     *idle = kept;
 }
 
-/* Whether a handle of size bytes serves a need of want bytes: whole, or its
- * first want bytes with at most an eighth of it left over (the rest is
- * unusable while borrowed). */
-int tms_pool_fits(size_t size, size_t want) { return want && (size <= want || size - want <= want / 8); }
+/* Whether a handle of size bytes serves a need of want bytes: the driver
+ * maps a handle whole, never a part of one, so it must not be larger. */
+int tms_pool_fits(size_t size, size_t want) { return want && size <= want; }
 
-/* The idle handle on device for a need of want bytes: the largest that fits
- * whole, else the smallest a prefix of which fits; SIZE_MAX if none. */
+/* The idle handle on device for a need of want bytes: the largest that fits; SIZE_MAX if none. */
 static size_t pick_locked(int device, size_t want)
 {
-    size_t best = SIZE_MAX, prefix = SIZE_MAX;
+    size_t best = SIZE_MAX;
     for (size_t i = 0; i < n_pool; i++) {
         const struct kept *k = &pool[i];
         if (k->device != device || k->state != IDLE || !tms_pool_fits(k->size, want)) continue;
-        if (k->size <= want && (best == SIZE_MAX || k->size > pool[best].size)) best = i;
-        if (k->size > want && (prefix == SIZE_MAX || k->size < pool[prefix].size)) prefix = i;
+        if (best == SIZE_MAX || k->size > pool[best].size) best = i;
     }
-    return best != SIZE_MAX ? best : prefix;
+    return best;
 }
 
 int tms_core_job_lend(int device, const uint64_t *needs, size_t n, int pid, struct tms_job_lent *out, int *fds,

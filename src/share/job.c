@@ -409,6 +409,7 @@ static void send_returned(int fd, const uint64_t *keys, size_t n)
 }
 
 /* What a lender's answer says must be memory this process can map. */
+/* A lent handle maps whole (the driver maps no part of one): its length is its size. */
 static int lend_ok(const struct tms_job_lend_reply *r, ssize_t got, int n_fds, const size_t *left, size_t n,
                    size_t gran)
 {
@@ -420,7 +421,7 @@ static int lend_ok(const struct tms_job_lend_reply *r, ssize_t got, int n_fds, c
     memcpy(want, left, n * sizeof *left);
     for (uint32_t i = 0; i < r->n; i++) {
         const struct tms_job_lend_piece *p = &r->pieces[i];
-        if (p->need >= n || !p->len || p->len % gran || p->size % gran || p->len > p->size || p->len > want[p->need])
+        if (p->need >= n || !p->len || p->len % gran || p->size % gran || p->len != p->size || p->len > want[p->need])
             return 0;
         want[p->need] -= p->len;
     }

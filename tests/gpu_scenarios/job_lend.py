@@ -25,7 +25,7 @@ import torch
 from _common import GiB, MiB, begin, check, mib, say
 
 KV = GiB                  # A's discarded tag: one allocation, kept whole for B
-WEIGHTS = GiB - 64 * MiB  # B's backed-up tag: one allocation, mapped on the first bytes of A's handle
+WEIGHTS = GiB             # B's backed-up tag: as large, so A's handles serve it (a handle maps whole)
 SETTLE_S = 30
 # The driver's own bookkeeping (page tables, this process's context) moves free memory by a few MiB.
 SLACK = 64 * MiB
@@ -182,7 +182,6 @@ def main(hook_mode, mode="on"):
     if on:
         check(d["borrowed_bytes"] == WEIGHTS and d["lenders"] == {a.pid: WEIGHTS} and d["fallback"] is None,
               f"B's resume did not map A's memory: {d}")
-        # A lent its whole handle; B maps its first WEIGHTS bytes (cuMemMap of a size below the handle's).
         check(a.ask("memory")["job_lent"] == KV and b.ask("memory")["job_borrowed"] == WEIGHTS,
               "the memory reports do not show the lend")
     else:

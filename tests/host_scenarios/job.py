@@ -294,23 +294,27 @@ def own_memory_back():
     print("done")
 
 
-def prefix_of_a_larger_handle():
-    """A kept handle a little larger than a need serves it by its first bytes: B maps 30 MiB
-    of A's 32 MiB chunk, restored byte-exact; A counts the whole chunk lent until B's pause."""
+def a_larger_handle_is_not_lent():
+    """The driver maps a handle whole: A's 32 MiB chunk does not serve B's 30 MiB need, whose
+    resume takes the driver's memory; A keeps its chunk (the host backend refuses a part of a
+    handle as the CUDA driver does)."""
     a, b = Member(J, TMS_CHUNK_BYTES="0"), Member(J)
     p = b.alloc("w", 30 * MiB, backup=True)
     data = b.ask("fill", p, 30 * MiB)
     b.pause()
     a.alloc("kv", 32 * MiB)
-    assert device(a.pause("kv"))["kept_bytes"] == 32 * MiB  # within an eighth of the 30 B will ask for
-    lent = made_by(a.pid)
+    assert device(a.pause("kv"))["kept_bytes"] == 0  # larger than anything B will ask for
+    a.resume("kv")
+    a.alloc("kv2", 30 * MiB)
+    assert device(a.pause("kv2"))["kept_bytes"] == 30 * MiB  # the same size: kept
+    kept = made_by(a.pid) - mapped_in(a.pid, 0, 1 << 64)  # held, mapped nowhere: the kept chunk
+    assert len(kept) == 1, kept
     d = device(b.resume())
-    assert (d["borrowed_bytes"], d["fallback"]) == (30 * MiB, None), d
-    assert mapped_in(b.pid, p, 30 * MiB) == lent and b.ask("read", p, 30 * MiB) == data
-    assert (a.memory()["job_lent"], b.memory()["job_borrowed"]) == (32 * MiB, 30 * MiB)
+    assert (d["borrowed_bytes"], d["lenders"], d["fallback"]) == (30 * MiB, {a.pid: 30 * MiB}, None), d
+    assert mapped_in(b.pid, p, 30 * MiB) == kept and b.ask("read", p, 30 * MiB) == data
     assert device(b.pause())["returned_bytes"] == 30 * MiB
     assert until("A has its chunk back", lambda: a.memory()["job_lent"] == 0)
-    check_exit_frees((a, b), lent)
+    check_exit_frees((a, b), kept)
     print("done")
 
 
