@@ -331,8 +331,12 @@ static int job_on(void)
     return on;
 }
 
-/* What the other members on device will ask for: each one's paused bytes
- * beyond what it keeps idle itself. */
+/* What a pause keeps: all it releases while another member on device has
+ * paused more than it keeps idle itself (it will ask for memory soon), else
+ * nothing. All of it, not just what the others will ask for: what goes back
+ * to the driver is scrubbed at once, and that scrubbing slows the copies of
+ * the resume that follows, wherever that resume's memory comes from. The
+ * bound gives it back later, and a member out of memory asks for it first. */
 static size_t keep(int device, size_t releasable, struct tms_job_note *note)
 {
     char job[TMS_JOB_NAME_MAX + 1], identity[TMS_JOB_IDENTITY_MAX + 1], prefix[64];
@@ -349,7 +353,7 @@ static size_t keep(int device, size_t releasable, struct tms_job_note *note)
     struct tms_job_request req;
     fill_request(&req, TMS_JOB_STATUS, job, identity);
     unsigned wait_ms = tms_defaults()->job_wait_ms;
-    for (size_t i = 0; i < n && want < releasable; i++) {
+    for (size_t i = 0; i < n && !want; i++) {
         note->members++;
         int fd, asked = send_request(&members[i], &req, TMS_JOB_REQUEST_HEAD, &fd), timed_out = 0, n_fds;
         struct tms_job_status_reply reply;
@@ -363,7 +367,7 @@ static size_t keep(int device, size_t releasable, struct tms_job_note *note)
         if (got != (ssize_t)sizeof reply || reply.status) continue;  /* gone, or not of this job after all */
         if (reply.demand > reply.idle) want += reply.demand - reply.idle;
     }
-    return want < releasable ? want : releasable;
+    return want ? releasable : 0;
 }
 
 /* The driver is out of memory here: the members release what they keep idle
