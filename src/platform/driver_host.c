@@ -274,9 +274,9 @@ static int host_map(int device, tms_va va, size_t size, tms_phys handle)
     int fd = (int)(handle & 0xffffffffu);
     if ((handle & HOST_IMPORTED) && !sealed_at_least(fd, size)) return EBADF;
     /* As the CUDA driver does, a handle maps whole: a part of one is not supported. */
-    struct stat st;
-    if (fstat(fd, &st) != 0) return errno;
-    if ((uint64_t)st.st_size != size) return ENOTSUP;
+    struct statx st;  /* statx, not fstat: fstat is a glibc 2.33 symbol */
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_SIZE, &st) != 0) return errno;
+    if (st.stx_size != size) return ENOTSUP;
     void *p = mmap((void *)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
     if (p == MAP_FAILED) return errno;
     /* Another process's memory stays out of a fork's child, as a GPU mapping does. */
