@@ -344,8 +344,8 @@ struct tms_job_piece {     /* a handle another member lent, imported here */
     uint64_t key;          /* the lender's name for it, given back when it is returned */
     uint64_t via;          /* the job layer's name for the connection it came over */
     int lender;            /* the lender's pid */
-    int fd;                /* the descriptor it came as, kept: the driver does not export an imported handle
-                            * again, so a share of memory on it passes this one on */
+    int fd;                /* the descriptor it came as, kept (tms_core_job_keep_fd; else -1): the driver
+                            * does not export an imported handle again, so a share passes this one on */
 };
 
 struct tms_job_note {      /* what asking the members found, for the report */
@@ -399,6 +399,13 @@ size_t tms_core_job_release(int device, size_t bytes);
 /* Releases the kept memory nobody borrowed within the bound (TMS_JOB_HOLD_MS);
  * milliseconds until the next would go, -1 if none waits. */
 int tms_core_job_expire(void);
+/* Whether a borrowed piece may keep the descriptor it came as (tms_job_piece.fd;
+ * a share of memory on it passes that one on): 1, counted, while fewer than
+ * tms_core_job_fd_cap() are kept, else 0. A kept one is closed, and counted
+ * off, when the piece is returned. */
+int tms_core_job_keep_fd(void);
+/* A quarter of the process's descriptor limit. */
+size_t tms_core_job_fd_cap(void);
 /* Bytes on device this process keeps idle for the job, has lent to other
  * members, and maps from memory other members lent. */
 void tms_core_job_memory(int device, size_t *kept, size_t *lent, size_t *borrowed);

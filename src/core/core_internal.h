@@ -71,7 +71,7 @@ struct tms_extent {
     uint64_t key;    /* borrowed: the lender's name for it; 0: this process made it */
     uint64_t via;    /* borrowed: the job layer's connection it came over */
     int lender;      /* borrowed: the lender's pid */
-    int fd;          /* borrowed: the descriptor it came as (tms_job_piece.fd), closed when it is returned */
+    int fd;          /* borrowed: the descriptor it came as (tms_job_piece.fd), -1 if not kept; closed when returned */
 };
 
 /* One allocation in a pause or resume. The mover fills it outside the table

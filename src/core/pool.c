@@ -10,6 +10,7 @@
 #include "platform/config.h"
 #include "platform/fork.h"
 #include "platform/log.h"
+#include "platform/os.h"
 
 enum { IDLE, LENT };
 
@@ -34,6 +35,7 @@ static size_t n_pool, cap_pool;     /* guarded by kept_lock */
 static uint64_t last_key, last_batch;  /* guarded by kept_lock */
 static size_t pool_entries;         /* atomic: n_pool, read without the lock */
 static size_t borrowed[TMS_STATS_DEVICES];  /* atomic: bytes mapped here from memory members lent */
+static size_t kept_fds;                     /* atomic: descriptors borrowed pieces keep (tms_core_job_keep_fd) */
 static const struct tms_job_ops *job_ops;   /* atomic: set by the job layer */
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
@@ -194,7 +196,10 @@ int tms_pool_return_borrowed(const struct tms_driver *drv, int device, const str
     size_t done = 0;
     for (int i = 0; i < n; i++) {
         if (!e[i].key) continue;
-        close(e[i].fd);
+        if (e[i].fd >= 0) {
+            close(e[i].fd);
+            __atomic_sub_fetch(&kept_fds, 1, __ATOMIC_RELAXED);
+        }
         int rc = drv->release(e[i].handle);
         if (rc && !drv->is_shutdown(rc) && !first) first = rc;
         done += e[i].len;
@@ -218,6 +223,19 @@ int tms_pool_return_borrowed(const struct tms_driver *drv, int device, const str
         if (k) ops->returned(e[i].via, keys, k);
     }
     return first;
+}
+
+/* A descriptor per borrowed piece adds up (4,096 for 8 GiB of 2 MiB handles):
+ * a quarter of the limit leaves the process's own files room. */
+size_t tms_core_job_fd_cap(void) { return tms_os_fd_limit() / 4; }
+
+int tms_core_job_keep_fd(void)
+{
+    size_t limit = tms_core_job_fd_cap(), n = __atomic_load_n(&kept_fds, __ATOMIC_RELAXED);
+    do {
+        if (n >= limit) return 0;
+    } while (!__atomic_compare_exchange_n(&kept_fds, &n, n + 1, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return 1;
 }
 
 void tms_pool_count_borrowed(int device, size_t bytes)

@@ -88,7 +88,7 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
     if (rc) return rc;
     if (!drv->export_fd) return tms_fail(err, TMS_E_UNSUPPORTED, 0, "share: the %s backend cannot export memory", drv->name);
     tms_phys handles[TMS_SHARE_MAX_CHUNKS];
-    int lent_fds[TMS_SHARE_MAX_CHUNKS];  /* memory a job lent: the descriptor it came as; -1 for its own */
+    int lent_fds[TMS_SHARE_MAX_CHUNKS];  /* memory a job lent: the descriptor it came as (-2: not kept); -1: its own */
     tms_table_lock();
     struct tms_alloc *a;
     /* A pause or resume in flight settles first; then the state decides. */
@@ -108,7 +108,7 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
         a->moving = 1;
         for (int i = 0; i < handle_count(a); i++) {
             handles[i] = a->ext ? a->ext[i].handle : a->handles[i];
-            lent_fds[i] = a->ext && a->ext[i].key ? a->ext[i].fd : -1;
+            lent_fds[i] = !a->ext || !a->ext[i].key ? -1 : a->ext[i].fd >= 0 ? a->ext[i].fd : -2;
         }
         fill_info(a, out);
     }
@@ -117,6 +117,13 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
     int exported = 0;
     for (; exported < out->n_chunks; exported++) {
         /* The driver does not export an imported handle again: what a job lent goes on as it came. */
+        if (lent_fds[exported] == -2) {
+            rc = tms_fail(err, TMS_E_UNSUPPORTED, 0, "share of allocation 0x%llx (chunk %d of %d): it is memory a job "
+                          "lent, whose descriptor this process did not keep (it keeps at most %zu, a quarter of its "
+                          "descriptor limit: raise `ulimit -n`)", (unsigned long long)va, exported + 1, out->n_chunks,
+                          tms_core_job_fd_cap());
+            break;
+        }
         if (lent_fds[exported] >= 0) {
             if ((fds[exported] = fcntl(lent_fds[exported], F_DUPFD_CLOEXEC, 0)) >= 0) continue;
             rc = tms_fail(err, TMS_E_IO, errno, "share of allocation 0x%llx (chunk %d of %d, memory a job lent): "

@@ -93,6 +93,10 @@ const char *tms_os_meminfo_path(void);
  * malformed), -EINVAL (not a regular file) or the open's error. */
 int tms_os_meminfo(size_t *total, size_t *available);
 
+/* The process's soft limit on open descriptors (RLIMIT_NOFILE); 1024 where
+ * it cannot be read, SIZE_MAX where unlimited. */
+size_t tms_os_fd_limit(void);
+
 /* The host's boot id, 36 lowercase hex digits and dashes: the same in every
  * container of a host, another after a reboot or on another host. pre: out
  * has 37 bytes. -EINVAL if the file holds something else. */

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "platform/config.h"
@@ -68,6 +69,13 @@ int tms_os_meminfo(size_t *total, size_t *available)
 }
 
 /* ---- the boot id ----------------------------------------------------------------------------- */
+
+size_t tms_os_fd_limit(void)
+{
+    struct rlimit r;
+    if (getrlimit(RLIMIT_NOFILE, &r) != 0) return 1024;
+    return r.rlim_cur == RLIM_INFINITY || r.rlim_cur > SIZE_MAX ? SIZE_MAX : (size_t)r.rlim_cur;
+}
 
 int tms_os_boot_id(char *out)
 {

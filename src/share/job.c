@@ -478,9 +478,10 @@ static size_t borrow_once(struct borrowing *b, const struct member *m, struct tm
         }
         *p = (struct tms_job_piece){.need = r->pieces[imported].need, .handle = h, .size = r->pieces[imported].size,
                                     .len = r->pieces[imported].len, .key = r->pieces[imported].key, .lender = m->pid,
-                                    .fd = fds[imported]};
+                                    .fd = -1};
     }
-    for (size_t i = 0; ok && i < imported; i++) fds[i] = -1;  /* the pieces keep them */
+    for (size_t i = 0; ok && i < imported; i++)
+        if (tms_core_job_keep_fd()) b->out[b->got + i].fd = fds[i], fds[i] = -1;  /* the piece keeps it */
     for (int i = 0; i < n_fds; i++)
         if (fds[i] >= 0) close(fds[i]);
     if (!ok) {

@@ -9,6 +9,7 @@ import ctypes
 import gc
 import os
 import pickle
+import resource
 import signal
 import socket
 import struct
@@ -49,14 +50,15 @@ def take(pipe):
 class Member:
     """This file run as case `member` in a child process: one job (None: outside any)."""
 
-    def __init__(self, job, wait_ms=5000, hold_ms=60000, **env):
+    def __init__(self, job, wait_ms=5000, hold_ms=60000, nofile=None, **env):
         full = dict(os.environ, TMS_CHUNK_BYTES=str(CHUNK), TMS_JOB_WAIT_MS=str(wait_ms), TMS_JOB_HOLD_MS=str(hold_ms))
         full.update(env)
         full.pop("TMS_JOB", None)
         if job is not None:
             full["TMS_JOB"] = job
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
         self.proc = subprocess.Popen([sys.executable, __file__, "member"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=full)
+                                     stdout=subprocess.PIPE, env=full, preexec_fn=limit)
         self.pid = self.proc.pid
         MEMBERS.append(self)
         assert self.ask("ready") == "ready"
@@ -318,6 +320,29 @@ def a_larger_handle_is_not_lent():
     assert device(b.pause())["returned_bytes"] == 30 * MiB
     assert until("A has its chunk back", lambda: a.memory()["job_lent"] == 0)
     check_exit_frees((a, b), kept)
+    print("done")
+
+
+def descriptors_kept_within_a_quarter_of_the_limit():
+    """A borrowed piece keeps the descriptor it came as (a share passes it on) while fewer
+    than a quarter of the process's limit are kept: with 64, the first 16 of B's 24 borrowed
+    chunks. The allocation first in address order shares; the other names the limit. B's
+    pause closes them and counts them off: after the next borrow the same holds again."""
+    a, b = Member(J), Member(J, nofile=64)
+    ptrs = {b.alloc("w", n * CHUNK, backup=True): n for n in (16, 8)}
+    b.pause()
+    a.alloc("kv", 24 * CHUNK)
+    assert device(a.pause("kv"))["kept_bytes"] == 24 * CHUNK
+    (first, n_first), (second, n_second) = sorted(ptrs.items())
+    for _ in range(2):
+        assert device(b.resume())["borrowed_bytes"] == 24 * CHUNK
+        assert a.ask("open", b.ask("share", first, n_first * CHUNK)) == b.ask("read", first, n_first * CHUNK)
+        a.ask("close")
+        send(a.proc.stdin, ("open", b.ask("share", second, n_second * CHUNK)))
+        kind, answer = take(a.proc.stdout)
+        assert kind == "error" and "whose descriptor this process did not keep (it keeps at most 16" in answer, answer
+        assert device(b.pause())["returned_bytes"] == 24 * CHUNK
+        until("A has its chunks back", lambda: a.memory()["job_lent"] == 0)
     print("done")
 
 
