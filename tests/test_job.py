@@ -14,7 +14,7 @@ from conftest import check_ok
 TIMEOUT = 120
 
 
-@pytest.mark.parametrize("case", ["lend_and_reuse", "own_memory_back", "a_larger_handle_is_not_lent", "many_pieces", "descriptors_kept_within_a_quarter_of_the_limit",
+@pytest.mark.parametrize("case", ["lend_and_reuse", "shared_on_memory_is_never_lent_again", "own_memory_back", "a_larger_handle_is_not_lent", "many_pieces", "a_forked_child_keeps_no_lent_descriptor", "descriptors_kept_within_a_quarter_of_the_limit",
                                   "kept_memory_gives_way", "kept_memory_expires", "stuck_member", "forged_requests", "without_a_job"])
 def test_members_lend_and_outsiders_get_nothing(run_scenario, case):
     assert check_ok(run_scenario("job", case, timeout=TIMEOUT)) == "done\n"

@@ -101,7 +101,7 @@ int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const 
                                    &p[i].first_item, &p[i].n_items);
         }
     }
-    if (rc) tms_transfer_batch_close(&b);
+    if (rc || b.rc) tms_transfer_batch_close(&b);  /* a save that failed copies nothing more */
     else tms_transfer_batch_run(&b);
     if (!rc && b.rc) {
         rc = b.rc;

@@ -80,7 +80,7 @@ static int map_extents(const struct tms_driver *drv, struct tms_alloc *a, const 
         failed_len = len;
         op = "create";
         if ((rc = create_handle(drv, a, len, 0, &h))) break;
-        a->ext[a->n_ext++] = (struct tms_extent){.handle = h, .len = len, .size = len};
+        a->ext[a->n_ext++] = (struct tms_extent){.handle = h, .len = len, .size = len, .fd = -1};
         op = "map";
         if ((rc = drv->map(a->device, a->va + off, len, h))) break;
         mapped++;

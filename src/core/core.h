@@ -364,8 +364,9 @@ struct tms_job_ops {
      * members' lent handles, imported (*pieces: malloc'd, the caller's). */
     int (*borrow)(int device, const size_t *needs, size_t n, struct tms_job_piece **pieces, size_t *n_pieces,
                   struct tms_job_note *note);
-    /* The borrowed handles keys[0..n) that came over via are unmapped and released here. */
-    void (*returned)(uint64_t via, const uint64_t *keys, size_t n);
+    /* The borrowed handles keys[0..n) that came over via are unmapped and released here;
+     * spent: they were shared on, and another process may still map them. */
+    void (*returned)(uint64_t via, const uint64_t *keys, size_t n, int spent);
     /* The pool changed: idle memory now waits for its bound (the job's thread sleeps until the first). */
     void (*wake)(void);
     /* The driver is out of memory on device: the members release up to
@@ -390,9 +391,11 @@ struct tms_job_lent {
 int tms_core_job_lend(int device, const uint64_t *needs, size_t n, int pid, struct tms_job_lent *out, int *fds,
                       size_t *n_out, uint64_t *batch, struct tms_err *err);
 /* The borrower of batch released keys[0..n) (n 0: every handle of it, as
- * when its process ended): they are idle again, kept within the bound.
- * Returns how many of the batch are still lent. */
-size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n);
+ * when its process ended): they are idle again, kept within the bound; spent
+ * (shared on, or its process ended: another process may still map them):
+ * released at the next expiry instead, never lent or taken back. Returns how
+ * many of the batch are still lent. */
+size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n, int spent);
 /* Releases up to bytes of the memory kept idle on device (another member ran
  * out of memory there): the bytes released. */
 size_t tms_core_job_release(int device, size_t bytes);

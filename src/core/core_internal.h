@@ -72,6 +72,7 @@ struct tms_extent {
     uint64_t via;    /* borrowed: the job layer's connection it came over */
     int lender;      /* borrowed: the lender's pid */
     int fd;          /* borrowed: the descriptor it came as (tms_job_piece.fd), -1 if not kept; closed when returned */
+    int shared_on;   /* borrowed: a process other than its lender was sent it (a share): returned spent */
 };
 
 /* One allocation in a pause or resume. The mover fills it outside the table
@@ -221,7 +222,9 @@ size_t tms_pool_take(const struct tms_alloc *owner, struct tms_extent **ext, int
 /* owner is freed: its idle handles released, those lent out the job's. */
 void tms_pool_forget(const struct tms_alloc *owner);
 /* Releases the borrowed extents of e[0..n) (of device), then tells each
- * lender; *bytes grows by theirs. Returns the first release failure's code. */
+ * lender; *bytes grows by theirs. Those shared on go back spent: a receiver
+ * may still map them, and their lender must not use them again. Returns the
+ * first release failure's code. */
 int tms_pool_return_borrowed(const struct tms_driver *drv, int device, const struct tms_extent *e, int n,
                              size_t *bytes);
 /* bytes of borrowed memory were mapped on device. */

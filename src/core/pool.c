@@ -25,6 +25,7 @@ struct kept {
     const struct tms_alloc *owner;  /* the paused allocation it backed; NULL once that took other memory or was freed */
     int order;                      /* its place in the owner's memory */
     uint64_t idle_until_ns;         /* IDLE: released to the driver then */
+    int spent;                      /* IDLE: returned spent (tms_core_job_returned): released, never lent again */
 };
 
 /* A leaf lock: nothing else is taken under it, and no driver call runs
@@ -45,6 +46,7 @@ static void fork_parent(void) { pthread_mutex_unlock(&kept_lock); }
 static void fork_child(void)
 {
     n_pool = 0;
+    __atomic_store_n(&kept_fds, 0, __ATOMIC_RELAXED);  /* the table's fork handler closes the child's copies */
     __atomic_store_n(&pool_entries, 0, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&kept_lock);
 }
@@ -143,7 +145,7 @@ size_t tms_pool_take(const struct tms_alloc *owner, struct tms_extent **ext, int
     }
     qsort(taken, k, sizeof *taken, by_order);
     for (size_t i = 0; i < k; i++) {
-        out[i] = (struct tms_extent){.handle = taken[i].handle, .len = taken[i].size, .size = taken[i].size};
+        out[i] = (struct tms_extent){.handle = taken[i].handle, .len = taken[i].size, .size = taken[i].size, .fd = -1};
         bytes += taken[i].size;
     }
     free(taken);
@@ -208,19 +210,19 @@ int tms_pool_return_borrowed(const struct tms_driver *drv, int device, const str
     if (bytes) *bytes += done;
     const struct tms_job_ops *ops = tms_pool_ops();
     uint64_t keys[TMS_JOB_MAX_PIECES];
-    /* One message per connection: extents that came over one lie together. */
+    /* One message per connection and spent-ness: extents that came over one lie together. */
     for (int i = 0; ops && i < n; i++) {
         if (!e[i].key) continue;
-        int seen = 0;
-        for (int j = 0; j < i && !seen; j++) seen = e[j].key && e[j].via == e[i].via;
+        int seen = 0, spent = e[i].shared_on != 0;
+        for (int j = 0; j < i && !seen; j++) seen = e[j].key && e[j].via == e[i].via && (e[j].shared_on != 0) == spent;
         if (seen) continue;
         size_t k = 0;
         for (int j = i; j < n; j++) {
-            if (!e[j].key || e[j].via != e[i].via) continue;
+            if (!e[j].key || e[j].via != e[i].via || (e[j].shared_on != 0) != spent) continue;
             keys[k++] = e[j].key;
-            if (k == TMS_JOB_MAX_PIECES) ops->returned(e[i].via, keys, k), k = 0;
+            if (k == TMS_JOB_MAX_PIECES) ops->returned(e[i].via, keys, k, spent), k = 0;
         }
-        if (k) ops->returned(e[i].via, keys, k);
+        if (k) ops->returned(e[i].via, keys, k, spent);
     }
     return first;
 }
@@ -256,7 +258,8 @@ void tms_core_job_status(int device, size_t *demand, size_t *idle)
     }
     tms_table_unlock();
     lock();
-    for (size_t i = 0; i < n_pool; i++) kept += pool[i].device == device && pool[i].state == IDLE ? pool[i].size : 0;
+    for (size_t i = 0; i < n_pool; i++)
+        kept += pool[i].device == device && pool[i].state == IDLE && !pool[i].spent ? pool[i].size : 0;
     unlock();
     *demand = paused;
     *idle = kept;
@@ -272,7 +275,7 @@ static size_t pick_locked(int device, size_t want)
     size_t best = SIZE_MAX;
     for (size_t i = 0; i < n_pool; i++) {
         const struct kept *k = &pool[i];
-        if (k->device != device || k->state != IDLE || !tms_pool_fits(k->size, want)) continue;
+        if (k->device != device || k->state != IDLE || k->spent || !tms_pool_fits(k->size, want)) continue;
         if (best == SIZE_MAX || k->size > pool[best].size) best = i;
     }
     return best;
@@ -313,7 +316,7 @@ int tms_core_job_lend(int device, const uint64_t *needs, size_t n, int pid, stru
         int drc = drv->export_fd(handles[i], &fds[sent]);
         if (drc) {
             TMS_DEBUG("lend: export of a kept handle failed: %s (%d)", drv->code_name(drc), drc);
-            (void)tms_core_job_returned(b, &keys[i], 1);
+            (void)tms_core_job_returned(b, &keys[i], 1, 0);
             continue;
         }
         out[sent++] = out[i];
@@ -323,7 +326,7 @@ int tms_core_job_lend(int device, const uint64_t *needs, size_t n, int pid, stru
     return TMS_OK;
 }
 
-size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n)
+size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n, int spent)
 {
     uint64_t until = now_ns() + hold_ns();
     size_t left = 0;
@@ -339,7 +342,8 @@ size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n)
         }
         e->state = IDLE;
         e->borrower = 0;
-        e->idle_until_ns = until;
+        e->idle_until_ns = spent ? 0 : until;
+        if (spent) e->spent = 1, e->owner = NULL;
     }
     unlock();
     return left;

@@ -109,6 +109,8 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
         for (int i = 0; i < handle_count(a); i++) {
             handles[i] = a->ext ? a->ext[i].handle : a->handles[i];
             lent_fds[i] = !a->ext || !a->ext[i].key ? -1 : a->ext[i].fd >= 0 ? a->ext[i].fd : -2;
+            /* Its lender must never use it again once another process may map it. */
+            if (a->ext && a->ext[i].key && pid != a->ext[i].lender) a->ext[i].shared_on = 1;
         }
         fill_info(a, out);
     }

@@ -398,13 +398,13 @@ static size_t release(int device, size_t bytes)
     return freed;
 }
 
-/* Tells a lender over fd that keys[0..n) (n 0: all it lent) are released here. */
-static void send_returned(int fd, const uint64_t *keys, size_t n)
+/* Tells a lender over fd that keys[0..n) (n 0: all it lent) are released here (spent: see wire.h). */
+static void send_returned(int fd, const uint64_t *keys, size_t n, int spent)
 {
     struct tms_job_returned msg;
     memcpy(msg.magic, TMS_JOB_RETURNED, sizeof msg.magic);
     msg.n = (uint32_t)n;
-    msg.reserved0 = 0;
+    msg.flags = spent ? TMS_JOB_RETURNED_SPENT : 0;
     if (n) memcpy(msg.keys, keys, n * sizeof *keys);
     ssize_t r;
     do r = send(fd, &msg, offsetof(struct tms_job_returned, keys) + n * sizeof *keys, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -425,7 +425,8 @@ static int lend_ok(const struct tms_job_lend_reply *r, ssize_t got, int n_fds, c
     memcpy(want, left, n * sizeof *left);
     for (uint32_t i = 0; i < r->n; i++) {
         const struct tms_job_lend_piece *p = &r->pieces[i];
-        if (p->need >= n || !p->len || p->len % gran || p->size % gran || p->len != p->size || p->len > want[p->need])
+        if (p->need >= n || !p->key || !p->len || p->len % gran || p->size % gran || p->len != p->size ||
+            p->len > want[p->need])
             return 0;
         want[p->need] -= p->len;
     }
@@ -487,7 +488,7 @@ static size_t borrow_once(struct borrowing *b, const struct member *m, struct tm
     if (!ok) {
         for (size_t i = 0; i < imported; i++) (void)b->drv->release(b->out[b->got + i].handle);
         /* Whatever it lent (or will, once it answers) is not taken: all of it back. */
-        if (fd >= 0 && asked == ASKED) send_returned(fd, NULL, 0);
+        if (fd >= 0 && asked == ASKED) send_returned(fd, NULL, 0, 0);
         if (fd >= 0) close_conn(fd);
         return 0;
     }
@@ -548,12 +549,12 @@ static int borrow(int device, const size_t *needs, size_t n, struct tms_job_piec
     return TMS_OK;
 }
 
-static void returned(uint64_t via, const uint64_t *keys, size_t n)
+static void returned(uint64_t via, const uint64_t *keys, size_t n, int spent)
 {
     lock();
     for (size_t i = 0; i < n_conns; i++) {
         if (conns[i].pending || conns[i].via != via) continue;
-        send_returned(conns[i].fd, keys, n);
+        send_returned(conns[i].fd, keys, n, spent);
         conns[i].held = conns[i].held > n ? conns[i].held - n : 0;
         /* Nothing of it is borrowed any more: the claim ends. */
         if (!conns[i].held) close_conn_locked(i);

@@ -189,7 +189,7 @@ static struct outcome answer_job(int fd, int pid, const struct listener *l, cons
     out.refused = reply.status != TMS_OK;
     if (!k) return out;
     if (sent) {
-        (void)tms_core_job_returned(batch, NULL, 0);  /* nothing reached it */
+        (void)tms_core_job_returned(batch, NULL, 0, 0);  /* nothing reached it */
         return out;
     }
     TMS_DEBUG("lent %zu kept handles on device %d to pid %d", k, l->device, pid);
@@ -326,7 +326,7 @@ static int peer_ended(int sock, int pid, int *pidfd)
 static size_t still_lent(uint64_t batch)
 {
     const uint64_t none = 0;
-    return tms_core_job_returned(batch, &none, 1);
+    return tms_core_job_returned(batch, &none, 1, 0);
 }
 
 /* A borrower's socket is readable: it returned pieces (and hangs up once
@@ -342,7 +342,8 @@ static void borrower_spoke_locked(struct conn *c)
     size_t head = offsetof(struct tms_job_returned, keys);
     if (n >= (ssize_t)head && memcmp(msg.magic, TMS_JOB_RETURNED, sizeof msg.magic) == 0 &&
         msg.n <= TMS_JOB_MAX_PIECES && (size_t)n == head + msg.n * sizeof msg.keys[0]) {
-        if (tms_core_job_returned(c->batch, msg.keys, msg.n) == 0) close_conn(c);
+        if (tms_core_job_returned(c->batch, msg.keys, msg.n, (msg.flags & TMS_JOB_RETURNED_SPENT) != 0) == 0)
+            close_conn(c);
         return;
     }
     if (!still_lent(c->batch)) {
@@ -351,8 +352,8 @@ static void borrower_spoke_locked(struct conn *c)
     }
     int pidfd = -1, ended = peer_ended(c->fd, c->pid, &pidfd);
     close_conn(c);
-    if (ended == 1) {
-        (void)tms_core_job_returned(c->batch, NULL, 0);
+    if (ended == 1) {  /* it may have shared the memory on: never used again */
+        (void)tms_core_job_returned(c->batch, NULL, 0, 1);
         return;
     }
     TMS_DEBUG("job: pid %d hung up on borrowed memory without returning it", c->pid);
@@ -391,7 +392,7 @@ static void holder_spoke_locked(struct conn *c)
 /* A watched process has ended: whatever it mapped went with it. */
 static void ended_locked(struct conn *c)
 {
-    if (c->kind == JOB) (void)tms_core_job_returned(c->batch, NULL, 0);
+    if (c->kind == JOB) (void)tms_core_job_returned(c->batch, NULL, 0, 1);  /* it may have shared it on */
     else tms_core_share_gone(c->va, c->token, c->pid, c->mark);
     close_conn(c);
 }
@@ -636,7 +637,7 @@ static void *serve(void *arg)
                 close_conn(c);
                 drop_closed_locked();
             } else if (out.holding && out.kind == JOB) {  /* gone meanwhile (a fork's child closed it) */
-                (void)tms_core_job_returned(out.batch, NULL, 0);
+                (void)tms_core_job_returned(out.batch, NULL, 0, 1);
             } else if (out.holding) {  /* gone meanwhile (a fork's child closed it): nobody holds it */
                 (void)tms_core_share_detach(out.va, out.token, asking[k].pid, 1);
             }

@@ -98,12 +98,15 @@ struct tms_job_lend_reply {
 };
 
 /* What a borrower sends on that connection once it released pieces (every
- * piece of the lend with n 0: also when it gave up waiting for the answer). */
+ * piece of the lend with n 0: also when it gave up waiting for the answer).
+ * SPENT: the memory was shared on, and another process may still map it: the
+ * lender releases those handles and never lends or maps them again. */
 #define TMS_JOB_RETURNED "TMSJRET1"
+#define TMS_JOB_RETURNED_SPENT 1u
 struct tms_job_returned {
     char magic[8];
     uint32_t n;
-    uint32_t reserved0;
+    uint32_t flags;
     uint64_t keys[TMS_JOB_MAX_PIECES];
 };
 

@@ -112,6 +112,7 @@ class Member:
 def member():
     """A member: allocates, fills, reads, pauses, resumes and reports on request."""
     tms.memory_report()  # the core loaded, as a framework's process has it
+    children = []
     while True:
         head = sys.stdin.buffer.read(4)
         if len(head) < 4:
@@ -149,6 +150,27 @@ def member():
                 del opened
                 gc.collect()
                 answer = None
+            elif op == "fork":  # a child that waits for "unfork" (the end of its pipe)
+                r, w = os.pipe()
+                ready_r, ready_w = os.pipe()
+                pid = os.fork()
+                if pid == 0:  # its fork handlers have run once fork() returns here
+                    os.close(w)
+                    os.write(ready_w, b"r")
+                    os.read(r, 1)
+                    os._exit(0)
+                os.close(r)
+                os.close(ready_w)
+                assert os.read(ready_r, 1) == b"r"
+                os.close(ready_r)
+                children.append((pid, w))
+                answer = pid
+            elif op == "unfork":
+                for pid, w in children:
+                    os.close(w)
+                    os.waitpid(pid, 0)
+                children.clear()
+                answer = None
             elif op == "budget":
                 answer = tms.host_budget()
             elif op == "backups":
@@ -166,6 +188,17 @@ def member():
 
 
 # ---- what /proc says ---------------------------------------------------------------
+
+def descriptors_of(pid, inodes):
+    """How many of a process's descriptors name one of these chunks."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.stat(f"/proc/{pid}/fd/{fd}").st_ino in inodes
+        except OSError:
+            pass
+    return n
+
 
 def made_by(pid):
     """Inodes of the chunks a process holds a descriptor of: those it made, and what it imported."""
@@ -279,6 +312,28 @@ def lend_and_reuse():
     print("done")
 
 
+def shared_on_memory_is_never_lent_again():
+    """B shares memory A lent it with a third process C: once B returns it, A releases those
+    chunks and never lends or maps them again (C may still map them); the chunks B did not
+    share A keeps. The lender itself opening the share changes nothing (lend_and_reuse)."""
+    a, b, c = Member(J), Member(J), Member(None)
+    w, kv = b.alloc("w", 8 * MiB, backup=True), b.alloc("kv", 4 * MiB)
+    data = b.ask("fill", w, 8 * MiB)
+    b.pause()
+    a.alloc("kv", 12 * MiB)
+    assert device(a.pause("kv"))["kept_bytes"] == 12 * MiB
+    assert device(b.resume())["borrowed_bytes"] == 12 * MiB
+    shared = mapped_in(b.pid, w, 8 * MiB)
+    assert c.ask("open", b.ask("share", w, 8 * MiB)) == data
+    c.ask("close")
+    assert device(b.pause())["returned_bytes"] == 12 * MiB
+    until("the shared chunks released everywhere", lambda: not alive_anywhere(shared))
+    memory = until("A keeps only what was not shared on",
+                   lambda: (m := a.memory())["job_lent"] == 0 and m["job_kept"] == 4 * MiB and m)
+    assert memory["used"] == memory["active"] + 4 * MiB, memory
+    print("done")
+
+
 def own_memory_back():
     """A member's resume maps the chunks its pause kept, all of them, when nobody borrowed them."""
     a, b = Member(J), Member(J)
@@ -331,10 +386,10 @@ def descriptors_kept_within_a_quarter_of_the_limit():
     a, b = Member(J), Member(J, nofile=64)
     ptrs = {b.alloc("w", n * CHUNK, backup=True): n for n in (16, 8)}
     b.pause()
-    a.alloc("kv", 24 * CHUNK)
-    assert device(a.pause("kv"))["kept_bytes"] == 24 * CHUNK
     (first, n_first), (second, n_second) = sorted(ptrs.items())
-    for _ in range(2):
+    for i in range(2):  # shared, B's chunks are released, never lent again: A keeps new ones each time
+        a.alloc(f"kv{i}", 24 * CHUNK)
+        assert device(a.pause(f"kv{i}"))["kept_bytes"] == 24 * CHUNK
         assert device(b.resume())["borrowed_bytes"] == 24 * CHUNK
         assert a.ask("open", b.ask("share", first, n_first * CHUNK)) == b.ask("read", first, n_first * CHUNK)
         a.ask("close")
@@ -343,6 +398,24 @@ def descriptors_kept_within_a_quarter_of_the_limit():
         assert kind == "error" and "whose descriptor this process did not keep (it keeps at most 16" in answer, answer
         assert device(b.pause())["returned_bytes"] == 24 * CHUNK
         until("A has its chunks back", lambda: a.memory()["job_lent"] == 0)
+    print("done")
+
+
+def a_forked_child_keeps_no_lent_descriptor():
+    """The descriptor a borrowed chunk keeps would hold the lender's memory alive in a forked
+    child: the child closes its copies (B holds two descriptors per chunk, the import and the
+    kept one; its child at most the import's, which the backend's fork handling owns)."""
+    a, b = Member(J), Member(J)
+    b.alloc("w", 8 * MiB, backup=True)
+    b.pause()
+    a.alloc("kv", 8 * MiB)
+    assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
+    lent = made_by(a.pid)
+    assert device(b.resume())["borrowed_bytes"] == 8 * MiB
+    assert descriptors_of(b.pid, lent) == 2 * len(lent)
+    child = b.ask("fork")
+    assert descriptors_of(child, lent) <= len(lent), descriptors_of(child, lent)
+    b.ask("unfork")
     print("done")
 
 
@@ -435,8 +508,9 @@ def lender_killed(step):
 
 
 def borrower_killed(step):
-    """A borrower killed while it maps lent memory, or after returning it, or while its
-    borrow waits on a stopped lender: the lender gets every chunk back for itself."""
+    """A borrower killed after returning lent memory, or while its borrow waits on a stopped
+    lender: the lender gets every chunk back for itself. Killed while it maps it: the lender
+    releases every chunk (the borrower may have shared it on) and resumes on new memory."""
     a, b = Member(J), Member(J, wait_ms=300)
     b.alloc("w", 8 * MiB, backup=True)
     b.pause()
@@ -454,11 +528,15 @@ def borrower_killed(step):
         if step == "returned":
             b.pause()
         b.kill()
-    memory = until("A has its chunks back", lambda: (m := a.memory())["job_lent"] == 0 and m)
-    assert memory["job_kept"] == 8 * MiB, memory
+    spent = step == "lent"
+    memory = until("A has its chunks back", lambda: (m := a.memory())["job_lent"] == 0 and
+                   m["job_kept"] == (0 if spent else 8 * MiB) and m)
     d = device(a.resume("kv"))
-    assert d["reused_bytes"] == 8 * MiB, d  # its own chunks, back from the dead borrower
-    assert mapped_in(a.pid, a_kv, 8 * MiB) <= kept
+    assert d["reused_bytes"] == (0 if spent else 8 * MiB), d  # its own chunks, back from the dead borrower
+    if spent:
+        assert not alive_anywhere(kept) and not mapped_in(a.pid, a_kv, 8 * MiB) & kept
+    else:
+        assert mapped_in(a.pid, a_kv, 8 * MiB) <= kept
     memory = a.memory()
     assert memory["used"] == memory["active"] == 8 * MiB and memory["job_kept"] == 0, memory
     check_exit_frees((a,), kept)
