@@ -56,6 +56,17 @@ static void register_fork(void)
     tms_fork_register(TMS_FORK_POOL, &handlers);
 }
 
+/* Handles taken out of the pool, back to the driver (outside the lock). drop is not
+ * const: GCC takes a const pointer into a partly filled array for a read of all of it. */
+static void release_kept(const struct tms_driver *drv, tms_phys *drop, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        int rc = drv->release(drop[i]);
+        if (rc && !drv->is_shutdown(rc))
+            tms_log_warn("releasing memory kept for the job failed: %s (%d)", drv->code_name(rc), rc);
+    }
+}
+
 static void lock(void)
 {
     pthread_once(&fork_once, register_fork);
@@ -180,11 +191,7 @@ void tms_pool_forget(const struct tms_alloc *owner)
         i++;
     }
     unlock();
-    for (size_t i = 0; i < n_drop; i++) {
-        int rc = drv->release(drop[i]);
-        if (rc && !drv->is_shutdown(rc))
-            tms_log_warn("releasing memory kept for the job failed: %s (%d)", drv->code_name(rc), rc);
-    }
+    release_kept(drv, drop, n_drop);
     free(drop);
 }
 
@@ -366,11 +373,7 @@ size_t tms_core_job_release(int device, size_t bytes)
         remove_at_locked(i);
     }
     unlock();
-    for (size_t i = 0; i < n_drop; i++) {
-        int rc = drv->release(drop[i]);
-        if (rc && !drv->is_shutdown(rc))
-            tms_log_warn("releasing memory kept for the job failed: %s (%d)", drv->code_name(rc), rc);
-    }
+    release_kept(drv, drop, n_drop);
     if (freed) TMS_DEBUG("released %zu bytes kept for the job on device %d: memory ran out", freed, device);
     return freed;
 }
@@ -405,11 +408,7 @@ int tms_core_job_expire(void)
         i++;
     }
     unlock();
-    for (size_t i = 0; i < n_drop; i++) {
-        int rc = drv->release(drop[i]);
-        if (rc && !drv->is_shutdown(rc))
-            tms_log_warn("releasing memory kept for the job failed: %s (%d)", drv->code_name(rc), rc);
-    }
+    release_kept(drv, drop, n_drop);
     if (n_drop == sizeof drop / sizeof *drop) return 0;  /* more are due: at once */
     if (next == UINT64_MAX) return -1;
     uint64_t ms = next > now ? (next - now + 999999) / 1000000 : 0;
