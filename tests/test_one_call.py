@@ -56,7 +56,7 @@ def test_the_free_blocks_are_asked_for_only_if_the_pause_backs_something_up(run_
         assert read(b, 2 * MiB) == data
         # What the callable returns is used: the whole allocation skipped as free.
         r = core.pause("backed", lambda: __import__("struct").pack("=QQ", b, 2 * MiB))
-        assert r["devices"][0]["skipped"] == 2 * MiB and r["devices"][0]["copied"] == 0, r
+        assert r["devices"][0]["skipped_bytes"] == 2 * MiB and r["devices"][0]["copied_bytes"] == 0, r
         core.resume("backed")
         # A bad tag is refused before the callable is asked, and nothing moves.
         for bad in ("", ["backed", "backed"]):

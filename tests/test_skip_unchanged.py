@@ -166,9 +166,9 @@ def test_random_writes_over_hundreds_of_cycles_restore_every_byte(run_py, ok):
             spans = b"".join(struct.pack("=QQ", ptrs[i] + off, CHUNK) for i, off in free)
             r = core.pause("f", spans or None)
             dev = r["devices"][0]
-            assert dev["copied"] + dev["unchanged"] + dev["skipped"] == sum(sizes), (cycle, dev)
-            copied += dev["copied"]
-            unchanged += dev["unchanged"]
+            assert dev["copied_bytes"] + dev["unchanged_bytes"] + dev["skipped_bytes"] == sum(sizes), (cycle, dev)
+            copied += dev["copied_bytes"]
+            unchanged += dev["unchanged_bytes"]
             core.resume("f")
             for i, off in free:   # what comes back there is whatever the new memory holds
                 want[i][off:off + CHUNK] = read(ptrs[i] + off, CHUNK)

@@ -26,7 +26,7 @@ except ValueError as e:
 _library.warn_unknown_variables()
 
 # After the check: the singleton's settings are built from the table _tms_env describes.
-from ._errors import DiskBackupDirError, Error, OutOfMemoryError  # noqa: E402
+from ._errors import DiskBackupDirError, Error, IntegrityError, OutOfMemoryError  # noqa: E402
 from ._preload import configure_subprocess  # noqa: E402
 from ._report import DeviceReport, Report  # noqa: E402
 from .entrypoint import TorchMemorySaver, _unknown_setting, setting_names as _setting_names  # noqa: E402
@@ -64,6 +64,6 @@ for _name, _member in vars(TorchMemorySaver).items():
 _sys.modules[__name__].__class__ = _Module
 del _name, _member
 
-__all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "Error", "OutOfMemoryError",
+__all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "Error", "OutOfMemoryError", "IntegrityError",
            "DiskBackupDirError", "Report", "DeviceReport", "__version__",
            *sorted(n for n in vars(TorchMemorySaver) if not n.startswith("_") and n != "configure_subprocess")]

@@ -18,5 +18,14 @@ class DiskBackupDirError(ValueError, OSError):
     OSError (what os.makedirs raised for it before)."""
 
 
+class IntegrityError(Error):
+    """A resume restored bytes other than those its pause backed up: their
+    fingerprints differ (a backup changed while paused: bit rot, a rewritten
+    file, a bad host page). The message names the tag, pointer, size and the
+    first offset that differs; the allocation stays paused with its backup, so a
+    repaired backup can be resumed again."""
+
+
 # Shown and pickled under the public package name.
-Error.__module__ = OutOfMemoryError.__module__ = DiskBackupDirError.__module__ = "torch_memory_saver"
+for _cls in (Error, OutOfMemoryError, DiskBackupDirError, IntegrityError):
+    _cls.__module__ = "torch_memory_saver"

@@ -103,10 +103,10 @@ class _Impl:
 
     # Pools keep region allocations in segments of their own, so PyTorch's
     # cache never hands region memory to code outside the region or back.
-    def _pool(self, tag, backup, kind, device, disk=False, skip=None):
+    def _pool(self, tag, backup, kind, device, disk=False, skip=None, restore=None):
         import torch
 
-        key = (tag, backup, kind, disk, skip, device)
+        key = (tag, backup, kind, disk, skip, restore, device)
         with self._pools_lock:
             pool = self._pools.get(key)
             if pool is None:
@@ -123,9 +123,9 @@ class _Impl:
         return pool
 
     @contextlib.contextmanager
-    def _thread_region(self, active, tag, backup, kind, disk=False, skip=None):
+    def _thread_region(self, active, tag, backup, kind, disk=False, skip=None, restore=None):
         previous = self.core.get_region()
-        self.core.set_region(active, tag, backup, kind, disk, skip)
+        self.core.set_region(active, tag, backup, kind, disk, skip, restore)
         try:
             yield
         finally:
@@ -151,13 +151,14 @@ class _Impl:
             yield
 
     @contextlib.contextmanager
-    def region(self, tag, backup, kind, disk=False, skip=None):
+    def region(self, tag, backup, kind, disk=False, skip=None, restore=None):
         if not self.on_gpu():
-            with self._thread_region(True, tag, backup, kind, disk, skip):
+            with self._thread_region(True, tag, backup, kind, disk, skip, restore):
                 yield
             return
-        with self._pools_on(self.devices_in_use(), lambda device: self._pool(tag, backup, kind, device, disk, skip)):
-            with self._thread_region(True, tag, backup, kind, disk, skip):
+        pool = lambda device: self._pool(tag, backup, kind, device, disk, skip, restore)  # noqa: E731
+        with self._pools_on(self.devices_in_use(), pool):
+            with self._thread_region(True, tag, backup, kind, disk, skip, restore):
                 yield
 
     def disabled_here(self) -> bool:
@@ -175,9 +176,9 @@ class _Impl:
 
     @contextlib.contextmanager
     def _disable(self):
-        _, tag, backup, kind, disk, skip = self.core.get_region()
+        _, tag, backup, kind, disk, skip, restore = self.core.get_region()
         if not self.on_gpu():
-            with self._thread_region(False, tag, backup, kind, disk, skip):
+            with self._thread_region(False, tag, backup, kind, disk, skip, restore):
                 yield
             return
         # Ordinary memory in pools of its own, apart from region segments, given
@@ -186,7 +187,7 @@ class _Impl:
         pools = {device: pool for device, pool, _ in taken}
         try:
             with self._pools_on(pools, pools.__getitem__):
-                with self._thread_region(False, tag, backup, kind, disk, skip):
+                with self._thread_region(False, tag, backup, kind, disk, skip, restore):
                     yield
         finally:
             self._scratch.give_back(taken)

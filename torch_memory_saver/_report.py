@@ -6,132 +6,178 @@ def gb_per_s(nbytes, seconds):
     return nbytes / seconds / 1e9 if nbytes and seconds > 0 else 0.0
 
 
+import importlib
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+# The byte counts of a report, declared once in C (src/core/core.h, TMS_REPORT_BYTES):
+# (name, doc) pairs, each an attribute of DeviceReport and a sum over devices on Report.
+BYTE_FIELDS = importlib.import_module("torch_memory_saver._tms_env").report_fields()
+
+
+def _device_field(name, doc):
+    return property(lambda self: self._row[name], doc=doc)
+
+
+def _summed_field(name, doc):
+    return property(lambda self: sum(d._row[name] for d in self.devices.values()), doc=doc + " (every device)")
+
+
 class DeviceReport:
     """One device's part of a pause or resume. Bytes are exact counts from the
-    core; free_before/free_after are the driver's free memory around the call
-    (0 where it could not say), measured only when the call was given
-    measure_free=True or logged at INFO (else None).
+    core (BYTE_FIELDS: released_bytes, mapped_bytes, copied_bytes, ...);
+    free_before/free_after are the driver's free memory around the call (0 where
+    it could not say), measured only when the call was given measure_free=True or
+    logged at INFO (else None). fingerprint_seconds, verify_seconds,
+    why_not_skipped and why_not_verified are the call's.
 
     In a job (TorchMemorySaver.job), a pause's kept_bytes (of released_bytes)
     stay this process's for the other members to borrow, and returned_bytes
     went back to the members that lent them; a resume's reused_bytes are memory
     this process kept, borrowed_bytes memory members lent ({pid: bytes} in
     lenders), and fallback says why the driver made the rest: None (not asked:
-    no job, or what it kept was enough), "none" (nothing from the driver), "no
-    member", "member timed out" (their pids in timed_out) or "nothing to lend"."""
+    no job, what it kept was enough, or the members lent it all), "no member",
+    "member timed out" (their pids in timed_out) or "nothing to lend"."""
 
-    __slots__ = ("device", "allocations", "released_bytes", "copied_bytes", "skipped_bytes", "unchanged_bytes",
-                 "seconds", "free_before", "free_after", "kept_bytes", "returned_bytes", "reused_bytes",
-                 "borrowed_bytes", "lenders", "fallback", "timed_out")
+    if TYPE_CHECKING:  # made from BYTE_FIELDS below; tests/test_observe.py checks these match it
+        released_bytes: int
+        mapped_bytes: int
+        copied_bytes: int
+        skipped_bytes: int
+        unchanged_bytes: int
+        verified_bytes: int
+        kept_bytes: int
+        returned_bytes: int
+        reused_bytes: int
+        borrowed_bytes: int
 
-    def __init__(self, row, seconds):
-        self.device = row["device"]
-        self.allocations = row["allocations"]
-        self.released_bytes = row["released"]
-        self.copied_bytes = row["copied"]
-        self.skipped_bytes = row["skipped"]
-        self.unchanged_bytes = row.get("unchanged", 0)
-        self.seconds = seconds
-        self.free_before = row["free_before"]
-        self.free_after = row["free_after"]
-        self.kept_bytes = row.get("kept", 0)
-        self.returned_bytes = row.get("returned", 0)
-        self.reused_bytes = row.get("reused", 0)
-        self.borrowed_bytes = row.get("borrowed", 0)
-        self.lenders = row.get("lenders", {})
-        self.fallback = row.get("fallback")
-        self.timed_out = row.get("timed_out", [])
+    __slots__ = ("_row", "_call", "device", "allocations", "seconds", "free_before", "free_after", "lenders",
+                 "fallback", "timed_out")
+
+    def __init__(self, row, call):
+        self._row = row
+        self._call = call
+        self.device: int = row["device"]
+        self.allocations: int = row["allocations"]
+        self.seconds: float = call.seconds
+        self.free_before: Optional[int] = row["free_before"]
+        self.free_after: Optional[int] = row["free_after"]
+        self.lenders: Dict[int, int] = row.get("lenders", {})
+        self.fallback: Optional[str] = row.get("fallback")
+        self.timed_out: List[int] = row.get("timed_out", [])
 
     @property
-    def gb_per_s(self):
+    def fingerprint_seconds(self) -> float:
+        """The call's time spent fingerprinting (a pause: unchanged memory, and what it copied)."""
+        return self._call.fingerprint_seconds
+
+    @property
+    def verify_seconds(self) -> float:
+        """The call's time spent checking what it restored (a resume)."""
+        return self._call.verify_seconds
+
+    @property
+    def why_not_skipped(self) -> Optional[str]:
+        return self._call.why_not_skipped
+
+    @property
+    def why_not_verified(self) -> Optional[str]:
+        return self._call.why_not_verified
+
+    @property
+    def gb_per_s(self) -> float:
         """Bytes copied per second, in GB/s (0.0 when nothing was copied)."""
         return gb_per_s(self.copied_bytes, self.seconds)
 
     def as_dict(self):
-        out = {k: getattr(self, k) for k in self.__slots__}
+        out = {k: getattr(self, k) for k in self.__slots__ if not k.startswith("_")}
+        out.update({name: self._row[name] for name, _ in BYTE_FIELDS})
         out["gb_per_s"] = self.gb_per_s
         return out
 
     def __repr__(self):
         return (f"DeviceReport(device={self.device}, allocations={self.allocations}, "
                 f"released_bytes={self.released_bytes}, copied_bytes={self.copied_bytes}, "
-                f"skipped_bytes={self.skipped_bytes}, unchanged_bytes={self.unchanged_bytes}, seconds={self.seconds:.6f}, "
+                f"skipped_bytes={self.skipped_bytes}, unchanged_bytes={self.unchanged_bytes}, "
+                f"verified_bytes={self.verified_bytes}, seconds={self.seconds:.6f}, "
                 f"free_before={self.free_before}, free_after={self.free_after})")
 
 
 class Report:
     """What one pause() or resume() did: `devices` maps each device it touched
-    to a DeviceReport; the totals sum them. A call that found nothing to do has
-    no devices and zero totals. `unconfirmed`: the allocations a pause unmapped
-    that another process may still map (a receiver of share() hung up without
-    saying it let go, and its process lived), as dicts of ptr, bytes, device,
-    tag, receivers and pids (the first 64); their bytes are not in released_bytes."""
+    to a DeviceReport; the byte totals (BYTE_FIELDS) sum them, and `lenders` merges
+    theirs. A call that found nothing to do has no devices and zero totals.
+    `unconfirmed`: the allocations a pause unmapped that another process may still
+    map (a receiver of share() hung up without saying it let go, and its process
+    lived), as dicts of ptr, bytes, device, tag, receivers and pids (the first 64);
+    their bytes are not in released_bytes. `wrong_bytes`: the pointers of
+    allocations a failed resume left active holding bytes that are not theirs (the
+    unmap that would have paused them again failed too): their next pause keeps
+    their backup, and the resume after restores it. `why_not_verified`: why some
+    bytes a pause backed up, or a resume restored, were not checked (None: all were)."""
 
-    __slots__ = ("op", "seconds", "devices", "unconfirmed", "fingerprint_seconds", "why_not_skipped")
+    if TYPE_CHECKING:
+        released_bytes: int
+        mapped_bytes: int
+        copied_bytes: int
+        skipped_bytes: int
+        unchanged_bytes: int
+        verified_bytes: int
+        kept_bytes: int
+        returned_bytes: int
+        reused_bytes: int
+        borrowed_bytes: int
+
+    __slots__ = ("op", "seconds", "devices", "unconfirmed", "fingerprint_seconds", "verify_seconds",
+                 "why_not_skipped", "why_not_verified", "wrong_bytes")
 
     def __init__(self, op, raw):
-        self.op = op
-        self.seconds = raw["ns"] / 1e9
-        self.fingerprint_seconds = raw.get("fingerprint_ns", 0) / 1e9
-        self.why_not_skipped = raw.get("why_not_skipped") or None
-        self.devices = {row["device"]: DeviceReport(row, self.seconds) for row in raw["devices"]}
-        self.unconfirmed = raw.get("unconfirmed", [])
-
-    def _sum(self, field):
-        return sum(getattr(d, field) for d in self.devices.values())
-
-    @property
-    def allocations(self):
-        return self._sum("allocations")
+        self.op: str = op
+        self.seconds: float = raw["ns"] / 1e9
+        self.fingerprint_seconds: float = raw.get("fingerprint_ns", 0) / 1e9
+        self.verify_seconds: float = raw.get("verify_ns", 0) / 1e9
+        self.why_not_skipped: Optional[str] = raw.get("why_not_skipped") or None
+        self.why_not_verified: Optional[str] = raw.get("why_not_verified") or None
+        self.wrong_bytes: List[int] = raw.get("wrong_bytes", [])
+        self.devices: Dict[int, DeviceReport] = {row["device"]: DeviceReport(row, self) for row in raw["devices"]}
+        self.unconfirmed: List[dict] = raw.get("unconfirmed", [])
 
     @property
-    def released_bytes(self):
-        """Bytes of device memory unmapped (pause) or mapped (resume)."""
-        return self._sum("released_bytes")
+    def allocations(self) -> int:
+        return sum(d.allocations for d in self.devices.values())
 
     @property
-    def copied_bytes(self):
-        """Bytes copied to (pause) or from (resume) backups."""
-        return self._sum("copied_bytes")
+    def lenders(self) -> Dict[int, int]:
+        """{pid: bytes} the members of a job lent a resume, over every device."""
+        out: Dict[int, int] = {}
+        for d in self.devices.values():
+            for pid, n in d.lenders.items():
+                out[pid] = out.get(pid, 0) + n
+        return out
 
     @property
-    def skipped_bytes(self):
-        """Bytes of backed-up allocations not copied: free blocks of PyTorch's cache."""
-        return self._sum("skipped_bytes")
-
-    @property
-    def unchanged_bytes(self):
-        """Bytes of backed-up allocations not copied because they had not changed
-        since their backup was written (skip_unchanged)."""
-        return self._sum("unchanged_bytes")
-
-    @property
-    def kept_bytes(self):
-        """Of released_bytes, those a pause kept for the other members of its job."""
-        return self._sum("kept_bytes")
-
-    @property
-    def borrowed_bytes(self):
-        """Bytes a resume mapped from memory other members of its job lent."""
-        return self._sum("borrowed_bytes")
-
-    @property
-    def gb_per_s(self):
+    def gb_per_s(self) -> float:
         """Bytes copied per second over every device, in GB/s."""
         return gb_per_s(self.copied_bytes, self.seconds)
 
     def as_dict(self):
-        return {"op": self.op, "seconds": self.seconds, "released_bytes": self.released_bytes,
-                "copied_bytes": self.copied_bytes, "skipped_bytes": self.skipped_bytes,
-                "unchanged_bytes": self.unchanged_bytes, "fingerprint_seconds": self.fingerprint_seconds,
-                "why_not_skipped": self.why_not_skipped, "kept_bytes": self.kept_bytes,
-                "borrowed_bytes": self.borrowed_bytes,
-                "devices": {d: r.as_dict() for d, r in self.devices.items()}, "unconfirmed": self.unconfirmed}
+        out = {"op": self.op, "seconds": self.seconds}
+        out.update({name: getattr(self, name) for name, _ in BYTE_FIELDS})
+        out.update({"fingerprint_seconds": self.fingerprint_seconds, "verify_seconds": self.verify_seconds,
+                    "why_not_skipped": self.why_not_skipped, "why_not_verified": self.why_not_verified,
+                    "wrong_bytes": self.wrong_bytes, "lenders": self.lenders,
+                    "devices": {d: r.as_dict() for d, r in self.devices.items()}, "unconfirmed": self.unconfirmed})
+        return out
 
     def __repr__(self):
         return (f"Report(op={self.op!r}, seconds={self.seconds:.6f}, released_bytes={self.released_bytes}, "
                 f"copied_bytes={self.copied_bytes}, skipped_bytes={self.skipped_bytes}, "
-                f"devices={dict(sorted(self.devices.items()))!r})")
+                f"verified_bytes={self.verified_bytes}, devices={dict(sorted(self.devices.items()))!r})")
+
+
+for _name, _doc in BYTE_FIELDS:
+    setattr(DeviceReport, _name, _device_field(_name, _doc))
+    setattr(Report, _name, _summed_field(_name, _doc))
+del _name, _doc
 
 
 def memory_report(core, use_torch, devices=()):

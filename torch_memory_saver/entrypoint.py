@@ -109,24 +109,33 @@ class TorchMemorySaver:
 
     @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, enable_disk_backup: bool = False,
-               cpu_backup_backend: Optional[str] = None, skip_unchanged: Optional[bool] = None):
+               cpu_backup_backend: Optional[str] = None, skip_unchanged: Optional[bool] = None,
+               restore: Optional[str] = None):
         """Allocations made by this thread inside are pauseable under `tag`.
         enable_cpu_backup keeps their contents in host memory across a pause;
         enable_disk_backup in a file each, in the disk backup directory (see
         set_disk_backup_dir), with host memory flat. (Upstream's parameter order.)
         skip_unchanged: pauses copy only what changed since the backup was written
-        (None: the skip_unchanged setting decides)."""
+        (None: the skip_unchanged setting decides). restore: what memory paused
+        without backup holds after resume: "none" (undefined, the fastest), "zero"
+        (every byte 0) or "poison" (every byte 0xFF: NaN in every float dtype, -1 in
+        signed integers); None: TMS_RESTORE, else "none"."""
         kind = self._check_region(tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup)
         if skip_unchanged is not None and not isinstance(skip_unchanged, bool):
             raise TypeError(f"torch_memory_saver: region(skip_unchanged=...) must be a bool or None, "
                             f"not {type(skip_unchanged).__name__}")
+        if restore is not None and not isinstance(restore, str):
+            raise TypeError(f"torch_memory_saver: region(restore=...) must be a str or None, not {type(restore).__name__}")
+        if restore is not None and restore not in ("none", "zero", "poison"):
+            raise ValueError(f"torch_memory_saver: region(tag={tag!r}, restore={restore!r}) must be 'none', 'zero' or "
+                             f"'poison'")
         if skip_unchanged and not enable_cpu_backup:
             raise ValueError(f"torch_memory_saver: region(tag={tag!r}, skip_unchanged=True) needs "
                              f"enable_cpu_backup=True: unchanged memory is found by comparing with a host backup")
         impl = self._ensure_initialized()
         self._tags_seen.add(tag)
         with self._nested("region", tag, (enable_cpu_backup, kind, enable_disk_backup)):
-            with impl.region(tag, enable_cpu_backup, kind, enable_disk_backup, skip_unchanged):
+            with impl.region(tag, enable_cpu_backup, kind, enable_disk_backup, skip_unchanged, restore):
                 yield
 
     @contextlib.contextmanager

@@ -187,17 +187,6 @@ void tms_backup_release_restored(void *backup)
     TMS_DEBUG("backup of %zu bytes restored and released by its copy worker", b->size);
 }
 
-void tms_backup_expect_parts(struct tms_backup *b, size_t n)
-{
-    __atomic_store_n(&b->parts_left, (int)n, __ATOMIC_RELEASE);
-}
-
-void tms_backup_part_restored(void *backup)
-{
-    struct tms_backup *b = backup;
-    if (__atomic_sub_fetch(&b->parts_left, 1, __ATOMIC_ACQ_REL) == 0) tms_backup_release_restored(b);
-}
-
 int tms_backup_kind(const struct tms_backup *b) { return b->kind; }
 
 size_t tms_backup_size(const struct tms_backup *b) { return b->size; }

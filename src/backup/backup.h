@@ -46,6 +46,10 @@ struct tms_backup_move {
      * reuses was written (fingerprints on the device); the first save of a
      * backup copies all and records them. */
     int skip_unchanged;
+    /* Save: record the fingerprint of each chunk the copy carried, found
+     * unchanged while it ran. Restore: fingerprint what came back and compare
+     * with that record (a mismatch is `bad`, and the move is not whole). */
+    int verify;
     /* Save: the bytes to copy (NULL: every one; tms_backup_granule says how
      * ranges are cut); the call takes them. */
     struct tms_range *ranges;
@@ -55,6 +59,10 @@ struct tms_backup_move {
     size_t copied;              /* bytes copied */
     size_t unchanged;           /* save: bytes of its ranges found unchanged, not copied */
     int whole;                  /* save: failed, yet its copy is whole and kept; restore: every byte is back */
+    size_t verified;            /* restore: bytes fingerprinted and found as they were paused */
+    int bad;                    /* restore: some chunk came back other than it was paused (the move is not whole) */
+    size_t bad_offset;          /* restore: the first such chunk's offset from the allocation's start */
+    const char *unverified;     /* restore: why some restored bytes were not compared (a static text), or NULL */
 };
 
 /* What a save or a restore tells its caller while it runs (each optional). */
@@ -84,23 +92,30 @@ struct tms_backup_hooks {
  * before any copy started leaves each copy = held. pre: the devices are
  * synchronized; the memory stays mapped unless the hook lets it go. */
 struct tms_save_info {
-    uint64_t fingerprint_ns;    /* spent fingerprinting moves that skip unchanged memory */
-    char why_not[160];          /* "" or why such moves were copied whole (no kernel, a failed run) */
+    uint64_t fingerprint_ns;    /* spent fingerprinting (unchanged memory found, and what the copies carried) */
+    char why_not[160];          /* "" or why moves to skip unchanged memory were copied whole (no kernel, a failed run) */
+    char why_not_recorded[160]; /* "" or why moves to verify have no record of some chunks */
 };
 int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const *m, size_t n, int spill,
                     const struct tms_backup_hooks *hooks, struct tms_save_info *info, struct tms_err *err);
 
 /* Copies each move's held backup (what its last save wrote) back to the
  * device, calling before_restore first (that is where the caller maps the
- * memory). A move whose every byte is back has whole = 1, and copy = held if
+ * memory). A move to verify is fingerprinted on the device as soon as its
+ * bytes are back, before its storage goes: one whose bytes differ from what
+ * its save recorded keeps its backup and is not whole (bad, bad_offset).
+ * A move whose every byte is back (and checked) has whole = 1, and copy = held if
  * the backup is kept while active (its retain, or its kind keeps it), else NULL
  * (its storage went as soon as its bytes were back). A backup that cannot be
  * opened stops the restore there as a failed hook does. Returns the first
  * failure in move order (a hook's own is the caller's to report: the call
  * returns TMS_OK for it); a move left with whole = 0 keeps copy = held.
  * pre: nothing else writes the device ranges. */
+struct tms_restore_info {
+    uint64_t verify_ns;         /* spent fingerprinting what came back */
+};
 int tms_backup_restore(const struct tms_driver *drv, struct tms_backup_move *const *m, size_t n,
-                       const struct tms_backup_hooks *hooks, struct tms_err *err);
+                       const struct tms_backup_hooks *hooks, struct tms_restore_info *info, struct tms_err *err);
 
 /* Drops the backup a move would install if it is not the one it held. */
 void tms_backup_move_discard(struct tms_backup_move *m);

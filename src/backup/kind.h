@@ -103,7 +103,6 @@ struct tms_backup {
      * NULL. Set by the core while it owns the allocation (moving). */
     struct tms_range *ranges;
     size_t n_ranges;
-    int parts_left;                  /* atomic: a resume's items still copying (tms_backup_part_restored) */
     size_t reserved;                 /* bytes of the host backup budget it holds (backup/ledger.h) */
     /* What its host copy holds, chunk by chunk (skip.c): the fingerprint of
      * each TMS_FP_CHUNK of the allocation as its save copied it, trusted only
@@ -152,10 +151,19 @@ void tms_backup_will_be_kept(struct tms_backup *b);
  * copies still run, unless a zero-copy view still holds it. The record stays
  * until the last reference. */
 void tms_backup_release_restored(void *backup);
-/* As tms_backup_release_restored once the last of n items is restored
- * (tms_backup_part_restored, once per item). */
-void tms_backup_expect_parts(struct tms_backup *b, size_t n);
-void tms_backup_part_restored(void *backup);
+
+/* ---- fingerprints of what a backup holds (skip.c, verify.c) ---------------------------
+ * Zeroes the bytes of the last chunk of the allocation [va, va + size) past
+ * its end, where size is not whole chunks: no copy carries them, so that
+ * chunk fingerprints alike at its pause and at its resume. 1 if that chunk
+ * (or none) may be fingerprinted, 0 where the bytes could not be zeroed. */
+int tms_fp_zero_tail(const struct tms_driver *drv, int device, tms_va va, size_t size);
+/* After move m's bytes are back from backup b: fingerprints the chunks b
+ * recorded and compares (m->verified, m->bad, m->bad_offset, m->unverified);
+ * *ns grows by the time it took. pre: what came back is in place, and the
+ * last chunk's tail was zeroed as at its pause (*tail_zeroed). */
+void tms_verify_restored(const struct tms_driver *drv, const struct tms_backup *b, struct tms_backup_move *m,
+                         int tail_zeroed, uint64_t *ns);
 
 /* b holds ranges (taken, NULL: every byte) from now on. */
 void tms_backup_set_ranges(struct tms_backup *b, struct tms_range *ranges, size_t n_ranges);

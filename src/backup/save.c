@@ -41,11 +41,17 @@ static int saves_early(struct tms_backup_move *const *m, size_t n)
 struct early_hook {
     const struct tms_backup_hooks *hooks;
     size_t index;
+    const struct tms_driver *drv;
+    struct tms_save_plan *plan;
+    struct tms_skip *skip;
+    struct tms_save_info *info;
 };
 
+/* What the copy carried is fingerprinted again before the memory goes. */
 static void saved_early(void *arg)
 {
     const struct early_hook *e = arg;
+    tms_skip_confirm(e->drv, e->plan, 1, e->skip, e->info);
     e->hooks->saved(e->hooks->arg, e->index);
 }
 
@@ -66,6 +72,9 @@ int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const 
         if (early) p[i].early = 1, early[i] = (struct early_hook){.hooks = hooks, .index = i};
     }
     struct tms_transfer_batch b;
+    struct tms_skip skip;
+    for (size_t i = 0; early && i < n; i++)
+        early[i].drv = drv, early[i].plan = &p[i], early[i].skip = &skip, early[i].info = info;
     int rc = p ? tms_budget_reserve(p, n, spill, &reserved, err)
                : tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", n);
     if (!rc && (rc = tms_transfer_batch_start(&b, drv, 1, n_items, n, err))) {
@@ -78,8 +87,8 @@ int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const 
         free(p);
         return rc;
     }
-    /* The device's bytes do not change before the copies: fingerprinted first, all at once. */
-    struct tms_skip skip;
+    /* Fingerprinted first, all at once: a chunk that differs from this after
+     * its copy was written while it was copied. */
     tms_skip_fingerprint(drv, p, n, &skip, info);
     for (size_t i = 0; i < n && !rc && !b.rc; i++) {
         /* The core drops the old backup when it settles if this is another one. */
@@ -112,6 +121,7 @@ int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const 
         m[i]->copied = tms_transfer_batch_done(&b, p[i].first_item, p[i].n_items, &complete);
         tms_backup_copied(m[i]->copy);
     }
+    if (!rc) tms_skip_confirm(drv, p, n, &skip, info);
     if (!rc) tms_skip_record(p, n, &skip);
     for (size_t i = 0; i < n && !rc; i++) {
         tms_backup_set_ranges(m[i]->copy, m[i]->ranges, m[i]->n_ranges);  /* the backup's from now on */

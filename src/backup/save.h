@@ -14,20 +14,29 @@ struct tms_save_plan {
     int spill;                  /* backed up to disk: the budget had no room for it */
     int early;                  /* saved whole into its reused backup: the saved hook tells the caller */
     size_t first_item, n_items; /* its copy's items */
-    /* Skip unchanged memory (skip.c): its chunks in the call's fingerprints,
-     * whether its held backup's own can be compared, and the ranges to copy. */
+    /* Fingerprints (skip.c): its chunks in the call's fingerprints, whether
+     * its held backup's own can be compared (skip unchanged memory), the
+     * ranges to copy, and whether what the copy carried was fingerprinted
+     * again already (a move let go early). */
     int fingerprinted;
     int compare;
+    int tail_listed;            /* its last chunk, partly past its end, is listed (the rest of it zeroed) */
     size_t fp_first, fp_n;
     struct tms_range *copy;
     size_t n_copy;
+    int confirmed;
 };
 
-/* The fingerprints of one save (skip.c). */
+/* The fingerprints of one save (skip.c): before the copies (pre), and of the
+ * chunks they carried once they are done (post): a chunk whose two differ
+ * was written while it was copied, and its backup's record of it is not trusted. */
 struct tms_skip {
     tms_va *chunks;             /* device address of each chunk listed */
     size_t *index;              /* its index in its allocation (offset / TMS_FP_CHUNK) */
-    struct tms_fp *fp;
+    struct tms_fp *fp;          /* pre */
+    struct tms_fp *post;
+    unsigned char *copied;      /* the copy carried it: post is taken, and the record compares it with pre */
+    unsigned char *posted;      /* post was taken */
     size_t n;
     uint64_t generation;        /* of the key they were taken under */
 };
@@ -44,8 +53,14 @@ void tms_skip_fingerprint(const struct tms_driver *drv, struct tms_save_plan *p,
  * the backup it reuses recorded; m->unchanged counts what was left out.
  * TMS_E_HOST_OOM. */
 int tms_skip_ranges(struct tms_save_plan *p, const struct tms_skip *s, struct tms_err *err);
+/* After the copies (or, for a move let go early, in its saved hook before
+ * the memory goes): the chunks the copies carried, fingerprinted again. A
+ * run that fails leaves them unrecorded and info says why. */
+void tms_skip_confirm(const struct tms_driver *drv, struct tms_save_plan *p, size_t n, struct tms_skip *s,
+                      struct tms_save_info *info);
 /* After the copies succeeded: the backup records the fingerprints of the
- * chunks it now holds as they were. */
+ * chunks it now holds as they were, but of those written while they were
+ * copied (their two fingerprints differ), which it does not trust. */
 void tms_skip_record(struct tms_save_plan *p, size_t n, const struct tms_skip *s);
 void tms_skip_end(struct tms_save_plan *p, size_t n, struct tms_skip *s);
 

@@ -66,8 +66,9 @@ struct tms_transfer_batch {
 
 /* How a resume's copy of one backup goes (tms_transfer_batch_add). */
 struct tms_restore_opts {
-    int release_when_restored;  /* the backup's storage goes once its last item is in (tms_backup_part_restored) */
-    int (*prepare)(void *arg);  /* set on its first item (struct tms_transfer), if it has one */
+    void (*restored)(void *arg);  /* set on each of its items (struct tms_transfer): the caller counts them */
+    void *restored_arg;
+    int (*prepare)(void *arg);    /* set on its first item (struct tms_transfer), if it has one */
     void *prepare_arg;
 };
 

@@ -67,11 +67,8 @@ void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *bac
         b->items[b->count++] = (struct tms_transfer){
             .device = device, .dev = va, .backup = backup,
             .offset = ranges ? ranges[r].off : 0, .n = ranges ? ranges[r].len : size};
-    if (restore && restore->release_when_restored && *n) {
-        tms_backup_expect_parts(backup, *n);
-        for (size_t k = *first; k < *first + *n; k++)
-            b->items[k].restored = tms_backup_part_restored, b->items[k].restored_arg = backup;
-    }
+    for (size_t k = *first; restore && restore->restored && k < *first + *n; k++)
+        b->items[k].restored = restore->restored, b->items[k].restored_arg = restore->restored_arg;
     if (restore && *n) b->items[*first].prepare = restore->prepare, b->items[*first].prepare_arg = restore->prepare_arg;
     opened(b, backup);
 }

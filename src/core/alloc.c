@@ -89,6 +89,7 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     a->backup = r->backup || r->disk_backup;
     a->backup_kind = tms_backup_kind_of_region(r->backup_kind, r->disk_backup);
     a->skip_unchanged = r->skip_unchanged;
+    a->restore = r->restore >= 0 ? r->restore : tms_core_restore_mode_default();
     /* Exportable from the start: a handle cannot be made shareable later. */
     a->handle_types = defaults->shareable && drv->share_types ? drv->share_types(device) : 0;
     a->handles = a->n_chunks == 1 ? &a->one_handle : calloc(n_chunks, sizeof *a->handles);
@@ -247,7 +248,7 @@ int tms_core_adopt(uint64_t va, size_t size, int device, tms_phys handle, uint64
         .va = va, .size = size, .reserved = size, .chunk = size, .n_chunks = 1, .device = device,
         .tag_id = r->tag_id, .state = TMS_ACTIVE, .backup = r->backup || r->disk_backup,
         .backup_kind = tms_backup_kind_of_region(r->backup_kind, r->disk_backup), .adopted = 1,
-        .skip_unchanged = r->skip_unchanged,
+        .skip_unchanged = r->skip_unchanged, .restore = r->restore >= 0 ? r->restore : tms_core_restore_mode_default(),
         .owner_handle = owner_handle, .handle_types = handle_types, .one_handle = handle,
     };
     a->handles = &a->one_handle;

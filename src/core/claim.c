@@ -127,7 +127,7 @@ void tms_table_settle(const struct tms_driver *drv, struct tms_move *m, size_t n
         a->state = m[i].state;
         tms_stats_account_locked(a, +1);
         a->moving = 0;
-        if (changed) tms_stats_count_change_locked(a, m[i].b.copied, m[i].skipped, is_pause, ns, call_seq);
+        if (changed) tms_stats_count_change_locked(a, &m[i], is_pause, ns, call_seq);
         if (a->free_requested) tms_table_unlink_locked(tms_table_link_locked(a->va));
         else m[i].a = NULL;  /* what is left in m[].a: frees to finish */
     }

@@ -59,7 +59,20 @@ struct tms_region {
     int disk_backup;  /* back up to a file instead; wins over backup when both are set */
     int skip_unchanged; /* a pause copies only chunks changed since the backup was written (keeping the
                          * backup while active): 1, 0, or -1: the process's setting decides at the pause */
+    int restore;        /* what memory paused without backup holds after resume (enum tms_restore_mode),
+                         * or -1: TMS_RESTORE decides */
 };
+
+/* What a resume writes over memory that was paused without backup: nothing
+ * (its bytes are undefined: whatever the new memory held), zeros, or 0xFF in
+ * every byte (NaN in every float type, -1 in signed integers), so that a read
+ * of discarded memory shows at once. */
+enum tms_restore_mode { TMS_RESTORE_NONE = 0, TMS_RESTORE_ZERO = 1, TMS_RESTORE_POISON = 2 };
+/* A mode by name ("none", "zero", "poison"): TMS_E_ARG for any other. */
+int tms_core_restore_mode_parse(const char *name, int *mode);
+const char *tms_core_restore_mode_name(int mode);
+/* The default of regions that do not say (TMS_RESTORE). */
+int tms_core_restore_mode_default(void);
 
 /* The calling thread's region. */
 const struct tms_region *tms_core_region(void);
@@ -69,6 +82,7 @@ void tms_core_region_set_backup(int backup);
 void tms_core_region_set_backup_kind(int kind);
 void tms_core_region_set_disk_backup(int disk);
 void tms_core_region_set_skip_unchanged(int skip);  /* 1, 0 or -1 (the process's setting) */
+void tms_core_region_set_restore(int mode);         /* enum tms_restore_mode, or -1 (TMS_RESTORE) */
 /* Makes tag (checked as for a region) the calling thread's region tag,
  * holding a reference on it until the thread names another or ends. */
 int tms_core_set_region_tag(const char *tag, struct tms_err *err);
@@ -153,22 +167,34 @@ enum tms_job_fallback {
     TMS_JOB_ENOUGH,          /* the members lent all that was needed: nothing from the driver */
 };
 
+/* The byte counts of one device's part of a pause or resume, declared once:
+ * X(field, the name the faces give it, what it counts). The C struct below,
+ * the dict the Python face returns and Python's Report are made from it. */
+#define TMS_REPORT_BYTES(X)                                                                                    \
+    X(released, "released_bytes", "bytes of device memory a pause unmapped, or a resume mapped")              \
+    X(mapped, "mapped_bytes", "bytes of device memory a resume mapped (0 for a pause)")                       \
+    X(copied, "copied_bytes", "bytes copied to (pause) or from (resume) backups")                             \
+    X(skipped, "skipped_bytes", "bytes of backed-up allocations not copied: free blocks of PyTorch's cache")  \
+    X(unchanged, "unchanged_bytes", "bytes not copied because they had not changed since their backup was "    \
+      "written (skip_unchanged)")                                                                              \
+    X(verified, "verified_bytes", "bytes a resume restored and found, by their fingerprints, as they were "   \
+      "paused")                                                                                                \
+    X(kept, "kept_bytes", "of released_bytes, those a pause kept for the other members of its job")           \
+    X(returned, "returned_bytes", "borrowed bytes a pause gave back to the members of its job that lent them") \
+    X(reused, "reused_bytes", "bytes a resume mapped from memory this process kept for its job")              \
+    X(borrowed, "borrowed_bytes", "bytes a resume mapped from memory other members of its job lent")
+
 /* One device's part of a pause or resume. */
 struct tms_op_device {
     int device;
     size_t allocations;   /* paused (resumed) by the call */
-    size_t released;      /* bytes unmapped by a pause, or mapped by a resume */
-    size_t copied;        /* bytes moved to (from) backups */
-    size_t skipped;       /* bytes of backed-up allocations not copied: free in the caller's cache */
-    size_t unchanged;     /* bytes not copied because they had not changed since their backup was written */
+#define TMS_REPORT_FIELD(field, name, doc) size_t field;
+    TMS_REPORT_BYTES(TMS_REPORT_FIELD)
+#undef TMS_REPORT_FIELD
     size_t free_before, free_after;  /* the driver's free bytes around the call (0 if it could not say) */
     int free_measured;    /* free_before and free_after were asked for (tms_op_args.measure_free) */
-    /* Lending within a job (all 0 without one). A pause: the bytes it kept
-     * for other members instead of releasing them, and the borrowed bytes it
-     * gave back. A resume: the bytes of its own kept memory it mapped again,
-     * the bytes other members lent (the first lenders listed), and why the
-     * driver served the rest. */
-    size_t kept, returned, reused, borrowed;
+    /* Lending within a job: the first lenders of a resume with their bytes,
+     * and why the driver served the rest. */
     int lenders;          /* members it borrowed from; the first TMS_REPORT_PIDS in lender_pids */
     int lender_pids[TMS_REPORT_PIDS];
     size_t lender_bytes[TMS_REPORT_PIDS];
@@ -197,8 +223,15 @@ struct tms_op_report {
     struct tms_op_device devices[TMS_REPORT_DEVICES];
     size_t n_unconfirmed; /* all of them; the first TMS_REPORT_UNCONFIRMED are listed */
     struct tms_op_unconfirmed unconfirmed[TMS_REPORT_UNCONFIRMED];
-    uint64_t fingerprint_ns;  /* a pause's time spent finding unchanged memory */
+    uint64_t fingerprint_ns;  /* a pause's time spent fingerprinting (unchanged memory, and what it copied) */
+    uint64_t verify_ns;       /* a resume's time spent checking what it restored */
     char why_not_skipped[160];  /* "" or why memory that was to skip unchanged chunks was copied whole */
+    char why_not_verified[160]; /* "" or why some bytes backed up (pause) or restored (resume) are not checked */
+    /* Allocations a failed resume left mapped and active with bytes that are
+     * not theirs (the unmap that would have paused them again failed too):
+     * their backups hold the truth, and their next pause keeps it. */
+    size_t n_wrong;
+    uint64_t wrong[TMS_REPORT_PIDS];
 };
 
 /* How one pause or resume runs; every field optional (zeroed: as tms_core_pause). */

@@ -30,6 +30,12 @@ struct tms_alloc {
     int backup;
     int backup_kind;
     int skip_unchanged;      /* the region's: 1, 0, or -1 (tms_core_skip_unchanged at each pause) */
+    int restore;             /* without backup: what a resume writes over its memory (enum tms_restore_mode) */
+    /* A restore that failed left it mapped, active, with bytes that are not
+     * its own (the unmap that would have paused it again failed too): its
+     * backup holds the truth, so a pause keeps that backup instead of copying,
+     * and the next resume restores it. */
+    int wrong_bytes;
     /* Adopted (core.h): mapped by its owner in a range the owner reserved;
      * the core never reserves, frees or hands it to a free() of its own. */
     int adopted;
@@ -157,8 +163,8 @@ struct tms_tag *tms_tag_slot_locked(int id);
 /* An allocation's share of the gauges taken out (sign -1) or put back (+1). */
 void tms_stats_account_locked(const struct tms_alloc *a, int sign);
 /* A pause or resume that changed a: counted once per (tag, device) of call call_seq. */
-void tms_stats_count_change_locked(const struct tms_alloc *a, size_t copied, size_t skipped, int is_pause,
-                                   uint64_t ns, uint64_t call_seq);
+void tms_stats_count_change_locked(const struct tms_alloc *a, const struct tms_move *m, int is_pause, uint64_t ns,
+                                   uint64_t call_seq);
 
 /* ---- allocations (alloc.c) --------------------------------------------------- */
 void tms_alloc_destroy(struct tms_alloc *a);
@@ -185,12 +191,14 @@ int tms_core_pause_moves(const char *const *tags, size_t n_tags, const struct tm
 int tms_core_resume_moves(const char *const *tags, size_t n_tags, const struct tms_op_args *args, struct tms_err *err);
 /* Maps the claimed paused allocations m[0..n) in order, each just before its
  * backup (b.held) is copied back, and settles each: active once every byte is
- * back; one whose restore failed paused again with its backup (or, if it
- * cannot even be unmapped, left active and said so in err). The first map
+ * back (and, with verify_restore, found as it was paused: *verify_ns grows by
+ * the time that took); one whose restore failed or came back other than it
+ * was paused goes back to paused with its backup (or, if it cannot even be
+ * unmapped, stays active marked wrong_bytes, said in err). The first map
  * that fails stops the mapping: the rest stay paused. Returns the first
  * failure. */
 int tms_core_restore_moves(const struct tms_driver *drv, struct tms_move *const *m, size_t n, int retain,
-                           struct tms_err *err);
+                           uint64_t *verify_ns, struct tms_err *err);
 uint64_t tms_core_now_ns(void);
 /* Does a pause of a copy only what changed (and keep its backup while active)? */
 int tms_alloc_skips_unchanged(const struct tms_alloc *a);

@@ -65,7 +65,7 @@ static void restore_released(struct pause_run *p, size_t n, struct tms_err *err)
         struct tms_move *m = p->saved[i];
         m->b.held = m->b.copy;  /* the whole copy this pause wrote */
         struct tms_err e = {0};
-        if (tms_core_restore_moves(p->drv, &m, 1, 1, &e) == TMS_OK) continue;
+        if (tms_core_restore_moves(p->drv, &m, 1, 1, NULL, &e) == TMS_OK) continue;
         if (m->state == TMS_ACTIVE) {  /* left mapped by its restore, which said how */
             tms_err_append(err, "%s", e.msg);
             continue;
@@ -74,6 +74,10 @@ static void restore_released(struct pause_run *p, size_t n, struct tms_err *err)
                        (unsigned long long)m->a->va, tms_core_tag_name(m->a->tag_id), e.msg);
     }
 }
+
+/* Does a pause copy a's bytes? Not where a failed restore left bytes that
+ * are not its own: its backup holds the truth and is kept as it is. */
+static int saves(const struct tms_alloc *a) { return a->backup && !a->wrong_bytes; }
 
 /* Backs up every backed-up allocation in one call below: the core plans
  * the ranges each copies, the backup layer does the rest. On failure
@@ -84,7 +88,7 @@ static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const s
                       struct tms_save_info *info, struct tms_err *err)
 {
     size_t n_saved = 0;
-    for (size_t i = 0; i < n; i++) n_saved += m[i].a->backup != 0;
+    for (size_t i = 0; i < n; i++) n_saved += saves(m[i].a);
     if (!n_saved) return TMS_OK;
     struct tms_backup_move **saved = calloc(n_saved, sizeof *saved);
     if (!saved) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", n_saved);
@@ -92,12 +96,12 @@ static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const s
     size_t k = 0;
     for (size_t i = 0; i < n && !rc; i++) {
         const struct tms_alloc *a = m[i].a;
-        if (!a->backup) continue;
+        if (!saves(a)) continue;
         struct tms_backup_move *b = &m[i].b;
         int skip = tms_alloc_skips_unchanged(a);
         *b = (struct tms_backup_move){.kind = a->backup_kind, .device = a->device, .va = a->va, .size = a->size,
                                       .held = b->held, .copy = b->held, .retain = retain || skip,
-                                      .skip_unchanged = skip};
+                                      .skip_unchanged = skip, .verify = tms_core_verify_restore()};
         if (args->n_skip)
             rc = tms_live_plan(a->backup_kind, a->va, a->size, args->skip, args->n_skip, &b->ranges, &b->n_ranges,
                                err);
@@ -107,7 +111,7 @@ static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const s
     p->saved = rc ? NULL : calloc(n_saved, sizeof *p->saved);
     p->early = p->saved ? calloc(n_saved, sizeof *p->early) : NULL;
     for (size_t i = 0, j = 0; p->saved && i < n; i++)
-        if (m[i].a->backup) p->saved[j++] = &m[i];
+        if (saves(m[i].a)) p->saved[j++] = &m[i];
     struct tms_backup_hooks hooks = {.arg = p, .saved = release_saved};
     if (!rc) rc = tms_backup_save(p->drv, saved, n_saved, tms_core_spill(), p->early ? &hooks : NULL, info, err);
     for (size_t j = 0; j < k; j++) {
@@ -116,7 +120,7 @@ static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const s
     }
     if (rc && p->early) restore_released(p, n_saved, err);
     for (size_t i = 0; i < n && !rc; i++)
-        if (m[i].a->backup) m[i].skipped = m[i].a->size - m[i].b.copied - m[i].b.unchanged;
+        if (saves(m[i].a)) m[i].skipped = m[i].a->size - m[i].b.copied - m[i].b.unchanged;
     free(saved);
     return rc;
 }
@@ -133,7 +137,7 @@ static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, co
     unsigned char *unmapped = job ? calloc(n ? n : 1, 1) : NULL;
     if (job && !unmapped) job = 0;  /* without the list, released as without a job */
     for (size_t i = 0, j = 0; i < n; i++) {
-        const struct early *e = p->early && m[i].a->backup ? &p->early[j++] : NULL;
+        const struct early *e = p->early && saves(m[i].a) ? &p->early[j++] : NULL;
         if (e && e->released) {
             if (e->rc && !rc) {
                 rc = e->rc;
@@ -147,9 +151,10 @@ static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, co
         int one = tms_chunks_unmap(p->drv, a, tag, &one_err);
         if (one == TMS_OK) {
             m[i].state = TMS_PAUSED;
+            a->wrong_bytes = 0;  /* what it held is gone; its backup, kept, is what comes back */
             if (job) unmapped[i] = 1;
             else one = tms_chunks_release(p->drv, a, tag, &one_err);  /* paused all the same: reported, not undone */
-        } else if (m[i].b.copy && !tms_backup_kept_while_active(m[i].b.copy, m[i].b.retain)) {
+        } else if (saves(a) && m[i].b.copy && !tms_backup_kept_while_active(m[i].b.copy, m[i].b.retain)) {
             tms_backup_move_discard(&m[i].b);  /* still active: the device holds the bytes */
         }
         if (one && !rc) {
@@ -189,6 +194,8 @@ int tms_core_pause_moves(const char *const *tags, size_t n_tags, const struct tm
     if (args->report) {
         args->report->fingerprint_ns = info.fingerprint_ns;
         snprintf(args->report->why_not_skipped, sizeof args->report->why_not_skipped, "%s", info.why_not);
+        snprintf(args->report->why_not_verified, sizeof args->report->why_not_verified, "%s",
+                 info.why_not_recorded);
     }
     uint64_t ns = tms_core_now_ns() - start;
     tms_report_end(drv, args, m, n, ns);

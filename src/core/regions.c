@@ -22,6 +22,7 @@ struct tms_region *tms_region_current(void)
         thread_region.backup_kind = tms_backup_default_kind();
         thread_region.disk_backup = d->init_disk_backup;
         thread_region.skip_unchanged = -1;
+        thread_region.restore = -1;
         thread_region_ready = 1;
     }
     return &thread_region;
@@ -34,6 +35,31 @@ void tms_core_region_set_backup(int backup) { tms_region_current()->backup = bac
 void tms_core_region_set_backup_kind(int kind) { tms_region_current()->backup_kind = kind; }
 void tms_core_region_set_disk_backup(int disk) { tms_region_current()->disk_backup = disk; }
 void tms_core_region_set_skip_unchanged(int skip) { tms_region_current()->skip_unchanged = skip < 0 ? -1 : !!skip; }
+void tms_core_region_set_restore(int mode)
+{
+    tms_region_current()->restore = mode >= TMS_RESTORE_NONE && mode <= TMS_RESTORE_POISON ? mode : -1;
+}
+
+static const char *const restore_names[] = {"none", "zero", "poison"};
+
+int tms_core_restore_mode_parse(const char *name, int *mode)
+{
+    for (int m = TMS_RESTORE_NONE; name && m <= TMS_RESTORE_POISON; m++)
+        if (strcmp(name, restore_names[m]) == 0) return *mode = m, TMS_OK;
+    return TMS_E_ARG;
+}
+
+const char *tms_core_restore_mode_name(int mode)
+{
+    return mode >= TMS_RESTORE_NONE && mode <= TMS_RESTORE_POISON ? restore_names[mode] : "?";
+}
+
+int tms_core_restore_mode_default(void)
+{
+    int mode = TMS_RESTORE_NONE;
+    (void)tms_core_restore_mode_parse(tms_defaults()->restore, &mode);
+    return mode;
+}
 
 int tms_core_tag_id(const char *tag, int *id, struct tms_err *err)
 {

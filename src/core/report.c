@@ -1,6 +1,8 @@
 /* What a pause or resume did, per device: allocations it changed, bytes released or mapped, copied and skipped, free memory around it, memory receivers may still map, memory kept, lent and borrowed in a job. */
 #include "core/core_internal.h"
 
+#include <stdio.h>
+
 static struct tms_op_device *report_device(struct tms_op_report *r, int device)
 {
     for (size_t d = 0; d < r->n_devices; d++)
@@ -54,15 +56,24 @@ void tms_report_end(const struct tms_driver *drv, const struct tms_op_args *args
             if (!locked) tms_table_lock(), locked = 1;
             hung_up = tms_shares_take_hung_up_locked(m[i].a, pids);
         }
+        if (r && m[i].a->wrong_bytes && m[i].state == TMS_ACTIVE && r->n_wrong++ < TMS_REPORT_PIDS)
+            r->wrong[r->n_wrong - 1] = m[i].a->va;
         if (!r || m[i].state == m[i].a->state) continue;  /* left as it was */
         struct tms_op_device *d = report_device(r, m[i].a->device);
         if (!d) continue;
         d->allocations++;
         if (hung_up) add_unconfirmed(r, m[i].a, hung_up, pids);
         else d->released += m[i].a->reserved;
+        if (m[i].state == TMS_ACTIVE) d->mapped += m[i].a->reserved;
         d->copied += m[i].b.copied;
         d->unchanged += m[i].b.unchanged;
         d->skipped += m[i].skipped;
+        d->verified += m[i].b.verified;
+        if (!r->why_not_verified[0] && m[i].b.copied) {
+            const char *why = !m[i].b.verify && m[i].a->backup ? "verify_restore is off"
+                              : m[i].state == TMS_ACTIVE ? m[i].b.unverified : NULL;
+            if (why) snprintf(r->why_not_verified, sizeof r->why_not_verified, "%s", why);
+        }
     }
     if (locked) tms_table_unlock();
     if (!r) return;

@@ -40,14 +40,14 @@ void tms_stats_account_locked(const struct tms_alloc *a, int sign)
 
 /* A pause or resume that changed an allocation counts once per (tag,
  * device) it changed, with its duration, plus the bytes it copied. */
-void tms_stats_count_change_locked(const struct tms_alloc *a, size_t copied, size_t skipped, int is_pause,
-                                   uint64_t ns, uint64_t call_seq)
+void tms_stats_count_change_locked(const struct tms_alloc *a, const struct tms_move *m, int is_pause, uint64_t ns,
+                                   uint64_t call_seq)
 {
     struct tms_stats *st = stats_of_locked(a->tag_id, a->device);
     if (!st) return;
     uint64_t *counted = &tms_tag_locked(a->tag_id)->counted_call[stats_slot(a->device)];
-    if (is_pause) st->bytes_to_host += copied, st->bytes_skipped += skipped;
-    else st->bytes_to_device += copied;
+    if (is_pause) st->bytes_to_host += m->b.copied, st->bytes_skipped += m->skipped, st->bytes_unchanged += m->b.unchanged;
+    else st->bytes_to_device += m->b.copied, st->bytes_verified += m->b.verified;
     if (*counted == call_seq) return;
     *counted = call_seq;
     if (is_pause) st->pauses++, st->pause_ns += ns;

@@ -23,7 +23,9 @@
     X(resume_ns, counter, "time spent in those resume calls")                       \
     X(bytes_to_host, counter, "bytes copied to host backups")                       \
     X(bytes_to_device, counter, "bytes restored from host backups")                 \
-    X(bytes_skipped, counter, "bytes of backed-up allocations left out as free in PyTorch's cache")
+    X(bytes_skipped, counter, "bytes of backed-up allocations left out as free in PyTorch's cache")  \
+    X(bytes_unchanged, counter, "bytes of backed-up allocations not copied: unchanged since their backup") \
+    X(bytes_verified, counter, "restored bytes found as they were paused")
 
 struct tms_stats {
 #define TMS_STAT_DECLARE(name, kind, doc) uint64_t name;

@@ -45,6 +45,7 @@ PyObject *tms_py_raise(PyObject *module, const struct tms_err *err)
         return NULL;
     }
     if (err->flags & TMS_ERR_DISK_DIR) type = st->disk_dir_error;
+    if (err->flags & TMS_ERR_CORRUPT) type = st->integrity_error;
     PyErr_Format(type, "torch_memory_saver: %s", err->msg[0] ? err->msg : tms_status_name(err->status));
     return NULL;
 }
@@ -93,8 +94,9 @@ static int import_error_types(module_state *st)
         st->error = PyObject_GetAttrString(errors, "Error");
         st->oom_error = st->error ? PyObject_GetAttrString(errors, "OutOfMemoryError") : NULL;
         st->disk_dir_error = st->oom_error ? PyObject_GetAttrString(errors, "DiskBackupDirError") : NULL;
+        st->integrity_error = st->disk_dir_error ? PyObject_GetAttrString(errors, "IntegrityError") : NULL;
         Py_DECREF(errors);
-        return st->disk_dir_error ? 0 : -1;
+        return st->integrity_error ? 0 : -1;
     }
     if (!PyErr_ExceptionMatches(PyExc_ImportError)) return -1;
     PyErr_Clear();
@@ -109,6 +111,7 @@ static int import_error_types(module_state *st)
                                               oom_bases, NULL);
     Py_DECREF(oom_bases);
     st->disk_dir_error = Py_NewRef(PyExc_ValueError);
+    st->integrity_error = Py_NewRef(st->error);
     return st->oom_error ? 0 : -1;
 }
 
@@ -151,6 +154,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->error);
     Py_VISIT(st->oom_error);
     Py_VISIT(st->disk_dir_error);
+    Py_VISIT(st->integrity_error);
     Py_VISIT(st->view_type);
     Py_VISIT(st->make_view);
     return 0;
@@ -162,6 +166,7 @@ static int module_clear(PyObject *module)
     Py_CLEAR(st->error);
     Py_CLEAR(st->oom_error);
     Py_CLEAR(st->disk_dir_error);
+    Py_CLEAR(st->integrity_error);
     Py_CLEAR(st->view_type);
     Py_CLEAR(st->make_view);
     return 0;

@@ -26,6 +26,7 @@ typedef struct {
     PyObject *error;          /* torch_memory_saver.Error(RuntimeError) */
     PyObject *oom_error;      /* torch_memory_saver.OutOfMemoryError(Error, MemoryError) */
     PyObject *disk_dir_error; /* torch_memory_saver.DiskBackupDirError(ValueError, OSError) */
+    PyObject *integrity_error; /* torch_memory_saver.IntegrityError(Error): restored bytes differ from their pause's */
     PyTypeObject *view_type;  /* BackupView: keeps a host backup alive */
     PyObject *make_view;      /* torch_memory_saver._backup_view.view, or NULL outside the package */
 } module_state;

@@ -1,6 +1,8 @@
 /* _tms_env: every TMS_* variable checked at `import torch_memory_saver` without loading a core; the settings table described, and run-time values checked, for the Python layer. */
 #include "face/py_settings.h"
 
+#include "core/core.h"
+
 #define TMS_EXPORT __attribute__((visibility("default")))
 
 static int module_exec(PyObject *module)
@@ -100,7 +102,31 @@ static PyObject *check_setting(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(report_fields_doc,
+"report_fields($module, /)\n--\n\n"
+"The byte counts of a pause's or resume's report per device, in order, as (name, doc) pairs\n"
+"(src/core/core.h, TMS_REPORT_BYTES): the keys of the native report's device dicts and the\n"
+"attributes of DeviceReport and Report.");
+
+static PyObject *report_fields(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    static const char *const fields[][2] = {
+#define TMS_REPORT_PAIR(field, name, doc) {name, doc},
+        TMS_REPORT_BYTES(TMS_REPORT_PAIR)
+#undef TMS_REPORT_PAIR
+    };
+    Py_ssize_t n = (Py_ssize_t)(sizeof fields / sizeof fields[0]);
+    PyObject *out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *pair = Py_BuildValue("(ss)", fields[i][0], fields[i][1]);
+        if (!pair || PyTuple_SetItem(out, i, pair) < 0) Py_CLEAR(out);  /* steals pair */
+    }
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
+    {"report_fields", report_fields, METH_NOARGS, report_fields_doc},
     {"names", names, METH_NOARGS, names_doc},
     {"is_known", is_known, METH_O, is_known_doc},
     {"settings", settings, METH_NOARGS, settings_doc},

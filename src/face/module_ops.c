@@ -8,21 +8,32 @@
 
 PyDoc_STRVAR(set_region_doc,
 "set_region($module, active, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup=False,\n"
-"           skip_unchanged=None, /)\n--\n\n"
+"           skip_unchanged=None, restore=None, /)\n--\n\n"
 "Set the calling thread's region: allocations it makes while active are pauseable\n"
 "(backed up to a file each when enable_disk_backup, which wins over enable_cpu_backup);\n"
-"skip_unchanged: their pauses copy only what changed (None: the process's setting).");
+"skip_unchanged: their pauses copy only what changed (None: the process's setting);\n"
+"restore: what those paused without backup hold after resume, 'none', 'zero' or 'poison'\n"
+"(None: TMS_RESTORE).");
 
 static PyObject *py_set_region(PyObject *module, PyObject *args)
 {
-    int active, backup, disk = 0, skip = -1;
-    PyObject *tag_obj, *skip_obj = Py_None;
+    int active, backup, disk = 0, skip = -1, restore = -1;
+    PyObject *tag_obj, *skip_obj = Py_None, *restore_obj = Py_None;
     const char *kind_name;
-    if (!PyArg_ParseTuple(args, "pOps|pO:set_region", &active, &tag_obj, &backup, &kind_name, &disk, &skip_obj))
+    if (!PyArg_ParseTuple(args, "pOps|pOO:set_region", &active, &tag_obj, &backup, &kind_name, &disk, &skip_obj,
+                          &restore_obj))
         return NULL;
     if (skip_obj != Py_None && !PyBool_Check(skip_obj))
         return tms_py_type_error("set_region: skip_unchanged", "a bool or None", skip_obj);
     if (skip_obj != Py_None) skip = skip_obj == Py_True;
+    if (restore_obj != Py_None && !PyUnicode_Check(restore_obj))
+        return tms_py_type_error("region(restore=...)", "a str or None", restore_obj);
+    if (restore_obj != Py_None && tms_core_restore_mode_parse(PyUnicode_AsUTF8AndSize(restore_obj, NULL), &restore)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "torch_memory_saver: region(restore=%R) must be 'none', 'zero' or 'poison'",
+                         restore_obj);
+        return NULL;
+    }
     const char *tag = tms_py_tag_bytes(tag_obj, "set_region: tag");
     if (!tag) return NULL;
     struct tms_err err = {0};
@@ -36,6 +47,7 @@ static PyObject *py_set_region(PyObject *module, PyObject *args)
     }
     if (rc) return tms_py_raise(module, &err);
     tms_core_region_set_skip_unchanged(skip);
+    tms_core_region_set_restore(restore);
     Py_RETURN_NONE;
 }
 
@@ -63,7 +75,8 @@ static PyObject *py_check_region(PyObject *module, PyObject *args)
 PyDoc_STRVAR(get_region_doc,
 "get_region($module, /)\n--\n\n"
 "The calling thread's region as (active, tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup,\n"
-"skip_unchanged), skip_unchanged None where the process's setting decides.");
+"skip_unchanged, restore), skip_unchanged None where the process's setting decides, restore None where\n"
+"TMS_RESTORE does.");
 
 static PyObject *py_get_region(PyObject *module, PyObject *unused)
 {
@@ -71,9 +84,10 @@ static PyObject *py_get_region(PyObject *module, PyObject *unused)
     const struct tms_region *r = tms_core_region();
     PyObject *skip = r->skip_unchanged < 0 ? Py_None : r->skip_unchanged ? Py_True : Py_False;
     Py_INCREF(skip);
-    return Py_BuildValue("(NsNsNN)", PyBool_FromLong(r->active), tms_core_tag_name(r->tag_id),
+    PyObject *restore = r->restore < 0 ? Py_NewRef(Py_None) : PyUnicode_FromString(tms_core_restore_mode_name(r->restore));
+    return Py_BuildValue("(NsNsNNN)", PyBool_FromLong(r->active), tms_core_tag_name(r->tag_id),
                          PyBool_FromLong(r->backup), tms_core_backup_kind_name(r->backup_kind),
-                         PyBool_FromLong(r->disk_backup), skip);
+                         PyBool_FromLong(r->disk_backup), skip, restore);
 }
 
 /* ---- pause / resume ---------------------------------------------------------- */
@@ -166,22 +180,31 @@ static PyObject *timed_out_list(const struct tms_op_device *d)
     return out;
 }
 
+/* Sets d[key] = value, dropping the reference to value; -1 with an exception set. */
+static int set_item(PyObject *d, const char *key, PyObject *value)
+{
+    int rc = value ? PyDict_SetItemString(d, key, value) : -1;
+    Py_XDECREF(value);
+    return rc;
+}
+
 static PyObject *device_report_dict(const void *row)
 {
     const struct tms_op_device *d = row;
-    PyObject *lenders = lenders_dict(d), *timed_out = lenders ? timed_out_list(d) : NULL;
-    if (!timed_out) {
-        Py_XDECREF(lenders);
-        return NULL;
-    }
-    return Py_BuildValue("{s:i,s:n,s:n,s:n,s:n,s:n,s:N,s:N,s:n,s:n,s:n,s:n,s:N,s:z,s:N}", "device", d->device,
-                         "allocations", (Py_ssize_t)d->allocations, "released", (Py_ssize_t)d->released, "copied",
-                         (Py_ssize_t)d->copied, "skipped", (Py_ssize_t)d->skipped, "unchanged",
-                         (Py_ssize_t)d->unchanged, "free_before", free_bytes(d->free_measured, d->free_before),
-                         "free_after", free_bytes(d->free_measured, d->free_after), "kept", (Py_ssize_t)d->kept,
-                         "returned", (Py_ssize_t)d->returned, "reused", (Py_ssize_t)d->reused, "borrowed",
-                         (Py_ssize_t)d->borrowed, "lenders", lenders, "fallback", fallback_name(d->fallback),
-                         "timed_out", timed_out);
+    PyObject *out = PyDict_New();
+    int bad = !out || set_item(out, "device", PyLong_FromLong(d->device)) ||
+              set_item(out, "allocations", PyLong_FromSize_t(d->allocations));
+#define TMS_REPORT_ITEM(field, name, doc) bad = bad || set_item(out, name, PyLong_FromSize_t(d->field));
+    TMS_REPORT_BYTES(TMS_REPORT_ITEM)
+#undef TMS_REPORT_ITEM
+    const char *fallback = fallback_name(d->fallback);
+    bad = bad || set_item(out, "free_before", free_bytes(d->free_measured, d->free_before)) ||
+          set_item(out, "free_after", free_bytes(d->free_measured, d->free_after)) ||
+          set_item(out, "lenders", lenders_dict(d)) ||
+          set_item(out, "fallback", fallback ? PyUnicode_FromString(fallback) : Py_NewRef(Py_None)) ||
+          set_item(out, "timed_out", timed_out_list(d));
+    if (bad) Py_CLEAR(out);
+    return out;
 }
 
 static PyObject *unconfirmed_dict(const void *row)
@@ -210,9 +233,21 @@ static PyObject *report_dict(const struct tms_op_report *r)
         Py_XDECREF(devices);
         return NULL;
     }
-    return Py_BuildValue("{s:K,s:N,s:N,s:K,s:s}", "ns", (unsigned long long)r->ns, "devices", devices, "unconfirmed",
-                         unconfirmed, "fingerprint_ns", (unsigned long long)r->fingerprint_ns, "why_not_skipped",
-                         r->why_not_skipped);
+    size_t shown = r->n_wrong < TMS_REPORT_PIDS ? r->n_wrong : TMS_REPORT_PIDS;
+    PyObject *wrong = PyList_New((Py_ssize_t)shown);
+    for (size_t i = 0; wrong && i < shown; i++) {
+        PyObject *ptr = PyLong_FromUnsignedLongLong(r->wrong[i]);
+        if (!ptr || PyList_SetItem(wrong, (Py_ssize_t)i, ptr) < 0) Py_CLEAR(wrong);  /* steals ptr */
+    }
+    if (!wrong) {
+        Py_DECREF(devices);
+        Py_DECREF(unconfirmed);
+        return NULL;
+    }
+    return Py_BuildValue("{s:K,s:N,s:N,s:K,s:K,s:s,s:s,s:N}", "ns", (unsigned long long)r->ns, "devices", devices,
+                         "unconfirmed", unconfirmed, "fingerprint_ns", (unsigned long long)r->fingerprint_ns,
+                         "verify_ns", (unsigned long long)r->verify_ns, "why_not_skipped", r->why_not_skipped,
+                         "why_not_verified", r->why_not_verified, "wrong_bytes", wrong);
 }
 
 /* What a pause may leave out: skip as skip_of takes it, or a callable returning

@@ -24,7 +24,7 @@
     X(TMS_FAULT_HOST_ALLOC, "host_alloc") X(TMS_FAULT_DISK_WRITE, "disk_write")                                \
     X(TMS_FAULT_DISK_READ, "disk_read") X(TMS_FAULT_DISK_SHORT_WRITE, "disk_short_write")                      \
     X(TMS_FAULT_DISK_NO_DIRECT, "disk_no_direct") X(TMS_FAULT_DISK_SYNC, "disk_sync")                          \
-    X(TMS_FAULT_FINGERPRINT, "fingerprint")
+    X(TMS_FAULT_FINGERPRINT, "fingerprint") X(TMS_FAULT_FILL, "fill")
 #define TMS_FAULT_ENUM(op, name) op,
 enum tms_fault_op { TMS_FAULT_LIST(TMS_FAULT_ENUM) TMS_FAULT_OPS };
 #undef TMS_FAULT_ENUM
@@ -103,6 +103,14 @@ enum tms_fault_op { TMS_FAULT_LIST(TMS_FAULT_ENUM) TMS_FAULT_OPS };
       "Backed-up pauses copy only the 2 MiB chunks that changed since the backup was written (found by "       \
       "fingerprints on the GPU), keeping each backup between cycles; a region's skip_unchanged overrides it. "  \
       "Off by default; TMS_SKIP_UNCHANGED=1.")                                                                 \
+    X(verify_restore, boolean, "TMS_VERIFY_RESTORE", 1, (), NULL,                                              \
+      RUN(tms_core_set_verify_restore, tms_core_verify_restore),                                               \
+      "Every backed-up pause records a keyed fingerprint of each 2 MiB chunk it copied (on the GPU), and "     \
+      "every resume fingerprints what it restored and compares: a mismatch raises IntegrityError and the "     \
+      "allocation stays paused with its backup. On by default; TMS_VERIFY_RESTORE=0 turns it off.")           \
+    X(restore, choice, "TMS_RESTORE", "none", ("none", "zero", "poison"), "one of: none, zero, poison", ENV,   \
+      "what memory paused without backup holds after resume, for regions that do not say: none (undefined), " \
+      "zero (every byte 0), poison (every byte 0xFF)")                                                         \
     /* lending within a job */                                                                                 \
     X(job, name, "TMS_JOB", "", (64), "a job name of 1 to 64 letters, digits, '_', '-' or '.' (not starting "  \
       "with '.')", CALL(job_set_name, job_get_name),                                                   \

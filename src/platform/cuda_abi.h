@@ -117,7 +117,8 @@ typedef struct {
     X(cuLaunchKernel, (tms_CUfunction function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x, \
       unsigned block_y, unsigned block_z, unsigned shared_bytes, tms_CUstream stream, void **params, \
       void **extra), OPTIONAL) \
-    X(cuDeviceGetUuid, (tms_CUuuid *uuid, tms_CUdevice dev), OPTIONAL)
+    X(cuDeviceGetUuid, (tms_CUuuid *uuid, tms_CUdevice dev), OPTIONAL) \
+    X(cuMemsetD8Async, (tms_CUdeviceptr dst, unsigned char value, size_t n, tms_CUstream stream), OPTIONAL)
 
 /* The presence column as a number: 1 for a required entry. */
 #define TMS_CUDA_REQUIRED 1

@@ -111,6 +111,11 @@ struct tms_driver {
      * whose kernel cannot be loaded here returns that code every time.
      * pre: the chunks are mapped and nothing writes them. */
     int (*fingerprint)(int device, const tms_va *chunks, size_t n, struct tms_fp *out);
+    /* Sets the n ranges [va[i], va[i] + len[i]) on device to byte, and waits
+     * until they are: queued on a stream of its own, so one wait serves them
+     * all (a resume that zeroes or poisons many allocations). pre: mapped,
+     * and nothing else writes them. */
+    int (*fill)(int device, const tms_va *va, const size_t *len, size_t n, unsigned char byte);
 };
 
 extern const struct tms_driver tms_driver_cuda;

@@ -498,6 +498,52 @@ static int cuda_fingerprint(int device, const tms_va *chunks, size_t n, struct t
     return rc;
 }
 
+/* ---- filling device memory ------------------------------------------------------------
+ * One stream per device, made on first use, on which every range is queued
+ * before one wait: a resume that zeroes many allocations waits once. */
+static pthread_mutex_t fill_lock = PTHREAD_MUTEX_INITIALIZER;  /* the streams; held across a fill */
+static tms_CUstream fill_streams[CUDA_MAX_DEVICES];
+static pthread_once_t fill_fork_once = PTHREAD_ONCE_INIT;
+
+static void fill_fork_prepare(void) { pthread_mutex_lock(&fill_lock); }
+static void fill_fork_release(void) { pthread_mutex_unlock(&fill_lock); }
+static void fill_register_fork(void)
+{
+    static const struct tms_fork_handlers handlers = {fill_fork_prepare, fill_fork_release, fill_fork_release};
+    tms_fork_register(TMS_FORK_FILL, &handlers);
+}
+
+static int fill_run(int device, const tms_va *va, const size_t *len, size_t n, unsigned char byte)
+{
+    tms_CUstream *s = &fill_streams[device];
+    int rc = *s ? 0 : cu.cuStreamCreate(s, TMS_CU_STREAM_NON_BLOCKING);
+    if (rc) {
+        *s = NULL;
+        return rc;
+    }
+    for (size_t i = 0; !rc && i < n; i++) rc = cu.cuMemsetD8Async(va[i], byte, len[i], *s);
+    int wait_rc = cu.cuStreamSynchronize(*s);  /* nothing queued stays in flight, also after a failure */
+    return rc ? rc : wait_rc;
+}
+
+static int cuda_fill(int device, const tms_va *va, const size_t *len, size_t n, unsigned char byte)
+{
+    struct cuda_device *d;
+    if (device < 0 || device >= CUDA_MAX_DEVICES) return TMS_CUDA_ERROR_INVALID_DEVICE;
+    if (!cu.cuMemsetD8Async) return TMS_CUDA_ERROR_NOT_SUPPORTED;
+    pthread_once(&fill_fork_once, fill_register_fork);
+    pthread_mutex_lock(&fill_lock);
+    int rc = device_get(device, &d);
+    if (!rc && !(rc = cu.cuCtxPushCurrent(d->ctx))) {
+        rc = fill_run(device, va, len, n, byte);
+        tms_CUcontext popped;
+        int pop_rc = cu.cuCtxPopCurrent(&popped);
+        if (!rc) rc = pop_rc;
+    }
+    pthread_mutex_unlock(&fill_lock);
+    return rc;
+}
+
 const struct tms_driver tms_driver_cuda = {
     .name = "cuda",
     .load = cuda_load,
@@ -531,4 +577,5 @@ const struct tms_driver tms_driver_cuda = {
     .numa_node = cuda_numa_node,
     .device_active = cuda_device_active,
     .fingerprint = cuda_fingerprint,
+    .fill = cuda_fill,
 };

@@ -380,6 +380,15 @@ static int host_fingerprint(int device, const tms_va *chunks, size_t n, struct t
     return 0;
 }
 
+/* The host backend's device memory is host memory at the same address. */
+static int host_fill(int device, const tms_va *va, const size_t *len, size_t n, unsigned char byte)
+{
+    touch(device);
+    if (fault_hit(TMS_FAULT_FILL)) return EIO;
+    for (size_t i = 0; i < n; i++) memset((void *)(uintptr_t)va[i], byte, len[i]);
+    return 0;
+}
+
 const struct tms_driver tms_driver_host = {
     .name = "host",
     .load = host_load,
@@ -412,4 +421,5 @@ const struct tms_driver tms_driver_host = {
     .numa_node = host_numa_node,
     .device_active = host_device_active,
     .fingerprint = host_fingerprint,
+    .fill = host_fill,
 };

@@ -31,6 +31,9 @@ struct tms_err {
 /* The disk backup directory itself cannot be used (made, opened, trusted or
  * locked), whichever path named it: the Python face raises DiskBackupDirError. */
 #define TMS_ERR_DISK_DIR 1u
+/* A resume restored bytes other than those its pause backed up (their
+ * fingerprints differ): the Python face raises IntegrityError. */
+#define TMS_ERR_CORRUPT 2u
 
 /* Records status + formatted message; returns status so callers can
  * `return tms_fail(err, ...)`. err may be NULL (hooks that only need the code). */

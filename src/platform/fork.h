@@ -25,6 +25,7 @@ enum tms_fork_rank {
     TMS_FORK_FILES,     /* backup/files_dir.c: disk_lock */
     TMS_FORK_DRIVER,    /* platform/driver.c: driver_lock, held while a backend loads */
     TMS_FORK_FP_RUN,    /* platform/driver_cuda.c: fp_lock, held while a fingerprint kernel runs */
+    TMS_FORK_FILL,      /* platform/driver_cuda.c: fill_lock, held while memory is filled */
     TMS_FORK_DEVICES,   /* platform/driver_cuda.c: devices_lock */
     TMS_FORK_FINGERPRINT,  /* platform/fingerprint.c: key_lock; the child keys anew */
     TMS_FORK_RANKS

@@ -40,8 +40,8 @@ def main(hook_mode):
         param_buffer = torch.zeros(128 * MiB, dtype=torch.uint8, device="cuda")
         with tms.region(tag="grad_buffer", enable_cpu_backup=False):
             grad_buffer = torch.zeros(256 * MiB, dtype=torch.uint8, device="cuda")
-        check(core().get_region() == (True, "param_buffer", False, "mmap", False, None), f"inner exit: {core().get_region()}")
-    check(core().get_region() == (True, "default", True, "mmap", False, None), f"outer exit: {core().get_region()}")
+        check(core().get_region() == (True, "param_buffer", False, "mmap", False, None, None), f"inner exit: {core().get_region()}")
+    check(core().get_region() == (True, "default", True, "mmap", False, None, None), f"outer exit: {core().get_region()}")
     check_owned(param_buffer, "param_buffer", "param buffer")
     check_owned(grad_buffer, "grad_buffer", "grad buffer")
 

@@ -54,15 +54,15 @@ def only_live_bytes_are_copied(kind):
     want_a, want_c = live_bytes(a, da, live_a), [(0, dc)]
     report = core().pause("w", skip)
     [dev] = report["devices"]
-    assert dev["copied"] == 4 * g + size and dev["skipped"] == 4 * g + 2 * g, dev
-    assert dev["allocations"] == 3 and dev["released"] == 2 * size + 2 * g, dev
+    assert dev["copied_bytes"] == 4 * g + size and dev["skipped_bytes"] == 4 * g + 2 * g, dev
+    assert dev["allocations"] == 3 and dev["released_bytes"] == 2 * size + 2 * g, dev
     rows = {r["ptr"]: r for r in tms.allocations()}
     assert (rows[a]["backup_bytes"], rows[a]["skipped_bytes"]) == (4 * g, 4 * g), rows[a]
     assert (rows[b]["backup_bytes"], rows[b]["skipped_bytes"]) == (0, 2 * g), rows[b]
     assert (rows[c]["backup_bytes"], rows[c]["skipped_bytes"]) == (size, 0), rows[c]
     assert torch_memory_saver.stats()[0]["w"]["bytes_skipped"] == 6 * g
     back = core().resume("w")
-    assert back["devices"][0]["copied"] == 4 * g + size and back["devices"][0]["skipped"] == 6 * g, back
+    assert back["devices"][0]["copied_bytes"] == 4 * g + size and back["devices"][0]["skipped_bytes"] == 6 * g, back
     check_live(a, want_a)
     check_live(c, want_c)
     assert db is not None  # b's bytes are undefined now: free in the caller's cache
@@ -80,7 +80,7 @@ def host_memory_holds_only_live_bytes():
     before = device_used()
     report = core().pause("w", spans((p + 16 * MiB, 48 * MiB)))
     view = core().get_cpu_backup(p, size)
-    held = (before - device_used(), report["devices"][0]["copied"], resident_bytes(view), core().host_budget()["mine"])
+    held = (before - device_used(), report["devices"][0]["copied_bytes"], resident_bytes(view), core().host_budget()["mine"])
     del view
     core().resume("w")
     check_live(p, [(0, data[:16 * MiB])])
@@ -99,7 +99,7 @@ def retained_backup_follows_the_live_ranges():
     core().resume("w")
     data = fill(p, size)                                   # new contents everywhere
     report = core().pause("w", spans((p + 8 * MiB, 8 * MiB)))  # second half free now
-    assert report["devices"][0]["copied"] == 8 * MiB, report
+    assert report["devices"][0]["copied_bytes"] == 8 * MiB, report
     core().resume("w")
     check_live(p, [(0, data[:8 * MiB])])
     row = [r for r in tms.allocations() if r["ptr"] == p][0]

@@ -11,30 +11,30 @@ from _prelude import MiB, core, expect, fill, read, row, run_cases, start, state
 def nested():
     """Nested regions and disable() restore the outer settings, after an exception too."""
     native = core()
-    assert native.get_region() == (False, "default", False, "mmap", False, None)
+    assert native.get_region() == (False, "default", False, "mmap", False, None, None)
     with tms.region("outer", enable_cpu_backup=True, cpu_backup_backend="pinned"):
-        assert native.get_region() == (True, "outer", True, "pinned", False, None)
+        assert native.get_region() == (True, "outer", True, "pinned", False, None, None)
         o1 = tms.malloc(MiB)
         with tms.region("inner"):
-            assert native.get_region() == (True, "inner", False, "mmap", False, None)
+            assert native.get_region() == (True, "inner", False, "mmap", False, None, None)
             i1 = tms.malloc(MiB)
             with tms.disable():
                 assert native.get_region()[0] is False
                 expect(ValueError, tms.malloc, MiB, match="inside disable()")
                 with tms.region("deep", enable_cpu_backup=True):
                     tms.free(tms.malloc(MiB))
-                    assert native.get_region() == (True, "deep", True, "mmap", False, None)
+                    assert native.get_region() == (True, "deep", True, "mmap", False, None, None)
                 assert native.get_region()[0] is False
-            assert native.get_region() == (True, "inner", False, "mmap", False, None)
-        assert native.get_region() == (True, "outer", True, "pinned", False, None)
+            assert native.get_region() == (True, "inner", False, "mmap", False, None, None)
+        assert native.get_region() == (True, "outer", True, "pinned", False, None, None)
         try:
             with tms.region("boom", enable_cpu_backup=True, cpu_backup_backend="mmap"):
                 raise KeyError("inside")
         except KeyError:
             pass
-        assert native.get_region() == (True, "outer", True, "pinned", False, None)
+        assert native.get_region() == (True, "outer", True, "pinned", False, None, None)
         o2 = tms.malloc(MiB)
-    assert native.get_region() == (False, "default", False, "mmap", False, None)
+    assert native.get_region() == (False, "default", False, "mmap", False, None, None)
     expect(ValueError, tms.malloc, MiB, match="outside a region")
     for p in (o1, o2):
         assert (row(p)["tag"], row(p)["cpu_backup"], row(p)["cpu_backup_backend"]) == ("outer", True, "pinned")
@@ -58,7 +58,7 @@ def per_thread():
                 barrier.wait()
                 mine = []
                 for i in range(K):
-                    assert native.get_region() == (True, tag, backup, kind or "mmap", False, None), native.get_region()
+                    assert native.get_region() == (True, tag, backup, kind or "mmap", False, None, None), native.get_region()
                     mine.append(tms.malloc(MiB + i))
                 results[tag] = mine
         except BaseException as e:
@@ -96,7 +96,7 @@ def per_thread():
         assert (rows[p]["tag"], rows[p]["cpu_backup"], rows[p]["cpu_backup_backend"]) == ("a", True, "pinned")
     for p in results["b"]:
         assert (rows[p]["tag"], rows[p]["cpu_backup"]) == ("b", False)
-    assert native.get_region() == (False, "default", False, "mmap", False, None)   # main thread never entered one
+    assert native.get_region() == (False, "default", False, "mmap", False, None, None)   # main thread never entered one
     assert [read(p, MiB + 5) for p in c] == dc
     tms.pause("a")
     assert sorted(set(states())) == [("a", "paused"), ("b", "active"), ("c", "active")], states()
@@ -177,7 +177,7 @@ def init_backup_and_retain_env():
     assert row(p)["has_cpu_backup"] is True                            # retained
     assert native.get_cpu_backup(p, n).tobytes() == d
     with tms.region("e", enable_cpu_backup=True):                      # backend default from the env
-        assert native.get_region() == (True, "e", True, "pinned", False, None)
+        assert native.get_region() == (True, "e", True, "pinned", False, None, None)
     print("done")
 
 
@@ -188,10 +188,10 @@ def init_backup_without_init_enable():
     d = native.defaults()
     assert (d["init_enable"], d["init_enable_cpu_backup"], d["init_cpu_backup_backend"], d["retain_cpu_backup"]) \
         == (False, True, "mmap", False), d
-    assert native.get_region() == (False, "default", True, "mmap", False, None)
+    assert native.get_region() == (False, "default", True, "mmap", False, None, None)
     expect(ValueError, tms.malloc, MiB, match="outside a region")
     with tms.region("z", enable_cpu_backup=True):
-        assert native.get_region() == (True, "z", True, "mmap", False, None)
+        assert native.get_region() == (True, "z", True, "mmap", False, None, None)
         p = tms.malloc(MiB)
     data = fill(p, MiB)
     tms.pause("z")
