@@ -232,8 +232,8 @@ def test_a_failed_fingerprint_copies_everything_and_says_why(run_py, ok):
         with tms.region("w", enable_cpu_backup=True, skip_unchanged=True):
             p = core.malloc(2 * CHUNK)
         data = fill(p, 2 * CHUNK)
-        tms.pause("w"); tms.resume("w")                      # fingerprint 1
-        r = tms.pause("w")                                   # fingerprint 2 fails
+        tms.pause("w"); tms.resume("w")                      # fingerprints 1, 2 (after the copy), 3 (the check)
+        r = tms.pause("w")                                   # fingerprint 4 fails
         assert (r.copied_bytes, r.unchanged_bytes) == (2 * CHUNK, 0), r
         assert "fingerprinting 2 chunks on device 0 failed" in r.why_not_skipped, r.why_not_skipped
         tms.resume("w")
@@ -243,7 +243,7 @@ def test_a_failed_fingerprint_copies_everything_and_says_why(run_py, ok):
         assert tms.pause("w").unchanged_bytes == 2 * CHUNK
         tms.resume("w")
         assert read(p, 2 * CHUNK) == data
-    """, env={"TMS_FAULT": "fingerprint:2"}))
+    """, env={"TMS_FAULT": "fingerprint:4"}))
 
 
 def test_the_setting_and_its_variable_and_a_region_that_says_otherwise(run_py, ok):

@@ -5,7 +5,9 @@ instead and holds the native keeper, so the bytes live as long as any view of th
 import ctypes
 
 
-def view(address: int, nbytes: int, keeper) -> memoryview:
+def view(address: int, nbytes: int, keeper, writable: bool = True) -> memoryview:
     array = (ctypes.c_ubyte * nbytes).from_address(address)
     array._tms_keeper = keeper
-    return memoryview(array).cast("B")  # ctypes says "<B": plain bytes index and compare as bytes
+    out = memoryview(array).cast("B")  # ctypes says "<B": plain bytes index and compare as bytes
+    # A view the caller only copies out of cannot change what the backup's fingerprints describe.
+    return out if writable else out.toreadonly()

@@ -275,7 +275,9 @@ class TorchMemorySaver:
             return flat.view(x.dtype).as_strided(x.shape, x.stride())  # a copy, whatever zero_copy says
         if view is None:
             return None
-        host = torch.frombuffer(view, dtype=torch.uint8).view(x.dtype).as_strided(x.shape, x.stride())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only view when not zero_copy: cloned at once
+            host = torch.frombuffer(view, dtype=torch.uint8).view(x.dtype).as_strided(x.shape, x.stride())
         return host if zero_copy else host.clone(memory_format=torch.contiguous_format)
 
     def share(self, tensor):

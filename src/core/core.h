@@ -41,6 +41,8 @@ struct tms_alloc_info {
     int backup_to_file;  /* backed up to a file (a disk backup), not host memory */
     size_t backup_bytes; /* bytes its backup holds now (its last pause copied), 0 without one */
     size_t skipped_bytes; /* bytes that pause left out: free in the caller's cache */
+    int wrong_bytes;     /* active with bytes that are not its own: a failed restore could not pause it again */
+    int restore;         /* what it holds after a resume without backup (enum tms_restore_mode) */
 };
 
 /* ---- regions: what the calling thread's allocations get ---------------------

@@ -19,6 +19,17 @@ static int lendable(const struct tms_driver *drv, const struct tms_alloc *a)
     return !a->adopted && a->handle_types && drv->export_fd && drv->import_fd && drv->device_identity;
 }
 
+/* A receiver of a share hung up on a without saying it let go, while its
+ * process lives: it may still map the memory, so the memory is released, never
+ * kept or lent to another member. */
+static int receivers_may_map(const struct tms_alloc *a)
+{
+    tms_table_lock();  /* the sender's thread marks it under the lock */
+    int marked = a->share_hung_up > 0;
+    tms_table_unlock();
+    return marked;
+}
+
 /* Bytes of a's own handles a pause could keep. */
 static size_t own_bytes(const struct tms_alloc *a)
 {
@@ -69,8 +80,11 @@ void tms_lend_let_go(const struct tms_driver *drv, struct tms_move *m, size_t n,
         int device = m[start].a->device;
         for (end = start; end < n && m[end].a->device == device;) end++;  /* moves are sorted by device */
         size_t releasable = 0;
-        for (size_t i = start; i < end; i++)
-            if (unmapped[i] && lendable(drv, m[i].a)) releasable += own_bytes(m[i].a);
+        unsigned char *may = calloc(end - start, 1);  /* without it, nothing is kept */
+        for (size_t i = start; may && i < end; i++) {
+            may[i - start] = unmapped[i] && lendable(drv, m[i].a) && !receivers_may_map(m[i].a);
+            if (may[i - start]) releasable += own_bytes(m[i].a);
+        }
         struct tms_job_note note = {0};
         size_t keep = ops ? ops->keep(device, releasable, &note) : 0, kept = 0;
         struct tms_op_device *d = tms_report_device(args, device);
@@ -78,7 +92,7 @@ void tms_lend_let_go(const struct tms_driver *drv, struct tms_move *m, size_t n,
         for (size_t i = start; i < end; i++) {
             struct tms_alloc *a = m[i].a;
             if (!unmapped[i]) continue;
-            int may_keep = lendable(drv, a), r = 0;
+            int may_keep = may && may[i - start], r = 0;
             if (a->ext) {
                 for (int k = 0; k < a->n_ext; k++) {
                     if (a->ext[k].key) continue;
@@ -96,6 +110,7 @@ void tms_lend_let_go(const struct tms_driver *drv, struct tms_move *m, size_t n,
             }
             if (r && !first) first = r, failed = &m[i];
         }
+        free(may);
         if (d) d->kept += kept;
         if (kept && ops) ops->wake();
     }

@@ -56,7 +56,8 @@ static struct tms_alloc_info info_of_locked(const struct tms_alloc *a)
     int counted = a->host_copy && !a->moving;
     size_t held = counted ? tms_backup_held(a->host_copy) : 0;
     return (struct tms_alloc_info){
-        .backup_bytes = held, .skipped_bytes = counted ? a->size - held : 0,
+        .backup_bytes = held, .skipped_bytes = counted ? a->size - held : 0, .wrong_bytes = !a->moving && a->wrong_bytes,
+        .restore = a->restore,
         .ptr = a->va, .size = a->size, .reserved = a->reserved, .device = a->device,
         .tag_id = a->tag_id, .state = state, .backup = a->backup, .backup_kind = a->backup_kind,
         .has_host_copy = a->host_copy != NULL, .n_chunks = a->ext && !a->moving ? a->n_ext : a->n_chunks,

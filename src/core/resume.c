@@ -25,6 +25,7 @@ static void unrestore(const struct tms_driver *drv, struct tms_move *m, struct t
     struct tms_err undo_err = {0};
     m->b.copy = m->b.held;
     if (tms_chunks_unmap(drv, a, tag, &undo_err) == TMS_OK) {
+        m->state = TMS_PAUSED;
         if (tms_chunks_release(drv, a, tag, &undo_err))
             tms_log_warn("after a failed restore of 0x%llx: %s", (unsigned long long)a->va, undo_err.msg);
         return;

@@ -38,10 +38,10 @@ PyType_Spec tms_py_view_spec = {
 
 PyDoc_STRVAR(get_cpu_backup_doc,
 "get_cpu_backup($module, ptr, nbytes, zero_copy=True, /)\n--\n\n"
-"A writable memoryview of the host backup of [ptr, ptr+nbytes), or None if the\n"
-"allocation holding ptr has no host copy now. The view keeps the bytes alive.\n"
-"zero_copy: the caller may write it, so unchanged memory is never again found by\n"
-"comparing with this backup; False: the caller only copies out of it.");
+"A memoryview of the host backup of [ptr, ptr+nbytes), or None if the allocation\n"
+"holding ptr has no host copy now. The view keeps the bytes alive. zero_copy: it is\n"
+"writable, so unchanged memory is never again found by comparing with this backup and\n"
+"a resume restores it unchecked; False: it is read-only (the caller copies out of it).");
 
 static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
 {
@@ -75,8 +75,8 @@ static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
         return NULL;
     }
     keeper->backup = b;
-    return PyObject_CallFunction(st->make_view, "NnN", PyLong_FromVoidPtr((char *)tms_core_backup_bytes(b) + offset), nbytes,
-                                 (PyObject *)keeper);
+    return PyObject_CallFunction(st->make_view, "NnNN", PyLong_FromVoidPtr((char *)tms_core_backup_bytes(b) + offset), nbytes,
+                                 (PyObject *)keeper, PyBool_FromLong(zero_copy));
 }
 
 /* ---- introspection ----------------------------------------------------------- */
@@ -100,14 +100,15 @@ static PyObject *alloc_row_dict(const void *row)
     const struct tms_alloc_info *r = row;
     int disk = r->backup_to_file;
     return Py_BuildValue(
-        "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:i,s:O,s:O,s:n,s:n}", "ptr", (unsigned long long)r->ptr, "size",
+        "{s:K,s:n,s:n,s:i,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:i,s:O,s:O,s:n,s:n,s:O,s:s}", "ptr", (unsigned long long)r->ptr, "size",
         (Py_ssize_t)r->size, "reserved", (Py_ssize_t)r->reserved, "device", r->device, "tag",
         tms_core_tag_name(r->tag_id), "state", state_name(r->state), "cpu_backup",
         r->backup && !disk ? Py_True : Py_False, "cpu_backup_backend", tms_core_backup_kind_name(r->backup_kind),
         "has_cpu_backup", r->has_host_copy && !disk ? Py_True : Py_False, "disk_backup", disk ? Py_True : Py_False,
         "has_disk_backup", r->has_host_copy && disk ? Py_True : Py_False, "chunks", r->n_chunks, "adopted",
         r->adopted ? Py_True : Py_False, "cpu_backup_page_locked", r->host_copy_pinned ? Py_True : Py_False,
-        "backup_bytes", (Py_ssize_t)r->backup_bytes, "skipped_bytes", (Py_ssize_t)r->skipped_bytes);
+        "backup_bytes", (Py_ssize_t)r->backup_bytes, "skipped_bytes", (Py_ssize_t)r->skipped_bytes, "wrong_bytes",
+        r->wrong_bytes ? Py_True : Py_False, "restore", tms_core_restore_mode_name(r->restore));
 }
 
 static PyObject *py_allocations(PyObject *module, PyObject *unused)

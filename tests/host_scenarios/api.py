@@ -68,7 +68,7 @@ def native_argument_errors():
     with tms.region("t"):
         expect(ValueError, native.malloc, -1, match="nbytes must be >= 0")
     expect(ValueError, native.free, 4096, match="not an allocation of torch_memory_saver")
-    assert native.get_region() == (False, "default", False, "mmap", False, None)   # failed set_region changed nothing
+    assert native.get_region() == (False, "default", False, "mmap", False, None, None)   # failed set_region changed nothing
     print("done")
 
 
@@ -280,7 +280,7 @@ def nested_region_with_another_policy():
             pass
         with tms.region("other"):
             print(expect(ValueError, _enter, tms.region("w")))
-            assert core().get_region() == (True, "other", False, "mmap", False, None), core().get_region()
+            assert core().get_region() == (True, "other", False, "mmap", False, None, None), core().get_region()
         print(expect(ValueError, _enter, tms.region("w", enable_cpu_backup=True, cpu_backup_backend="pinned")))
         print(expect(ValueError, _enter, tms.region("w", enable_disk_backup=True)))
         p = tms.malloc(2 * MiB)

@@ -35,7 +35,7 @@ def unusual_tags():
     for enter in (lambda: tms.region("\ud800").__enter__(), lambda: tms.pause("\ud800"),
                   lambda: tms.resume("bad\udfff"), lambda: native.set_region(True, "\ud800", False, "mmap")):
         expect(ValueError, enter)
-    assert native.get_region() == (False, "default", False, "mmap", False, None)
+    assert native.get_region() == (False, "default", False, "mmap", False, None, None)
     # Any other str is a tag, and errors name it.
     tag = "kv-缓存-ключ"
     with tms.region(tag, enable_cpu_backup=True):

@@ -54,7 +54,7 @@ def slime_preload_path():
     assert native.get_region()[0] is False             # the same thread state as the module's
     expect(ValueError, tms.malloc, MiB, match="outside a region")
     cdll.tms_set_interesting_region(True)
-    assert native.get_region() == (True, "default", True, "mmap", False, None)
+    assert native.get_region() == (True, "default", True, "mmap", False, None, None)
     tms.pause()
     assert tms.allocations()[0]["state"] == "paused"
     t = torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8)
@@ -130,7 +130,7 @@ def abi_through_the_binary_wrapper(mode):
     assert cdll.tms_set_enable_cpu_backup(True) == 0 and cdll.tms_get_enable_cpu_backup() is True
     assert cdll.tms_set_cpu_backup_backend(b"pinned") == 0 and cdll.tms_get_cpu_backup_backend() == b"pinned"
     assert cdll.tms_set_interesting_region(True) == 0
-    assert native.get_region() == (True, "w", True, "pinned", False, None)   # one thread state for module and ABI
+    assert native.get_region() == (True, "w", True, "pinned", False, None, None)   # one thread state for module and ABI
     n = 5 * MiB + 3
     p = tms.malloc(n)
     assert tms.allocations()[0]["tag"] == "w"
@@ -238,11 +238,11 @@ def upstream_region_signature():
 
     params = list(inspect.signature(tms.region).parameters)
     assert params == ["tag", "enable_cpu_backup", "enable_disk_backup", "cpu_backup_backend",  # upstream's, in order
-                      "skip_unchanged"], params                                              # then ours
+                      "skip_unchanged", "restore"], params                                             # then ours
     with tms.region("w", True, False):                 # upstream's positional order
-        assert core().get_region() == (True, "w", True, "mmap", False, None)
+        assert core().get_region() == (True, "w", True, "mmap", False, None, None)
     with tms.region("w", False, True):                 # enable_disk_backup, third as upstream
-        assert core().get_region() == (True, "w", False, "mmap", True, None)
+        assert core().get_region() == (True, "w", False, "mmap", True, None, None)
     e = expect(ValueError, tms.region("w", True, True).__enter__)
     assert "mutually exclusive" in str(e)
     assert "cpu_backup_backend" in inspect.signature(tms.cuda_graph).parameters

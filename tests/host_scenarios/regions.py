@@ -120,11 +120,11 @@ def init_enable(active):
     t = threading.Thread(target=fresh)
     t.start()
     t.join()
-    assert got["region"] == (active, "default", False, "mmap", False, None), got
-    assert native.get_region() == (active, "default", False, "mmap", False, None)
+    assert got["region"] == (active, "default", False, "mmap", False, None, None), got
+    assert native.get_region() == (active, "default", False, "mmap", False, None, None)
     with tms.region("x"):
         pass
-    assert native.get_region() == (active, "default", False, "mmap", False, None)   # restored to the env default
+    assert native.get_region() == (active, "default", False, "mmap", False, None, None)   # restored to the env default
     if active:
         assert (row(got["ptr"])["tag"], row(got["ptr"])["state"]) == ("default", "active")
         with tms.disable():
@@ -166,7 +166,7 @@ def init_backup_and_retain_env():
     t = threading.Thread(target=fresh)
     t.start()
     t.join()
-    assert got["region"] == (True, "default", True, "pinned", False, None), got
+    assert got["region"] == (True, "default", True, "pinned", False, None, None), got
     p, n = got["ptr"], 3 * MiB + 1
     assert (row(p)["cpu_backup"], row(p)["cpu_backup_backend"]) == (True, "pinned")
     d = fill(p, n)

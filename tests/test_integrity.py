@@ -1,0 +1,49 @@
+"""Checked restores and restore modes on the host backend (tests/host_scenarios/integrity.py):
+a byte changed in a host or disk backup while paused is found by the resume, which raises
+and leaves the allocation paused with its backup; a write racing a pause's copy is never
+trusted later; a double fault leaves no backup overwritten; zero and poison restores. The
+GPU cases are test_gpu.py's test_scenario[integrity-*]."""
+import pytest
+
+from host_scenarios import integrity
+
+
+@pytest.mark.parametrize("kind", ["mmap", "pinned"])
+def test_a_flipped_byte_in_a_host_backup_is_refused_then_restored_once_repaired(in_child, kind):
+    assert in_child.output(integrity.flipped_host_backup, kind) == "done\n"
+
+
+def test_a_flipped_byte_in_a_disk_backup_file_is_refused_then_restored_once_repaired(in_child, tmp_path):
+    assert in_child.output(integrity.flipped_disk_backup, env={"TMS_DISK_BACKUP_DIR": tmp_path}) == "done\n"
+
+
+def test_a_write_racing_the_copy_is_never_trusted_later(in_child, tmp_path):
+    out = in_child.output(integrity.write_racing_the_copy, env={"TMS_HOST_COPY_GATE": tmp_path / "gate"})
+    assert out == "done\n"
+
+
+def test_a_double_fault_keeps_the_good_backup_for_the_next_cycle(in_child):
+    # The restore's copy fails, then the unmap that would pause it again.
+    assert in_child.output(integrity.double_fault, env={"TMS_FAULT": "copy_to_device:1,unmap:2"}) == "done\n"
+
+
+def test_the_native_view_is_read_only_unless_zero_copy(in_child):
+    assert in_child.output(integrity.read_only_native_view) == "done\n"
+
+
+def test_verify_restore_off_restores_unchecked_and_says_so(in_child):
+    assert in_child.output(integrity.verify_off, env={"TMS_VERIFY_RESTORE": "1"}) == "done\n"
+
+
+def test_a_failed_fingerprint_records_nothing_and_says_why(in_child):
+    assert in_child.output(integrity.fingerprint_fails_at_pause, env={"TMS_FAULT": "fingerprint:1"}) == "done\n"
+
+
+@pytest.mark.parametrize("default", [None, "poison"])
+def test_zero_and_poison_after_a_real_pause(in_child, default):
+    env = {"TMS_RESTORE": default} if default else None
+    assert in_child.output(integrity.restore_modes, env=env) == "done\n"
+
+
+def test_a_failed_fill_leaves_the_allocation_paused(in_child):
+    assert in_child.output(integrity.fill_fails, env={"TMS_FAULT": "fill:1"}) == "done\n"
