@@ -47,3 +47,8 @@ def test_zero_and_poison_after_a_real_pause(in_child, default):
 
 def test_a_failed_fill_leaves_the_allocation_paused(in_child):
     assert in_child.output(integrity.fill_fails, env={"TMS_FAULT": "fill:1"}) == "done\n"
+
+
+def test_memory_a_receiver_may_still_map_is_never_lent_in_a_job(in_child):
+    env = {"TMS_CHUNK_BYTES": "2MiB", "TMS_JOB_WAIT_MS": "5000", "TMS_JOB_HOLD_MS": "60000"}
+    assert in_child.output(integrity.unconfirmed_memory_is_never_lent, env=env, timeout=120) == "done\n"

@@ -242,5 +242,35 @@ def fill_fails():
     print("done")
 
 
+def unconfirmed_memory_is_never_lent():
+    """In a job, memory a receiver of share() may still map (it hung up without saying it
+    let go, and its process lives) is released at the pause, never kept for the members:
+    another member's resume borrows only this process's other memory."""
+    import subprocess
+
+    import job
+    import share
+
+    tms.job = job.J
+    other = job.Member(job.J)
+    other.alloc("kv", 10 * MiB)
+    other.pause("kv")                          # a member with paused memory: a pause keeps what it can
+    p, t = share.region_tensor("h", CHUNK)     # one chunk: the taker maps one descriptor
+    taker = subprocess.Popen([sys.executable, share.PEERS, "taker", tms.share(t).handle.hex(), "stay"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert taker.stdout.readline() == "hung up\n"
+    with tms.region("own"):
+        tms.malloc(4 * MiB)
+    r = tms.pause(["h", "own"])
+    assert [u["ptr"] for u in r.unconfirmed] == [p], r.unconfirmed
+    assert (r.released_bytes, r.kept_bytes) == (4 * MiB, 4 * MiB), r.as_dict()
+    back = other.resume("kv")
+    assert back["borrowed_bytes"] == 4 * MiB and back["lenders"] == {os.getpid(): 4 * MiB}, back
+    taker.stdin.close()
+    assert taker.wait(timeout=60) == 0
+    other.finish()
+    print("done")
+
+
 if __name__ == "__main__":
     run_cases(globals(), sys.argv)
