@@ -44,8 +44,10 @@ class _Env:
         return total
 
     @staticmethod
-    def region_kw(tag, backup, backend, disk, skip=None):
+    def region_kw(tag, backup, backend, disk, skip=None, restore=None):
         kw = {"tag": tag} if skip is None else {"tag": tag, "skip_unchanged": skip}
+        if restore is not None:
+            kw["restore"] = restore
         if backup:
             kw.update(enable_cpu_backup=True, cpu_backup_backend=backend)
         if disk:
@@ -85,10 +87,10 @@ class GpuEnv(_Env):
         self.torch.cuda.synchronize()
         return int(self.torch.cuda.mem_get_info(self.device)[0])
 
-    def alloc(self, tag, sizes, backup=False, backend=None, disk=False, skip=None):
+    def alloc(self, tag, sizes, backup=False, backend=None, disk=False, skip=None, restore=None):
         torch = self.torch
         try:
-            with self.tms.region(**self.region_kw(tag, backup, backend, disk, skip)):
+            with self.tms.region(**self.region_kw(tag, backup, backend, disk, skip, restore)):
                 block = [torch.empty(int(s), dtype=torch.uint8, device=self.device) for s in sizes]
         except BaseException:
             if not backup and not disk:
@@ -123,6 +125,15 @@ class GpuEnv(_Env):
         for off in offsets:
             block[off // block[0].numel()][off % block[0].numel()] += 1
         self.sync()
+
+    def memset(self, block, value):
+        """Every byte of the block set to value by the device, as a plain fill does."""
+        for t in block:
+            t.fill_(value)
+        self.sync()
+
+    def holds_only(self, block, value):
+        return all(bool((t == value).all()) for t in block)
 
     def touch(self, block, value):
         """Writes the first and last bytes of the block: the memory is usable."""
@@ -200,8 +211,8 @@ class HostEnv(_Env):
     def free_bytes(self):
         return None  # freed memory is read from RSS instead
 
-    def alloc(self, tag, sizes, backup=False, backend=None, disk=False, skip=None):
-        with self.tms.region(**self.region_kw(tag, backup, backend, disk, skip)):
+    def alloc(self, tag, sizes, backup=False, backend=None, disk=False, skip=None, restore=None):
+        with self.tms.region(**self.region_kw(tag, backup, backend, disk, skip, restore)):
             block = [(self.tms.malloc(int(s)), int(s)) for s in sizes]
         for p, n in block:
             ctypes.memset(p, 0, n)  # resident, as device memory is once created
@@ -227,6 +238,12 @@ class HostEnv(_Env):
     def touch(self, block, value):
         for p, n in block:
             ctypes.memset(p, value & 0xFF, n)
+
+    def memset(self, block, value):
+        self.touch(block, value)
+
+    def holds_only(self, block, value):
+        return all(ctypes.string_at(p, n) == bytes([value]) * n for p, n in block)
 
     def fill_random(self, block, seed):
         rnd = random.Random(seed)

@@ -6,7 +6,8 @@ built in place) runs in three fresh workers: torch mode, preload mode (under its
 preload mode with TMS_INIT_ENABLE=1 TMS_INIT_ENABLE_CPU_BACKUP=1 (how slime and AReaL run); a fourth measures the
 link. Rows: the first backed-up region and pause (1 GiB, beside plain PyTorch); discard pause and resume (1 x 8 GiB,
 64 x 128 MiB, medians of 11); `mmap` and `pinned` backups and retained ones (G GiB in 16 tensors: the first cycle,
-seven right after a resume, one after S s idle); skip_unchanged (ours: nothing, 1 % of the chunks, all changed); a
+seven right after a resume, one after S s idle); skip_unchanged (ours: nothing, 1 % of the chunks, all changed);
+checked restores (ours: verify_restore on and off in turns; 100 GiB discarded, restored as none, zero, poison); a
 Llama-shaped model's and KV cache's resume beside the same bytes in 512 MiB tensors. Contents are compared after
 every resume. --dry-run: the host backend, this library only, tiny sizes. Report: speed_<device>.{md,json,png}.
 """
@@ -29,14 +30,15 @@ def _sizes(dry_run, gib):
     if dry_run:
         return {"first": 8 * MiB, "latency": [(1, 64 * MiB), (8, 8 * MiB)], "backup": 64 * MiB,
                 "model": [1 * MiB + 4096 * k for k in range(24)], "kv": [2 * MiB] * 8, "bulk_tensor": 16 * MiB,
-                "cycles": 3}
+                "cycles": 3, "fill": 64 * MiB}
     h, i, layers, v = LLAMA["hidden"], LLAMA["intermediate"], LLAMA["layers"], LLAMA["vocab"]
     kv = LLAMA["kv_heads"] * LLAMA["head_dim"]
     per_layer = [h * h, h * kv, h * kv, h * h, h * i, h * i, i * h, h, h]  # q k v o gate up down, two norms
     model = [v * h * 2] + [n * 2 for _ in range(layers) for n in per_layer] + [h * 2]  # bf16
     cache = [8192 * kv * 2] * (2 * layers)  # a static cache of 8192 tokens, k and v per layer
     return {"first": GiB, "latency": [(1, 8 * GiB), (64, 128 * MiB)], "backup": int(gib * GiB), "model": model,
-            "kv": cache, "bulk_tensor": 512 * MiB, "cycles": 11}  # the driver's own times spread: medians of 11
+            "kv": cache, "bulk_tensor": 512 * MiB, "cycles": 11,  # the driver's own times spread: medians of 11
+            "fill": 100 * GiB}
 
 
 # ---- the worker's side ---------------------------------------------------------------
@@ -161,6 +163,50 @@ def _skip(env, tms, total, cycles):
     return out
 
 
+def _integrity(env, tms, total, big, cycles):
+    """Checked restores (this library only): G GiB backed up in 16 tensors, paused and resumed with
+    verify_restore on and off in turns; then a discarded tag of `big` bytes in 2 GiB tensors resumed
+    with restore none, zero and poison, beside a plain device fill of the same tensors."""
+    if "restore" not in inspect.signature(tms.region).parameters:
+        return None
+    tag = "verify"
+    block = env.alloc(tag, [total // 16] * 16, backup=True)
+    env.fill_random(block, 8)
+    snap = env.snapshot(block, False)
+    out = {"bytes": total // 16 * 16, "exact": True, "on": {"pause_s": [], "resume_s": [], "verified": []},
+           "off": {"pause_s": [], "resume_s": [], "verified": []}}
+    _cycle(env, tms, tag, block, snap)  # the first pause makes the backups
+    for _ in range(cycles):
+        for setting in ("on", "off"):
+            tms.verify_restore = setting == "on"
+            r = []
+            p = _timed(env.sync, lambda: tms.pause(tag))
+            t = _timed(env.sync, lambda: r.append(tms.resume(tag)))
+            out[setting]["pause_s"].append(p)
+            out[setting]["resume_s"].append(t)
+            out[setting]["verified"].append(r[0].verified_bytes)
+            out["exact"] &= bool(env.verify(block, snap))
+    tms.verify_restore = True
+    env.dispose(block, tag)
+    piece = min(2 * GiB, big)
+    n = max(1, big // piece)
+    out["fill_bytes"] = n * piece
+    for mode in ("none", "zero", "poison"):
+        blk = env.alloc(f"fill-{mode}", [piece] * n, restore=mode)
+        env.memset(blk, 7)
+        resumes = []
+        for _ in range(cycles):
+            tms.pause(f"fill-{mode}")
+            resumes.append(_timed(env.sync, lambda: tms.resume(f"fill-{mode}")))
+            if mode != "none":
+                out["exact"] &= env.holds_only(blk, 0 if mode == "zero" else 0xFF)
+        if mode == "none":
+            out["memset_s"] = [_timed(env.sync, lambda: env.memset(blk, 0)) for _ in range(cycles)]
+        out[f"resume_{mode}_s"] = resumes
+        env.dispose(blk, f"fill-{mode}")
+    return out
+
+
 def _model(env, tms, model, kv, bulk_tensor, cycles):
     weights = env.alloc("model", model, backup=True)
     cache = env.alloc("kv", kv)
@@ -213,6 +259,7 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None):
                   ("kinds", lambda: _kinds(env, tms, sizes["backup"])),
                   ("retained", lambda: _retained(env, tms, sizes["backup"], gap_s)),
                   ("skip", lambda: _skip(env, tms, sizes["backup"], 5)),
+                  ("integrity", lambda: _integrity(env, tms, sizes["backup"], sizes["fill"], sizes["cycles"] // 2)),
                   ("model", lambda: _model(env, tms, sizes["model"], sizes["kv"], sizes["bulk_tensor"], 3))]
     for name, fn in steps:
         try:
@@ -290,6 +337,21 @@ def figures(doc):
         for case, runs in {k: v for k, v in (s.get("skip") or {}).items() if "changed" in k}.items():
             f[f"skip_unchanged pause, {case} (ms)"] = statistics.median(r[0] for r in runs) * 1e3
             f[f"skip_unchanged pause, {case}: fingerprints (ms)"] = statistics.median(r[2] for r in runs) * 1e3
+        it = s.get("integrity")
+        if it:
+            med = {k: statistics.median(it[k]["resume_s"]) for k in ("on", "off")}
+            pmed = {k: statistics.median(it[k]["pause_s"]) for k in ("on", "off")}
+            f["resume, checked (GB/s)"] = _gbps(it["bytes"], med["on"])
+            f["resume, unchecked (GB/s)"] = _gbps(it["bytes"], med["off"])
+            f["checking's share of the resume (%)"] = (med["on"] - med["off"]) / med["off"] * 100
+            f["recording's share of the pause (%)"] = (pmed["on"] - pmed["off"]) / pmed["off"] * 100
+            memset = statistics.median(it["memset_s"])
+            f[f"plain fill of {it['fill_bytes'] / GiB:g} GiB (ms)"] = memset * 1e3
+            for mode in ("none", "zero", "poison"):
+                f[f"discarded resume, restore={mode} (ms)"] = statistics.median(it[f"resume_{mode}_s"]) * 1e3
+            for mode in ("zero", "poison"):
+                extra = statistics.median(it[f"resume_{mode}_s"]) - statistics.median(it["resume_none_s"])
+                f[f"restore={mode}: its cost over a plain fill"] = extra / memset if memset else None
         m = s.get("model")
         if m:
             resume = statistics.median(c["resume_model_s"] + c["resume_kv_s"] for c in m["cycles"])

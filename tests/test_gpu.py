@@ -182,6 +182,7 @@ def test_budget_two_processes_as_a_group(hook_mode):
     "stats_match",
     "nothing_waits",
     "skip_unchanged",
+    "integrity",
 ])
 def test_scenario(scenario, hook_mode):
     check_passed(run_scenario(scenario, hook_mode))
