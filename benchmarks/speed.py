@@ -235,7 +235,7 @@ def _model(env, tms, model, kv, bulk_tensor, cycles):
             "exact": all(r["exact"] for r in rows) and all(c[2] for c in bulk_rows)}
 
 
-def worker(library, mode, init, gib, gap_s, dry_run=False, save=None):
+def worker(library, mode, init, gib, gap_s, dry_run=False, save=None, sections=None):
     """One process: every row for one library in one hook mode (library None: the link only)."""
     if library:
         sys.path.insert(0, library)
@@ -262,6 +262,8 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None):
                   ("integrity", lambda: _integrity(env, tms, sizes["backup"], sizes["fill"], sizes["cycles"] // 2)),
                   ("model", lambda: _model(env, tms, sizes["model"], sizes["kv"], sizes["bulk_tensor"], 3))]
     for name, fn in steps:
+        if sections and name not in sections:
+            continue
         try:
             out["sections"][name] = fn()
         except Exception as e:  # one row failing keeps the others
@@ -278,7 +280,7 @@ def run_one(library, mode, init, args, timeout=600):
     if init:
         env.update(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
     wargs = {"library": library, "mode": mode, "init": init, "gib": args.gib, "gap_s": args.gap,
-             "dry_run": args.dry_run}
+             "dry_run": args.dry_run, "sections": args.sections.split(",") if args.sections else None}
     label = f"{_label(library, args)} {mode}{' init' if init else ''}"
     doc = run_row("speed", wargs, env, {"library": library, "mode": mode, "init": init, "sections": {}, "errors": {}},
                   timeout, library=library if mode == "preload" and library and not args.dry_run else None,
@@ -429,6 +431,8 @@ def main(argv=None):
     ap.add_argument("--before", metavar="DIR", help="also run an earlier checkout of this library (built) in DIR")
     ap.add_argument("--gib", type=float, default=8.0, help="backed-up bytes of the kinds and retained rows")
     ap.add_argument("--gap", type=float, default=8.0, help="idle seconds before the retained row's last pause")
+    ap.add_argument("--sections", metavar="A,B", help="only these sections (first_region, latency, kinds, retained, "
+                    "skip, integrity, model)")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     if args.dry_run:
