@@ -93,9 +93,11 @@ def flipped(tms, disk_dir):
         d = random_tensor(SIZE // 4, torch.float32)
     expected = d.cpu()
     rows = [r for r in core().allocations() if r["tag"] == "flip-disk"]
+    pattern = os.path.join(disk_dir, f"tms-{os.getpid()}-*.bin")
+    before = set(glob.glob(pattern))  # the files of tags backed up to disk earlier
     tms.pause("flip-disk")
-    files = glob.glob(os.path.join(disk_dir, f"tms-{os.getpid()}-*.bin"))
-    check(len(files) == len(rows) == 1, f"{len(files)} backup files for {len(rows)} allocations")
+    files = sorted(set(glob.glob(pattern)) - before)
+    check(len(files) == len(rows) == 1, f"{len(files)} new backup files for {len(rows)} allocations")
     offset = 4096 + (d.data_ptr() - rows[0]["ptr"]) + 40 * MiB + 9  # after the file's header
     with open(files[0], "r+b") as f:
         f.seek(offset)
