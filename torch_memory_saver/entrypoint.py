@@ -9,7 +9,7 @@ import warnings
 from typing import Optional
 
 from . import _library, _live, _observe, _preload, _report, _share
-from ._errors import DiskBackupDirError
+from ._errors import DiskBackupDirError, Error
 from ._impl import _Impl, backup_across_pages
 from ._settings import ROWS as _SETTING_ROWS, Settings, setting_property
 
@@ -218,7 +218,13 @@ class TorchMemorySaver:
             fn, args = core.pause, (tag, skip, measure_free)
         else:
             fn, args = core.resume, (tag, measure_free)
-        report = _observe.logged(core, fn, args, op, tag, lambda raw: _report.Report(op, raw), self.progress)
+        try:
+            report = _observe.logged(core, fn, args, op, tag, lambda raw: _report.Report(op, raw), self.progress)
+        except Error as e:  # what the call did before it failed travels with the exception
+            raw = getattr(e, "report_raw", None)
+            if raw is not None:
+                e.report = _report.Report(op, raw)
+            raise
         if tag is not None:  # after the call: a tag the core refuses raises instead
             self._warn_unknown_tags(op, [tag] if isinstance(tag, str) else tag, core)
         return report

@@ -268,6 +268,19 @@ static int skip_for(PyObject *arg, const char *const *tags, size_t n_tags, struc
     return rc;
 }
 
+/* A failed call's report (what it did before it failed: allocations it left
+ * holding wrong bytes among it) as the raised exception's report_raw. */
+static void attach_report(const struct tms_op_report *report)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *raw = value ? report_dict(report) : NULL;
+    if (!raw || PyObject_SetAttrString(value, "report_raw", raw) < 0) PyErr_Clear();  /* the error itself goes on */
+    Py_XDECREF(raw);
+    PyErr_Restore(type, value, tb);
+}
+
 /* tag: None (every tag), a str, or a list or tuple of them (all or nothing).
  * The tags are checked, the skip asked for, and the call made in one go.
  * Returns what the call did (report_dict). */
@@ -301,7 +314,11 @@ fail:
     PyMem_Free(tags);
     Py_XDECREF(seq);
     if (PyErr_Occurred()) return NULL;
-    if (rc) return tms_py_raise(module, &err);
+    if (rc) {
+        tms_py_raise(module, &err);
+        attach_report(&report);
+        return NULL;
+    }
     return report_dict(&report);
 }
 

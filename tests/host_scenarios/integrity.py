@@ -134,6 +134,7 @@ def double_fault():
     tms.pause("x")
     e = expect(torch_memory_saver.Error, tms.resume, "x", match="holding bytes that are not its own")
     assert hex(p) in str(e) and "'x'" in str(e), str(e)
+    assert e.report.wrong_bytes == [p] and e.report.op == "resume", e.report.as_dict()
     assert row(p)["state"] == "active" and row(p)["wrong_bytes"], row(p)
     r = tms.pause("x")
     assert r.copied_bytes == 0 and r.unchanged_bytes == 0, r.as_dict()
