@@ -180,6 +180,40 @@ def parser(suite, doc, dry_run_help="no GPU: host backend, tiny sizes, plumbing 
     return ap
 
 
+# Asks the CUDA driver for its GPUs in a process of its own, so the runner, which only
+# starts workers, holds no driver state; CUDA_VISIBLE_DEVICES applies as in the workers.
+GPU_PROBE = """import ctypes, os, sys
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    sys.exit("no CUDA driver here (libcuda.so.1 cannot be loaded)")
+count = ctypes.c_int(0)
+rc = cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count))
+if rc not in (0, 100) or count.value < 1:
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    said = f"error {rc} from cuInit" if rc not in (0, 100) else "no GPU"
+    sys.exit(f"the CUDA driver sees {said}" + ("" if hidden is None else f" (CUDA_VISIBLE_DEVICES={hidden!r})"))
+"""
+
+
+def refuse_without_gpu(suite, args):
+    """None where the suite can measure (a dry run, or a GPU the driver sees); else prints
+    one line saying why not and returns the exit status, before anything is written."""
+    if args.dry_run:
+        return None
+    try:
+        probe = subprocess.run([sys.executable, "-c", GPU_PROBE], capture_output=True, text=True, timeout=120)
+        said = probe.stderr.strip().splitlines() or [f"the GPU probe exited {probe.returncode}"]
+        why = said[-1] if probe.returncode else None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = f"the GPU probe failed ({type(e).__name__}: {e})"
+    if why is None:
+        return None
+    print(f"python -m benchmarks {suite}: {why}, so there is nothing to measure and nothing is written; "
+          f"--dry-run runs the suite on the host backend (output in build/bench-dry-run)", file=sys.stderr)
+    return 2
+
+
 def import_library(library):
     """Imports torch_memory_saver from the directory library (None: this checkout),
     checking that the one loaded is that one; returns the directory it came from."""
