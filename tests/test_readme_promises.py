@@ -181,8 +181,9 @@ def _objects(tree):
 @pytest.mark.slow
 def test_make_builds_what_changed_and_reinstalls_from_any_state(tmp_path):
     """make build compiles again only what changed (once per variant), and make
-    reinstall, from nothing installed, a regular install or an editable one, leaves
-    this tree installed editable and the package importable from anywhere."""
+    reinstall, from nothing installed, a regular install or an editable one, and over
+    a truncated in-tree extension, leaves this tree installed editable and the package
+    importable from anywhere."""
     tree = _tree_copy(tmp_path / "tree")
 
     def build():
@@ -222,7 +223,13 @@ def test_make_builds_what_changed_and_reinstalls_from_any_state(tmp_path):
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", str(tree)], check=True,
                    env=env, capture_output=True, timeout=600)
     assert installed().endswith("{}") and "site-packages" in installed()  # a regular install
+    # ... and an in-tree extension cut short, which the build would keep as newer than its sources.
+    os.truncate(tree / "torch_memory_saver" / "_tms_preload.abi3.so", 4096)
     reinstall()
+    code = "from torch_memory_saver import torch_memory_saver as t; print(t._core.VARIANT)"
+    proc = subprocess.run([python, "-c", code], cwd="/", capture_output=True, text=True, timeout=120,
+                          env=dict(env, TMS_BACKEND="host"))
+    assert proc.stdout == "preload\n", proc.stderr[-2000:]
 
 
 def test_a_wheel_build_without_the_wheel_package_says_to_install_it():
