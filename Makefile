@@ -60,6 +60,10 @@ test-packaging: deps build
 
 check: test test-packaging
 
+# pip keeps each wheel it builds from an sdist (the packaging tests build some) and each
+# download in its cache, outside the tree, for good: make check leaves nothing there.
+deps test test-packaging check: export PIP_NO_CACHE_DIR = 1
+
 # The GPU suite (tests/test_gpu.py) on every GPU the driver sees (or GPUS=0,1): one
 # pytest-xdist worker per GPU, each on its GPU alone, then the tests that need two GPUs
 # at once, without workers (tests/gpus.py). On one GPU, in two calls of about equal

@@ -163,6 +163,43 @@ def test_make_clean_removes_every_build_output(tmp_path):
     assert [f for f in kept if not (tmp_path / f).exists()] == []
 
 
+def test_make_check_keeps_nothing_in_pips_cache(tmp_path):
+    """make check's tests build wheels from an sdist, which pip would keep in its cache
+    (outside the tree) for good: every step make check runs tells pip to use none."""
+    # A stand-in interpreter: records each call's arguments and environment and does nothing.
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    f"open({str(calls)!r}, 'a').write(json.dumps([sys.argv[1:], dict(os.environ)]) + '\\n')\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "MAKE", "MFLAGS"))}
+    proc = subprocess.run(["make", "-s", "check", f"PYTHON={fake}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    runs = [json.loads(line) for line in calls.read_text().splitlines()]
+    pytest_envs = [e for argv, e in runs if argv[:2] == ["-m", "pytest"]]
+    assert len(pytest_envs) == 2, [argv for argv, _ in runs]          # make test, make test-packaging
+    # What a test's `pip wheel` of an sdist leaves in the cache under that environment.
+    project = tmp_path / "tiny"
+    (project / "tiny").mkdir(parents=True)
+    (project / "tiny" / "__init__.py").write_text("")
+    (project / "setup.py").write_text("from setuptools import setup\nsetup(name='tiny', version='1.0', packages=['tiny'])\n")
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "sdist")], cwd=project, check=True,
+                   capture_output=True, timeout=120)
+    cache = tmp_path / "cache"
+    for i, pytest_env in enumerate(pytest_envs):
+        pip_env = {k: v for k, v in pytest_env.items() if k.startswith("PIP_")}
+        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
+                               "--no-index", "-w", str(tmp_path / f"w{i}"), *(tmp_path / "sdist").iterdir()],
+                              env={**env, "PIP_CACHE_DIR": str(cache), **pip_env}, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert [w.name for w in (tmp_path / f"w{i}").iterdir()] == ["tiny-1.0-py3-none-any.whl"]
+        assert not cache.exists() or sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file()) == []
+
+
 def _tree_copy(dest):
     """The tracked files of this tree (what a fresh clone has), copied to dest."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
