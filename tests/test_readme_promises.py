@@ -124,6 +124,35 @@ def test_a_program_importing_the_package_still_gets_the_value_error(run_py):
     assert proc.returncode == 1 and "ValueError: torch_memory_saver: TMS_BACKUP_THREADS='lots'" in proc.stderr
 
 
+def test_every_error_of_a_bad_argument_starts_with_the_librarys_name(run_py):
+    # Each call's mistake is in its arguments; what is checked in Python and what in C
+    # alike say who is speaking. get_cpu_backup's zero_copy is a bool, as README shows.
+    calls = ["tms.free(-1)", "tms.free(1 << 70)", "tms.free('x')", "tms.pause(3)", "tms.resume(['w', 3])",
+             "tms.pause('w', measure_free=1)", "tms.is_paused(3)", "tms.malloc('x')",
+             "setattr(tms, 'progres', True)", "setattr(tms, 'progress', 'yes')",
+             "setattr(torch_memory_saver, 'progres', True)", "tms.get_cpu_backup(t, zero_copy='yes')",
+             "tms.get_cpu_backup(t, zero_copy=1)", "tms.region(3).__enter__()", "tms.set_disk_backup_dir(3)"]
+    out = check_ok(run_py(f"""
+        import ctypes, torch, torch_memory_saver
+        with tms.region("w", enable_cpu_backup=True):
+            p = tms.malloc(MiB)
+        t = torch.frombuffer((ctypes.c_char * MiB).from_address(p), dtype=torch.uint8)
+        tms.pause("w")
+        for call in {calls!r}:
+            try:
+                eval(call)
+                print(call, "-> no error")
+            except (TypeError, ValueError, AttributeError) as e:
+                print(call, "->", type(e).__name__, str(e).splitlines()[0])
+        """))
+    said = dict(line.split(" -> ", 1) for line in out.splitlines())
+    assert list(said) == calls, out
+    assert {c: e for c, e in said.items() if not e.split(" ", 1)[-1].startswith("torch_memory_saver: ")} == {}, out
+    assert said["tms.get_cpu_backup(t, zero_copy='yes')"] == \
+        "TypeError torch_memory_saver: get_cpu_backup(zero_copy=...) must be a bool, not str", out
+    assert "there is no setting 'progres'; did you mean 'progress'?" in said["setattr(tms, 'progres', True)"], out
+
+
 def test_a_misspelt_variable_is_named_with_the_one_it_is_close_to(run_py):
     proc = run_py("import torch_memory_saver", prelude=False, env={"TMS_BACKUP_THREAD": "4", "TMS_OTHER_TOOL": "1"})
     assert proc.returncode == 0, proc.stderr

@@ -44,7 +44,18 @@ def _unknown_setting(name):
     """What setting `name` on the singleton says: the closest setting, and them all."""
     close = difflib.get_close_matches(name, setting_names(), n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else "."
-    return (f"torch_memory_saver has no setting {name!r}{hint} Its settings: {', '.join(setting_names())}")
+    return f"torch_memory_saver: there is no setting {name!r}{hint} The settings: {', '.join(setting_names())}"
+
+
+def _check_tags(op, tag):
+    """A pause's or resume's tags are a str, a list or tuple of str, or None."""
+    if tag is None or isinstance(tag, str):
+        return
+    if not isinstance(tag, (list, tuple)):
+        raise TypeError(f"torch_memory_saver: {op}: tag must be a str, a list of str or None, not {type(tag).__name__}")
+    for t in tag:
+        if not isinstance(t, str):
+            raise TypeError(f"torch_memory_saver: {op}: tag in the list must be a str, not {type(t).__name__}")
 
 
 def _policy(policy):
@@ -216,6 +227,7 @@ class TorchMemorySaver:
         # decides for all of them under one lock. One call into the core checks the
         # tags, asks for PyTorch's free blocks only if the pause backs something up,
         # and pauses; the first use checks the tags before it loads anything.
+        _check_tags(op, tag)
         if self._impl is None:
             _library.load(self._hook_mode).check_tags(op, tag)
         impl = self._ensure_initialized()
@@ -266,6 +278,7 @@ class TorchMemorySaver:
         retained), else None. zero_copy=True aliases the backup instead of copying."""
         if not _library.is_tensor(x):
             raise TypeError(f"torch_memory_saver: get_cpu_backup expects a torch.Tensor, not {type(x).__name__}")
+        _check_type(zero_copy, (bool,), "get_cpu_backup(zero_copy=...)")
         import torch
 
         core = self._ensure_initialized().core
@@ -361,6 +374,9 @@ class TorchMemorySaver:
 
     def free(self, ptr: int) -> None:
         """Frees an address malloc() returned (active or paused)."""
+        _check_type(ptr, (int,), "free: pointer")
+        if not 0 <= ptr < 1 << 64:
+            raise ValueError(f"torch_memory_saver: free: pointer {ptr} is not a 64-bit address")
         self._ensure_initialized().core.free(ptr)
 
     def set_disk_backup_dir(self, path: Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]) -> None:
