@@ -60,6 +60,10 @@ def test_readme_shows_each_call_with_its_parameter_names_and_defaults():
     assert {"region", "get_cpu_backup", "memory_report", "share", "malloc"} <= {n for n, _ in calls}, calls
     for name, shown in calls:
         real = [p for p in inspect.signature(getattr(TorchMemorySaver, name)).parameters.values() if p.name != "self"]
+        # A bare `*` where the keyword-only parameters start, as Python writes it.
+        star = next((i for i, p in enumerate(real) if p.kind is p.KEYWORD_ONLY), None)
+        assert [i for i, (p, _) in enumerate(shown) if p == "*"] == ([] if star is None else [star]), (name, shown)
+        shown = [(p, d) for p, d in shown if p != "*"]
         assert [p for p, _ in shown] == [p.name for p in real], (name, shown, [p.name for p in real])
         for (param, default), p in zip(shown, real):
             if default is not None:
