@@ -16,7 +16,7 @@ import sys
 import time
 
 from . import floor, report
-from .common import MiB, child_env, median, parser, refuse_without_gpu, run_row, spin
+from .common import MiB, child_env, median, parser, run_row, spin
 
 ALLOC_BYTES = 2 * MiB
 TITLE = "Pause/resume per allocation vs the driver floor"
@@ -151,9 +151,6 @@ def main(argv=None):
                     help="allocations of 2 MiB in another tag, live while each count is measured")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-    refused = refuse_without_gpu("alloc_count", args)
-    if refused:
-        return refused
     counts = [int(c) for c in (args.counts or ("1,10,100" if args.dry_run else "1,10,100,1000,10000")).split(",")
               if c]
     meta = report.collect_meta("alloc_count", argv, args.dry_run)

@@ -27,7 +27,7 @@ import sys
 import time
 
 from . import report
-from .common import GiB, MiB, copy_threads, import_library, parser, refuse_without_gpu
+from .common import GiB, MiB, copy_threads, import_library, parser
 
 TENSOR_MIB = 512
 LINK_REPS = 5
@@ -256,9 +256,6 @@ def main(argv=None):
                     help="measure the host limits after the backups, so the first pause is the first touch")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-    refused = refuse_without_gpu("multi_gpu", args)
-    if refused:
-        return refused
     dry = DRY_RUN if args.dry_run else {"gib": 24, "tensor_mib": TENSOR_MIB, "gpus": 0}
     gib = dry["gib"] if args.gib is None else args.gib
     tensor_mib = dry["tensor_mib"] if args.tensor_mib is None else args.tensor_mib

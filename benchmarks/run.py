@@ -20,8 +20,7 @@ import tempfile
 import time
 
 from . import floor, report
-from .common import (GiB, MiB, Deadline, child_env, error_record, fmt_bytes, log, median, parser, refuse_without_gpu,
-                     run_row)
+from .common import (GiB, MiB, Deadline, child_env, error_record, fmt_bytes, log, median, no_gpu, parser, run_row)
 
 SHAPES = [(1, 8 * GiB), (64, 128 * MiB), (2048, 4 * MiB)]
 PRESETS = {
@@ -154,8 +153,8 @@ def _failed_checks(out):
 def build_paired_floor(args, tmp, results):
     """The floor as a library the workers load (floor.Paired), or None: the
     cycles are then reported without a floor beside them."""
-    if args.dry_run or not _driver_present():
-        why = "the host backend (dry run)" if args.dry_run else "no CUDA driver (libcuda.so.1 cannot be loaded)"
+    why = "the host backend (dry run)" if args.dry_run else no_gpu()
+    if why:
         results["skipped"].append({"where": "paired floor", "why": f"no driver floor: {why}"})
         return None
     try:
@@ -331,9 +330,6 @@ def main(argv=None):
     ap.add_argument("--only", help="comma-separated step names to run (debugging): " + ",".join(s.name for s in STEPS))
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-    refused = None if args.force else refuse_without_gpu("run", args)
-    if refused:
-        return refused
     preset_name = "dry" if args.dry_run else ("quick" if args.quick else "full")
     preset = PRESETS[preset_name]
     budget = args.budget or preset["budget_s"]
@@ -389,16 +385,6 @@ def main(argv=None):
     measured = [results.get("limits"), *(v for k in ("latency", "backup")
                                          for v in (results.get(k) or {}).values())]
     return 0 if (any(_ok(x) for x in measured) or results["skipped"]) and not results["errors"] else 1
-
-
-def _driver_present():
-    import ctypes
-
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
-    except OSError:
-        return False
 
 
 if __name__ == "__main__":

@@ -18,8 +18,7 @@ import sys
 import time
 
 from . import report
-from .common import (GiB, MiB, REPO, Deadline, child_env, import_library, parser, pyplot, refuse_without_gpu, run_row,
-                     save_png)
+from .common import GiB, MiB, REPO, Deadline, child_env, import_library, parser, pyplot, run_row, save_png
 
 TITLE = "Side by side with the upstream library: the rows where it used to lead"
 WORKERS = (("torch", False), ("preload", False), ("preload", True))  # (hook mode, preload-init)
@@ -370,9 +369,6 @@ def main(argv=None):
     ap.add_argument("--gap", type=float, default=8.0, help="idle seconds before the retained row's last pause")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-    refused = refuse_without_gpu("speed", args)
-    if refused:
-        return refused
     if args.dry_run:
         args.gap = min(args.gap, 0.1)
     meta = report.collect_meta("speed", argv, args.dry_run)

@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 
 from . import report
 from .common import (GiB, MiB, REPO, Deadline, child_env, fmt_bytes, import_library, log, median, parser, pyplot,
-                     refuse_without_gpu, save_png, worker_cmd, write_json_atomic)
+                     save_png, worker_cmd, write_json_atomic)
 from .speed import LLAMA
 
 TITLE = "The engine switch: a trainer and a rollout trading one GPU"
@@ -968,9 +968,6 @@ def main(argv=None):
     ap.add_argument("--deadline", type=float, default=390.0, help="seconds the run may take (default 390)")
     ap.add_argument("--also", metavar="VAR=VALUE ...", help="also run this library with these variables (TMS_JOB=...)")
     args = ap.parse_args(argv := sys.argv[1:] if argv is None else argv)
-    refused = refuse_without_gpu("switch", args)
-    if refused:
-        return refused
     meta, sizes, start = report.collect_meta("switch", argv, args.dry_run), _sizes(args), time.time()
     out, stem = report.out_dir(args.out, args.dry_run), report.name(meta)
     doc = {"meta": meta, "switch": {}, "settings": {k: getattr(args, k) for k in ("gib", "kv_fraction", "cycles", "mode", "deadline")},
