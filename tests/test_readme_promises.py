@@ -221,16 +221,16 @@ def test_make_check_keeps_nothing_in_pips_cache(tmp_path):
     (project / "setup.py").write_text("from setuptools import setup\nsetup(name='tiny', version='1.0', packages=['tiny'])\n")
     subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "sdist")], cwd=project, check=True,
                    capture_output=True, timeout=120)
+    pip_envs = [{k: v for k, v in e.items() if k.startswith("PIP_")} for e in pytest_envs]
+    assert pip_envs[0] == pip_envs[1], pip_envs
     cache = tmp_path / "cache"
-    for i, pytest_env in enumerate(pytest_envs):
-        pip_env = {k: v for k, v in pytest_env.items() if k.startswith("PIP_")}
-        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
-                               "--no-index", "-w", str(tmp_path / f"w{i}"), *(tmp_path / "sdist").iterdir()],
-                              env={**env, "PIP_CACHE_DIR": str(cache), **pip_env}, capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        assert [w.name for w in (tmp_path / f"w{i}").iterdir()] == ["tiny-1.0-py3-none-any.whl"]
-        assert not cache.exists() or sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file()) == []
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "--no-index",
+                           "-w", str(tmp_path / "w"), *(tmp_path / "sdist").iterdir()],
+                          env={**env, "PIP_CACHE_DIR": str(cache), **pip_envs[0]}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [w.name for w in (tmp_path / "w").iterdir()] == ["tiny-1.0-py3-none-any.whl"]
+    assert not cache.exists() or sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file()) == []
 
 
 def _tree_copy(dest):
