@@ -41,13 +41,15 @@ export EDITABLE_HERE
 # on every import. auditwheel checks the wheel's manylinux tag; where it cannot be
 # had (no network, as on the lent GPU machines) that one test skips.
 # pytest-xdist runs the suite on two workers; without it (no network) the suite
-# runs on one.
+# runs on one. mypy checks a user's script against the package's types; without it
+# that test skips.
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	@$(PYTHON) -c "import numpy" 2>/dev/null || $(PYTHON) -m pip install -q numpy
 	@$(PYTHON) -c "import pytest" 2>/dev/null || $(PYTHON) -m pip install -q pytest
 	@$(PYTHON) -c "import xdist" 2>/dev/null || $(PYTHON) -m pip install -q pytest-xdist 2>/dev/null || true
 	@$(PYTHON) -c "import auditwheel" 2>/dev/null || $(PYTHON) -m pip install -q auditwheel 2>/dev/null || true
+	@$(PYTHON) -c "import mypy" 2>/dev/null || $(PYTHON) -m pip install -q mypy 2>/dev/null || true
 
 PYTEST_WORKERS ?= 2
 XDIST = $$($(PYTHON) -c "import xdist; print('-n $(PYTEST_WORKERS) --dist loadgroup')" 2>/dev/null)
@@ -59,6 +61,10 @@ test-packaging: deps build
 	$(PYTHON) -m pytest -q $(XDIST) -m packaging $(PYTEST_ARGS) tests
 
 check: test test-packaging
+
+# pip keeps each wheel it builds from an sdist (the packaging tests build some) and each
+# download in its cache, outside the tree, for good: make check leaves nothing there.
+deps test test-packaging check: export PIP_NO_CACHE_DIR = 1
 
 # The GPU suite (tests/test_gpu.py) on every GPU the driver sees (or GPUS=0,1): one
 # pytest-xdist worker per GPU, each on its GPU alone, then the tests that need two GPUs

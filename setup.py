@@ -100,12 +100,35 @@ def _depfile_inputs(path):
     return text.split(":", 1)[1].split() if ":" in text else []
 
 
+def _whole_elf(path):
+    """True if path is an ELF file at least as long as its headers say. A truncated
+    library or object is newer than its sources, so setuptools would keep it, and
+    linking against it fails ("file too short") without saying what to do."""
+    try:
+        with open(path, "rb") as f:
+            head, size = f.read(64), os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2):
+        return False
+    order = "little" if head[5] == 1 else "big"
+
+    def field(at, n):
+        return int.from_bytes(head[at:at + n], order)
+
+    if head[4] == 2:  # 64-bit: program and section header tables' offsets, entry sizes, counts
+        tables = [(field(32, 8), field(54, 2), field(56, 2)), (field(40, 8), field(58, 2), field(60, 2))]
+    else:
+        tables = [(field(28, 4), field(42, 2), field(44, 2)), (field(32, 4), field(46, 2), field(48, 2))]
+    return all(offset + entry * count <= size for offset, entry, count in tables)
+
+
 def _up_to_date(obj, command):
     """True if obj was compiled by this very command and no input it read changed since."""
     obj = Path(obj)
     stamp, deps = obj.with_suffix(".cmd"), obj.with_suffix(".d")
     try:
-        if stamp.read_text() != command:
+        if stamp.read_text() != command or not _whole_elf(obj):
             return False
         built = obj.stat().st_mtime_ns
         return all(Path(f).stat().st_mtime_ns <= built for f in _depfile_inputs(deps))
@@ -169,8 +192,15 @@ class BuildExt(build_ext):
             self.build_temp = shared_temp
 
     def run(self):
-        super().run()
+        # A broken library (a truncated file, a build cut short) is removed, so it is
+        # built again rather than kept as up to date and linked against.
         site_root = ROOT if self.inplace else Path(self.build_lib)
+        outputs = [Path(self.get_ext_fullpath(ext.name)) for ext in self.extensions]
+        for path in outputs + [site_root / name for variant in VARIANTS for name in upstream_names(variant)]:
+            if path.exists() and not _whole_elf(path):
+                print(f"{path} is not a whole ELF library: building it again")
+                path.unlink()
+        super().run()
         for variant in VARIANTS:
             library = Path(self.get_ext_fullpath(f"{NAME}._tms_{variant}"))
             for name in upstream_names(variant):

@@ -172,12 +172,40 @@ def copy_threads():
     return min(16, max(2, cpus))
 
 
+class _Parser(argparse.ArgumentParser):
+    """Refuses, in one line, a run that is no dry run where the CUDA driver sees no GPU (`run --force` goes on)."""
+
+    def parse_args(self, args=None, namespace=None):
+        out = super().parse_args(args, namespace)
+        why = None if out.dry_run or getattr(out, "force", False) else no_gpu()
+        if why:
+            self.exit(2, f"{self.prog}: {why}, so there is nothing to measure and nothing is written; --dry-run "
+                         f"runs the suite on the host backend (output in build/bench-dry-run)\n")
+        return out
+
+
 def parser(suite, doc, dry_run_help="no GPU: host backend, tiny sizes, plumbing only"):
     """The suite's argument parser, with the options every suite has (--out, --dry-run)."""
-    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {suite}", description=doc.split("\n\n")[0])
+    ap = _Parser(prog=f"python -m benchmarks {suite}", description=doc.split("\n\n")[0])
     ap.add_argument("--out", help="output folder (default benchmarks/results; build/bench-dry-run for --dry-run)")
     ap.add_argument("--dry-run", action="store_true", help=dry_run_help)
     return ap
+
+
+# In a process of its own: the runner, which only starts workers, then holds no driver state.
+GPU_PROBE = ("import ctypes, os, sys\ntry:\n    cuda = ctypes.CDLL('libcuda.so.1')\nexcept OSError:\n"
+             "    sys.exit('no CUDA driver here (libcuda.so.1 cannot be loaded)')\nn = ctypes.c_int(0)\n"
+             "rc = cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(n))\nsys.exit(n.value < 1 and 'the CUDA driver "
+             "sees no GPU (status %d, CUDA_VISIBLE_DEVICES=%r)' % (rc, os.environ.get('CUDA_VISIBLE_DEVICES')))\n")
+
+
+def no_gpu():
+    """Why the CUDA driver offers no GPU here (None where it sees one)."""
+    try:
+        probe = subprocess.run([sys.executable, "-c", GPU_PROBE], capture_output=True, text=True, timeout=120)
+        return (probe.stderr.strip().splitlines() or ["the GPU probe failed"])[-1] if probe.returncode else None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the GPU probe failed ({type(e).__name__}: {e})"
 
 
 def import_library(library):

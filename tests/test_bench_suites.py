@@ -35,11 +35,13 @@ CHECKS = {
                               and all(len(p["pause"]) == 8 and len(p["lookup_s"]) == 3 for p in d["points"])),
     "speed": lambda d: ([(w["mode"], w["init"], w["exit_code"], sorted(w["sections"]), w["errors"])
                          for w in d["workers"]]
-                        == [(m, False, 0, ["first_region", "kinds", "latency", "model", "retained", "skip"], {})
-                            for m in ("torch", "preload")]
+                        == [(m, False, 0, ["first_region", "integrity", "kinds", "latency", "model", "retained", "skip"],
+                             {}) for m in ("torch", "preload")]
                         and d["workers"][0]["sections"]["model"]["tensors"] == 24
                         and all(w["sections"]["retained"]["exact"] and w["sections"]["model"]["exact"]
-                                and w["sections"]["skip"]["exact"]
+                                and w["sections"]["skip"]["exact"] and w["sections"]["integrity"]["exact"]
+                                and w["sections"]["integrity"]["on"]["verified"] == [w["sections"]["integrity"]["bytes"]] * 3
+                                and w["sections"]["integrity"]["off"]["verified"] == [0] * 3
                                 and [r[1] for r in w["sections"]["skip"]["unchanged"]] == [0] * 5
                                 and all(r[1] == w["sections"]["skip"]["bytes"] for r in w["sections"]["skip"]["all changed"])
                                 for w in d["workers"])),
@@ -91,6 +93,29 @@ def test_each_suite_dry_run_writes_its_report_through_the_one_writer(suite, tmp_
     assert head["commit"].startswith(f"`{meta['git_commit']}`") and head["command"] == f"`{meta['command']}`"
     index = (tmp_path / "README.md").read_text()
     assert f"[{stem}.md]({stem}.md)" in index and f"| `{suite}` |" in index
+
+
+def _results_state():
+    """What a run could change in the tracked results folder: git's view of it and each file's size and time."""
+    status = subprocess.run(["git", "status", "--porcelain", "--", "benchmarks", "build/bench-dry-run"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60).stdout
+    files = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in (REPO_ROOT / "benchmarks" / "results").iterdir()}
+    return status, files
+
+
+@pytest.mark.parametrize("suite", DRY_RUNS)
+def test_each_suite_without_a_gpu_says_why_in_one_line_and_writes_nothing(suite, tmp_path):
+    # CUDA_VISIBLE_DEVICES="" hides every GPU from the driver, so this holds on a GPU machine too.
+    before = _results_state()
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path),
+           "XDG_RUNTIME_DIR": os.environ["XDG_RUNTIME_DIR"]}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", suite], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.startswith(f"python -m benchmarks {suite}: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "nothing is written" in proc.stderr and "--dry-run" in proc.stderr, proc.stderr
+    assert _results_state() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_alias_entry_points_still_run(tmp_path):

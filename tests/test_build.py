@@ -283,8 +283,10 @@ def test_sdist_builds_the_same_wheel_and_holds_no_build_output(tmp_path):
     for needed in ("setup.py", "pyproject.toml", "LICENSE", "src/build.txt", "src/hooks/shim.c", "src/platform/glibc_compat.h",
                    "include/torch_memory_saver.h", "torch_memory_saver/py.typed", "torch_memory_saver/_tms_torch.pyi"):
         assert needed in names, (needed, sorted(names))
+    # --no-cache-dir: pip would keep a wheel built from an sdist in its cache, outside the tree.
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
-                           "-w", str(tmp_path / "w"), str(sdist)], capture_output=True, text=True, timeout=600)
+                           "--no-cache-dir", "-w", str(tmp_path / "w"), str(sdist)], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [w.name.split("-", 2)[2] for w in (tmp_path / "w").glob("*.whl")] == [
         f"cp310-abi3-manylinux_2_28_{__import__('platform').machine()}.whl"]

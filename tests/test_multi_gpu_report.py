@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import multi_gpu  # noqa: E402
+from benchmarks import common, multi_gpu  # noqa: E402
 
 GB = 10**9
 
@@ -105,6 +105,7 @@ def test_tensor_size_option_reaches_the_workers(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(multi_gpu, "_run", lambda fn, args, n, share: (seen.append(args), ([], [0]))[1])
     monkeypatch.setattr(multi_gpu, "_limits", lambda *a: None)
+    monkeypatch.setattr(common, "no_gpu", lambda: None)  # a GPU, as far as the refusal without one is concerned
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Made-up GPU")
     assert multi_gpu.main(["--gpus", "1", "--share-gpu", "--configs", "pinned", "--tensor-mib", "2",

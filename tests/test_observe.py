@@ -50,13 +50,87 @@ def test_progress_lines_for_a_long_backed_up_pause(in_child, tmp_path):
 
 @pytest.mark.parametrize("op, progress", [("pause", "on"), ("resume", "on"), ("pause", "off")])
 def test_ctrl_c_lets_the_call_finish_logs_its_summary_then_raises(in_child, tmp_path, op, progress):
-    # With progress lines the call runs in a thread: Ctrl-C must not abandon it there either.
-    out = in_child.output(observe.interrupt_mid_call, op, progress, timeout=120,
-                          env={"TMS_HOST_COPY_GATE": tmp_path / "gate"})
+    # With progress lines the call runs in a thread: Ctrl-C must not abandon it there
+    # either, and is acknowledged on stderr while the call runs.
+    child = in_child.run(observe.interrupt_mid_call, op, progress, timeout=120,
+                         env={"TMS_HOST_COPY_GATE": tmp_path / "gate"})
+    child.result(stderr_empty=False)
     done, what = ("paused", "released") if op == "pause" else ("active", "mapped")
-    assert out.splitlines() == [f"KeyboardInterrupt [('w', '{done}')]",
-                                f"logged: {op} tag=w: {what} 64.00 MiB, 64.00 MiB",
-                                "same bytes: True"], out
+    assert child.stdout.splitlines() == [f"KeyboardInterrupt [('w', '{done}')]",
+                                         f"logged: {op} tag=w: {what} 64.00 MiB, 64.00 MiB",
+                                         "same bytes: True"], child.describe()
+    ack = f"torch_memory_saver: Ctrl-C noted: the {op} of tag=w finishes first, then KeyboardInterrupt is raised\n"
+    assert child.stderr == (ack if progress == "on" else ""), child.describe()
+
+
+def progress_without_logging(interrupt):
+    """A 64 MiB backed-up pause with progress on and logging never configured; returns
+    whether it raised KeyboardInterrupt, the tag's state and whether the bytes came
+    back. Its first copy waits at the gate (TMS_HOST_COPY_GATE) until the first
+    progress line is on stderr, or with interrupt, until the Ctrl-C that line sends
+    is acknowledged there: the pause cannot end before."""
+    import faulthandler
+    import logging
+    import signal
+    import threading
+
+    import torch_memory_saver._observe as observe
+    from _prelude import MiB, fill, read, start, states, tms
+
+    faulthandler.dump_traceback_later(30, exit=True)   # no line on stderr: the pause waits, and fails here
+    gate = os.open(os.environ["TMS_HOST_COPY_GATE"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    main, real, seen = threading.main_thread().ident, sys.stderr, []
+
+    class Watch:  # stderr as written, acting on the library's lines
+        def write(self, text):
+            real.write(text)
+            if "% (" in text and not seen:
+                seen.append(text)
+                if interrupt:
+                    signal.pthread_kill(main, signal.SIGINT)
+                else:
+                    os.write(gate, b"x")
+            if "Ctrl-C noted" in text:
+                os.write(gate, b"x")
+            return len(text)
+
+        def flush(self):
+            real.flush()
+
+    start()
+    assert not logging.getLogger("torch_memory_saver").hasHandlers()
+    sys.stderr = Watch()
+    observe.PROGRESS_AFTER_S = observe.PROGRESS_EVERY_S = 0.05
+    tms.progress = True
+    with tms.region("w", enable_cpu_backup=True):
+        p = tms.malloc(64 * MiB)
+    d = fill(p, 64 * MiB)
+    try:
+        tms.pause("w")
+        raised = False
+    except KeyboardInterrupt:
+        raised = True
+    sys.stderr = real
+    paused = states()
+    tms.progress = False
+    tms.resume("w")
+    faulthandler.cancel_dump_traceback_later()
+    return raised, paused, read(p, 64 * MiB) == d
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_progress_shows_on_stderr_without_logging_and_acknowledges_ctrl_c_at_once(in_child, tmp_path, interrupt):
+    child = in_child.run(progress_without_logging, interrupt, timeout=120, env={
+        "TMS_BACKUP_THREADS": "1", "TMS_BACKUP_BLOCK_BYTES": "64KiB", "TMS_HOST_COPY_GATE": tmp_path / "gate"})
+    assert child.result(stderr_empty=False) == (interrupt, [("w", "paused")], True), child.describe()
+    lines = child.stderr.splitlines()
+    ack = "torch_memory_saver: Ctrl-C noted: the pause of tag=w finishes first, then KeyboardInterrupt is raised"
+    progress = [i for i, line in enumerate(lines) if "% (" in line]
+    assert progress and all(lines[i].startswith("torch_memory_saver: pause tag=w: ")
+                            and lines[i].endswith(" s)") and "of 64.00 MiB copied" in lines[i] for i in progress), lines
+    assert lines[-1].startswith("torch_memory_saver: pause tag=w: released 64.00 MiB, 64.00 MiB copied in "), lines
+    assert [i for i, line in enumerate(lines) if line == ack] == ([progress[0] + 1] if interrupt else []), lines
+    assert len(lines) == len(progress) + 1 + interrupt, lines
 
 
 def test_progress_needs_a_bool(in_child):

@@ -60,6 +60,10 @@ def test_readme_shows_each_call_with_its_parameter_names_and_defaults():
     assert {"region", "get_cpu_backup", "memory_report", "share", "malloc"} <= {n for n, _ in calls}, calls
     for name, shown in calls:
         real = [p for p in inspect.signature(getattr(TorchMemorySaver, name)).parameters.values() if p.name != "self"]
+        # A bare `*` where the keyword-only parameters start, as Python writes it.
+        star = next((i for i, p in enumerate(real) if p.kind is p.KEYWORD_ONLY), None)
+        assert [i for i, (p, _) in enumerate(shown) if p == "*"] == ([] if star is None else [star]), (name, shown)
+        shown = [(p, d) for p, d in shown if p != "*"]
         assert [p for p, _ in shown] == [p.name for p in real], (name, shown, [p.name for p in real])
         for (param, default), p in zip(shown, real):
             if default is not None:
@@ -124,6 +128,35 @@ def test_a_program_importing_the_package_still_gets_the_value_error(run_py):
     assert proc.returncode == 1 and "ValueError: torch_memory_saver: TMS_BACKUP_THREADS='lots'" in proc.stderr
 
 
+def test_every_error_of_a_bad_argument_starts_with_the_librarys_name(run_py):
+    # Each call's mistake is in its arguments; what is checked in Python and what in C
+    # alike say who is speaking. get_cpu_backup's zero_copy is a bool, as README shows.
+    calls = ["tms.free(-1)", "tms.free(1 << 70)", "tms.free('x')", "tms.pause(3)", "tms.resume(['w', 3])",
+             "tms.pause('w', measure_free=1)", "tms.is_paused(3)", "tms.malloc('x')",
+             "setattr(tms, 'progres', True)", "setattr(tms, 'progress', 'yes')",
+             "setattr(torch_memory_saver, 'progres', True)", "tms.get_cpu_backup(t, zero_copy='yes')",
+             "tms.get_cpu_backup(t, zero_copy=1)", "tms.region(3).__enter__()", "tms.set_disk_backup_dir(3)"]
+    out = check_ok(run_py(f"""
+        import ctypes, torch, torch_memory_saver
+        with tms.region("w", enable_cpu_backup=True):
+            p = tms.malloc(MiB)
+        t = torch.frombuffer((ctypes.c_char * MiB).from_address(p), dtype=torch.uint8)
+        tms.pause("w")
+        for call in {calls!r}:
+            try:
+                eval(call)
+                print(call, "-> no error")
+            except (TypeError, ValueError, AttributeError) as e:
+                print(call, "->", type(e).__name__, str(e).splitlines()[0])
+        """))
+    said = dict(line.split(" -> ", 1) for line in out.splitlines())
+    assert list(said) == calls, out
+    assert {c: e for c, e in said.items() if not e.split(" ", 1)[-1].startswith("torch_memory_saver: ")} == {}, out
+    assert said["tms.get_cpu_backup(t, zero_copy='yes')"] == \
+        "TypeError torch_memory_saver: get_cpu_backup(zero_copy=...) must be a bool, not str", out
+    assert "there is no setting 'progres'; did you mean 'progress'?" in said["setattr(tms, 'progres', True)"], out
+
+
 def test_a_misspelt_variable_is_named_with_the_one_it_is_close_to(run_py):
     proc = run_py("import torch_memory_saver", prelude=False, env={"TMS_BACKUP_THREAD": "4", "TMS_OTHER_TOOL": "1"})
     assert proc.returncode == 0, proc.stderr
@@ -163,6 +196,43 @@ def test_make_clean_removes_every_build_output(tmp_path):
     assert [f for f in kept if not (tmp_path / f).exists()] == []
 
 
+def test_make_check_keeps_nothing_in_pips_cache(tmp_path):
+    """make check's tests build wheels from an sdist, which pip would keep in its cache
+    (outside the tree) for good: every step make check runs tells pip to use none."""
+    # A stand-in interpreter: records each call's arguments and environment and does nothing.
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    f"open({str(calls)!r}, 'a').write(json.dumps([sys.argv[1:], dict(os.environ)]) + '\\n')\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "MAKE", "MFLAGS"))}
+    proc = subprocess.run(["make", "-s", "check", f"PYTHON={fake}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    runs = [json.loads(line) for line in calls.read_text().splitlines()]
+    pytest_envs = [e for argv, e in runs if argv[:2] == ["-m", "pytest"]]
+    assert len(pytest_envs) == 2, [argv for argv, _ in runs]          # make test, make test-packaging
+    # What a test's `pip wheel` of an sdist leaves in the cache under that environment.
+    project = tmp_path / "tiny"
+    (project / "tiny").mkdir(parents=True)
+    (project / "tiny" / "__init__.py").write_text("")
+    (project / "setup.py").write_text("from setuptools import setup\nsetup(name='tiny', version='1.0', packages=['tiny'])\n")
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "sdist")], cwd=project, check=True,
+                   capture_output=True, timeout=120)
+    pip_envs = [{k: v for k, v in e.items() if k.startswith("PIP_")} for e in pytest_envs]
+    assert pip_envs[0] == pip_envs[1], pip_envs
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "--no-index",
+                           "-w", str(tmp_path / "w"), *(tmp_path / "sdist").iterdir()],
+                          env={**env, "PIP_CACHE_DIR": str(cache), **pip_envs[0]}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [w.name for w in (tmp_path / "w").iterdir()] == ["tiny-1.0-py3-none-any.whl"]
+    assert not cache.exists() or sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file()) == []
+
+
 def _tree_copy(dest):
     """The tracked files of this tree (what a fresh clone has), copied to dest."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
@@ -181,8 +251,9 @@ def _objects(tree):
 @pytest.mark.slow
 def test_make_builds_what_changed_and_reinstalls_from_any_state(tmp_path):
     """make build compiles again only what changed (once per variant), and make
-    reinstall, from nothing installed, a regular install or an editable one, leaves
-    this tree installed editable and the package importable from anywhere."""
+    reinstall, from nothing installed, a regular install or an editable one, and over
+    a truncated in-tree extension, leaves this tree installed editable and the package
+    importable from anywhere."""
     tree = _tree_copy(tmp_path / "tree")
 
     def build():
@@ -222,7 +293,13 @@ def test_make_builds_what_changed_and_reinstalls_from_any_state(tmp_path):
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", str(tree)], check=True,
                    env=env, capture_output=True, timeout=600)
     assert installed().endswith("{}") and "site-packages" in installed()  # a regular install
+    # ... and an in-tree extension cut short, which the build would keep as newer than its sources.
+    os.truncate(tree / "torch_memory_saver" / "_tms_preload.abi3.so", 4096)
     reinstall()
+    code = "from torch_memory_saver import torch_memory_saver as t; print(t._core.VARIANT)"
+    proc = subprocess.run([python, "-c", code], cwd="/", capture_output=True, text=True, timeout=120,
+                          env=dict(env, TMS_BACKEND="host"))
+    assert proc.stdout == "preload\n", proc.stderr[-2000:]
 
 
 def test_a_wheel_build_without_the_wheel_package_says_to_install_it():

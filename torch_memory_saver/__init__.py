@@ -3,6 +3,7 @@ same virtual addresses, optionally keeping the contents on the host."""
 import difflib as _difflib
 import sys as _sys
 import types as _types
+from typing import TYPE_CHECKING as _TYPE_CHECKING, Optional as _Optional
 
 from . import _library
 
@@ -63,6 +64,41 @@ for _name, _member in vars(TorchMemorySaver).items():
         _forward(_name, _member)
 _sys.modules[__name__].__class__ = _Module
 del _name, _member
+
+if _TYPE_CHECKING:
+    # What the loop above makes, as a type checker sees it: it runs no code, and a name
+    # it cannot see is an error in the user's script (tests/test_typing.py holds this
+    # list to the singleton's members).
+    region = torch_memory_saver.region
+    disable = torch_memory_saver.disable
+    cuda_graph = torch_memory_saver.cuda_graph
+    pause = torch_memory_saver.pause
+    resume = torch_memory_saver.resume
+    is_paused = torch_memory_saver.is_paused
+    paused_tags = torch_memory_saver.paused_tags
+    get_cpu_backup = torch_memory_saver.get_cpu_backup
+    set_disk_backup_dir = torch_memory_saver.set_disk_backup_dir
+    malloc = torch_memory_saver.malloc
+    free = torch_memory_saver.free
+    memory_report = torch_memory_saver.memory_report
+    host_budget = torch_memory_saver.host_budget
+    share = torch_memory_saver.share
+    open_shared = torch_memory_saver.open_shared
+    stats = torch_memory_saver.stats
+    memory_summary = torch_memory_saver.memory_summary
+    allocations = torch_memory_saver.allocations
+    enabled: bool
+    hook_mode: str
+    preload_method: _Optional[str]
+    disk_backup_dir: str
+    retain_cpu_backup: bool
+    backup_live_only: bool
+    progress: bool
+    memory_margin_bytes: int
+    skip_unchanged: bool
+    job: _Optional[str]
+    spill_to_disk: bool
+    verify_restore: bool
 
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "Error", "OutOfMemoryError", "IntegrityError",
            "DiskBackupDirError", "Report", "DeviceReport", "__version__",

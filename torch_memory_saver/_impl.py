@@ -4,6 +4,7 @@ import contextlib
 import os
 import sys
 import threading
+from typing import Any, Dict, Optional
 
 from . import _abi, _library, _preload, _scratch, _share
 
@@ -59,13 +60,13 @@ class _Impl:
         # Upstream's private path to the C ABI, `_impl._binary_wrapper.cdll`:
         # the very library the module was loaded from (one core state).
         self._binary_wrapper = _abi.BinaryWrapper(self.core.library_path())
-        self._pools = {}
+        self._pools: Dict[tuple, Any] = {}
         self._pools_lock = threading.Lock()
         self._scratch = _scratch.ScratchPools()
         self._disabled = threading.local()  # depth of this thread's disable() blocks
         self._allocator = None
-        self._on_gpu = None
-        self.preload_method = None  # set by on_gpu(): "ld_preload" or "relocation"
+        self._on_gpu: Optional[bool] = None
+        self.preload_method: Optional[str] = None  # set by on_gpu(): "ld_preload" or "relocation"
         # One build serves CUDA and ROCm: the core picks the backend, told what
         # torch was built for (TMS_BACKEND and TMS_PLATFORM say first).
         self.core.set_platform_hint(_torch_platform())

@@ -1,6 +1,7 @@
 """What the library holds and did: stats(), memory_summary(), pause/resume log lines."""
 import _thread
 import logging
+import sys
 import threading
 import time
 
@@ -94,12 +95,23 @@ def _call_keeping_result(fn, args):
     return box[0], None
 
 
-def _run_with_progress(core, fn, args, op, tag):
-    """(result, KeyboardInterrupt or None): runs fn(*args) in a thread (the core
-    releases the GIL) and, once it has taken PROGRESS_AFTER_S, logs the copy progress
-    every PROGRESS_EVERY_S. Ctrl-C does not abandon the call: as without progress
-    lines, it finishes and the first interrupt is returned with its result (more
-    interrupts while it runs are the same request)."""
+def _to_stderr(fmt, *args):
+    """A line on stderr, for progress where logging would not show it, and for Ctrl-C."""
+    sys.stderr.write(f"torch_memory_saver: {fmt % args}\n")  # one write: a line is never split
+    sys.stderr.flush()
+
+
+def _ack(op, tag):
+    _to_stderr("Ctrl-C noted: the %s of tag=%s finishes first, then KeyboardInterrupt is raised", op, _name(tag))
+
+
+def _run_with_progress(core, fn, args, op, tag, say):
+    """(result, KeyboardInterrupt or None, whether a line was said): runs fn(*args)
+    in a thread (the core releases the GIL) and, once it has taken PROGRESS_AFTER_S,
+    says the copy progress every PROGRESS_EVERY_S. Ctrl-C does not abandon the call:
+    the first one is acknowledged on stderr at once, the call finishes and the
+    interrupt is returned with its result (more interrupts while it runs are the
+    same request)."""
     outcome = {}
     finished = threading.Event()
 
@@ -121,24 +133,37 @@ def _run_with_progress(core, fn, args, op, tag):
             raise  # it came before the thread started: nothing was done
         interrupt = e
     t0 = time.perf_counter()
-    wait = PROGRESS_AFTER_S
+    wait, said = PROGRESS_AFTER_S, False
+    # The acknowledgement is written in the loop, not in the handler: a second Ctrl-C
+    # while it is written is then caught like the first.
+    acknowledge = interrupt is not None
     while not finished.is_set():
         try:
+            if acknowledge:
+                _ack(op, tag)
+                acknowledge = False
             if finished.wait(wait):
                 break
             wait = PROGRESS_EVERY_S
             done, total = core.copy_progress()
             if total:
-                logger.info("%s tag=%s: %.0f%% (%s of %s copied, %.1f s)", op, _name(tag),
-                            100.0 * done / total, _fmt_bytes(done), _fmt_bytes(total), time.perf_counter() - t0)
+                say("%s tag=%s: %.0f%% (%s of %s copied, %.1f s)", op, _name(tag),
+                    100.0 * done / total, _fmt_bytes(done), _fmt_bytes(total), time.perf_counter() - t0)
+                said = True
         except KeyboardInterrupt as e:
+            acknowledge = acknowledge or interrupt is None
             interrupt = interrupt or e
+    if acknowledge:  # it came as the call ended: said all the same, so every interrupt gets its line
+        try:
+            _ack(op, tag)
+        except KeyboardInterrupt:
+            pass  # a second one: the same request
     if "error" in outcome:
         if interrupt is not None:
             interrupt.__context__ = outcome["error"]  # Ctrl-C still stops the program; the failure shows with it
             raise interrupt
         raise outcome["error"]
-    return outcome["result"], interrupt
+    return outcome["result"], interrupt, said
 
 
 def logs_calls():
@@ -148,27 +173,25 @@ def logs_calls():
 
 def logged(core, fn, args, op, tag, report, progress):
     """Runs fn(*args) (the core's pause or resume of tag) and returns
-    report(its result), logging a summary at INFO (with progress lines while it
-    runs if progress) and the allocations at DEBUG, only when those levels are
-    enabled. A Ctrl-C while it runs is raised once the call has finished and its
-    summary is logged."""
-    if not logger.isEnabledFor(logging.INFO):
+    report(its result), logging a summary at INFO and the allocations at DEBUG,
+    only when those levels are enabled. With progress, progress lines while it
+    runs: logged at INFO where a handler would show them, else on stderr, the
+    summary then following them there. A Ctrl-C while it runs is raised once the
+    call has finished and its summary is out."""
+    logs = logger.isEnabledFor(logging.INFO)
+    if not logs and not progress:
         return report(fn(*args))
     if progress:
-        result, interrupt = _run_with_progress(core, fn, args, op, tag)
+        # Unconfigured logging shows warnings only: progress asked for is shown anyway.
+        shown = logs and logger.hasHandlers()
+        result, interrupt, said = _run_with_progress(core, fn, args, op, tag, logger.info if shown else _to_stderr)
+        say = logger.info if shown else _to_stderr if said or interrupt is not None else None
     else:
         result, interrupt = _call_keeping_result(fn, args)
+        say = logger.info
     out = report(result)
-    moved, seconds = out.copied_bytes, out.seconds
-    rate = f", {out.gb_per_s:.1f} GB/s" if out.gb_per_s else ""
-    skipped = f", {_fmt_bytes(out.skipped_bytes)} skipped as free" if out.skipped_bytes else ""
-    if out.unchanged_bytes:
-        skipped += f", {_fmt_bytes(out.unchanged_bytes)} unchanged (found in {out.fingerprint_seconds * 1e3:.1f} ms)"
-    if out.why_not_skipped:
-        skipped += f", copied whole: {out.why_not_skipped}"
-    what = "released" if op == "pause" else "mapped"
-    logger.info("%s tag=%s: %s %s, %s copied in %.1f ms%s%s", op, _name(tag), what,
-                _fmt_bytes(out.released_bytes), _fmt_bytes(moved), seconds * 1e3, rate, skipped)
+    if say is not None:
+        say(*_summary(op, tag, out))
     if logger.isEnabledFor(logging.DEBUG):
         for a in core.allocations():
             if _selects(tag, a["tag"]):
@@ -178,3 +201,17 @@ def logged(core, fn, args, op, tag, report, progress):
     if interrupt is not None:
         raise interrupt
     return out
+
+
+def _summary(op, tag, out):
+    """The summary line of a pause or resume (format and arguments) from its report."""
+    moved, seconds = out.copied_bytes, out.seconds
+    rate = f", {out.gb_per_s:.1f} GB/s" if out.gb_per_s else ""
+    skipped = f", {_fmt_bytes(out.skipped_bytes)} skipped as free" if out.skipped_bytes else ""
+    if out.unchanged_bytes:
+        skipped += f", {_fmt_bytes(out.unchanged_bytes)} unchanged (found in {out.fingerprint_seconds * 1e3:.1f} ms)"
+    if out.why_not_skipped:
+        skipped += f", copied whole: {out.why_not_skipped}"
+    what = "released" if op == "pause" else "mapped"
+    return ("%s tag=%s: %s %s, %s copied in %.1f ms%s%s", op, _name(tag), what,
+            _fmt_bytes(out.released_bytes), _fmt_bytes(moved), seconds * 1e3, rate, skipped)

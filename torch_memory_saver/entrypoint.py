@@ -6,16 +6,22 @@ import logging
 import os
 import threading
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from . import _library, _live, _observe, _preload, _report, _share
 from ._errors import DiskBackupDirError, Error
 from ._impl import _Impl, backup_across_pages
 from ._settings import ROWS as _SETTING_ROWS, Settings, setting_property
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger("torch_memory_saver")
 
 _TAG_DEFAULT = "default"
+
+# What pause() and resume() take: a tag, a list (or tuple) of tags, or None for every tag.
+Tags = Union[None, str, List[str], Tuple[str, ...]]
 
 
 def _article(noun):
@@ -38,7 +44,18 @@ def _unknown_setting(name):
     """What setting `name` on the singleton says: the closest setting, and them all."""
     close = difflib.get_close_matches(name, setting_names(), n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else "."
-    return (f"torch_memory_saver has no setting {name!r}{hint} Its settings: {', '.join(setting_names())}")
+    return f"torch_memory_saver: there is no setting {name!r}{hint} The settings: {', '.join(setting_names())}"
+
+
+def _check_tags(op, tag):
+    """A pause's or resume's tags are a str, a list or tuple of str, or None."""
+    if tag is None or isinstance(tag, str):
+        return
+    if not isinstance(tag, (list, tuple)):
+        raise TypeError(f"torch_memory_saver: {op}: tag must be a str, a list of str or None, not {type(tag).__name__}")
+    for t in tag:
+        if not isinstance(t, str):
+            raise TypeError(f"torch_memory_saver: {op}: tag in the list must be a str, not {type(t).__name__}")
 
 
 def _policy(policy):
@@ -50,22 +67,35 @@ def _policy(policy):
 class TorchMemorySaver:
     """Process-wide entry point (use the `torch_memory_saver` instance)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._hook_mode = "preload"
         self._impl: Optional[_Impl] = None
         self._init_lock = threading.Lock()
         self._settings = Settings(lambda: _library.load(self._hook_mode))
-        self._tags_seen = set()    # every tag a region of this process entered or an allocation carried
-        self._tags_warned = set()  # the unknown tags pause/resume already warned about
+        self._tags_seen: set = set()    # every tag a region of this process entered or an allocation carried
+        self._tags_warned: set = set()  # the unknown tags pause/resume already warned about
         self._entered = threading.local()  # per thread: [(tag, backup policy)] of the region blocks it is in
 
-    def __setattr__(self, name, value):
-        # A misspelt setting would otherwise be a new attribute that nothing reads.
-        # Members of the class (settings, methods a test replaces) and private names
-        # (upstream's and frameworks' own) are set as ever.
-        if not name.startswith("_") and not hasattr(type(self), name):
-            raise AttributeError(_unknown_setting(name))
-        object.__setattr__(self, name, value)
+    if TYPE_CHECKING:
+        # The settings the table adds below the class, as a type checker sees them: it
+        # runs no code (tests/test_typing.py holds these to the table).
+        retain_cpu_backup: bool
+        backup_live_only: bool
+        progress: bool
+        memory_margin_bytes: int
+        skip_unchanged: bool
+        job: Optional[str]
+        spill_to_disk: bool
+        verify_restore: bool
+    else:
+        # Hidden from type checkers, which would then accept any name set on the singleton.
+        def __setattr__(self, name, value):
+            # A misspelt setting would otherwise be a new attribute that nothing reads.
+            # Members of the class (settings, methods a test replaces) and private names
+            # (upstream's and frameworks' own) are set as ever.
+            if not name.startswith("_") and not hasattr(type(self), name):
+                raise AttributeError(_unknown_setting(name))
+            object.__setattr__(self, name, value)
 
     # ---- configuration -------------------------------------------------------
 
@@ -98,7 +128,7 @@ class TorchMemorySaver:
     # memory_margin_bytes, retain_cpu_backup, spill_to_disk, ...) are properties made
     # from the C table below the class: one row of src/platform/config.h each.
 
-    def host_budget(self):
+    def host_budget(self) -> Dict[str, Any]:
         """The host backup budget this process shares: name, limit (0: none),
         reserved (by every process of the ledger), mine, free, the host's
         mem_total and mem_available, safety (5 % kept available without a
@@ -110,7 +140,7 @@ class TorchMemorySaver:
     @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, enable_disk_backup: bool = False,
                cpu_backup_backend: Optional[str] = None, skip_unchanged: Optional[bool] = None,
-               restore: Optional[str] = None):
+               restore: Optional[str] = None) -> Iterator[None]:
         """Allocations made by this thread inside are pauseable under `tag`.
         enable_cpu_backup keeps their contents in host memory across a pause;
         enable_disk_backup in a file each, in the disk backup directory (see
@@ -139,7 +169,7 @@ class TorchMemorySaver:
                 yield
 
     @contextlib.contextmanager
-    def disable(self):
+    def disable(self) -> Iterator[None]:
         """Allocations inside are ordinary memory, even within a region; what is
         allocated and freed inside goes back to the driver when the block ends."""
         impl = self._ensure_initialized()
@@ -148,7 +178,8 @@ class TorchMemorySaver:
 
     @contextlib.contextmanager
     def cuda_graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global",
-                   tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False, cpu_backup_backend: Optional[str] = None):
+                   tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False,
+                   cpu_backup_backend: Optional[str] = None) -> Iterator[None]:
         """Like `torch.cuda.graph`, with the graph's memory pauseable under `tag`."""
         kind = self._check_region(tag, enable_cpu_backup, cpu_backup_backend, False)
         impl = self._ensure_initialized()
@@ -176,14 +207,14 @@ class TorchMemorySaver:
 
     # ---- pause / resume ------------------------------------------------------
 
-    def pause(self, tag=None, *, measure_free: bool = False):
+    def pause(self, tag: Tags = None, *, measure_free: bool = False) -> _report.Report:
         """Release the memory of `tag` (a tag, a list of tags, or None: every tag);
         backed-up tags copy to host first (only PyTorch's live blocks, see
         backup_live_only). Returns a Report of what it did; measure_free (or the
         INFO log line) also asks the driver for its free memory around the call."""
         return self._pause_or_resume("pause", tag, measure_free)
 
-    def resume(self, tag=None, *, measure_free: bool = False):
+    def resume(self, tag: Tags = None, *, measure_free: bool = False) -> _report.Report:
         """Map the memory of `tag` (a tag, a list of tags, or None: every tag) back at
         the same addresses; backed-up contents are restored. Returns a Report."""
         return self._pause_or_resume("resume", tag, measure_free)
@@ -196,7 +227,7 @@ class TorchMemorySaver:
         _check_type(tag, (str,), "tag")
         return tag in self.paused_tags()
 
-    def paused_tags(self):
+    def paused_tags(self) -> List[str]:
         """Sorted list of the tags for which is_paused() is True."""
         rows = _observe.tag_bytes(self._ensure_initialized().core)
         return sorted(t for t, (mapped, paused) in rows.items() if paused and not mapped)
@@ -206,6 +237,7 @@ class TorchMemorySaver:
         # decides for all of them under one lock. One call into the core checks the
         # tags, asks for PyTorch's free blocks only if the pause backs something up,
         # and pauses; the first use checks the tags before it loads anything.
+        _check_tags(op, tag)
         if self._impl is None:
             _library.load(self._hook_mode).check_tags(op, tag)
         impl = self._ensure_initialized()
@@ -257,11 +289,12 @@ class TorchMemorySaver:
         native = _library.load(self._hook_mode)
         return native.check_region(tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup)
 
-    def get_cpu_backup(self, x, zero_copy: bool = False):
+    def get_cpu_backup(self, x: "torch.Tensor", zero_copy: bool = False) -> Optional["torch.Tensor"]:
         """Host copy of tensor `x` while its allocation is paused with backup (or
         retained), else None. zero_copy=True aliases the backup instead of copying."""
         if not _library.is_tensor(x):
             raise TypeError(f"torch_memory_saver: get_cpu_backup expects a torch.Tensor, not {type(x).__name__}")
+        _check_type(zero_copy, (bool,), "get_cpu_backup(zero_copy=...)")
         import torch
 
         core = self._ensure_initialized().core
@@ -286,13 +319,13 @@ class TorchMemorySaver:
             host = torch.frombuffer(view, dtype=torch.uint8).view(x.dtype).as_strided(x.shape, x.stride())
         return host if zero_copy else host.clone(memory_format=torch.contiguous_format)
 
-    def share(self, tensor):
+    def share(self, tensor: "torch.Tensor") -> _share.SharedTensor:
         """A SharedTensor (small, picklable) for `tensor`, whose memory is this
         library's: another process of the same user maps it with open_shared().
         While one holds it open, pause() of its tag raises naming that process."""
         return _share.share(self._ensure_initialized().core, tensor)
 
-    def open_shared(self, shared, device: Optional[int] = None):
+    def open_shared(self, shared: _share.SharedTensor, device: Optional[int] = None) -> "torch.Tensor":
         """The tensor another process shared (what its share() returned), mapped
         here on `device` (default: the current one) without a copy: writes are seen
         both ways. Held until this tensor and every view of it are freed."""
@@ -300,13 +333,13 @@ class TorchMemorySaver:
         on_gpu = impl.on_gpu()
         return _share.open_shared(impl.core, shared, device, on_gpu)
 
-    def stats(self):
+    def stats(self) -> Dict[int, Dict[str, Dict[str, Any]]]:
         """{device: {tag: {field: value}}}: allocations, bytes requested/reserved/
         mapped/paused, host backup bytes by kind, pause/resume counts, time and
         bytes copied. Reads counters only (no driver call): cheap every step."""
         return _observe.stats(self._ensure_initialized().core)
 
-    def allocations(self):
+    def allocations(self) -> List[Dict[str, Any]]:
         """One dict per allocation the library holds: ptr, size, reserved, device,
         tag, state ("active", "paused", or "pausing"/"resuming" while a call moves
         it), cpu_backup / disk_backup (backed up on pause), cpu_backup_backend,
@@ -315,7 +348,7 @@ class TorchMemorySaver:
         copy: it does not change under you."""
         return self._ensure_initialized().core.allocations()
 
-    def memory_report(self, devices=()):
+    def memory_report(self, devices: Iterable[int] = ()) -> Dict[int, Dict[str, int]]:
         """{device: {field: bytes}}: each device's memory as the driver counts it
         (total, free, used) and who holds the used part: this library's active
         allocations (ours_active), PyTorch's cache outside them (torch_outside,
@@ -359,9 +392,12 @@ class TorchMemorySaver:
 
     def free(self, ptr: int) -> None:
         """Frees an address malloc() returned (active or paused)."""
+        _check_type(ptr, (int,), "free: pointer")
+        if not 0 <= ptr < 1 << 64:
+            raise ValueError(f"torch_memory_saver: free: pointer {ptr} is not a 64-bit address")
         self._ensure_initialized().core.free(ptr)
 
-    def set_disk_backup_dir(self, path) -> None:
+    def set_disk_backup_dir(self, path: Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]) -> None:
         """Directory for the backup files of regions with enable_disk_backup=True
         (created, mode 0700, with any missing parents; a relative path is resolved now),
         process-wide, for the files made from now on. It must be safe: owned by
@@ -401,7 +437,7 @@ class TorchMemorySaver:
         return impl.preload_method
 
     @staticmethod
-    def configure_subprocess():
+    def configure_subprocess() -> ContextManager[None]:
         """Context manager: child processes started inside it have the preload
         library on LD_PRELOAD (see torch_memory_saver.configure_subprocess).
         Optional: a child that imports the package without it hooks itself by
