@@ -18,7 +18,8 @@ class DeviceReport:
     this process kept, borrowed_bytes memory members lent ({pid: bytes} in
     lenders), and fallback says why the driver made the rest: None (not asked:
     no job, or what it kept was enough), "none" (nothing from the driver), "no
-    member", "member timed out" (their pids in timed_out) or "nothing to lend"."""
+    member", "member timed out" (their pids in timed_out), "nothing to lend" or
+    "bad lend" (a member lent memory that failed the checks: refused whole)."""
 
     __slots__ = ("device", "allocations", "released_bytes", "copied_bytes", "skipped_bytes", "unchanged_bytes",
                  "seconds", "free_before", "free_after", "kept_bytes", "returned_bytes", "reused_bytes",
