@@ -1,3 +1,4 @@
+# Tests the native module too: the members share and open raw allocations (no torch to import).
 """Lending within a job on the host backend (tests/test_job.py): member processes (this
 file again, case `member`, driven over stdin/stdout) pause, keep memory for each other,
 resume into what another lent, are killed or stopped at each step; an outsider gets
@@ -5,8 +6,6 @@ nothing. Which process's memory backs an address is read from /proc: a chunk of 
 host backend is a memfd, the same inode in the process that made it (its descriptor)
 and in every process that maps it."""
 import atexit
-import ctypes
-import gc
 import os
 import pickle
 import resource
@@ -17,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from _prelude import MiB, fill, read, run_cases, tms
+from _prelude import MiB, core, fill, read, run_cases, tms
 from share_peers import job_hash, place
 
 CHUNK = 2 * MiB  # the host backend's granularity: every chunk lends to any allocation
@@ -140,17 +139,13 @@ def member():
                 answer = read(*args)
             elif op in ("pause", "resume"):
                 answer = getattr(tms, op)(args[0]).as_dict()
-            elif op == "share":
-                import torch
-
-                ptr, n = args
-                answer = tms.share(torch.frombuffer((ctypes.c_char * n).from_address(ptr), dtype=torch.uint8))
-            elif op == "open":
-                opened = tms.open_shared(args[0])
-                answer = opened.numpy().tobytes()
+            elif op == "share":  # the allocation at ptr, whole: its handle
+                answer = core().share(args[0])[0]
+            elif op == "open":  # its bytes, held open until "close"
+                opened, size = core().open_shared(args[0])
+                answer = read(opened, size)
             elif op == "close":
-                del opened
-                gc.collect()
+                core().close_shared(opened)
                 answer = None
             elif op == "fork":  # a child that waits for "unfork" (the end of its pipe)
                 r, w = os.pipe()
@@ -298,7 +293,7 @@ def lend_and_reuse():
     memory = a.memory()
     assert (memory["job_kept"], memory["job_lent"]) == (4 * MiB, 12 * MiB), memory
     assert b.memory()["job_borrowed"] == 12 * MiB
-    assert a.ask("open", b.ask("share", b_w, 12 * MiB)) == b_bytes  # shared again: A maps its own chunks
+    assert a.ask("open", b.ask("share", b_w)) == b_bytes  # shared again: A maps its own chunks
     a.ask("close")
 
     d = device(b.resume("kv"))  # 4 MiB more of A's, 4 from the driver
@@ -332,7 +327,7 @@ def shared_on_memory_is_never_lent_again():
     assert device(a.pause("kv"))["kept_bytes"] == 12 * MiB
     assert device(b.resume())["borrowed_bytes"] == 12 * MiB
     shared = mapped_in(b.pid, w, 8 * MiB)
-    assert c.ask("open", b.ask("share", w, 8 * MiB)) == data
+    assert c.ask("open", b.ask("share", w)) == data
     c.ask("close")
     assert device(b.pause())["returned_bytes"] == 12 * MiB
     until("the shared chunks released everywhere", lambda: not alive_anywhere(shared))
@@ -399,9 +394,9 @@ def descriptors_kept_within_a_quarter_of_the_limit():
         a.alloc(f"kv{i}", 24 * CHUNK)
         assert device(a.pause(f"kv{i}"))["kept_bytes"] == 24 * CHUNK
         assert device(b.resume())["borrowed_bytes"] == 24 * CHUNK
-        assert a.ask("open", b.ask("share", first, n_first * CHUNK)) == b.ask("read", first, n_first * CHUNK)
+        assert a.ask("open", b.ask("share", first)) == b.ask("read", first, n_first * CHUNK)
         a.ask("close")
-        send(a.proc.stdin, ("open", b.ask("share", second, n_second * CHUNK)))
+        send(a.proc.stdin, ("open", b.ask("share", second)))
         kind, answer = take(a.proc.stdout)
         assert kind == "error" and "whose descriptor this process did not keep (it keeps at most 16" in answer, answer
         assert device(b.pause())["returned_bytes"] == 24 * CHUNK
@@ -702,7 +697,7 @@ def flooded_members(uid, gid):
     b.pause()
     a.alloc("kv", 8 * MiB)
     s = a.alloc("s", CHUNK)
-    a.ask("share", s, CHUNK)  # its share socket too
+    a.ask("share", s)  # its share socket too
     assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
     with open("/proc/net/unix") as f:  # where a library named them before, as anyone reads them
         names = [line.split()[-1][1:] for line in f if f"-{a.pid}-" in line and
