@@ -757,6 +757,15 @@ def fake_members(count, answer=None):
     return listeners
 
 
+def close_fakes(listeners):
+    """Closes fake_members' sockets and removes their names from the place."""
+    for s in listeners:
+        name = s.getsockname()
+        s.close()
+        if isinstance(name, str):  # a path (an abstract name comes as bytes)
+            os.unlink(name)
+
+
 def stopped_members_cost_one_wait():
     """Sixteen members that never answer (their sockets listen, nothing accepts: stopped
     processes, as far as asking goes) cost a pause and a resume one TMS_JOB_WAIT_MS
@@ -773,8 +782,7 @@ def stopped_members_cost_one_wait():
     assert r["seconds"] < bound, r["seconds"]
     d = device(r)
     assert (d["fallback"], d["timed_out"], d["borrowed_bytes"]) == ("member timed out", [os.getpid()] * 4, 0), d
-    for s in stopped:
-        s.close()
+    close_fakes(stopped)
     a.finish()
     print("done")
 
@@ -834,8 +842,7 @@ def bad_lends():
     assert (d["borrowed_bytes"], d["fallback"]) == (0, "bad lend"), d
     assert b.ask("read", q, 4 * MiB) == data[q] and b.ask("read", p, 8 * MiB) == data[p]
     b.finish()
-    for s in servers:
-        s.close()
+    close_fakes(servers)
     print("done")
 
 
