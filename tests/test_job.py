@@ -1,8 +1,9 @@
 """Lending within a job (TMS_JOB / torch_memory_saver.job) on the host backend: member
 processes keep what the others will ask for, a resume maps another member's chunks
 (restored byte-exact for a backed-up tag), outsiders get nothing, killed and stopped
-members leave no chunk behind and hold nobody up (tests/host_scenarios/job.py). The GPU
-case is test_gpu.py's test_job_lends_between_two_processes."""
+members leave no chunk behind and hold nobody up, another user can neither take the
+job's names nor flood its sockets, and a forged lend is refused (tests/host_scenarios/
+job.py). The GPU case is test_gpu.py's test_job_lends_between_two_processes."""
 import importlib.util
 import uuid
 
@@ -15,7 +16,8 @@ TIMEOUT = 120
 
 
 @pytest.mark.parametrize("case", ["lend_and_reuse", "shared_on_memory_is_never_lent_again", "own_memory_back", "a_larger_handle_is_not_lent", "many_pieces", "a_forked_child_keeps_no_lent_descriptor", "descriptors_kept_within_a_quarter_of_the_limit",
-                                  "kept_memory_gives_way", "kept_memory_expires", "stuck_member", "forged_requests", "without_a_job"])
+                                  "kept_memory_gives_way", "kept_memory_expires", "stuck_member", "forged_requests", "without_a_job",
+                                  "stopped_members_cost_one_wait", "bad_lends"])
 def test_members_lend_and_outsiders_get_nothing(run_scenario, case):
     assert check_ok(run_scenario("job", case, timeout=TIMEOUT)) == "done\n"
 
@@ -33,6 +35,18 @@ def test_a_killed_borrower_gives_every_chunk_back(run_scenario, step):
 def test_another_users_process_gets_nothing(run_scenario, other_uids):
     _, attacker = other_uids
     assert check_ok(run_scenario("job", "forged_requests", attacker, attacker, timeout=TIMEOUT)) == "done\n"
+
+
+def test_another_users_names_do_not_stop_the_job(run_scenario, other_uids):
+    # 200 names taken before the job starts: the members still find each other, and only them.
+    _, attacker = other_uids
+    assert check_ok(run_scenario("job", "squatted_names", attacker, attacker, timeout=TIMEOUT)) == "done\n"
+
+
+def test_another_users_flood_does_not_stop_lending(run_scenario, other_uids):
+    # Its connects reach no socket of the member: every resume borrows all it needs.
+    _, attacker = other_uids
+    assert check_ok(run_scenario("job", "flooded_members", attacker, attacker, timeout=TIMEOUT)) == "done\n"
 
 
 def test_the_job_setting(run_py):
@@ -54,6 +68,18 @@ def test_the_job_setting(run_py):
         assert (r.borrowed_bytes, r.devices[0].fallback) == (0, "no member"), r
         print("ok")
         """, env={"TMS_JOB": "from-env"})
+    assert check_ok(proc) == "ok\n"
+
+
+def test_a_job_name_takes_no_character_the_variable_refuses(run_py):
+    # C would see "rl" of "rl\0other": the whole value is refused, as TMS_JOB refuses a space.
+    proc = run_py("""
+        expect(ValueError, setattr, tms, "job", "rl\\0other", match="job 'rl\\\\x00other' holds a NUL character")
+        for bad in ("rl other", "rl/x", ".rl", "r\\u00e9", "rl\\n", "x" * 65):
+            expect(ValueError, setattr, tms, "job", bad, match="is not a job name of 1 to 64")
+        assert tms.job is None and core.get_job() is None
+        print("ok")
+        """)
     assert check_ok(proc) == "ok\n"
 
 

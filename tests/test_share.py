@@ -12,8 +12,8 @@ import pytest
 from host_scenarios import share
 
 
-@pytest.mark.parametrize("case", [share.round_trip, share.sender_exits_first, share.fake_sender],
-                         ids=["round_trip", "sender_exits_first", "fake_sender"])
+@pytest.mark.parametrize("case", [share.round_trip, share.sender_exits_first, share.fake_sender, share.sender_hung_up],
+                         ids=["round_trip", "sender_exits_first", "fake_sender", "sender_hung_up"])
 def test_share_between_two_processes(in_child, case):
     in_child(case)
 
@@ -36,6 +36,11 @@ def test_a_receiver_that_hangs_up_without_letting_go_is_reported_not_released(in
 def test_idle_connections_of_this_user_cannot_take_the_senders_descriptors(in_child):
     # 1,100 connections that never ask, against a sender limited to 1,024 descriptors.
     in_child(share.idle_flood, timeout=120)
+
+
+def test_one_process_holds_at_most_half_of_the_senders_connections(in_child):
+    # Its connections and hang-ups (each a watched process) leave room for every other receiver.
+    in_child(share.one_peer_holds_its_share)
 
 
 def test_a_flood_of_connections_costs_the_sender_a_bounded_share_of_a_core(in_child):

@@ -36,7 +36,8 @@ class DeviceReport:
     this process kept, borrowed_bytes memory members lent ({pid: bytes} in
     lenders), and fallback says why the driver made the rest: None (not asked:
     no job, what it kept was enough, or the members lent it all), "no member",
-    "member timed out" (their pids in timed_out) or "nothing to lend"."""
+    "member timed out" (their pids in timed_out), "nothing to lend" or "bad lend" (a
+    member lent memory that failed the checks: refused whole)."""
 
     if TYPE_CHECKING:  # made from BYTE_FIELDS below; tests/test_observe.py checks these match it
         released_bytes: int

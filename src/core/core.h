@@ -167,6 +167,7 @@ enum tms_job_fallback {
     TMS_JOB_TIMED_OUT,       /* a member did not answer within the bound (timed_out_pids) */
     TMS_JOB_NOTHING_TO_LEND, /* the members answered, with less than was needed */
     TMS_JOB_ENOUGH,          /* the members lent all that was needed: nothing from the driver */
+    TMS_JOB_BAD_LEND,        /* a member lent memory that failed the checks: refused whole (tms_job_note.bad) */
 };
 
 /* The byte counts of one device's part of a pause or resume, declared once:
@@ -387,6 +388,7 @@ struct tms_job_note {      /* what asking the members found, for the report */
     int members;           /* members asked */
     int timed_out;         /* of them, those that did not answer within the bound */
     int timed_out_pids[TMS_REPORT_PIDS];
+    int bad;               /* of them, those whose lend failed the checks (share/job.c) */
 };
 
 struct tms_job_ops {

@@ -140,6 +140,7 @@ static void report_borrow(struct tms_op_device *d, const struct tms_job_piece *p
     d->borrowed += got;
     note_timeouts(d, note);
     d->fallback = got >= asked      ? TMS_JOB_ENOUGH
+                  : note->bad       ? TMS_JOB_BAD_LEND
                   : note->timed_out ? TMS_JOB_TIMED_OUT
                   : !note->members  ? TMS_JOB_NO_MEMBER
                                     : TMS_JOB_NOTHING_TO_LEND;

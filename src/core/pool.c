@@ -235,8 +235,8 @@ int tms_pool_return_borrowed(const struct tms_driver *drv, int device, const str
 }
 
 /* A descriptor per borrowed piece adds up (4,096 for 8 GiB of 2 MiB handles):
- * a quarter of the limit leaves the process's own files room. */
-size_t tms_core_job_fd_cap(void) { return tms_os_fd_limit() / 4; }
+ * its share of the descriptor budget leaves the process's own files room. */
+size_t tms_core_job_fd_cap(void) { return tms_os_fd_budget(TMS_OS_FDS_BORROWED); }
 
 int tms_core_job_keep_fd(void)
 {

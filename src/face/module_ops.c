@@ -151,6 +151,7 @@ static const char *fallback_name(int fallback)
     case TMS_JOB_NO_MEMBER: return "no member";
     case TMS_JOB_TIMED_OUT: return "member timed out";
     case TMS_JOB_NOTHING_TO_LEND: return "nothing to lend";
+    case TMS_JOB_BAD_LEND: return "bad lend";
     default: return NULL;
     }
 }

@@ -2,6 +2,7 @@
 #include "face/py_settings.h"
 
 #include <stdint.h>
+#include <string.h>
 
 static PyObject *type_error(const struct tms_setting_row *r, const char *expected, PyObject *value)
 {
@@ -61,7 +62,15 @@ int tms_py_setting_text(const struct tms_setting_row *r, PyObject *value, const 
     *out = NULL;
     if (value == Py_None) return 0;
     if (!PyUnicode_Check(value)) return type_error(r, "a str or None", value), -1;
-    if (!(*out = PyUnicode_AsUTF8AndSize(value, NULL))) return -1;
+    Py_ssize_t len = 0;
+    if (!(*out = PyUnicode_AsUTF8AndSize(value, &len))) return -1;
+    /* C sees a value only up to its first NUL: the rest would be dropped unseen. */
+    if (strlen(*out) != (size_t)len) {
+        PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s %R holds a NUL character ('\\x00'): it is not %s",
+                     r->name, value, tms_setting_accepts(r));
+        *out = NULL;
+        return -1;
+    }
     struct tms_err err = {0};
     if (tms_setting_check_text(r, *out, &err) == TMS_OK) return 0;
     PyErr_Format(PyExc_ValueError, "torch_memory_saver: %s", err.msg);

@@ -1,4 +1,4 @@
-/* The operating system's primitives: the host's memory, the boot id, the user's directories, private and trusted directories, file checks. */
+/* The operating system's primitives: the host's memory, the boot id, the descriptor budget, the user's directories, private and trusted directories, file checks, Unix sockets in a directory and their peers. */
 #ifndef TMS_OS_H
 #define TMS_OS_H
 
@@ -6,7 +6,9 @@
 #include <limits.h>    /* PATH_MAX */
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>  /* socklen_t */
 #include <sys/stat.h>  /* struct statx */
+#include <sys/un.h>  /* struct sockaddr_un */
 
 /*
  * Conventions every primitive keeps:
@@ -37,6 +39,9 @@ enum tms_os_verdict {
     TMS_OS_NOT_PRIVATE,  /* a directory another user owns, or one others may use (mode & 077) */
     TMS_OS_UNSAFE,       /* a place where another user could make or replace names */
     TMS_OS_OTHER_FILE,   /* another file than the one named by identity */
+    TMS_OS_UNSEALED,     /* a file its owner could still shrink (no F_SEAL_SHRINK) */
+    TMS_OS_SHORT,        /* a file that holds fewer bytes than asked for */
+    TMS_OS_ENDED,        /* a process that has ended */
 };
 
 /* ---- files: statx, identity, owner checks ----------------------------------------------------- */
@@ -75,6 +80,12 @@ int tms_os_open_file(int at, const char *name, int flags, uint32_t uid, int *fd)
 /* path (not following a final link) names the file id: 0, else
  * TMS_OS_OTHER_FILE. */
 int tms_os_names(int at, const char *path, const struct tms_os_id *id);
+/* The open descriptor fd is a regular file sealed against shrinking
+ * (F_SEAL_SHRINK) that holds at least size bytes, as memory another process
+ * hands over must be (a shrunk file would fault the reads of its mappings):
+ * 0 and *id; else TMS_OS_NOT_FILE (a socket, a device: nothing to check
+ * here), TMS_OS_UNSEALED or TMS_OS_SHORT. */
+int tms_os_check_sealed(int fd, uint64_t size, struct tms_os_id *id);
 /* The filesystem fd lives on keeps its files in memory: *kind is "tmpfs" or
  * "ramfs", else NULL. */
 int tms_os_memory_fs(int fd, const char **kind);
@@ -96,6 +107,15 @@ int tms_os_meminfo(size_t *total, size_t *available);
 /* The process's soft limit on open descriptors (RLIMIT_NOFILE); 1024 where
  * it cannot be read, SIZE_MAX where unlimited. */
 size_t tms_os_fd_limit(void);
+/* The uses that keep descriptors for as long as other processes want, each
+ * with its share of tms_os_fd_limit(): a quarter each, so together they leave
+ * the process half its limit for its own files, whatever the others do. */
+enum tms_os_fd_use {
+    TMS_OS_FDS_HELD,      /* a sender's receivers' connections and the pidfds it watches (16 to 4096) */
+    TMS_OS_FDS_BORROWED,  /* the descriptors memory borrowed within a job keeps */
+};
+/* The descriptors use may keep (cannot fail). */
+size_t tms_os_fd_budget(enum tms_os_fd_use use);
 
 /* The host's boot id, 36 lowercase hex digits and dashes: the same in every
  * container of a host, another after a reboot or on another host. pre: out
@@ -172,5 +192,51 @@ int tms_os_check_links(const char *path, struct tms_os_stop *stop);
  * owned by root or this user -- else TMS_OS_UNSAFE, *stop naming where. 0
  * and *fd; on any failure *stop says where. */
 int tms_os_open_trusted(const char *path, int check, int *fd, struct tms_os_stop *stop);
+
+/* ---- Unix sockets in a directory, their peers and their processes -------------------------------- */
+/* A socket named in a directory only this user can enter can be reached by
+ * no other user: connect needs search rights on the directory. Sockets here
+ * are SOCK_SEQPACKET, AF_UNIX, O_CLOEXEC. */
+
+#define TMS_OS_SOCKET_NAME_MAX 64  /* a socket's name in its directory, with its NUL */
+
+/* The address of name in the directory dir (opened as dirfd): "dir/name"
+ * where that fits sun_path, else "/proc/self/fd/<dirfd>/name", which the
+ * kernel resolves through the held descriptor. pre: name has no '/'. */
+int tms_os_unix_address(int dirfd, const char *dir, const char *name, struct sockaddr_un *addr, socklen_t *len);
+/* Listens on a new non-blocking socket named name in the directory, bound
+ * under a temporary name starting with '.', then renamed into place: under
+ * its name a socket always listens, or its process has ended. 0 and *fd. */
+int tms_os_listen_at(int dirfd, const char *dir, const char *name, int backlog, int *fd);
+/* Connects sock (made by the caller) to name in the directory. -ECONNREFUSED:
+ * nobody listens there (its process ended); -EAGAIN: its backlog is full
+ * (a non-blocking sock). */
+int tms_os_connect_at(int sock, int dirfd, const char *dir, const char *name);
+/* The sockets in the directory whose names start with prefix (never '.'
+ * names), at most max of them, into names; *n how many. */
+int tms_os_socket_names(int dirfd, const char *prefix, char (*names)[TMS_OS_SOCKET_NAME_MAX], size_t max, size_t *n);
+/* Removes name from the directory where it is a socket (TMS_OS_NOT_FILE:
+ * something else stands there, left as it is). */
+int tms_os_remove_socket(int dirfd, const char *name);
+
+/* Who is at the other end of a connected socket, as the kernel recorded it
+ * when it connected (SO_PEERCRED). */
+struct tms_os_peer {
+    uint32_t uid;
+    int pid;  /* 0 where its process is outside this PID namespace */
+};
+/* *peer (always written); 0 where it runs as this user, else TMS_OS_NOT_OWNER. */
+int tms_os_peer_of(int sock, struct tms_os_peer *peer);
+/* Whether the process at the other end of sock still runs: 0 and *pidfd (a
+ * descriptor that polls readable once it ends) where it does; TMS_OS_ENDED
+ * where it has ended; a negative errno where the kernel cannot tell (no
+ * pidfds before Linux 5.3; *pidfd -1). It asks SO_PEERPIDFD (the process
+ * that connected, whatever reused its pid since); older kernels by pid (the
+ * peer's, from tms_os_peer_of; 0: -ESRCH), where a pid reused meanwhile
+ * reads as running, never the other way round. */
+int tms_os_peer_process(int sock, int pid, int *pidfd);
+/* 1 if a process pid runs in this PID namespace (this user's or another's),
+ * else 0 (cannot fail; pid <= 0 is 1: nothing is known of it). */
+int tms_os_process_runs(int pid);
 
 #endif

@@ -1,7 +1,8 @@
-/* Files as the OS shows them: statx of a descriptor or a name, a file's identity, owner checks, the filesystem's kind. */
+/* Files as the OS shows them: statx of a descriptor or a name, a file's identity, owner and seal checks, the filesystem's kind. */
 #include "platform/os.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -65,6 +66,20 @@ int tms_os_names(int at, const char *path, const struct tms_os_id *id)
     if (rc) return rc;
     struct tms_os_id found = tms_os_id_of(&st);
     return tms_os_same_id(&found, id) ? 0 : TMS_OS_OTHER_FILE;
+}
+
+int tms_os_check_sealed(int fd, uint64_t size, struct tms_os_id *id)
+{
+    struct statx st;
+    int rc = tms_os_stat_fd(fd, &st);
+    if (rc) return rc;
+    if (!S_ISREG(st.stx_mode)) return TMS_OS_NOT_FILE;
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 && errno != EINVAL) return fail();
+    if (seals < 0 || !(seals & F_SEAL_SHRINK)) return TMS_OS_UNSEALED;  /* EINVAL: a file that takes no seals */
+    if (st.stx_size < size) return TMS_OS_SHORT;
+    *id = tms_os_id_of(&st);
+    return 0;
 }
 
 int tms_os_memory_fs(int fd, const char **kind)

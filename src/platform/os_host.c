@@ -1,4 +1,4 @@
-/* The host and the user as the OS tells them: /proc/meminfo, the boot id, the user's home, cache and runtime directories. */
+/* The host and the user as the OS tells them: /proc/meminfo, the descriptor budget, the boot id, the user's home, cache and runtime directories. */
 #include "platform/os.h"
 
 #include <errno.h>
@@ -68,7 +68,7 @@ int tms_os_meminfo(size_t *total, size_t *available)
     return rc ? rc : *total && *available ? 0 : -ENODATA;
 }
 
-/* ---- the boot id ----------------------------------------------------------------------------- */
+/* ---- descriptors ----------------------------------------------------------------------------- */
 
 size_t tms_os_fd_limit(void)
 {
@@ -76,6 +76,19 @@ size_t tms_os_fd_limit(void)
     if (getrlimit(RLIMIT_NOFILE, &r) != 0) return 1024;
     return r.rlim_cur == RLIM_INFINITY || r.rlim_cur > SIZE_MAX ? SIZE_MAX : (size_t)r.rlim_cur;
 }
+
+/* Past 4096 held descriptors a sender says its limit rather than keep more; below 16 it could not serve one process. */
+#define HELD_MIN 16
+#define HELD_MAX 4096
+
+size_t tms_os_fd_budget(enum tms_os_fd_use use)
+{
+    size_t quarter = tms_os_fd_limit() / 4;
+    if (use != TMS_OS_FDS_HELD) return quarter;
+    return quarter < HELD_MIN ? HELD_MIN : quarter > HELD_MAX ? HELD_MAX : quarter;
+}
+
+/* ---- the boot id ----------------------------------------------------------------------------- */
 
 int tms_os_boot_id(char *out)
 {

@@ -1,7 +1,8 @@
-/* Lending within a job, the sockets' side: the job's name, finding the other members, asking them within a bound, and the connections borrowed memory came over. */
+/* Lending within a job, the sockets' side: the job's name, finding the other members in the user's place, asking them within one bound per call, checking what they lend, and the connections borrowed memory came over. */
 #include "share/job.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -9,7 +10,6 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -18,9 +18,12 @@
 #include "platform/driver.h"
 #include "platform/fork.h"
 #include "platform/log.h"
+#include "platform/os.h"
+#include "share/place.h"
 #include "share/wire.h"
 
 #define MEMBERS_MAX 32   /* members one pause or resume asks */
+#define LISTED_MAX 256   /* names looked at to find them (the rest: the sockets of members that ended) */
 #define DEVICES_MAX 64
 #define LISTEN_BACKLOG 64
 
@@ -28,30 +31,47 @@
 struct own_socket {
     int device;
     char identity[TMS_JOB_IDENTITY_MAX + 1];
+    char name[TMS_OS_SOCKET_NAME_MAX];
 };
 
 /* A socket to another member: asking it (pending), or the connection memory
- * it lent came over, open while any of it is borrowed here (its claim). */
+ * it lent came over, open while any of it is borrowed here (its claim), with
+ * the identities of the files it lent (memfds), which no later lend may
+ * repeat. */
 struct member_conn {
     int fd;
     int pending;
     uint64_t via;     /* lent: this process's name for it */
     int lender;
     size_t held;      /* lent pieces not yet returned */
+    size_t n_ids;
+    uint64_t *keys;   /* n_ids keys, and the identity of the file each came as */
+    struct tms_os_id *ids;
 };
 
 /* job_lock guards what follows; nothing waits under it but socket(),
- * close(), a non-blocking send and the sender's thread's registration. */
+ * close(), a non-blocking send, making the listening socket and the sender's
+ * thread's registration. */
 static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
 static char job_name[TMS_JOB_NAME_MAX + 1];
 static int name_set;        /* set by the face: else TMS_JOB names it */
 static int joined;          /* a socket was made: the name is fixed */
+static int warned;          /* that no place could be had, once */
 static struct own_socket own[DEVICES_MAX];
 static size_t n_own;
 static struct member_conn *conns;
 static size_t n_conns, cap_conns;
 static uint64_t last_via;
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+static void free_ids(struct member_conn *c)
+{
+    free(c->keys);
+    free(c->ids);
+    c->keys = NULL;
+    c->ids = NULL;
+    c->n_ids = 0;
+}
 
 static void fork_prepare(void) { pthread_mutex_lock(&job_lock); }
 static void fork_parent(void) { pthread_mutex_unlock(&job_lock); }
@@ -60,7 +80,10 @@ static void fork_parent(void) { pthread_mutex_unlock(&job_lock); }
  * lender never waits for the child to hang up. */
 static void fork_child(void)
 {
-    for (size_t i = 0; i < n_conns; i++) close(conns[i].fd);
+    for (size_t i = 0; i < n_conns; i++) {
+        close(conns[i].fd);
+        free_ids(&conns[i]);
+    }
     n_conns = 0;
     n_own = 0;
     joined = 0;
@@ -115,109 +138,26 @@ static uint64_t fnv1a(uint64_t h, const char *s, size_t n)
     return h;
 }
 
-/* "tms-job-<uid>-<hash of the job and the device>-": every member's socket
- * name on that device starts so. */
+/* "j-<hash of the job and the device>-": every member's socket name on that
+ * device starts so, in the user's place (only the user's processes are
+ * there: the place is the user's alone). */
 static void name_prefix(const char *job, const char *identity, char *out, size_t size)
 {
     uint64_t h = fnv1a(0xcbf29ce484222325ull, job, strlen(job) + 1);
     h = fnv1a(h, identity, strlen(identity));
-    snprintf(out, size, "tms-job-%u-%016llx-", (unsigned)geteuid(), (unsigned long long)h);
+    snprintf(out, size, "j-%016llx-", (unsigned long long)h);
 }
 
-static size_t abstract_address(struct sockaddr_un *addr, const char *name)
-{
-    memset(addr, 0, sizeof *addr);
-    addr->sun_family = AF_UNIX;
-    size_t n = strlen(name);
-    if (n > sizeof addr->sun_path - 2) n = sizeof addr->sun_path - 2;
-    memcpy(addr->sun_path + 1, name, n);
-    return offsetof(struct sockaddr_un, sun_path) + 1 + n;
-}
-
-/* The device's identity, and this process's socket for it made if it has
- * none yet: from then on the others find it. */
-static int join_device(int device, char *job, char *identity, struct tms_err *err)
-{
-    const struct tms_driver *drv;
-    int rc = tms_driver_get(&drv, err);
-    if (rc) return rc;
-    if (!drv->device_identity || !drv->export_fd || !drv->import_fd)
-        return tms_fail(err, TMS_E_UNSUPPORTED, 0, "job: the %s backend cannot lend memory", drv->name);
-    lock();
-    snprintf(job, TMS_JOB_NAME_MAX + 1, "%s", name_locked());
-    for (size_t i = 0; i < n_own; i++) {
-        if (own[i].device != device) continue;
-        snprintf(identity, TMS_JOB_IDENTITY_MAX + 1, "%s", own[i].identity);
-        unlock();
-        return TMS_OK;
-    }
-    int drc = drv->device_identity(device, identity, TMS_JOB_IDENTITY_MAX + 1);
-    uint64_t id = 0;
-    char prefix[64], name[108];
-    if (drc) rc = tms_driver_fail(err, TMS_E_DRIVER, drv, drc, "job: device %d cannot name itself", device);
-    else if (n_own == DEVICES_MAX) rc = tms_fail(err, TMS_E_STATE, 0, "job: more than %d devices", DEVICES_MAX);
-    else if (getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id)
-        rc = tms_fail(err, TMS_E_HOST_OOM, 0, "job: no random bytes for the socket's name");
-    int fd = -1;
-    if (!rc) {
-        name_prefix(job, identity, prefix, sizeof prefix);
-        snprintf(name, sizeof name, "%s%u-%016llx", prefix, (unsigned)getpid(), (unsigned long long)id);
-        struct sockaddr_un addr;
-        socklen_t len = (socklen_t)abstract_address(&addr, name);
-        fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-        if (fd < 0 || bind(fd, (struct sockaddr *)&addr, len) != 0 || listen(fd, LISTEN_BACKLOG) != 0)
-            rc = tms_fail(err, TMS_E_IO, errno, "job: cannot listen on @%s: %s", name, strerror(errno));
-    }
-    if (!rc) rc = tms_share_serve_job(fd, device, job, identity, err);  /* the thread owns it from here */
-    else if (fd >= 0) close(fd);
-    if (!rc) {
-        own[n_own++] = (struct own_socket){.device = device};
-        snprintf(own[n_own - 1].identity, sizeof own[n_own - 1].identity, "%s", identity);
-        joined = 1;
-        TMS_DEBUG("job '%s': listening on @%s for device %d (%s)", job, name, device, identity);
-    }
-    unlock();
-    return rc;
-}
-
-/* ---- finding the members ------------------------------------------------------------ */
-
-struct member {
-    char name[108];
-    int pid;
+/* What a pause or resume asks the members with: the job, the device, the
+ * place, and the one deadline of the whole call. */
+struct asking {
+    char job[TMS_JOB_NAME_MAX + 1];
+    char identity[TMS_JOB_IDENTITY_MAX + 1];
+    char prefix[32];
+    char path[PATH_MAX];
+    int dir;
+    uint64_t deadline;
 };
-
-/* The other members on a device: listening sockets named with the prefix, in
- * /proc/net/unix (the network namespace's), one per process. */
-static size_t find_members(const char *prefix, struct member *out, size_t max)
-{
-    FILE *f = fopen("/proc/net/unix", "re");
-    if (!f) return 0;
-    char *line = NULL;
-    size_t cap = 0, n = 0, plen = strlen(prefix);
-    int self = getpid();
-    while (n < max && getline(&line, &cap, f) > 0) {
-        unsigned long flags = 0;
-        char *path = strchr(line, '@');
-        /* Num RefCount Protocol Flags ...: a listening socket has __SO_ACCEPTCON (1 << 16). */
-        if (!path || sscanf(line, "%*s %*s %*s %lx", &flags) != 1 || !(flags & 0x10000)) continue;
-        path++;
-        path[strcspn(path, "\n")] = '\0';
-        if (strncmp(path, prefix, plen) != 0 || strlen(path) >= sizeof out->name) continue;
-        int pid = atoi(path + plen);
-        if (pid <= 0 || pid == self) continue;
-        int dup = 0;
-        for (size_t i = 0; i < n && !dup; i++) dup = out[i].pid == pid;
-        if (dup) continue;
-        snprintf(out[n].name, sizeof out[n].name, "%s", path);
-        out[n++].pid = pid;
-    }
-    free(line);
-    fclose(f);
-    return n;
-}
-
-/* ---- asking a member ------------------------------------------------------------------ */
 
 static uint64_t now_ms(void)
 {
@@ -225,6 +165,67 @@ static uint64_t now_ms(void)
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
 }
+
+/* The device's identity, the place and this process's socket for the device,
+ * made if it has none yet (from then on the others find it), into *a; the
+ * call's deadline starts now. */
+static int join_device(int device, struct asking *a, struct tms_err *err)
+{
+    const struct tms_driver *drv;
+    int rc = tms_driver_get(&drv, err);
+    if (rc) return rc;
+    if (!drv->device_identity || !drv->export_fd || !drv->import_fd)
+        return tms_fail(err, TMS_E_UNSUPPORTED, 0, "job: the %s backend cannot lend memory", drv->name);
+    a->deadline = now_ms() + tms_defaults()->job_wait_ms;
+    rc = tms_share_place("job", &a->dir, a->path, sizeof a->path, err);
+    lock();
+    snprintf(a->job, sizeof a->job, "%s", name_locked());
+    if (rc) {
+        if (!warned) tms_log_warn("%s: this process lends and borrows nothing in job '%s'", err->msg, a->job);
+        warned = 1;
+        unlock();
+        return rc;
+    }
+    for (size_t i = 0; i < n_own; i++) {
+        if (own[i].device != device) continue;
+        snprintf(a->identity, sizeof a->identity, "%s", own[i].identity);
+        name_prefix(a->job, a->identity, a->prefix, sizeof a->prefix);
+        unlock();
+        return TMS_OK;
+    }
+    int drc = drv->device_identity(device, a->identity, sizeof a->identity);
+    uint64_t id = 0;
+    char name[TMS_OS_SOCKET_NAME_MAX];
+    if (drc) rc = tms_driver_fail(err, TMS_E_DRIVER, drv, drc, "job: device %d cannot name itself", device);
+    else if (n_own == DEVICES_MAX) rc = tms_fail(err, TMS_E_STATE, 0, "job: more than %d devices", DEVICES_MAX);
+    else if (getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id)
+        rc = tms_fail(err, TMS_E_HOST_OOM, 0, "job: no random bytes for the socket's name");
+    int fd = -1;
+    if (!rc) {
+        name_prefix(a->job, a->identity, a->prefix, sizeof a->prefix);
+        snprintf(name, sizeof name, "%s%u-%016llx", a->prefix, (unsigned)getpid(), (unsigned long long)id);
+        int lrc = tms_os_listen_at(a->dir, a->path, name, LISTEN_BACKLOG, &fd);
+        if (lrc)
+            rc = tms_fail(err, TMS_E_IO, lrc < 0 ? -lrc : 0, "job: cannot listen on %s/%s: %s", a->path, name,
+                          lrc < 0 ? strerror(-lrc) : "not a socket");
+    }
+    if (!rc && (rc = tms_share_serve_job(fd, name, device, a->job, a->identity, err))) {
+        close(fd);
+        (void)tms_os_remove_socket(a->dir, name);
+    }
+    if (!rc) {
+        struct own_socket *o = &own[n_own++];
+        *o = (struct own_socket){.device = device};
+        snprintf(o->identity, sizeof o->identity, "%s", a->identity);
+        snprintf(o->name, sizeof o->name, "%s", name);
+        joined = 1;
+        TMS_DEBUG("job '%s': listening on %s/%s for device %d (%s)", a->job, a->path, name, device, a->identity);
+    }
+    unlock();
+    return rc;
+}
+
+/* ---- finding and asking the members ------------------------------------------------------- */
 
 /* A socket listed under the lock from the start, so a fork at any moment finds it. */
 static int open_conn(void)
@@ -245,6 +246,7 @@ static int open_conn(void)
 static void close_conn_locked(size_t i)
 {
     close(conns[i].fd);
+    free_ids(&conns[i]);
     conns[i] = conns[--n_conns];
 }
 
@@ -259,33 +261,96 @@ static void close_conn(int fd)
     unlock();
 }
 
-enum { ASKED, TIMED_OUT, REFUSED };
-
-/* Connects to a member and sends it req (len bytes); ASKED with *fd open. */
-static int send_request(const struct member *m, const struct tms_job_request *req, size_t len, int *fd)
+static void note_timeout(struct tms_job_note *note, int pid)
 {
-    *fd = open_conn();
-    if (*fd < 0) return REFUSED;
-    struct sockaddr_un addr;
-    socklen_t alen = (socklen_t)abstract_address(&addr, m->name);
-    int rc;
-    do rc = connect(*fd, (struct sockaddr *)&addr, alen);
-    while (rc && errno == EINTR);
-    /* A full backlog: the member is not accepting (stopped, or swamped). */
-    if (rc) return errno == EAGAIN ? TIMED_OUT : REFUSED;
-    struct ucred cred;
-    socklen_t clen = sizeof cred;
-    /* Another user's socket under a job's name is nobody's member. */
-    if (getsockopt(*fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 || cred.uid != geteuid()) return REFUSED;
-    ssize_t n;
-    do n = send(*fd, req, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-    while (n < 0 && errno == EINTR);
-    if (n == (ssize_t)len) return ASKED;
-    return n < 0 && (errno == EAGAIN || errno == ENOBUFS) ? TIMED_OUT : REFUSED;
+    if (note->timed_out < TMS_REPORT_PIDS) note->timed_out_pids[note->timed_out] = pid;
+    note->timed_out++;
 }
 
-/* Waits until deadline for the answer, with at most max_fds descriptors;
- * its length (0: hung up, -1: none in time or an error, *timed_out says). */
+/* Another member's socket: its name, and once connected the socket and the
+ * pid its credentials give. */
+struct member {
+    char name[TMS_OS_SOCKET_NAME_MAX];
+    int fd;
+    int pid;
+};
+
+/* The names of the other members' sockets on the device, into m (malloc'd,
+ * the caller's to free); how many. The place holds only the user's sockets. */
+static size_t list_members(const struct asking *a, struct member **m)
+{
+    char (*names)[TMS_OS_SOCKET_NAME_MAX] = malloc(LISTED_MAX * sizeof *names);
+    size_t n = 0, k = 0;
+    *m = names ? malloc(LISTED_MAX * sizeof **m) : NULL;
+    if (*m && tms_os_socket_names(a->dir, a->prefix, names, LISTED_MAX, &n) != 0) n = 0;
+    lock();
+    for (size_t i = 0; *m && i < n; i++) {
+        int mine = 0;
+        for (size_t j = 0; j < n_own && !mine; j++) mine = strcmp(own[j].name, names[i]) == 0;
+        if (mine) continue;
+        (*m)[k] = (struct member){.fd = -1};
+        memcpy((*m)[k++].name, names[i], sizeof names[i]);
+    }
+    unlock();
+    free(names);
+    return k;
+}
+
+enum { ASKED, TIMED_OUT, GONE };
+
+/* Connects to member m (a socket listed in conns, *m->fd) and checks it runs
+ * as this user. GONE: nobody listens there (its process ended: the name is
+ * removed) or it is not a member after all; TIMED_OUT: its backlog is full. */
+static int connect_member(const struct asking *a, struct member *m)
+{
+    m->pid = atoi(m->name + strlen(a->prefix));
+    if ((m->fd = open_conn()) < 0) return GONE;
+    int rc = tms_os_connect_at(m->fd, a->dir, a->path, m->name);
+    struct tms_os_peer peer;
+    if (!rc && tms_os_peer_of(m->fd, &peer) == 0) {
+        if (peer.pid > 0) m->pid = peer.pid;  /* from the kernel, not the name */
+        return ASKED;
+    }
+    if (rc == -ECONNREFUSED) (void)tms_os_remove_socket(a->dir, m->name);
+    close_conn(m->fd);
+    m->fd = -1;
+    return rc == -EAGAIN ? TIMED_OUT : GONE;
+}
+
+/* Sends req (len bytes) to m; ASKED, else m's socket is closed. */
+static int send_request(struct member *m, const struct tms_job_request *req, size_t len)
+{
+    ssize_t n;
+    do n = send(m->fd, req, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (n < 0 && errno == EINTR);
+    if (n == (ssize_t)len) return ASKED;
+    int full = n < 0 && (errno == EAGAIN || errno == ENOBUFS);
+    close_conn(m->fd);
+    m->fd = -1;
+    return full ? TIMED_OUT : GONE;
+}
+
+/* Connects to the members listed and sends each req: those asked keep their
+ * socket (m[i].fd), the others are noted (timed out) or dropped. How many
+ * were asked, at most MEMBERS_MAX, first in m. */
+static size_t ask_members(const struct asking *a, struct member *m, size_t n, const struct tms_job_request *req,
+                          size_t len, struct tms_job_note *note)
+{
+    size_t asked = 0;
+    for (size_t i = 0; i < n && asked < MEMBERS_MAX; i++) {
+        int rc = connect_member(a, &m[i]);
+        if (rc == ASKED) rc = send_request(&m[i], req, len);
+        if (rc == GONE) continue;
+        note->members++;
+        if (rc == TIMED_OUT) note_timeout(note, m[i].pid);
+        else m[asked++] = m[i];
+    }
+    return asked;
+}
+
+/* Waits until deadline for an answer on fd, with at most max_fds
+ * descriptors; its length (0: hung up, -1: none in time or an error,
+ * *timed_out says). */
 static ssize_t take_answer(int fd, uint64_t deadline, void *buf, size_t len, int *fds, int max_fds, int *n_fds,
                            int *timed_out)
 {
@@ -308,19 +373,53 @@ static ssize_t take_answer(int fd, uint64_t deadline, void *buf, size_t len, int
     }
 }
 
-static void note_timeout(struct tms_job_note *note, int pid)
+/* Takes the members' status replies as they come, until the call's deadline:
+ * each one that answered goes to take (which returns 1 once it needs no
+ * more); those that did not answer in time are noted timed out. Every
+ * member's socket is closed on return. */
+static void take_statuses(const struct asking *a, struct member *m, size_t n, struct tms_job_note *note,
+                          int (*take)(void *ctx, const struct member *m, const struct tms_job_status_reply *r),
+                          void *ctx)
 {
-    if (note->timed_out < TMS_REPORT_PIDS) note->timed_out_pids[note->timed_out] = pid;
-    note->timed_out++;
+    struct pollfd polls[MEMBERS_MAX];
+    size_t waiting = n, done = 0;
+    while (waiting && !done) {
+        size_t k = 0;
+        for (size_t i = 0; i < n; i++)
+            if (m[i].fd >= 0) polls[k++] = (struct pollfd){.fd = m[i].fd, .events = POLLIN};
+        uint64_t now = now_ms();
+        if (now >= a->deadline) break;
+        int r = poll(polls, k, (int)(a->deadline - now));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        for (size_t i = 0, j = 0; i < n && !done; i++) {
+            if (m[i].fd < 0) continue;
+            if (!polls[j++].revents) continue;
+            struct tms_job_status_reply reply;
+            int n_fds;
+            ssize_t got = tms_share_recv(m[i].fd, &reply, sizeof reply, NULL, 0, &n_fds, MSG_DONTWAIT);
+            close_conn(m[i].fd);
+            m[i].fd = -1;
+            waiting--;
+            /* Gone meanwhile, or not of this job after all: it says nothing. */
+            if (got == (ssize_t)sizeof reply && !reply.status) done = take(ctx, &m[i], &reply);
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (m[i].fd < 0) continue;
+        if (!done) note_timeout(note, m[i].pid);
+        close_conn(m[i].fd);
+        m[i].fd = -1;
+    }
 }
 
-static void fill_request(struct tms_job_request *req, int op, const char *job, const char *identity)
+static void fill_request(struct tms_job_request *req, int op, const struct asking *a)
 {
     memset(req, 0, TMS_JOB_REQUEST_HEAD);
     memcpy(req->magic, TMS_JOB_MAGIC, sizeof req->magic);
     req->op = (uint32_t)op;
-    snprintf(req->job, sizeof req->job, "%s", job);
-    snprintf(req->device, sizeof req->device, "%s", identity);
+    snprintf(req->job, sizeof req->job, "%s", a->job);
+    snprintf(req->device, sizeof req->device, "%s", a->identity);
 }
 
 static int job_on(void)
@@ -331,72 +430,74 @@ static int job_on(void)
     return on;
 }
 
+/* ---- keeping --------------------------------------------------------------------------------- */
+
+static int add_demand(void *ctx, const struct member *m, const struct tms_job_status_reply *r)
+{
+    (void)m;
+    size_t *want = ctx;
+    if (r->demand > r->idle) *want += r->demand - r->idle;
+    return *want != 0;  /* one member waiting for memory is enough to keep it all */
+}
+
 /* What a pause keeps: all it releases while another member on device has
  * paused more than it keeps idle itself (it will ask for memory soon), else
  * nothing. All of it, not just what the others will ask for: what goes back
  * to the driver is scrubbed at once, and that scrubbing slows the copies of
  * the resume that follows, wherever that resume's memory comes from. The
- * bound gives it back later, and a member out of memory asks for it first. */
+ * bound gives it back later, and a member out of memory asks for it first.
+ * The members are asked together, within one bound. */
 static size_t keep(int device, size_t releasable, struct tms_job_note *note)
 {
-    char job[TMS_JOB_NAME_MAX + 1], identity[TMS_JOB_IDENTITY_MAX + 1], prefix[64];
+    struct asking a;
     struct tms_err err = {0};
     /* A member that paused is found by the others from now on, whatever it keeps. */
-    if (join_device(device, job, identity, &err)) {
+    if (join_device(device, &a, &err)) {
         TMS_DEBUG("%s", err.msg);
         return 0;
     }
     if (!releasable) return 0;
-    name_prefix(job, identity, prefix, sizeof prefix);
-    struct member members[MEMBERS_MAX];
-    size_t n = find_members(prefix, members, MEMBERS_MAX), want = 0;
+    struct member *m = NULL;
+    size_t n = list_members(&a, &m), want = 0;
     struct tms_job_request req;
-    fill_request(&req, TMS_JOB_STATUS, job, identity);
-    unsigned wait_ms = tms_defaults()->job_wait_ms;
-    for (size_t i = 0; i < n && !want; i++) {
-        note->members++;
-        int fd, asked = send_request(&members[i], &req, TMS_JOB_REQUEST_HEAD, &fd), timed_out = 0, n_fds;
-        struct tms_job_status_reply reply;
-        ssize_t got = asked == ASKED ? take_answer(fd, now_ms() + wait_ms, &reply, sizeof reply, NULL, 0, &n_fds, &timed_out)
-                                     : -1;
-        if (fd >= 0) close_conn(fd);
-        if (asked == TIMED_OUT || timed_out) {
-            note_timeout(note, members[i].pid);
-            continue;
-        }
-        if (got != (ssize_t)sizeof reply || reply.status) continue;  /* gone, or not of this job after all */
-        if (reply.demand > reply.idle) want += reply.demand - reply.idle;
-    }
+    fill_request(&req, TMS_JOB_STATUS, &a);
+    if (m) take_statuses(&a, m, ask_members(&a, m, n, &req, TMS_JOB_REQUEST_HEAD, note), note, add_demand, &want);
+    free(m);
     return want ? releasable : 0;
 }
 
+/* ---- releasing ------------------------------------------------------------------------------- */
+
 /* The driver is out of memory here: the members release what they keep idle
- * on the device, up to bytes in all. */
+ * on the device, up to bytes in all, asked in turn within one bound. */
 static size_t release(int device, size_t bytes)
 {
-    char job[TMS_JOB_NAME_MAX + 1], identity[TMS_JOB_IDENTITY_MAX + 1], prefix[64];
+    struct asking a;
     struct tms_err err = {0};
-    if (join_device(device, job, identity, &err)) return 0;
-    name_prefix(job, identity, prefix, sizeof prefix);
-    struct member members[MEMBERS_MAX];
-    size_t n = find_members(prefix, members, MEMBERS_MAX), freed = 0;
+    if (join_device(device, &a, &err)) return 0;
+    struct member *m = NULL;
+    size_t n = list_members(&a, &m), freed = 0, asked = 0;
     struct tms_job_request req;
-    fill_request(&req, TMS_JOB_RELEASE, job, identity);
+    fill_request(&req, TMS_JOB_RELEASE, &a);
     req.n_needs = 1;
-    for (size_t i = 0; i < n && freed < bytes; i++) {
+    for (size_t i = 0; m && i < n && asked < MEMBERS_MAX && freed < bytes && now_ms() < a.deadline; i++) {
         req.needs[0] = bytes - freed;
-        int fd, asked = send_request(&members[i], &req, TMS_JOB_REQUEST_HEAD + sizeof req.needs[0], &fd), timed_out = 0,
-                n_fds;
+        if (connect_member(&a, &m[i]) != ASKED) continue;
+        asked++;
+        int timed_out, n_fds;
         struct tms_job_status_reply reply;
-        ssize_t got = asked == ASKED ? take_answer(fd, now_ms() + tms_defaults()->job_wait_ms, &reply, sizeof reply,
-                                                   NULL, 0, &n_fds, &timed_out)
-                                     : -1;
-        if (fd >= 0) close_conn(fd);
+        ssize_t got = send_request(&m[i], &req, TMS_JOB_REQUEST_HEAD + sizeof req.needs[0]) == ASKED
+                          ? take_answer(m[i].fd, a.deadline, &reply, sizeof reply, NULL, 0, &n_fds, &timed_out)
+                          : -1;
+        if (m[i].fd >= 0) close_conn(m[i].fd);
         if (got == (ssize_t)sizeof reply && !reply.status) freed += reply.demand;
     }
-    TMS_DEBUG("job '%s': members released %zu bytes kept on device %d (%zu asked)", job, freed, device, bytes);
+    free(m);
+    TMS_DEBUG("job '%s': members released %zu bytes kept on device %d (%zu asked)", a.job, freed, device, bytes);
     return freed;
 }
+
+/* ---- borrowing ------------------------------------------------------------------------------- */
 
 /* Tells a lender over fd that keys[0..n) (n 0: all it lent) are released here (spent: see wire.h). */
 static void send_returned(int fd, const uint64_t *keys, size_t n, int spent)
@@ -433,9 +534,44 @@ static int lend_ok(const struct tms_job_lend_reply *r, ssize_t got, int n_fds, c
     return 1;
 }
 
+/* The files a lend's descriptors are, where they are files (the host
+ * backend's memfds; a GPU driver's descriptors are not, and its import checks
+ * them): each sealed against shrinking, at least the size it is lent as, and
+ * none the same file as another piece of the lend or as a piece this process
+ * holds already (one file mapped twice would be two allocations' bytes).
+ * 1 if they pass, with is_file[i] and ids[i] of each. */
+static int pieces_ok(const struct tms_job_lend_reply *r, const int *fds, int *is_file, struct tms_os_id *ids,
+                     const char **why)
+{
+    for (uint32_t i = 0; i < r->n; i++) {
+        int v = tms_os_check_sealed(fds[i], r->pieces[i].size, &ids[i]);
+        is_file[i] = v == 0;
+        if (v == TMS_OS_NOT_FILE) continue;
+        if (v) {
+            *why = v == TMS_OS_UNSEALED ? "a file it could still shrink" : v == TMS_OS_SHORT ? "a file shorter than lent"
+                                                                                          : "a file that cannot be read";
+            return 0;
+        }
+        for (uint32_t j = 0; j < i; j++)
+            if (is_file[j] && tms_os_same_id(&ids[i], &ids[j])) {
+                *why = "one file as two pieces";
+                return 0;
+            }
+    }
+    int held = 0;
+    lock();
+    for (size_t c = 0; c < n_conns && !held; c++)
+        for (size_t k = 0; k < conns[c].n_ids && !held; k++)
+            for (uint32_t i = 0; i < r->n && !held; i++) held = is_file[i] && tms_os_same_id(&ids[i], &conns[c].ids[k]);
+    unlock();
+    if (held) *why = "a file this process holds already";
+    return !held;
+}
+
 /* What one borrow of the members' memory needs as it goes. */
 struct borrowing {
     const struct tms_driver *drv;
+    const struct asking *a;
     int device;
     size_t gran, n, total;     /* needs asked, bytes still needed */
     size_t left[TMS_JOB_MAX_NEEDS];
@@ -443,29 +579,49 @@ struct borrowing {
     struct tms_job_lend_reply *reply;
     struct tms_job_piece *out;
     size_t got, cap;
+    struct tms_job_note *note;
 };
 
-/* One BORROW of member m: the pieces it lent, imported, appended to b->out
- * and taken off b->left. Returns how many (0 where it lent nothing, timed
- * out or failed); *full: it lent all one answer carries, and may lend more. */
-static size_t borrow_once(struct borrowing *b, const struct member *m, struct tms_job_note *note, int *full)
+/* Keeps the identities of the files a lend came as with its connection (keys[i], ids[i] where is_file[i]). */
+static void remember_files_locked(struct member_conn *c, const struct tms_job_lend_reply *r, const int *is_file,
+                                  const struct tms_os_id *ids)
+{
+    size_t n = 0;
+    for (uint32_t i = 0; i < r->n; i++) n += is_file[i] != 0;
+    if (!n || !(c->keys = malloc(n * sizeof *c->keys)) || !(c->ids = malloc(n * sizeof *c->ids))) {
+        free_ids(c);
+        return;  /* without memory for them, later lends are checked against the rest only */
+    }
+    for (uint32_t i = 0; i < r->n; i++)
+        if (is_file[i]) c->keys[c->n_ids] = r->pieces[i].key, c->ids[c->n_ids++] = ids[i];
+}
+
+/* One BORROW of member m: the pieces it lent, checked, imported, appended to
+ * b->out and taken off b->left. Returns how many (0 where it lent nothing,
+ * timed out or failed; a lend that fails the checks is refused whole and
+ * noted); *full: it lent all one answer carries, and may lend more. */
+static size_t borrow_once(struct borrowing *b, struct member *m, int *full)
 {
     *full = 0;
     b->req->n_needs = (uint32_t)b->n;
     for (size_t i = 0; i < b->n; i++) b->req->needs[i] = b->left[i];
-    int fd, timed_out = 0, n_fds = 0, fds[TMS_JOB_MAX_PIECES];
-    int asked = send_request(m, b->req, TMS_JOB_REQUEST_HEAD + b->n * sizeof b->req->needs[0], &fd);
-    ssize_t got = asked == ASKED ? take_answer(fd, now_ms() + tms_defaults()->job_wait_ms, b->reply, sizeof *b->reply,
-                                               fds, TMS_JOB_MAX_PIECES, &n_fds, &timed_out)
+    int timed_out = 0, n_fds = 0, fds[TMS_JOB_MAX_PIECES], is_file[TMS_JOB_MAX_PIECES];
+    struct tms_os_id ids[TMS_JOB_MAX_PIECES];
+    int asked = connect_member(b->a, m);
+    if (asked == ASKED) asked = send_request(m, b->req, TMS_JOB_REQUEST_HEAD + b->n * sizeof b->req->needs[0]);
+    ssize_t got = asked == ASKED ? take_answer(m->fd, b->a->deadline, b->reply, sizeof *b->reply, fds,
+                                               TMS_JOB_MAX_PIECES, &n_fds, &timed_out)
                                  : -1;
-    if (asked == TIMED_OUT || timed_out) note_timeout(note, m->pid);
+    if (asked == TIMED_OUT || timed_out) note_timeout(b->note, m->pid);
     const struct tms_job_lend_reply *r = b->reply;
-    int ok = got > 0 && lend_ok(r, got, n_fds, b->left, b->n, b->gran);
+    const char *why = "an answer that does not add up";
+    int answered = got >= (ssize_t)sizeof r->status && !r->status, ok = answered && lend_ok(r, got, n_fds, b->left, b->n, b->gran);
+    ok = ok && pieces_ok(r, fds, is_file, ids, &why);
     if (ok && b->got + r->n > b->cap) {
         size_t cap = b->got + r->n + TMS_JOB_MAX_PIECES;
         struct tms_job_piece *more = realloc(b->out, cap * sizeof *more);
         if (more) b->out = more, b->cap = cap;
-        else ok = 0;
+        else answered = ok = 0;  /* out of host memory: not the lender's fault */
     }
     size_t imported = 0;
     for (; ok && imported < r->n; imported++) {
@@ -474,6 +630,7 @@ static size_t borrow_once(struct borrowing *b, const struct member *m, struct tm
         int irc = b->drv->import_fd(b->device, fds[imported], &h);
         if (irc) {
             TMS_DEBUG("job: import of pid %d's lent memory failed: %s (%d)", m->pid, b->drv->code_name(irc), irc);
+            why = "memory this process cannot import";
             ok = 0;
             break;
         }
@@ -487,20 +644,30 @@ static size_t borrow_once(struct borrowing *b, const struct member *m, struct tm
         if (fds[i] >= 0) close(fds[i]);
     if (!ok) {
         for (size_t i = 0; i < imported; i++) (void)b->drv->release(b->out[b->got + i].handle);
+        if (answered && (r->n || n_fds)) {  /* it lent something this process will not map: the driver's instead */
+            b->note->bad++;
+            TMS_DEBUG("job: pid %d lent %s: refused, the driver's memory instead", m->pid, why);
+        }
         /* Whatever it lent (or will, once it answers) is not taken: all of it back. */
-        if (fd >= 0 && asked == ASKED) send_returned(fd, NULL, 0, 0);
-        if (fd >= 0) close_conn(fd);
+        if (m->fd >= 0 && asked == ASKED) send_returned(m->fd, NULL, 0, 0);
+        if (m->fd >= 0) close_conn(m->fd);
+        m->fd = -1;
         return 0;
     }
     if (!r->n) {
-        close_conn(fd);
+        close_conn(m->fd);
+        m->fd = -1;
         return 0;
     }
     lock();
     uint64_t via = ++last_via;
     for (size_t i = 0; i < n_conns; i++)
-        if (conns[i].fd == fd) conns[i] = (struct member_conn){.fd = fd, .via = via, .lender = m->pid, .held = r->n};
+        if (conns[i].fd == m->fd) {
+            conns[i] = (struct member_conn){.fd = m->fd, .via = via, .lender = m->pid, .held = r->n};
+            remember_files_locked(&conns[i], r, is_file, ids);
+        }
     unlock();
+    m->fd = -1;  /* the claim's now, closed once every piece is returned */
     for (uint32_t i = 0; i < r->n; i++) {
         struct tms_job_piece *p = &b->out[b->got + i];
         p->via = via;
@@ -512,36 +679,49 @@ static size_t borrow_once(struct borrowing *b, const struct member *m, struct tm
     return r->n;
 }
 
-/* Borrows from each member in turn what the allocations still need (from one
- * member again while its answers come full). */
+/* A member answered how much it keeps idle: borrowed from at once where it
+ * keeps any (again while its answers come full); 1 once nothing is needed. */
+static int borrow_from(void *ctx, const struct member *answered, const struct tms_job_status_reply *r)
+{
+    struct borrowing *b = ctx;
+    if (!r->idle) return 0;
+    struct member m = *answered;
+    int full = 1;
+    for (size_t lent; full && b->total;)
+        if ((lent = borrow_once(b, &m, &full)))
+            TMS_DEBUG("job '%s': borrowed %zu pieces from pid %d on device %d", b->a->job, lent, m.pid, b->device);
+    return b->total == 0;
+}
+
+/* Borrows what the allocations still need: every member is asked how much it
+ * keeps idle at once, and those that keep some are asked for it as their
+ * answers come, all within the call's one bound. */
 static int borrow(int device, const size_t *needs, size_t n, struct tms_job_piece **pieces, size_t *n_pieces,
                   struct tms_job_note *note)
 {
-    char job[TMS_JOB_NAME_MAX + 1], identity[TMS_JOB_IDENTITY_MAX + 1], prefix[64];
+    struct asking a;
     struct tms_err err = {0};
-    struct borrowing b = {.device = device};
+    struct borrowing b = {.device = device, .a = &a, .note = note};
     *pieces = NULL;
     *n_pieces = 0;
-    if (join_device(device, job, identity, &err) || tms_driver_get(&b.drv, &err) ||
-        b.drv->granularity(device, &b.gran) || !b.gran) {
+    if (join_device(device, &a, &err) || tms_driver_get(&b.drv, &err) || b.drv->granularity(device, &b.gran) ||
+        !b.gran) {
         TMS_DEBUG("job: no borrowing on device %d: %s", device, err.msg);
         return TMS_OK;
     }
     b.n = n < TMS_JOB_MAX_NEEDS ? n : TMS_JOB_MAX_NEEDS;  /* the rest from the driver */
     for (size_t i = 0; i < b.n; i++) b.total += b.left[i] = needs[i];
-    name_prefix(job, identity, prefix, sizeof prefix);
-    struct member members[MEMBERS_MAX];
-    size_t n_members = find_members(prefix, members, MEMBERS_MAX);
+    struct member *m = NULL;
+    size_t n_members = list_members(&a, &m);
     b.req = malloc(sizeof *b.req);
     b.reply = malloc(sizeof *b.reply);
-    if (b.req) fill_request(b.req, TMS_JOB_BORROW, job, identity);
-    for (size_t m = 0; b.req && b.reply && m < n_members && b.total; m++) {
-        note->members++;
-        int full = 1;
-        for (size_t lent; full && b.total;)
-            if ((lent = borrow_once(&b, &members[m], note, &full)))
-                TMS_DEBUG("job '%s': borrowed %zu pieces from pid %d on device %d", job, lent, members[m].pid, device);
+    if (m && b.req && b.reply && b.total) {
+        fill_request(b.req, TMS_JOB_STATUS, &a);
+        size_t asked = ask_members(&a, m, n_members, b.req, TMS_JOB_REQUEST_HEAD, note);
+        fill_request(b.req, TMS_JOB_BORROW, &a);
+        take_statuses(&a, m, asked, note, borrow_from, &b);
     }
+    free(m);
     free(b.req);
     free(b.reply);
     *pieces = b.out;
@@ -553,11 +733,19 @@ static void returned(uint64_t via, const uint64_t *keys, size_t n, int spent)
 {
     lock();
     for (size_t i = 0; i < n_conns; i++) {
-        if (conns[i].pending || conns[i].via != via) continue;
-        send_returned(conns[i].fd, keys, n, spent);
-        conns[i].held = conns[i].held > n ? conns[i].held - n : 0;
+        struct member_conn *c = &conns[i];
+        if (c->pending || c->via != via) continue;
+        send_returned(c->fd, keys, n, spent);
+        c->held = c->held > n ? c->held - n : 0;
+        /* Its files may come back in a later lend: they are not this process's any more. */
+        for (size_t k = 0; k < c->n_ids;) {
+            int back = 0;
+            for (size_t j = 0; j < n && !back; j++) back = c->keys[k] == keys[j];
+            if (back) c->keys[k] = c->keys[--c->n_ids], c->ids[k] = c->ids[c->n_ids];
+            else k++;
+        }
         /* Nothing of it is borrowed any more: the claim ends. */
-        if (!conns[i].held) close_conn_locked(i);
+        if (!c->held) close_conn_locked(i);
         break;
     }
     unlock();

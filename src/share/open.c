@@ -1,18 +1,20 @@
 /* The receiver: another process's allocation mapped here from its handle, held open over the sender's socket until closed. */
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include "core/core.h"
 #include "platform/driver.h"
 #include "platform/fork.h"
 #include "platform/log.h"
+#include "platform/os.h"
+#include "share/place.h"
 #include "share/wire.h"
 
 /* One opened handle. The connection stays open while it is mapped: its
@@ -31,8 +33,8 @@ struct opened {
     struct opened *next;
 };
 
-/* Connections a sender closed before answering (it had too many that had not
- * asked yet) are tried again this many times in all. */
+/* Connections a sender closed before they asked (it had too many that had
+ * not asked yet, and said so) are tried again this many times in all. */
 #define OPEN_TRIES 3
 
 static pthread_mutex_t open_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -66,11 +68,16 @@ static int same_mapping(const struct opened *o, const struct tms_share_handle *h
            o->key.va == h->va && memcmp(o->key.token, h->token, sizeof h->token) == 0;
 }
 
-/* Connects o's socket to the sender named by h and checks it runs as this
- * user. The socket is made under open_lock and kept in o, which is listed:
- * a fork at any moment finds it and closes the child's copy. */
+/* Connects o's socket to the sender named by h, in the user's place, and
+ * checks it runs as this user. The socket is made under open_lock and kept
+ * in o, which is listed: a fork at any moment finds it and closes the
+ * child's copy. */
 static int connect_sender(struct opened *o, const struct tms_share_handle *h, struct tms_err *err)
 {
+    int dir = -1;
+    char path[PATH_MAX], name[TMS_OS_SOCKET_NAME_MAX];
+    int rc = tms_share_place("open_shared", &dir, path, sizeof path, err);
+    if (rc) return rc;
     pthread_mutex_lock(&open_lock);
     if (o->conn >= 0) close(o->conn);  /* a try before this one */
     int fd = o->conn = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -79,23 +86,19 @@ static int connect_sender(struct opened *o, const struct tms_share_handle *h, st
     struct timeval timeout = {.tv_sec = TMS_SHARE_TIMEOUT_S};
     (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
     (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
-    struct sockaddr_un addr;
-    size_t len = tms_share_address(&addr, h->pid, h->socket_id);
-    int rc;
-    do rc = connect(fd, (struct sockaddr *)&addr, (socklen_t)len);
-    while (rc && errno == EINTR);
-    if (rc) {
-        int e = errno;
-        if (e == ECONNREFUSED || e == ENOENT)
-            return tms_fail(err, TMS_E_STATE, e,
-                            "open_shared: the process that shared 0x%llx (pid %u) is gone, or is in another network "
-                            "namespace (its socket @%s is not there)",
-                            (unsigned long long)h->va, (unsigned)h->pid, addr.sun_path + 1);
-        return tms_fail(err, TMS_E_IO, e, "open_shared: cannot reach pid %u: %s", (unsigned)h->pid, strerror(e));
-    }
-    struct ucred cred;
-    socklen_t clen = sizeof cred;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 || cred.uid != geteuid())
+    tms_share_sender_name(name, sizeof name, h->pid, (unsigned long long)h->socket_id);
+    rc = tms_os_connect_at(fd, dir, path, name);
+    if (rc == -ECONNREFUSED || rc == -ENOENT)
+        return tms_fail(err, TMS_E_STATE, -rc,
+                        "open_shared: the process that shared 0x%llx (pid %u) is gone, or keeps its sockets in "
+                        "another place than %s (a sender and its receivers must be one user that sees one such "
+                        "directory: the same $XDG_RUNTIME_DIR, or /dev/shm shared between containers)",
+                        (unsigned long long)h->va, (unsigned)h->pid, path);
+    if (rc)
+        return tms_fail(err, TMS_E_IO, rc < 0 ? -rc : 0, "open_shared: cannot reach pid %u at %s/%s: %s",
+                        (unsigned)h->pid, path, name, rc < 0 ? strerror(-rc) : "not a socket");
+    struct tms_os_peer peer;
+    if (tms_os_peer_of(fd, &peer) != 0)
         return tms_fail(err, TMS_E_ARG, 0, "open_shared: the socket of pid %u belongs to another user: refused",
                         (unsigned)h->pid);
     return TMS_OK;
@@ -134,32 +137,35 @@ ssize_t tms_share_recv(int fd, void *buf, size_t len, int *fds, int max_fds, int
     return n;
 }
 
-/* Sends the request and takes the answer with its descriptors. *unanswered:
- * the sender hung up before any answer (it closes a connection that came
- * while it kept too many that had not asked: another try may get in). */
+/* Sends the request and takes the answer with its descriptors. *busy: the
+ * sender closed the connection before it asked, saying so (it kept too many
+ * that had not asked: another try may get in). A hang-up without a reply is
+ * final: the sender is going, or refused what it could not read. */
 static int ask(int fd, const struct tms_share_handle *h, struct tms_share_reply *reply, int *fds, int *n_fds,
-               int *unanswered, struct tms_err *err)
+               int *busy, struct tms_err *err)
 {
     struct tms_share_request req = {.va = h->va};
     memcpy(req.magic, TMS_SHARE_MAGIC, sizeof req.magic);
     memcpy(req.token, h->token, sizeof req.token);
     ssize_t n;
-    *unanswered = 0;
+    *busy = 0;
     do n = send(fd, &req, sizeof req, MSG_NOSIGNAL);
     while (n < 0 && errno == EINTR);
     int send_errno = n == (ssize_t)sizeof req ? 0 : n < 0 ? errno : EIO;
     /* A request that could not be sent may have crossed the sender's refusal: read it. */
     n = tms_share_recv(fd, reply, sizeof *reply, fds, TMS_SHARE_MAX_CHUNKS, n_fds, send_errno ? MSG_DONTWAIT : 0);
+    /* A sender that closed with this request unread reset the connection, and the reset is
+     * read before the reply it sent first: that reply, if any, comes next. */
+    if (n < 0 && errno == ECONNRESET) {
+        n = tms_share_recv(fd, reply, sizeof *reply, fds, TMS_SHARE_MAX_CHUNKS, n_fds, MSG_DONTWAIT);
+        if (n < 0 && (errno == EAGAIN || errno == ECONNRESET)) n = 0;
+    }
     int truncated = n < 0 && errno == EMSGSIZE;
-    if (send_errno && n <= 0) {
-        *unanswered = send_errno == EPIPE || send_errno == ECONNRESET;
+    if (send_errno && n <= 0)
         return tms_fail(err, TMS_E_IO, send_errno, "open_shared: cannot ask pid %u: %s", (unsigned)h->pid,
                         strerror(send_errno));
-    }
-    if (n == 0 || (n < 0 && errno == ECONNRESET)) {
-        *unanswered = 1;
+    if (n == 0 || (n < 0 && errno == ECONNRESET))
         return tms_fail(err, TMS_E_STATE, 0, "open_shared: pid %u hung up without an answer", (unsigned)h->pid);
-    }
     if (n < 0 && !truncated)
         return tms_fail(err, TMS_E_IO, errno, "open_shared: no answer from pid %u%s: %s", (unsigned)h->pid,
                         errno == EAGAIN ? " within the timeout" : "", strerror(errno));
@@ -168,6 +174,7 @@ static int ask(int fd, const struct tms_share_handle *h, struct tms_share_reply 
         !(n == (ssize_t)offsetof(struct tms_share_reply, lens) && (reply->chunk || reply->status)))
         return tms_fail(err, TMS_E_ARG, 0, "open_shared: a malformed answer from pid %u", (unsigned)h->pid);
     reply->message[sizeof reply->message - 1] = '\0';
+    *busy = reply->status && (reply->flags & TMS_SHARE_REPLY_BUSY);
     return TMS_OK;
 }
 
@@ -343,12 +350,12 @@ int tms_share_open(const unsigned char *handle, int device, uint64_t *va, size_t
     o->next = opened_list;
     opened_list = o;
     pthread_mutex_unlock(&open_lock);
-    int fds[TMS_SHARE_MAX_CHUNKS], n_fds = 0, unanswered = 1, left = 0;
+    int fds[TMS_SHARE_MAX_CHUNKS], n_fds = 0, busy = 1, left = 0;
     struct tms_share_reply reply;
-    for (int tries = 0; unanswered && tries < OPEN_TRIES; tries++) {
-        unanswered = 0;
+    for (int tries = 0; busy && tries < OPEN_TRIES; tries++) {
+        busy = 0;
         rc = connect_sender(o, &h, err);
-        if (!rc) rc = ask(o->conn, &h, &reply, fds, &n_fds, &unanswered, err);
+        if (!rc) rc = ask(o->conn, &h, &reply, fds, &n_fds, &busy, err);
     }
     if (!rc && reply.status)
         rc = tms_fail(err, sender_status(reply.status), 0, "open_shared: pid %u refused: %s", (unsigned)h.pid, reply.message);

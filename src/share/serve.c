@@ -7,11 +7,8 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
-#include <sys/resource.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
-#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -19,16 +16,9 @@
 #include "platform/driver.h"
 #include "platform/fork.h"
 #include "platform/log.h"
+#include "platform/os.h"
+#include "share/place.h"
 #include "share/wire.h"
-
-size_t tms_share_address(struct sockaddr_un *addr, uint32_t pid, uint64_t socket_id)
-{
-    memset(addr, 0, sizeof *addr);
-    addr->sun_family = AF_UNIX;
-    int n = snprintf(addr->sun_path + 1, sizeof addr->sun_path - 1, "tms-share-%u-%016llx", (unsigned)pid,
-                     (unsigned long long)socket_id);
-    return offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n;
-}
 
 /* The share listening socket of this process, and its thread. A forked
  * child has the parent's descriptors but not its thread: it starts its own
@@ -71,32 +61,40 @@ struct conn {
 /* A connection that has not asked by then is closed: an honest receiver asks
  * as soon as it is connected. */
 #define ASK_WITHIN_MS 2000
-/* Connections that have not asked, in all and per peer process: what a
- * process of this user can make this one keep open without a handle. */
+/* Connections that have not asked, per listener in all and per peer process:
+ * what a process of this user can make this one keep open without a handle. */
 #define ASKING_MAX 16
 #define ASKING_PER_PEER 4
-/* Descriptors the thread keeps (receivers' sockets, pidfds) at most: a
- * quarter of RLIMIT_NOFILE, so the process's own calls keep the rest. */
-#define HELD_MIN 16
-#define HELD_MAX 4096
-/* Connections refused (another user's, over a cap, malformed, asked nothing
- * in time): at most this many per window, then the listener is not polled
- * until the window ends. A flood costs this process a bounded share of a
- * core, and no more than the backlog waits ahead of an honest receiver. */
+/* Descriptors the thread keeps (receivers' sockets, pidfds): its share of the
+ * descriptor budget (os.h), of which one peer process holds at most half, so
+ * that one process's connections and hang-ups never shut out the others. */
+#define HELD_PEER_SHARE 2
+/* Connections refused (over a cap, malformed, asked nothing in time): at most
+ * this many per window and listener, then that listener is not polled until
+ * the window ends. A flood costs this process a bounded share of a core and
+ * no more than the backlog waits ahead of an honest receiver, and a flood of
+ * one socket leaves the others answering. */
 #define REFUSALS_PER_WINDOW 64
 #define REFUSAL_WINDOW_MS 100
 #define LISTEN_BACKLOG 64
 #define ACCEPTS_PER_WAKE 16
 #define LISTEN_REST_MS 100  /* out of descriptors or memory */
+/* Names of senders gone without removing them (killed) that a new sender removes. */
+#define SWEEP_MAX 64
 
 /* A listening socket: the share one (device -1), or one a member of a job
- * listens on for device. Listeners are only added, and closed with the
- * thread (or in a fork's child). */
+ * listens on for device, named `name` in the user's place (share/place.h).
+ * Listeners are only added, and closed with the thread (or in a fork's
+ * child). Each has its own refusals' window. */
 struct listener {
     int fd;
     int device;
     char job[72];
     char identity[TMS_JOB_IDENTITY_MAX + 1];
+    char name[TMS_OS_SOCKET_NAME_MAX];
+    uint64_t resume_ms;     /* not polled until then */
+    uint64_t window_end_ms;
+    unsigned refusals;      /* in the window ending at window_end_ms */
 };
 #define LISTENERS_MAX 65  /* the share one and one per device */
 
@@ -258,11 +256,21 @@ static size_t n_conns, cap_conns;
 static int changed;
 static struct listener listeners[LISTENERS_MAX];  /* guarded by conns_lock */
 static size_t n_listeners;
-/* The thread's own (under conns_lock): until when the listener rests, and
- * the refusals of the current window. */
-static uint64_t listen_resume_ms;
-static uint64_t window_end_ms;
-static unsigned window_refusals;
+
+/* Closes the listeners; named: their names go too (this process's own, not
+ * a forked child's copies of its parent's). */
+static void close_listeners_locked(int named)
+{
+    int dir = -1;
+    char path[PATH_MAX];
+    struct tms_err err = {0};
+    if (named && n_listeners) (void)tms_share_place("share", &dir, path, sizeof path, &err);
+    for (size_t l = 0; l < n_listeners; l++) {
+        close(listeners[l].fd);
+        if (dir >= 0) (void)tms_os_remove_socket(dir, listeners[l].name);
+    }
+    n_listeners = 0;
+}
 
 static uint64_t now_ms(void)
 {
@@ -271,13 +279,15 @@ static uint64_t now_ms(void)
     return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
 }
 
-static void refused_locked(uint64_t now)
+/* A connection of listener l was refused: its window's budget is spent by one. */
+static void refused_locked(size_t l, uint64_t now)
 {
-    if (now >= window_end_ms) {
-        window_end_ms = now + REFUSAL_WINDOW_MS;
-        window_refusals = 0;
+    struct listener *li = &listeners[l];
+    if (now >= li->window_end_ms) {
+        li->window_end_ms = now + REFUSAL_WINDOW_MS;
+        li->refusals = 0;
     }
-    if (++window_refusals >= REFUSALS_PER_WINDOW && listen_resume_ms < window_end_ms) listen_resume_ms = window_end_ms;
+    if (++li->refusals >= REFUSALS_PER_WINDOW && li->resume_ms < li->window_end_ms) li->resume_ms = li->window_end_ms;
 }
 
 static void close_conn(struct conn *c)
@@ -287,38 +297,11 @@ static void close_conn(struct conn *c)
     c->state = DONE;
 }
 
-#ifndef SO_PEERPIDFD
-#define SO_PEERPIDFD 77
-#endif
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-
-/* 1 if the process behind a socket has ended, 0 if not; else -1 (the
- * kernel cannot say) and *pidfd gets a descriptor to watch it by, or -1. */
+/* 1 if the process behind a socket has ended, else 0 with *pidfd a
+ * descriptor to watch it by, or -1 where the kernel cannot tell (os.h). */
 static int peer_ended(int sock, int pid, int *pidfd)
 {
-    *pidfd = -1;
-    int fd = -1;
-    socklen_t len = sizeof fd;
-    /* The pid the socket was connected with: no reuse can fool it. */
-    if (getsockopt(sock, SOL_SOCKET, SO_PEERPIDFD, &fd, &len) != 0) {
-        if (errno == ESRCH) return 1;
-        fd = -1;
-        /* Older kernels: by number. A number reused meanwhile reads as alive,
-         * never the other way round. */
-        long r = pid > 0 ? syscall(SYS_pidfd_open, pid, 0) : -1;
-        if (r < 0 && pid > 0 && errno == ESRCH) return 1;
-        if (r >= 0) fd = (int)r;
-    }
-    if (fd < 0) return -1;
-    struct pollfd p = {.fd = fd, .events = POLLIN};
-    if (poll(&p, 1, 0) > 0) {
-        close(fd);
-        return 1;
-    }
-    *pidfd = fd;
-    return 0;
+    return tms_os_peer_process(sock, pid, pidfd) == TMS_OS_ENDED;
 }
 
 /* Whether a job's lend still has handles out, asking without changing it
@@ -397,75 +380,90 @@ static void ended_locked(struct conn *c)
     close_conn(c);
 }
 
-static size_t held_cap(void)
+/* Tells a receiver of this user why it gets nothing, if it listens, and hangs
+ * up. What it asked is read first: a socket closed with a message unread
+ * resets the connection, and the receiver would see the reset, not the reply. */
+static void refuse(int fd, const char *why, int busy)
 {
-    struct rlimit rl;
-    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur / 4 >= HELD_MAX)
-        return HELD_MAX;
-    return rl.rlim_cur / 4 > HELD_MIN ? (size_t)rl.rlim_cur / 4 : HELD_MIN;
-}
-
-/* Tells a receiver of this user why it gets nothing, if it listens, and hangs up. */
-static void refuse_busy(int fd, size_t held)
-{
-    struct tms_share_reply reply = {.status = TMS_E_STATE};
-    snprintf(reply.message, sizeof reply.message,
-             "share: pid %d keeps %zu receivers' connections, its limit (a quarter of its RLIMIT_NOFILE, at most %d): "
-             "close some, or raise its limit", (int)getpid(), held, HELD_MAX);
+    struct tms_share_reply reply = {.status = TMS_E_STATE, .flags = busy ? TMS_SHARE_REPLY_BUSY : 0};
+    snprintf(reply.message, sizeof reply.message, "%s", why);
     (void)send_reply(fd, &reply, NULL, 0, MSG_DONTWAIT);
+    char asked[sizeof(struct tms_job_request)];
+    for (int i = 0; i < 4 && recv(fd, asked, sizeof asked, MSG_DONTWAIT) > 0; i++) continue;
     close(fd);
 }
 
-/* Accepts what waits, within the caps: another user's connection is closed
- * at once; one of this user's that has not asked yet takes a place only
- * within ASKING_MAX and ASKING_PER_PEER (the oldest of those that have not
- * asked makes room for a new one). */
-static void accept_some_locked(size_t listener, uint64_t now)
+/* A connection of this user that has not asked, closed to make room: a
+ * receiver of the share socket is told to try again (a member of a job asks
+ * again at its next pause or resume). */
+static void refuse_asking(int fd, int share)
 {
-    int lfd = listeners[listener].fd;
-    size_t cap = held_cap();
-    for (int k = 0; k < ACCEPTS_PER_WAKE && now >= listen_resume_ms; k++) {
+    if (share) refuse(fd, "share: too many connections that have not asked yet: try again", 1);
+    else close(fd);
+}
+
+/* Accepts what waits on listener l, within the caps: another user's
+ * connection is closed at once; a peer process holds at most half of the
+ * descriptors the thread keeps; one of this user's that has not asked yet
+ * takes a place only within ASKING_MAX and ASKING_PER_PEER of the listener
+ * (the oldest of those that have not asked makes room for a new one). */
+static void accept_some_locked(size_t l, uint64_t now)
+{
+    int lfd = listeners[l].fd, share = listeners[l].device < 0;
+    size_t cap = tms_os_fd_budget(TMS_OS_FDS_HELD), peer_cap = cap / HELD_PEER_SHARE;
+    for (int k = 0; k < ACCEPTS_PER_WAKE && now >= listeners[l].resume_ms; k++) {
         int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0) {
             /* Out of descriptors or memory: the pending connection stays readable,
              * so the listener rests rather than spin. */
             if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
-                listen_resume_ms = now + LISTEN_REST_MS;
+                listeners[l].resume_ms = now + LISTEN_REST_MS;
             if (errno == EINTR || errno == ECONNABORTED) continue;
             return;
         }
-        struct ucred cred;
-        socklen_t len = sizeof cred;
-        /* Only this user's processes: anyone can reach an abstract socket. */
-        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != geteuid()) {
+        struct tms_os_peer peer;
+        /* Only this user's processes (the place keeps others out; this holds wherever it could not). */
+        if (tms_os_peer_of(fd, &peer) != 0) {
             close(fd);
-            refused_locked(now);
+            refused_locked(l, now);
             continue;
         }
-        size_t held = 0, asking = 0, of_peer = 0, oldest = SIZE_MAX;
+        size_t held = 0, of_peer = 0, asking = 0, asking_of_peer = 0, oldest = SIZE_MAX;
         for (size_t i = 0; i < n_conns; i++) {
             if (conns[i].state == DONE) continue;
             held++;
-            if (conns[i].state != ASKING || conns[i].ready) continue;
+            of_peer += conns[i].pid == peer.pid;
+            if (conns[i].state != ASKING || conns[i].ready || conns[i].listener != (int)l) continue;
             asking++;
-            of_peer += conns[i].pid == cred.pid;
+            asking_of_peer += conns[i].pid == peer.pid;
             if (oldest == SIZE_MAX || conns[i].ask_by_ms < conns[oldest].ask_by_ms) oldest = i;
         }
         struct pollfd p = {.fd = fd, .events = POLLIN};
         int ready = poll(&p, 1, 0) > 0;  /* asked already: answered next, it takes no place */
-        if (held >= cap) {
-            refuse_busy(fd, held);
-            refused_locked(now);
+        char why[sizeof ((struct tms_share_reply *)0)->message];
+        if (held >= cap || of_peer >= peer_cap) {
+            if (held >= cap)
+                snprintf(why, sizeof why, "share: pid %d keeps %zu connections and hang-ups of receivers, its limit "
+                         "(a quarter of its RLIMIT_NOFILE, 16 to 4096): close some, or raise its limit",
+                         (int)getpid(), held);
+            else
+                snprintf(why, sizeof why, "share: pid %d keeps %zu connections and hang-ups of pid %d, the most one "
+                         "process may have of its %zu (a quarter of its RLIMIT_NOFILE): close some",
+                         (int)getpid(), of_peer, peer.pid, cap);
+            refuse(fd, why, 0);
+            refused_locked(l, now);
             continue;
         }
-        if (!ready && of_peer >= ASKING_PER_PEER) {
-            close(fd);
-            refused_locked(now);
+        if (!ready && asking_of_peer >= ASKING_PER_PEER) {
+            refuse_asking(fd, share);
+            refused_locked(l, now);
             continue;
         }
         if (!ready && asking >= ASKING_MAX) {
-            close_conn(&conns[oldest]);
-            refused_locked(now);
+            refuse_asking(conns[oldest].fd, share);
+            conns[oldest].fd = -1;
+            conns[oldest].state = DONE;
+            refused_locked(l, now);
         }
         if (n_conns == cap_conns) {
             size_t grown = cap_conns ? cap_conns * 2 : 16;
@@ -477,8 +475,8 @@ static void accept_some_locked(size_t listener, uint64_t now)
             conns = more;
             cap_conns = grown;
         }
-        conns[n_conns++] = (struct conn){.fd = fd, .pid = cred.pid, .state = ASKING, .ready = ready,
-                                         .listener = (int)listener, .ask_by_ms = now + ASK_WITHIN_MS};
+        conns[n_conns++] = (struct conn){.fd = fd, .pid = peer.pid, .state = ASKING, .ready = ready,
+                                         .listener = (int)l, .ask_by_ms = now + ASK_WITHIN_MS};
     }
 }
 
@@ -525,10 +523,12 @@ static size_t fill_polls_locked(struct pollfd *polls, size_t *of, size_t cap, in
     uint64_t next = expire_ms >= 0 ? now + (uint64_t)expire_ms : UINT64_MAX;
     size_t n = 0;
     for (size_t l = 0; l < n_listeners && n < cap; l++) {
-        if (now < listen_resume_ms) break;
+        if (now < listeners[l].resume_ms) {  /* resting: polled again when its rest ends */
+            if (listeners[l].resume_ms < next) next = listeners[l].resume_ms;
+            continue;
+        }
         of[n] = LISTENER + l, polls[n++] = (struct pollfd){.fd = listeners[l].fd, .events = POLLIN};
     }
-    if (now < listen_resume_ms && listen_resume_ms < next) next = listen_resume_ms;
     if (wake >= 0 && n < cap) of[n] = WAKE, polls[n++] = (struct pollfd){.fd = wake, .events = POLLIN};
     for (size_t i = 0; i < n_conns && n < cap; i++) {
         of[n] = i;
@@ -613,7 +613,7 @@ static void *serve(void *arg)
         for (size_t i = 0; i < n_conns; i++) {  /* asked nothing in time */
             if (conns[i].state != ASKING || conns[i].ready || conns[i].ask_by_ms > now) continue;
             close_conn(&conns[i]);
-            refused_locked(now);
+            refused_locked((size_t)conns[i].listener, now);
         }
         drop_closed_locked();
         for (size_t l = 0; l < n_listeners; l++)
@@ -641,15 +641,14 @@ static void *serve(void *arg)
             } else if (out.holding) {  /* gone meanwhile (a fork's child closed it): nobody holds it */
                 (void)tms_core_share_detach(out.va, out.token, asking[k].pid, 1);
             }
-            if (out.refused) refused_locked(now_ms());
+            if (out.refused) refused_locked((size_t)asking[k].listener, now_ms());
             pthread_mutex_unlock(&conns_lock);
         }
     }
     /* No new handle names a socket nobody answers, and no member finds one. */
     pthread_mutex_lock(&serve_lock);
     pthread_mutex_lock(&conns_lock);
-    for (size_t l = 0; l < n_listeners; l++) close(listeners[l].fd);
-    n_listeners = 0;
+    close_listeners_locked(1);
     pthread_mutex_unlock(&conns_lock);
     listen_fd = -1;
     serving_pid = 0;
@@ -678,10 +677,9 @@ static void fork_child(void)
     for (size_t i = 0; i < n_conns; i++)
         if (conns[i].state != DONE) close(conns[i].fd);
     n_conns = 0;
-    /* A child that outlives its parent must not keep the names: receivers and
-     * members would wait for an answer. */
-    for (size_t l = 0; l < n_listeners; l++) close(listeners[l].fd);
-    n_listeners = 0;
+    /* A child that outlives its parent must not keep the sockets: receivers and
+     * members would wait for an answer. The names stay the parent's. */
+    close_listeners_locked(0);
     listen_fd = -1;
     serving_pid = 0;
     thread_pid = 0;
@@ -697,13 +695,14 @@ static void register_fork(void)
 }
 
 /* Adds a listener for the thread to poll; 0 if there is no room. */
-static int add_listener(int fd, int device, const char *job, const char *identity)
+static int add_listener(int fd, const char *name, int device, const char *job, const char *identity)
 {
     pthread_mutex_lock(&conns_lock);
     int ok = n_listeners < LISTENERS_MAX;
     if (ok) {
         struct listener *l = &listeners[n_listeners++];
         *l = (struct listener){.fd = fd, .device = device};
+        snprintf(l->name, sizeof l->name, "%s", name);
         snprintf(l->job, sizeof l->job, "%s", job ? job : "");
         snprintf(l->identity, sizeof l->identity, "%s", identity ? identity : "");
         changed = 1;
@@ -738,12 +737,13 @@ void tms_share_serve_wake(void)
     pthread_mutex_unlock(&serve_lock);
 }
 
-int tms_share_serve_job(int fd, int device, const char *job, const char *identity, struct tms_err *err)
+int tms_share_serve_job(int fd, const char *name, int device, const char *job, const char *identity,
+                        struct tms_err *err)
 {
     pthread_once(&fork_once, register_fork);
     pthread_mutex_lock(&serve_lock);
     int rc = start_thread_locked(err);
-    if (!rc && !add_listener(fd, device, job, identity))
+    if (!rc && !add_listener(fd, name, device, job, identity))
         rc = tms_fail(err, TMS_E_STATE, 0, "job: this process listens on %d sockets already", LISTENERS_MAX);
     uint64_t one = 1;
     if (!rc) (void)!write(wake_fd, &one, sizeof one);
@@ -751,7 +751,30 @@ int tms_share_serve_job(int fd, int device, const char *job, const char *identit
     return rc;
 }
 
-/* The share listening socket (and the thread), once per process. */
+/* Removes the names of senders killed before they could remove them: of
+ * the first names listed, those whose pid runs nowhere this process sees and
+ * on which nobody listens (a sender in another PID namespace still answers). */
+#define SWEEP_LISTED 1024
+static void sweep_senders(int dir, const char *path)
+{
+    char (*names)[TMS_OS_SOCKET_NAME_MAX] = malloc(SWEEP_LISTED * sizeof *names);
+    size_t n = 0, tried = 0;
+    if (!names || tms_os_socket_names(dir, "s-", names, SWEEP_LISTED, &n) != 0) n = 0;
+    for (size_t i = 0; i < n && tried < SWEEP_MAX; i++) {
+        unsigned pid = 0;
+        if (sscanf(names[i], "s-%u-", &pid) != 1 || tms_os_process_runs((int)pid)) continue;
+        int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (fd < 0) break;
+        tried++;
+        int rc = tms_os_connect_at(fd, dir, path, names[i]);
+        close(fd);
+        if (rc == -ECONNREFUSED) (void)tms_os_remove_socket(dir, names[i]);
+    }
+    free(names);
+}
+
+/* The share listening socket (and the thread), once per process: named by
+ * its pid and a random id in the user's place, where no other user reaches it. */
 static int start_locked(uint64_t *id, struct tms_err *err)
 {
     pid_t pid = getpid();
@@ -759,25 +782,27 @@ static int start_locked(uint64_t *id, struct tms_err *err)
         *id = serving_id;
         return TMS_OK;
     }
+    int dir = -1;
+    char path[PATH_MAX], name[TMS_OS_SOCKET_NAME_MAX];
+    int rc = tms_share_place("share", &dir, path, sizeof path, err);
+    if (rc) return rc;
     uint64_t fresh;
     if (getrandom(&fresh, sizeof fresh, 0) != (ssize_t)sizeof fresh)
         return tms_fail(err, TMS_E_HOST_OOM, 0, "share: no random bytes for the socket's name");
+    sweep_senders(dir, path);
+    tms_share_sender_name(name, sizeof name, (unsigned)pid, (unsigned long long)fresh);
     /* Non-blocking: the thread accepts what waits until none is left. */
-    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) return tms_fail(err, TMS_E_IO, errno, "share: socket() failed: %s", strerror(errno));
-    struct sockaddr_un addr;
-    size_t len = tms_share_address(&addr, (uint32_t)pid, fresh);
-    if (bind(fd, (struct sockaddr *)&addr, (socklen_t)len) != 0 || listen(fd, LISTEN_BACKLOG) != 0) {
-        int e = errno;
-        close(fd);
-        return tms_fail(err, TMS_E_IO, e, "share: cannot listen on the abstract socket @%s: %s", addr.sun_path + 1,
-                        strerror(e));
-    }
-    int rc = start_thread_locked(err);
-    if (!rc && !add_listener(fd, -1, NULL, NULL))
+    int fd = -1;
+    rc = tms_os_listen_at(dir, path, name, LISTEN_BACKLOG, &fd);
+    if (rc)
+        return tms_fail(err, TMS_E_IO, rc < 0 ? -rc : 0, "share: cannot listen on %s/%s: %s", path, name,
+                        rc < 0 ? strerror(-rc) : "not a socket");
+    rc = start_thread_locked(err);
+    if (!rc && !add_listener(fd, name, -1, NULL, NULL))
         rc = tms_fail(err, TMS_E_STATE, 0, "share: this process listens on %d sockets already", LISTENERS_MAX);
     if (rc) {
         close(fd);
+        (void)tms_os_remove_socket(dir, name);
         return rc;
     }
     uint64_t one = 1;
@@ -787,6 +812,23 @@ static int start_locked(uint64_t *id, struct tms_err *err)
     serving_id = fresh;
     *id = fresh;
     return TMS_OK;
+}
+
+/* At exit the names of this process's sockets go with it (a killed
+ * process's are removed by the next sender or member that finds them); the
+ * sockets stay, answering what already waits, until the process ends. */
+__attribute__((destructor)) static void remove_names_at_exit(void)
+{
+    if (pthread_mutex_trylock(&serve_lock)) return;
+    if (!pthread_mutex_trylock(&conns_lock)) {
+        int dir = -1;
+        char path[PATH_MAX];
+        struct tms_err err = {0};
+        if (thread_pid == getpid() && n_listeners && tms_share_place("share", &dir, path, sizeof path, &err) == TMS_OK)
+            for (size_t l = 0; l < n_listeners; l++) (void)tms_os_remove_socket(dir, listeners[l].name);
+        pthread_mutex_unlock(&conns_lock);
+    }
+    pthread_mutex_unlock(&serve_lock);
 }
 
 int tms_share_serving_here(uint32_t pid, uint64_t socket_id)

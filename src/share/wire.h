@@ -12,7 +12,8 @@
 #define TMS_SHARE_MAGIC "TMSSHR01"
 
 /* The 64 bytes of a handle. The sender's socket is named by its pid and a
- * random id, in the abstract namespace (no file to leave behind). */
+ * random id in the user's place (share/place.h), where no other user can
+ * name, take or reach it. */
 struct tms_share_handle {
     char magic[8];
     uint32_t pid;
@@ -41,21 +42,25 @@ struct tms_share_let_go {
 };
 
 /* One reply; status 0 comes with n_chunks descriptors (SCM_RIGHTS). chunk 0:
- * the handles' lengths differ (memory a job lent), each given in lens. */
+ * the handles' lengths differ (memory a job lent), each given in lens. A
+ * refusal with TMS_SHARE_REPLY_BUSY: the sender had too many connections that
+ * had not asked, and closed this one before it asked: another try may get in
+ * (every other refusal, and a hang-up without a reply, is final). */
+#define TMS_SHARE_REPLY_BUSY 1
 struct tms_share_reply {
     int32_t status;
     int32_t n_chunks;
     int32_t device;
-    int32_t reserved0;
+    int32_t flags;
     uint64_t size, reserved, chunk;
     char message[448];
     uint64_t lens[TMS_SHARE_MAX_CHUNKS];
 };
 
 /* ---- lending within a job (job.c asks, serve.c answers) ------------------------
- * A member's socket is named from the user, the job and the device
- * ("\0tms-job-<uid>-<hash>-<pid>-<id>"), so the members of a job find each
- * other in /proc/net/unix; a request names the job and the device again,
+ * A member's socket is named from the job and the device in the user's
+ * place ("j-<hash>-<pid>-<id>"), so the members of a job find each other
+ * there and no other user can; a request names the job and the device again,
  * and the member answers only its own job's requests about its own device. */
 #define TMS_JOB_MAGIC "TMSJOB01"
 #define TMS_JOB_IDENTITY_MAX 95   /* a device's identity (driver.h's device_identity) */
@@ -110,10 +115,6 @@ struct tms_job_returned {
     uint64_t keys[TMS_JOB_MAX_PIECES];
 };
 
-/* "\0tms-share-<pid>-<id>" into addr; returns the address length. */
-struct sockaddr_un;
-size_t tms_share_address(struct sockaddr_un *addr, uint32_t pid, uint64_t socket_id);
-
 /* 1 if pid and socket_id name this process's own sender thread. */
 int tms_share_serving_here(uint32_t pid, uint64_t socket_id);
 
@@ -121,10 +122,12 @@ int tms_share_serving_here(uint32_t pid, uint64_t socket_id);
 #define TMS_SHARE_TIMEOUT_S 30
 
 /* The sender's thread also answers the members of a job on the sockets job.c
- * listens on for device: registered with the job and the device's identity
- * its requests must name. Starts the thread if needed; the listener is
- * closed with the thread (never before). */
-int tms_share_serve_job(int listen_fd, int device, const char *job, const char *identity, struct tms_err *err);
+ * listens on for device (listen_fd, called name in the place): registered
+ * with the job and the device's identity its requests must name. Starts the
+ * thread if needed; on success the thread owns the socket, closes it with
+ * itself (never before) and removes its name then or at the process's exit. */
+int tms_share_serve_job(int listen_fd, const char *name, int device, const char *job, const char *identity,
+                        struct tms_err *err);
 /* Wakes the sender's thread: memory kept for the job waits for its bound. */
 void tms_share_serve_wake(void);
 

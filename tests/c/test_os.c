@@ -1,4 +1,4 @@
-/* C tests of the OS primitives (platform/os.h): private directories, trusted paths, the user's directories, file checks, meminfo, the boot id. */
+/* C tests of the OS primitives (platform/os.h): private directories, trusted paths, the user's directories, file checks, meminfo, the boot id, the descriptor budget, sockets in a directory and their peers. */
 #include <errno.h>
 #include <fcntl.h>
 #include <pwd.h>
@@ -6,6 +6,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -311,6 +315,130 @@ static void files_case(void)
     close(dir);
 }
 
+/* ---- sealed files, the descriptor budget ------------------------------------------------------- */
+
+static void sealed_case(void)
+{
+    struct tms_os_id id, again;
+    int fd = memfd_create("sealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(fd >= 0 && ftruncate(fd, 8192) == 0);
+    CHECK_IS(tms_os_check_sealed(fd, 8192, &id), TMS_OS_UNSEALED);
+    CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+    CHECK_IS(tms_os_check_sealed(fd, 8192, &id), 0);
+    CHECK_IS(tms_os_check_sealed(fd, 8193, &again), TMS_OS_SHORT);
+    int copy = dup(fd);
+    CHECK_IS(tms_os_check_sealed(copy, 4096, &again), 0);
+    CHECK(tms_os_same_id(&id, &again));  /* one file, however many descriptors */
+    int plain = open(at("plain"), O_CREAT | O_RDWR | O_CLOEXEC, 0600);  /* a file that takes no seals */
+    CHECK_IS(tms_os_check_sealed(plain, 0, &again), TMS_OS_UNSEALED);
+    int pipes[2];
+    CHECK(pipe(pipes) == 0);
+    CHECK_IS(tms_os_check_sealed(pipes[0], 0, &again), TMS_OS_NOT_FILE);
+    close(pipes[0]), close(pipes[1]), close(plain), close(copy), close(fd);
+}
+
+static void fd_budget_case(void)
+{
+    struct rlimit old, r;
+    CHECK(getrlimit(RLIMIT_NOFILE, &old) == 0);
+    r = old;
+    r.rlim_cur = 256 < old.rlim_max ? 256 : old.rlim_max;
+    CHECK(setrlimit(RLIMIT_NOFILE, &r) == 0);
+    CHECK(tms_os_fd_budget(TMS_OS_FDS_HELD) == r.rlim_cur / 4 || r.rlim_cur / 4 < 16);
+    CHECK(tms_os_fd_budget(TMS_OS_FDS_BORROWED) == r.rlim_cur / 4);
+    r.rlim_cur = 40 < old.rlim_max ? 40 : old.rlim_max;
+    CHECK(setrlimit(RLIMIT_NOFILE, &r) == 0);
+    CHECK(tms_os_fd_budget(TMS_OS_FDS_HELD) == 16);  /* never fewer than one process needs */
+    CHECK(setrlimit(RLIMIT_NOFILE, &old) == 0);
+}
+
+/* ---- sockets in a directory, their peers ---------------------------------------------------------- */
+
+static int seqpacket(void) { return socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0); }
+
+static void sockets_case(void)
+{
+    CHECK_IS(tms_os_make_dir(AT_FDCWD, at("socks")), 0);
+    int dir = open(at("socks"), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    CHECK(dir >= 0);
+    struct sockaddr_un addr;
+    socklen_t len;
+    CHECK_IS(tms_os_unix_address(dir, at("socks"), "a/b", &addr, &len), -EINVAL);
+    /* A directory whose path does not fit sun_path is reached through its descriptor. */
+    char deep[200];
+    snprintf(deep, sizeof deep, "%s/%0150d", at("socks"), 0);
+    CHECK_IS(tms_os_unix_address(dir, deep, "x", &addr, &len), 0);
+    char want[64];
+    snprintf(want, sizeof want, "/proc/self/fd/%d/x", dir);
+    CHECK(strcmp(addr.sun_path, want) == 0);
+
+    int l1 = -1, l2 = -1;
+    CHECK_IS(tms_os_listen_at(dir, at("socks"), "j-1", 4, &l1), 0);
+    CHECK_IS(tms_os_listen_at(dir, deep, "j-2", 4, &l2), 0);  /* bound through the descriptor */
+    CHECK(l1 >= 0 && l2 >= 0 && fcntl(l1, F_GETFD) == FD_CLOEXEC);
+    CHECK(close(open(at("socks/j-file"), O_CREAT | O_RDWR | O_CLOEXEC, 0600)) == 0);  /* not a socket: not listed */
+    char names[8][TMS_OS_SOCKET_NAME_MAX];
+    size_t n = 0;
+    CHECK_IS(tms_os_socket_names(dir, "j-", names, 8, &n), 0);
+    CHECK(n == 2);  /* no temporary '.' name is left, and the file is no socket */
+    CHECK_IS(tms_os_socket_names(dir, "j-", names, 1, &n), 0);
+    CHECK(n == 1);
+
+    int c = seqpacket();
+    CHECK_IS(tms_os_connect_at(c, dir, at("socks"), "j-2"), 0);
+    int a = accept4(l2, NULL, NULL, SOCK_CLOEXEC);
+    CHECK(a >= 0);
+    struct tms_os_peer peer;
+    CHECK_IS(tms_os_peer_of(a, &peer), 0);
+    CHECK(peer.uid == geteuid() && peer.pid == getpid());
+    int pidfd = -1;
+    CHECK_IS(tms_os_peer_process(a, peer.pid, &pidfd), 0);  /* this process runs */
+    CHECK(pidfd >= 0);
+    close(pidfd), close(a), close(c);
+
+    /* A peer whose process ended: its socket outlives it in this one. */
+    int pair[2];
+    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) == 0);
+    pid_t child = fork();
+    if (child == 0) {
+        int s = seqpacket();
+        _exit(tms_os_connect_at(s, dir, at("socks"), "j-1") == 0 ? 0 : 1);
+    }
+    int status = 0;
+    CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    a = accept4(l1, NULL, NULL, SOCK_CLOEXEC);
+    CHECK(a >= 0);
+    CHECK_IS(tms_os_peer_of(a, &peer), 0);
+    CHECK(peer.pid == child);
+    CHECK_IS(tms_os_peer_process(a, peer.pid, &pidfd), TMS_OS_ENDED);
+    CHECK(pidfd == -1);
+    CHECK(tms_os_process_runs(getpid()) && !tms_os_process_runs(child));
+    close(a), close(pair[0]), close(pair[1]);
+
+    /* Nobody listens on a name its process closed: refused, then removed. */
+    close(l1);
+    c = seqpacket();
+    CHECK_IS(tms_os_connect_at(c, dir, at("socks"), "j-1"), -ECONNREFUSED);
+    close(c);
+    CHECK_IS(tms_os_remove_socket(dir, "j-file"), TMS_OS_NOT_FILE);
+    CHECK_IS(tms_os_remove_socket(dir, "j-1"), 0);
+    CHECK_IS(tms_os_remove_socket(dir, "j-1"), -ENOENT);
+    c = seqpacket();
+    CHECK_IS(tms_os_connect_at(c, dir, at("socks"), "j-1"), -ENOENT);
+    close(c);
+    /* A full backlog: a non-blocking connect says so at once. */
+    int full = 0;
+    for (int i = 0; i < 64 && !full; i++) {
+        c = seqpacket();
+        int rc = tms_os_connect_at(c, dir, at("socks"), "j-2");
+        full = rc == -EAGAIN;
+        if (rc) close(c);
+    }
+    CHECK(full);
+    close(l2);
+    close(dir);
+}
+
 int main(void)
 {
     unsetenv("TMS_HOST_MEMINFO");
@@ -323,6 +451,9 @@ int main(void)
     user_dirs_case();
     boot_id_case();
     files_case();
+    sealed_case();
+    fd_budget_case();
+    sockets_case();
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", base);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", base);

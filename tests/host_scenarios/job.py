@@ -1,3 +1,4 @@
+# Tests the native module too: the members share and open raw allocations (no torch to import).
 """Lending within a job on the host backend (tests/test_job.py): member processes (this
 file again, case `member`, driven over stdin/stdout) pause, keep memory for each other,
 resume into what another lent, are killed or stopped at each step; an outsider gets
@@ -5,8 +6,6 @@ nothing. Which process's memory backs an address is read from /proc: a chunk of 
 host backend is a memfd, the same inode in the process that made it (its descriptor)
 and in every process that maps it."""
 import atexit
-import ctypes
-import gc
 import os
 import pickle
 import resource
@@ -17,9 +16,11 @@ import subprocess
 import sys
 import time
 
-from _prelude import MiB, fill, read, run_cases, tms
+from _prelude import MiB, core, fill, read, run_cases, tms
+from share_peers import job_hash, place
 
 CHUNK = 2 * MiB  # the host backend's granularity: every chunk lends to any allocation
+PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "share_peers.py")  # attackers, without the library
 SETTLE_S = 30    # the most a case waits for what a member's thread does on its own
 # The case's own job names: cases running at once (pytest-xdist) never meet.
 J, OTHER = f"j-{os.getpid()}", f"other-{os.getpid()}"
@@ -138,17 +139,13 @@ def member():
                 answer = read(*args)
             elif op in ("pause", "resume"):
                 answer = getattr(tms, op)(args[0]).as_dict()
-            elif op == "share":
-                import torch
-
-                ptr, n = args
-                answer = tms.share(torch.frombuffer((ctypes.c_char * n).from_address(ptr), dtype=torch.uint8))
-            elif op == "open":
-                opened = tms.open_shared(args[0])
-                answer = opened.numpy().tobytes()
+            elif op == "share":  # the allocation at ptr, whole: its handle
+                answer = core().share(args[0])[0]
+            elif op == "open":  # its bytes, held open until "close"
+                opened, size = core().open_shared(args[0])
+                answer = read(opened, size)
             elif op == "close":
-                del opened
-                gc.collect()
+                core().close_shared(opened)
                 answer = None
             elif op == "fork":  # a child that waits for "unfork" (the end of its pipe)
                 r, w = os.pipe()
@@ -250,6 +247,12 @@ def device(report):
     return report["devices"][0]
 
 
+def member_sockets(*pids):
+    """Paths of the job sockets these members listen on, in the user's place."""
+    found = os.listdir(place()) if os.path.isdir(place()) else []
+    return [os.path.join(place(), n) for n in found if n.startswith("j-") and any(f"-{p}-" in n for p in pids)]
+
+
 def check_exit_frees(members, inodes):
     for m in members:
         m.finish()
@@ -290,7 +293,7 @@ def lend_and_reuse():
     memory = a.memory()
     assert (memory["job_kept"], memory["job_lent"]) == (4 * MiB, 12 * MiB), memory
     assert b.memory()["job_borrowed"] == 12 * MiB
-    assert a.ask("open", b.ask("share", b_w, 12 * MiB)) == b_bytes  # shared again: A maps its own chunks
+    assert a.ask("open", b.ask("share", b_w)) == b_bytes  # shared again: A maps its own chunks
     a.ask("close")
 
     d = device(b.resume("kv"))  # 4 MiB more of A's, 4 from the driver
@@ -324,7 +327,7 @@ def shared_on_memory_is_never_lent_again():
     assert device(a.pause("kv"))["kept_bytes"] == 12 * MiB
     assert device(b.resume())["borrowed_bytes"] == 12 * MiB
     shared = mapped_in(b.pid, w, 8 * MiB)
-    assert c.ask("open", b.ask("share", w, 8 * MiB)) == data
+    assert c.ask("open", b.ask("share", w)) == data
     c.ask("close")
     assert device(b.pause())["returned_bytes"] == 12 * MiB
     until("the shared chunks released everywhere", lambda: not alive_anywhere(shared))
@@ -391,9 +394,9 @@ def descriptors_kept_within_a_quarter_of_the_limit():
         a.alloc(f"kv{i}", 24 * CHUNK)
         assert device(a.pause(f"kv{i}"))["kept_bytes"] == 24 * CHUNK
         assert device(b.resume())["borrowed_bytes"] == 24 * CHUNK
-        assert a.ask("open", b.ask("share", first, n_first * CHUNK)) == b.ask("read", first, n_first * CHUNK)
+        assert a.ask("open", b.ask("share", first)) == b.ask("read", first, n_first * CHUNK)
         a.ask("close")
-        send(a.proc.stdin, ("open", b.ask("share", second, n_second * CHUNK)))
+        send(a.proc.stdin, ("open", b.ask("share", second)))
         kind, answer = take(a.proc.stdout)
         assert kind == "error" and "whose descriptor this process did not keep (it keeps at most 16" in answer, answer
         assert device(b.pause())["returned_bytes"] == 24 * CHUNK
@@ -581,8 +584,7 @@ def without_a_job():
     d = device(b.resume())
     assert (d["reused_bytes"], d["borrowed_bytes"], d["fallback"]) == (0, 0, None), d
     assert b.ask("read", p, 8 * MiB) == data and not mapped_in(b.pid, p, 8 * MiB) & made
-    with open("/proc/net/unix") as f:  # other tests' members may listen: only these two count
-        assert not [line for line in f if "@tms-job-" in line and (f"-{a.pid}-" in line or f"-{b.pid}-" in line)]
+    assert not member_sockets(a.pid, b.pid)  # other tests' members may listen: only these two count
     assert (a.memory()["job_kept"], b.memory()["job_borrowed"]) == (0, 0)
     check_exit_frees((a, b), made)
     print("done")
@@ -624,9 +626,8 @@ def forged_requests(uid=None, gid=None):
     b.pause()
     a.alloc("kv", 8 * MiB)
     assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
-    with open("/proc/net/unix") as f:
-        names = [line.split()[-1][1:] for line in f if f"-{a.pid}-" in line and "@tms-job-" in line]
-    assert names, "A's socket is not in /proc/net/unix"
+    names = member_sockets(a.pid)
+    assert names, "A's socket is not in the place"
     identity = None
     with open("/proc/sys/kernel/random/boot_id") as f:
         identity = f"host-{f.read().strip()}-0"
@@ -637,12 +638,12 @@ def forged_requests(uid=None, gid=None):
     for job, dev in ((OTHER, identity), (J, "host-0-0"), (J, identity)):
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
             try:
-                s.connect("\0" + names[0])
+                s.connect(names[0])
                 head = b"TMSJOB01" + struct.pack("<II", 2, 1) + job.encode().ljust(72, b"\0") + dev.encode().ljust(96, b"\0")
                 s.send(head + struct.pack("<Q", 8 * MiB))
                 msg, fds, _, _ = socket.recv_fds(s, 1 << 16, 300)
-            except (ConnectionResetError, BrokenPipeError, ConnectionRefusedError):
-                msg, fds = b"", []
+            except (ConnectionResetError, BrokenPipeError, ConnectionRefusedError, PermissionError):
+                msg, fds = b"", []  # another user cannot even reach the place
         for fd in fds:
             os.close(fd)
         if uid is not None or job != J or dev != identity:
@@ -655,6 +656,193 @@ def forged_requests(uid=None, gid=None):
     assert a.memory()["job_lent"] == (8 * MiB if uid is None else 0)
     a.finish()
     b.finish()
+    print("done")
+
+
+# ---- trust: other users, stopped members, forged lenders ---------------------------------------
+
+def squatted_names(uid, gid):
+    """Another user binds 200 names a job's members would go by before the job starts:
+    abstract names with the job's prefix (anyone can compute it from the user, the job and
+    the boot id) and names in the user's place, which it cannot enter. The members find
+    each other all the same: a pause keeps, a resume borrows, nobody times out."""
+    os.makedirs(place(), mode=0o700, exist_ok=True)
+    squatter = subprocess.Popen([sys.executable, PEERS, "squatter", str(os.geteuid()), f"{job_hash(J):016x}", "200",
+                                 place(), str(uid), str(gid)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert squatter.stdout.readline().split() == ["200", "0"]  # every abstract name, none in the place
+    a, b = Member(J), Member(J)
+    p = b.alloc("w", 8 * MiB, backup=True)
+    data = b.ask("fill", p, 8 * MiB)
+    b.pause()
+    a.alloc("kv", 8 * MiB)
+    d = device(a.pause("kv"))
+    assert (d["kept_bytes"], d["timed_out"]) == (8 * MiB, []), d
+    d = device(b.resume())
+    assert (d["borrowed_bytes"], d["lenders"], d["fallback"], d["timed_out"]) == (8 * MiB, {a.pid: 8 * MiB}, None, []), d
+    assert b.ask("read", p, 8 * MiB) == data
+    squatter.stdin.close()
+    assert squatter.wait(timeout=60) == 0
+    check_exit_frees((a, b), made_by(a.pid))
+    print("done")
+
+
+def flooded_members(uid, gid):
+    """Another user connects to every socket of a lending member (its job socket and its
+    share socket) and hangs up, as fast as it can,
+    while the members pause and resume five times: it reaches none of them, and every
+    resume borrows all it needs from the member."""
+    a, b = Member(J), Member(J)
+    p = b.alloc("w", 8 * MiB, backup=True)
+    data = b.ask("fill", p, 8 * MiB)
+    b.pause()
+    a.alloc("kv", 8 * MiB)
+    s = a.alloc("s", CHUNK)
+    a.ask("share", s)  # its share socket too
+    assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
+    with open("/proc/net/unix") as f:  # where a library named them before, as anyone reads them
+        names = [line.split()[-1][1:] for line in f if f"-{a.pid}-" in line and
+                 line.split()[-1].startswith(("@tms-job-", "@tms-share-"))]
+    names += member_sockets(a.pid) + [os.path.join(place(), n) for n in os.listdir(place()) if n.startswith(f"s-{a.pid}-")]
+    assert len(names) == 2, names
+    flood = subprocess.Popen([sys.executable, PEERS, "flooder", ",".join(names), "churn", "0", str(uid), str(gid)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert flood.stdout.readline() == "flooding\n"
+    borrowed = []
+    for _ in range(5):
+        borrowed.append(device(b.resume())["borrowed_bytes"])
+        assert device(b.pause())["kept_bytes"] == 0
+    flood.stdin.close()
+    connected = int(flood.stdout.readline().split()[0])
+    assert flood.wait(timeout=60) == 0
+    assert (connected, borrowed) == (0, [8 * MiB] * 5), (connected, borrowed)
+    b.resume()
+    assert b.ask("read", p, 8 * MiB) == data
+    check_exit_frees((a, b), made_by(a.pid))
+    print("done")
+
+
+def fake_members(count, answer=None):
+    """count listening sockets under the names of members of job J on device 0, in the
+    place and (for a library that looked there) in the abstract namespace, served by a
+    thread of this process: never accepted (answer None: members that stopped), or each
+    request answered by answer(request bytes) -> (reply bytes, descriptors to send)."""
+    import socket
+    import threading
+
+    os.makedirs(place(), mode=0o700, exist_ok=True)
+    listeners = []
+    for i in range(count):  # pids no process has in the names: the library names each by its credentials
+        for name in (os.path.join(place(), f"j-{job_hash(J):016x}-{4000000 + i}-{i:016x}"),
+                     f"\0tms-job-{os.geteuid()}-{job_hash(J):016x}-{4000000 + i}-{i:016x}"):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.bind(name)
+            s.listen(64)
+            listeners.append(s)
+    if answer is not None:
+        kept = []  # a lend's connection stays open while it is borrowed
+
+        def serve(listener):
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                request = conn.recv(1 << 16)
+                reply, fds = answer(request)
+                socket.send_fds(conn, [reply], fds)
+                kept.append(conn)
+
+        for s in listeners:
+            threading.Thread(target=serve, args=(s,), daemon=True).start()
+    return listeners
+
+
+def close_fakes(listeners):
+    """Closes fake_members' sockets and removes their names from the place."""
+    for s in listeners:
+        name = s.getsockname()
+        s.close()
+        if isinstance(name, str):  # a path (an abstract name comes as bytes)
+            os.unlink(name)
+
+
+def stopped_members_cost_one_wait():
+    """Sixteen members that never answer (their sockets listen, nothing accepts: stopped
+    processes, as far as asking goes) cost a pause and a resume one TMS_JOB_WAIT_MS
+    together, not one each: both go on, the report naming them."""
+    wait_ms = 250
+    a = Member(J, wait_ms=wait_ms)
+    a.alloc("kv", 8 * MiB)
+    stopped = fake_members(16)
+    bound = 5 * wait_ms / 1000  # one wait and all else a pause does; one wait per member is 16
+    r = a.pause("kv")
+    assert r["seconds"] < bound, r["seconds"]
+    assert (device(r)["timed_out"], device(r)["kept_bytes"]) == ([os.getpid()] * 4, 0), r  # the first four named
+    r = a.resume("kv")
+    assert r["seconds"] < bound, r["seconds"]
+    d = device(r)
+    assert (d["fallback"], d["timed_out"], d["borrowed_bytes"]) == ("member timed out", [os.getpid()] * 4, 0), d
+    close_fakes(stopped)
+    a.finish()
+    print("done")
+
+
+def bad_lends():
+    """A process of this user posing as a member lends what no member would: one memfd as
+    all four pieces, memfds it could still shrink, memfds shorter than it says, and a memfd
+    this process has borrowed already. Each lend is refused whole: the resume takes the
+    driver's memory, restores every byte, and says "bad lend"; lends that pass the checks
+    are taken."""
+    lent = []  # every memfd lent, kept open here
+
+    def memfd(size, seal=True):
+        fd = os.memfd_create("fake-lend", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+        if seal:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        lent.append(fd)
+        return fd
+
+    mode = ["same"]
+
+    def answer(request):
+        op, n = struct.unpack_from("<II", request, 8)
+        if op == 1:  # STATUS: nothing paused, memory kept idle
+            return struct.pack("<iiQQ", 0, 0, 0, 64 * MiB), []
+        need = struct.unpack_from("<Q", request, 8 + 8 + 72 + 96)[0]
+        k = need // CHUNK
+        if mode[0] == "same":
+            fds = [memfd(CHUNK)] * k
+        elif mode[0] == "held again":
+            fds = [lent[-1]] + [memfd(CHUNK) for _ in range(k - 1)]
+        else:
+            fds = [memfd(CHUNK // 2 if mode[0] == "short" else CHUNK, seal=mode[0] != "unsealed") for _ in range(k)]
+        pieces = b"".join(struct.pack("<IIQQQ", 0, 0, CHUNK, CHUNK, 1000 + i) for i in range(k))
+        return struct.pack("<iI", 0, k) + pieces, fds
+
+    import fcntl
+
+    b = Member(J)
+    p = b.alloc("w", 8 * MiB, backup=True)
+    q = b.alloc("v", 4 * MiB, backup=True)
+    data = {p: b.ask("fill", p, 8 * MiB), q: b.ask("fill", q, 4 * MiB)}
+    b.pause()
+    servers = fake_members(1, answer)
+    for mode[0] in ("same", "unsealed", "short"):
+        d = device(b.resume("w"))
+        assert (d["borrowed_bytes"], d["fallback"]) == (0, "bad lend"), (mode, d)
+        assert b.ask("read", p, 8 * MiB) == data[p], mode
+        b.pause("w")
+    mode[0] = "fine"
+    d = device(b.resume("w"))  # four sealed memfds of the size lent: taken
+    assert (d["borrowed_bytes"], d["fallback"]) == (8 * MiB, None), d
+    assert b.ask("read", p, 8 * MiB) == data[p]
+    mode[0] = "held again"  # one of them again, while "w" maps it
+    d = device(b.resume("v"))
+    assert (d["borrowed_bytes"], d["fallback"]) == (0, "bad lend"), d
+    assert b.ask("read", q, 4 * MiB) == data[q] and b.ask("read", p, 8 * MiB) == data[p]
+    b.finish()
+    close_fakes(servers)
     print("done")
 
 

@@ -24,6 +24,7 @@ from torch_memory_saver import _share as tms_share
 from torch_memory_saver._share import MAGIC
 
 from _prelude import MiB, core, device_used, expect, fill, read, run_cases, tms
+from share_peers import place, sender_socket
 
 N = 6 * MiB
 PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "share_peers.py")  # attackers, without torch
@@ -73,10 +74,8 @@ class Receiver:
 
 
 def socket_name(shared):
-    """The abstract name (less its leading NUL) of the sender's socket a handle names:
-    anyone reads these in /proc/net/unix."""
-    h = shared.handle
-    return f"tms-share-{struct.unpack_from('<I', h, 8)[0]}-{struct.unpack_from('<Q', h, 16)[0]:016x}"
+    """The path of the sender's socket a handle names (any process of the user can list it)."""
+    return sender_socket(shared.handle)
 
 
 def thread_cpu(tid):
@@ -103,13 +102,13 @@ def raw_ask(shared):
     import socket
 
     h = shared.handle
-    pid, sid, va = struct.unpack_from("<I", h, 8)[0], struct.unpack_from("<Q", h, 16)[0], struct.unpack_from("<Q", h, 24)[0]
+    va = struct.unpack_from("<Q", h, 24)[0]
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-        s.connect(f"\0tms-share-{pid}-{sid:016x}")
         try:
+            s.connect(sender_socket(h))
             s.send(b"TMSSHR01" + struct.pack("<Q", va) + h[40:56])
             msg, fds, _, _ = socket.recv_fds(s, 1024, 64)
-        except (ConnectionResetError, BrokenPipeError):  # hung up on before the answer
+        except (ConnectionResetError, BrokenPipeError, PermissionError):  # hung up on, or not reachable
             msg, fds = b"", []
     for fd in fds:
         os.close(fd)
@@ -314,8 +313,9 @@ def fake_sender():
     sid = int.from_bytes(os.urandom(8), "little")
     handle = MAGIC + struct.pack("<IIQQQ", os.getpid(), 0, sid, 0x7000_0000_0000, size) + bytes(16) + bytes(8)
     shared = tms_share.SharedTensor(handle, 0, torch.uint8, (size,), (1,), None)
+    os.makedirs(place(), mode=0o700, exist_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(f"\0tms-share-{os.getpid()}-{sid:016x}")
+    listener.bind(sender_socket(handle))
     listener.listen(4)
     data = os.urandom(size)
 
@@ -349,6 +349,7 @@ def fake_sender():
         assert got == want, (file_bytes, seal, got)
         assert core().open_shared_count() == 0
     listener.close()
+    os.unlink(sender_socket(handle))
     print("done")
 
 
@@ -458,6 +459,72 @@ def hung_up_receiver():
     print("done")
 
 
+def one_peer_holds_its_share():
+    """A process of this user with a handle takes the memory over 40 connections and keeps
+    every one (half open, half hung up on while it lives: hang-ups the sender watches),
+    against a sender whose descriptor limit lets it keep 32: it gets 16, half, and is told
+    why; another process then gets the memory."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(128, hard), hard))  # a quarter: 32 kept
+    p, t = region_tensor("o")
+    fill(p, N)
+    shared = tms.share(t)
+    hoarder = subprocess.Popen([sys.executable, PEERS, "hoarder", shared.handle.hex(), "40"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    got, refusal = hoarder.stdout.readline().rstrip("\n").split(" ", 1)
+    assert int(got) == 16 and f"keeps 16 connections and hang-ups of pid {hoarder.pid}, the most one process may " \
+        "have of its 32" in refusal, (got, refusal)
+    other = subprocess.run([sys.executable, PEERS, "taker", shared.handle.hex(), "exit"], capture_output=True,
+                           text=True, timeout=60)  # another process of the user: it gets the memory
+    assert other.returncode == 0 and other.stdout == "hung up\n", other.stderr
+    hoarder.stdin.close()
+    assert hoarder.wait(timeout=60) == 0
+    print("done")
+
+
+def sender_hung_up():
+    """A sender that reads the request and hangs up without a reply: the open fails at once
+    naming its pid, and does not connect again (only a sender that says it is busy is
+    asked again)."""
+    import select
+    import socket
+    import threading
+
+    size = 2 * MiB
+    sid = int.from_bytes(os.urandom(8), "little")
+    handle = MAGIC + struct.pack("<IIQQQ", os.getpid(), 0, sid, 0x7000_0000_0000, size) + bytes(16) + bytes(8)
+    shared = tms_share.SharedTensor(handle, 0, torch.uint8, (size,), (1,), None)
+    os.makedirs(place(), mode=0o700, exist_ok=True)
+    listeners = []
+    for name in (sender_socket(handle), f"\0tms-share-{os.getpid()}-{sid:016x}"):  # and where a library looked before
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.bind(name)
+        s.listen(4)
+        listeners.append(s)
+    accepted = []
+
+    def hang_up():
+        ready, _, _ = select.select(listeners, [], [], 60)
+        conn, _ = ready[0].accept()
+        conn.recv(1024)
+        accepted.append(conn)
+        conn.close()
+
+    t = threading.Thread(target=hang_up)
+    t.start()
+    e = expect(Error, tms.open_shared, shared)
+    t.join()
+    assert f"open_shared: pid {os.getpid()} hung up without an answer" in str(e), e
+    assert len(accepted) == 1 and not select.select(listeners, [], [], 0)[0]  # nothing connected again
+    assert core().open_shared_count() == 0
+    for s in listeners:
+        s.close()
+    os.unlink(sender_socket(handle))
+    print("done")
+
+
 def not_shareable():
     """TMS_SHAREABLE=0: memory is made plain, and share says why it cannot."""
     p, t = region_tensor("n", 2 * MiB)
@@ -466,14 +533,15 @@ def not_shareable():
 
 
 def other_user(uid, gid):
-    """A receiver running as another user gets nothing: the sender hangs up on it."""
+    """A receiver running as another user gets nothing: the sender's socket is in a place it
+    cannot enter, and it finds none of the sender's in its own."""
     p, t = region_tensor("u")
     fill(p, N)
     uid, gid = int(uid), int(gid)
     r = Receiver(tms.share(t), user=(uid, gid))
-    assert r.opened[:3] == ("error", "ValueError", f"torch_memory_saver: open_shared: the socket of pid {os.getpid()} "
-                                                   "belongs to another user: refused"), r.opened
-    assert r.opened[3:] == (0, 0), r.opened  # asked past that check, the sender hangs up: no bytes, no descriptor
+    assert r.opened[:2] == ("error", "Error") and f"(pid {os.getpid()}) is gone, or keeps its sockets in another " \
+        "place than" in r.opened[2], r.opened
+    assert r.opened[3:] == (0, 0), r.opened  # asking at the sender's socket itself: no bytes, no descriptor
     r.finish()
     tms.pause("u")  # nobody holds it
     print("done")
@@ -481,5 +549,6 @@ def other_user(uid, gid):
 
 if __name__ == "__main__":
     run_cases({f.__name__: f for f in (receive, round_trip, sender_exits_first, fake_sender, not_shareable,
-                                       other_user, idle_flood, refusal_flood, hung_up_receiver)},
+                                       other_user, idle_flood, refusal_flood, hung_up_receiver, one_peer_holds_its_share,
+                                       sender_hung_up)},
               sys.argv)
