@@ -301,11 +301,13 @@ def test_no_headers_include_each_other_in_a_circle():
     assert not found, "headers that include each other in a circle: " + "; ".join(" <-> ".join(c) for c in found)
 
 
-# The operating system's file and user primitives: above platform/ a file asks platform/os.h
+# The operating system's file, user, socket and process primitives: above platform/ a file asks platform/os.h
 # (one statx helper, one path-trust walk, one reader of the user database). stat, fstat
 # and lstat are GLIBC_2.33 symbols besides, beyond the wheel's glibc floor.
 OS_CALLS = ("statx", "stat", "fstat", "lstat", "fstatat", "statfs", "fstatfs", "getpwuid", "getpwuid_r",
-            "getpwnam", "getpwnam_r", "realpath", "secure_getenv")
+            "getpwnam", "getpwnam_r", "realpath", "secure_getenv",
+            # sockets, descriptor limits and raw system calls (peer credentials, pidfds, one budget)
+            "socket", "accept", "accept4", "getsockopt", "setsockopt", "getrlimit", "setrlimit", "prlimit", "syscall")
 
 
 def os_calls_above_platform(files):

@@ -121,7 +121,7 @@ enum tms_fault_op { TMS_FAULT_LIST(TMS_FAULT_ENUM) TMS_FAULT_OPS };
     X(job_hold_ms, count, "TMS_JOB_HOLD_MS", 2000, (0, 60000), "a whole number of milliseconds from 0 to 60000", \
       ENV, "how long memory a pause keeps for the job's members waits before it goes back to the driver")      \
     X(job_wait_ms, count, "TMS_JOB_WAIT_MS", 20, (0, 60000), "a whole number of milliseconds from 0 to 60000", \
-      ENV, "how long a pause or resume waits for one member's answer before it goes on without it")            \
+      ENV, "how long a pause or resume waits for the members' answers, all together, before it goes on without them") \
     X(spill_to_disk, boolean, "TMS_SPILL_TO_DISK", 0, (), NULL, RUN(tms_core_set_spill, tms_core_spill),       \
       "When a backed-up pause would exceed the host backup budget (TMS_HOST_BACKUP_LIMIT, or 5 % of the "      \
       "host's memory kept available), the largest allocations that do not fit are backed up to disk (the "     \

@@ -208,6 +208,12 @@ int tms_os_unix_address(int dirfd, const char *dir, const char *name, struct soc
  * under a temporary name starting with '.', then renamed into place: under
  * its name a socket always listens, or its process has ended. 0 and *fd. */
 int tms_os_listen_at(int dirfd, const char *dir, const char *name, int backlog, int *fd);
+/* A new socket of this kind (non-blocking where asked): its descriptor, or a negative errno. */
+int tms_os_socket(int nonblocking);
+/* The next connection waiting on listening socket lfd (close-on-exec): its descriptor, or a negative errno. */
+int tms_os_accept(int lfd);
+/* Sends and receives on sock give up after seconds (SO_SNDTIMEO, SO_RCVTIMEO). */
+int tms_os_socket_timeouts(int sock, int seconds);
 /* Connects sock (made by the caller) to name in the directory. -ECONNREFUSED:
  * nobody listens there (its process ended); -EAGAIN: its backlog is full
  * (a non-blocking sock). */

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #ifndef SO_PEERPIDFD
@@ -36,6 +37,27 @@ int tms_os_unix_address(int dirfd, const char *dir, const char *name, struct soc
     return 0;
 }
 
+int tms_os_socket(int nonblocking)
+{
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | (nonblocking ? SOCK_NONBLOCK : 0), 0);
+    return s >= 0 ? s : fail();
+}
+
+int tms_os_accept(int lfd)
+{
+    int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+    return fd >= 0 ? fd : fail();
+}
+
+int tms_os_socket_timeouts(int sock, int seconds)
+{
+    struct timeval t = {.tv_sec = seconds};
+    if (setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &t, sizeof t) != 0 ||
+        setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &t, sizeof t) != 0)
+        return fail();
+    return 0;
+}
+
 int tms_os_listen_at(int dirfd, const char *dir, const char *name, int backlog, int *fd)
 {
     *fd = -1;
@@ -47,8 +69,8 @@ int tms_os_listen_at(int dirfd, const char *dir, const char *name, int backlog, 
     socklen_t len;
     int rc = tms_os_unix_address(dirfd, dir, tmp, &addr, &len);
     if (rc) return rc;
-    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (s < 0) return fail();
+    int s = tms_os_socket(1);
+    if (s < 0) return s;
     if (bind(s, (struct sockaddr *)&addr, len) != 0) {
         rc = fail();
         close(s);

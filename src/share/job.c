@@ -237,7 +237,7 @@ static int open_conn(void)
         struct member_conn *more = realloc(conns, grown * sizeof *more);
         if (more) conns = more, cap_conns = grown;
     }
-    if (n_conns < cap_conns && (fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0)) >= 0)
+    if (n_conns < cap_conns && (fd = tms_os_socket(1)) >= 0)
         conns[n_conns++] = (struct member_conn){.fd = fd, .pending = 1};
     unlock();
     return fd;

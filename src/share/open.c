@@ -6,7 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include "core/core.h"
@@ -80,12 +79,10 @@ static int connect_sender(struct opened *o, const struct tms_share_handle *h, st
     if (rc) return rc;
     pthread_mutex_lock(&open_lock);
     if (o->conn >= 0) close(o->conn);  /* a try before this one */
-    int fd = o->conn = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    int fd = o->conn = tms_os_socket(0);
     pthread_mutex_unlock(&open_lock);
-    if (fd < 0) return tms_fail(err, TMS_E_IO, errno, "open_shared: socket() failed: %s", strerror(errno));
-    struct timeval timeout = {.tv_sec = TMS_SHARE_TIMEOUT_S};
-    (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
-    (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+    if (fd < 0) return tms_fail(err, TMS_E_IO, -fd, "open_shared: socket() failed: %s", strerror(-fd));
+    (void)tms_os_socket_timeouts(fd, TMS_SHARE_TIMEOUT_S);  /* without them, the sender's own deadline still holds */
     tms_share_sender_name(name, sizeof name, h->pid, (unsigned long long)h->socket_id);
     rc = tms_os_connect_at(fd, dir, path, name);
     if (rc == -ECONNREFUSED || rc == -ENOENT)

@@ -412,8 +412,9 @@ static void accept_some_locked(size_t l, uint64_t now)
     int lfd = listeners[l].fd, share = listeners[l].device < 0;
     size_t cap = tms_os_fd_budget(TMS_OS_FDS_HELD), peer_cap = cap / HELD_PEER_SHARE;
     for (int k = 0; k < ACCEPTS_PER_WAKE && now >= listeners[l].resume_ms; k++) {
-        int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+        int fd = tms_os_accept(lfd);
         if (fd < 0) {
+            errno = -fd;
             /* Out of descriptors or memory: the pending connection stays readable,
              * so the listener rests rather than spin. */
             if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
@@ -763,7 +764,7 @@ static void sweep_senders(int dir, const char *path)
     for (size_t i = 0; i < n && tried < SWEEP_MAX; i++) {
         unsigned pid = 0;
         if (sscanf(names[i], "s-%u-", &pid) != 1 || tms_os_process_runs((int)pid)) continue;
-        int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        int fd = tms_os_socket(1);
         if (fd < 0) break;
         tried++;
         int rc = tms_os_connect_at(fd, dir, path, names[i]);

@@ -17,6 +17,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -142,6 +143,9 @@ def dev(report):
 
 
 def main(hook_mode, mode="on"):
+    # The members' sockets go into the runtime directory: one of this run's own, so that
+    # what is left there at the end is theirs.
+    os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="tms-job-lend-")
     begin(f"job_lend ({mode})", hook_mode)
     on = mode == "on"
     job = f"gpu-{uuid.uuid4().hex[:12]}" if on else None
@@ -208,9 +212,9 @@ def main(hook_mode, mode="on"):
 
     for m in (a, b, outsider):
         m.finish()
-    with open("/proc/net/unix") as f:
-        left = [line for line in f if "@tms-job-" in line and any(f"-{m.pid}-" in line for m in (a, b))]
-    check(not left, f"the members' sockets outlived them: {left}")
+    place = os.path.join(os.environ["XDG_RUNTIME_DIR"], "torch_memory_saver")
+    left = [n for n in (os.listdir(place) if os.path.isdir(place) else []) if any(f"-{m.pid}-" in n for m in (a, b))]
+    check(not left, f"the members' sockets outlived them in {place}: {left}")
     free1 = until("the device's memory back", lambda: (f := device_free()) >= free0 and f)
     say(f"after every member exited: device free memory {mib(free1)} (at the start {mib(free0)})")
     say("OK")
