@@ -368,7 +368,7 @@ def test_readme_names_the_console_command_and_the_group_errors_failures():
 
 
 def test_every_file_of_a_disk_backup_is_one_readme_names(run_py, tmp_path):
-    bullet = README.split("- **Files**:", 1)[1].split("\n- ", 1)[0].split("\n\n", 1)[0]
+    bullet = README.split("**Files**:", 1)[1].split("\n- ", 1)[0].split("\n\n", 1)[0]
     patterns = re.findall(r"`(tms-<pid>-[^`]+)`", bullet)
     assert len(patterns) == 2, bullet
     names = [re.escape(p).replace(re.escape("<pid>"), r"\d+").replace(re.escape("<token>"), "[0-9a-f]{16}")

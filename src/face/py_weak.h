@@ -21,6 +21,10 @@
 #pragma weak PyDict_SetItem
 #pragma weak PyDict_SetItemString
 #pragma weak PyErr_Format
+#pragma weak PyObject_SetAttrString
+#pragma weak PyErr_Fetch
+#pragma weak PyErr_NormalizeException
+#pragma weak PyErr_Restore
 #pragma weak PyLong_Type
 #pragma weak PyErr_Clear
 #pragma weak PyErr_ExceptionMatches
