@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/report.h"
 #include "core/stats.h"
 #include "platform/config.h"
 #include "platform/error.h"
@@ -155,88 +156,6 @@ struct tms_free_span {
     uint64_t start, len;
 };
 
-#define TMS_REPORT_DEVICES 16
-
-#define TMS_REPORT_PIDS 4
-
-/* Why a resume in a job took memory from the driver rather than from other
- * members (tms_op_device.fallback). */
-enum tms_job_fallback {
-    TMS_JOB_NOT_ASKED = 0,   /* no job, or its own kept memory was enough */
-    TMS_JOB_NO_MEMBER,       /* no other member of the job on the device */
-    TMS_JOB_TIMED_OUT,       /* a member did not answer within the bound (timed_out_pids) */
-    TMS_JOB_NOTHING_TO_LEND, /* the members answered, with less than was needed */
-    TMS_JOB_ENOUGH,          /* the members lent all that was needed: nothing from the driver */
-    TMS_JOB_BAD_LEND,        /* a member lent memory that failed the checks: refused whole (tms_job_note.bad) */
-};
-
-/* The byte counts of one device's part of a pause or resume, declared once:
- * X(field, the name the faces give it, what it counts). The C struct below,
- * the dict the Python face returns and Python's Report are made from it. */
-#define TMS_REPORT_BYTES(X)                                                                                    \
-    X(released, "released_bytes", "bytes of device memory a pause unmapped, or a resume mapped")              \
-    X(mapped, "mapped_bytes", "bytes of device memory a resume mapped (0 for a pause)")                       \
-    X(copied, "copied_bytes", "bytes copied to (pause) or from (resume) backups")                             \
-    X(skipped, "skipped_bytes", "bytes of backed-up allocations not copied: free blocks of PyTorch's cache")  \
-    X(unchanged, "unchanged_bytes", "bytes not copied because they had not changed since their backup was "    \
-      "written (skip_unchanged)")                                                                              \
-    X(verified, "verified_bytes", "bytes a resume restored and found, by their fingerprints, as they were "   \
-      "paused")                                                                                                \
-    X(kept, "kept_bytes", "of released_bytes, those a pause kept for the other members of its job")           \
-    X(returned, "returned_bytes", "borrowed bytes a pause gave back to the members of its job that lent them") \
-    X(reused, "reused_bytes", "bytes a resume mapped from memory this process kept for its job")              \
-    X(borrowed, "borrowed_bytes", "bytes a resume mapped from memory other members of its job lent")
-
-/* One device's part of a pause or resume. */
-struct tms_op_device {
-    int device;
-    size_t allocations;   /* paused (resumed) by the call */
-#define TMS_REPORT_FIELD(field, name, doc) size_t field;
-    TMS_REPORT_BYTES(TMS_REPORT_FIELD)
-#undef TMS_REPORT_FIELD
-    size_t free_before, free_after;  /* the driver's free bytes around the call (0 if it could not say) */
-    int free_measured;    /* free_before and free_after were asked for (tms_op_args.measure_free) */
-    /* Lending within a job: the first lenders of a resume with their bytes,
-     * and why the driver served the rest. */
-    int lenders;          /* members it borrowed from; the first TMS_REPORT_PIDS in lender_pids */
-    int lender_pids[TMS_REPORT_PIDS];
-    size_t lender_bytes[TMS_REPORT_PIDS];
-    int fallback;         /* enum tms_job_fallback (resume) */
-    int timed_out;        /* members that did not answer in time (pause or resume); the first listed */
-    int timed_out_pids[TMS_REPORT_PIDS];
-};
-
-#define TMS_REPORT_UNCONFIRMED 64
-
-/* An allocation a pause unmapped while a receiver may still map its memory:
- * the receiver hung up without saying it let go, and its process lived. Its
- * bytes are not in its device's `released`. */
-struct tms_op_unconfirmed {
-    uint64_t va;
-    size_t reserved;      /* bytes unmapped here */
-    int device;
-    int receivers;        /* that hung up without letting go */
-    int pids[TMS_REPORT_PIDS];  /* the first of them; 0 past `receivers` */
-    const char *tag;      /* pooled: valid for the process's life */
-};
-
-struct tms_op_report {
-    uint64_t ns;
-    size_t n_devices;     /* devices beyond TMS_REPORT_DEVICES are left out */
-    struct tms_op_device devices[TMS_REPORT_DEVICES];
-    size_t n_unconfirmed; /* all of them; the first TMS_REPORT_UNCONFIRMED are listed */
-    struct tms_op_unconfirmed unconfirmed[TMS_REPORT_UNCONFIRMED];
-    uint64_t fingerprint_ns;  /* a pause's time spent fingerprinting (unchanged memory, and what it copied) */
-    uint64_t verify_ns;       /* a resume's time spent checking what it restored */
-    char why_not_skipped[160];  /* "" or why memory that was to skip unchanged chunks was copied whole */
-    char why_not_verified[160]; /* "" or why some bytes backed up (pause) or restored (resume) are not checked */
-    /* Allocations a failed resume left mapped and active with bytes that are
-     * not theirs (the unmap that would have paused them again failed too):
-     * their backups hold the truth, and their next pause keeps it. */
-    size_t n_wrong;
-    uint64_t wrong[TMS_REPORT_PIDS];
-};
-
 /* How one pause or resume runs; every field optional (zeroed: as tms_core_pause). */
 struct tms_op_args {
     /* Pause only: device ranges whose bytes nobody will read (blocks free in
@@ -319,133 +238,16 @@ int tms_core_disown(uint64_t va, size_t max_size, uint64_t *handle, uint64_t *ow
  * physical handle now; 0 while paused or moving). TMS_E_NOT_FOUND if none. */
 int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, uint64_t *handle);
 
-/* ---- sharing with other processes (shares.c; the wire and the threads: share/) ----------
- * A shared allocation carries a random token in its handles; a process that
- * opens one holds it until it closes, and a pause of memory someone holds is
- * refused (TMS_E_STATE naming the tag and the processes). A receiver that
- * hangs up without saying it let go, while its process lives, may still map
- * the memory: the next pause goes ahead but reports it (tms_op_unconfirmed). */
-#define TMS_SHARE_TOKEN_BYTES 16
-#define TMS_SHARE_MAX_CHUNKS 64  /* physical handles one share carries (descriptors in one message) */
-
-struct tms_share_info {
-    uint64_t va;               /* the allocation's start */
-    size_t size, reserved, chunk;  /* chunk 0: the handles' lengths differ, each in lens */
-    int n_chunks, device, tag_id;
-    unsigned char token[TMS_SHARE_TOKEN_BYTES];
-    size_t lens[TMS_SHARE_MAX_CHUNKS];  /* chunk 0: bytes of each handle mapped, in order (memory a job lent) */
-};
-
-/* The allocation holding ptr (start or inside), given its token on first
- * share. TMS_E_NOT_FOUND if ptr is not ours, TMS_E_UNSUPPORTED if it was made
- * without exportable handles. */
-int tms_core_share_find(uint64_t ptr, struct tms_share_info *out, struct tms_err *err);
-/* For a receiver with process id pid: if the allocation at va carries token
- * and is active, exports each chunk's handle as a descriptor into fds
- * (n_chunks of them, the caller's to close) and counts pid as holding it
- * until tms_core_share_detach. */
-int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int *fds, struct tms_share_info *out,
-                          struct tms_err *err);
-/* pid holds it no more. let_go 1: it said it let go, or its process ended;
- * 0: it hung up without saying so while its process lives, and is marked
- * until tms_core_share_gone or the pause that unmaps the memory; returns
- * what tms_core_share_gone is to be given for that mark. */
-uint32_t tms_core_share_detach(uint64_t va, const unsigned char *token, int pid, int let_go);
-/* The process of a receiver marked by tms_core_share_detach(..., 0) ended: its mark goes. */
-void tms_core_share_gone(uint64_t va, const unsigned char *token, int pid, uint32_t mark);
+/* ---- sharing and lending, as the faces and hooks see them ---------------------------
+ * The share handles, the sender's and receivers' protocol and the job's
+ * members are share/'s (share/share.h, share/job.h); what the core does for
+ * them is in core/core_share.h, which only share/ and the core include. */
 /* The owner of the allocation adopted at va under owner_handle is exporting
  * its handle itself (delta 1, before the export: *handle gets the handle to
  * export, read under the same lock; -1 undoes it if the export failed): from
  * then on a pause of it is refused until it is freed. TMS_E_STATE while
  * paused, TMS_E_NOT_FOUND if no allocation was adopted there under that handle. */
 int tms_core_mark_exported(uint64_t va, uint64_t owner_handle, int delta, uint64_t *handle, struct tms_err *err);
-/* Before a pause decides: the sender's thread settles receivers that have
- * hung up by now, and those marked whose process has ended (it learns of
- * them on its own time otherwise). */
-void tms_core_share_reap(void);
-void tms_core_share_set_reaper(void (*fn)(void));
-
-/* ---- lending within a job (pool.c, lend.c; the job's sockets: share/job.c) -------------
- * Processes of one user that name one job and use one GPU lend each other
- * the physical memory a pause releases, so that a resume right after
- * another member's pause need not wait for the driver to clean it. A pause
- * keeps what the other members will ask for (ops->keep) in this process's
- * pool; a resume maps its own kept memory again, then what members lend
- * (ops->borrow), then asks the driver. The job layer registers the ops;
- * without them nothing is kept or borrowed. */
-struct tms_job_piece {     /* a handle another member lent, imported here */
-    size_t need;           /* index of the need (tms_job_ops.borrow) it serves */
-    uint64_t handle;       /* imported: a handle of this process's backend */
-    size_t size, len;      /* the handle's size; bytes of it to map (a prefix) */
-    uint64_t key;          /* the lender's name for it, given back when it is returned */
-    uint64_t via;          /* the job layer's name for the connection it came over */
-    int lender;            /* the lender's pid */
-    int fd;                /* the descriptor it came as, kept (tms_core_job_keep_fd; else -1): the driver
-                            * does not export an imported handle again, so a share passes this one on */
-};
-
-struct tms_job_note {      /* what asking the members found, for the report */
-    int members;           /* members asked */
-    int timed_out;         /* of them, those that did not answer within the bound */
-    int timed_out_pids[TMS_REPORT_PIDS];
-    int bad;               /* of them, those whose lend failed the checks (share/job.c) */
-};
-
-struct tms_job_ops {
-    /* 1 while the process is in a job. */
-    int (*on)(void);
-    /* A pause is about to release `releasable` bytes it could lend on device:
-     * how many of them to keep (what the other members will ask for). */
-    size_t (*keep)(int device, size_t releasable, struct tms_job_note *note);
-    /* A resume needs needs[i] more bytes for n allocations on device: the
-     * members' lent handles, imported (*pieces: malloc'd, the caller's). */
-    int (*borrow)(int device, const size_t *needs, size_t n, struct tms_job_piece **pieces, size_t *n_pieces,
-                  struct tms_job_note *note);
-    /* The borrowed handles keys[0..n) that came over via are unmapped and released here;
-     * spent: they were shared on, and another process may still map them. */
-    void (*returned)(uint64_t via, const uint64_t *keys, size_t n, int spent);
-    /* The pool changed: idle memory now waits for its bound (the job's thread sleeps until the first). */
-    void (*wake)(void);
-    /* The driver is out of memory on device: the members release up to
-     * bytes of what they keep idle there. Returns the bytes they released. */
-    size_t (*release)(int device, size_t bytes);
-};
-void tms_core_job_set_ops(const struct tms_job_ops *ops);
-
-/* The member side, for the job's thread. What this process has paused on
- * device (its demand) and keeps idle for the job. */
-void tms_core_job_status(int device, size_t *demand, size_t *idle);
-
-#define TMS_JOB_MAX_PIECES 250  /* handles one lend carries (descriptors in one message: the kernel takes 253) */
-struct tms_job_lent {
-    size_t need;           /* the need it serves */
-    size_t size, len;      /* the handle's size; bytes of it the borrower maps */
-    uint64_t key;
-};
-/* Lends kept memory on device for needs[0..n) to process pid: at most
- * TMS_JOB_MAX_PIECES handles, exported into fds (the caller's to close),
- * counted lent under *batch until tms_core_job_returned. *n_out may be 0. */
-int tms_core_job_lend(int device, const uint64_t *needs, size_t n, int pid, struct tms_job_lent *out, int *fds,
-                      size_t *n_out, uint64_t *batch, struct tms_err *err);
-/* The borrower of batch released keys[0..n) (n 0: every handle of it, as
- * when its process ended): they are idle again, kept within the bound; spent
- * (shared on, or its process ended: another process may still map them):
- * released at the next expiry instead, never lent or taken back. Returns how
- * many of the batch are still lent. */
-size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n, int spent);
-/* Releases up to bytes of the memory kept idle on device (another member ran
- * out of memory there): the bytes released. */
-size_t tms_core_job_release(int device, size_t bytes);
-/* Releases the kept memory nobody borrowed within the bound (TMS_JOB_HOLD_MS);
- * milliseconds until the next would go, -1 if none waits. */
-int tms_core_job_expire(void);
-/* Whether a borrowed piece may keep the descriptor it came as (tms_job_piece.fd;
- * a share of memory on it passes that one on): 1, counted, while fewer than
- * tms_core_job_fd_cap() are kept, else 0. A kept one is closed, and counted
- * off, when the piece is returned. */
-int tms_core_job_keep_fd(void);
-/* A quarter of the process's descriptor limit. */
-size_t tms_core_job_fd_cap(void);
 /* Bytes on device this process keeps idle for the job, has lent to other
  * members, and maps from memory other members lent. */
 void tms_core_job_memory(int device, size_t *kept, size_t *lent, size_t *borrowed);

@@ -8,6 +8,7 @@
 
 #include "backup/backup.h"
 #include "core/core.h"
+#include "core/core_share.h"
 #include "core/stats.h"
 #include "platform/driver.h"
 

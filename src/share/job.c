@@ -13,7 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core/core.h"
+#include "core/core_share.h"
 #include "platform/config.h"
 #include "platform/driver.h"
 #include "platform/fork.h"

@@ -8,7 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "core/core.h"
+#include "core/core_share.h"
 #include "platform/driver.h"
 #include "platform/fork.h"
 #include "platform/log.h"

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include "core/core.h"
+#include "core/core_share.h"
 #include "share/share.h"
 
 #define TMS_SHARE_MAGIC "TMSSHR01"
