@@ -1,4 +1,4 @@
-/* A save, the way down of a backed-up pause: the budget reserved, each backup made or reused, every copy run in batches, the budget settled. */
+/* A save, the way down of a backed-up pause, as passes over one plan: reserve, choose, narrow, copy, commit (or undo). */
 #include "backup/save.h"
 
 #include <stdlib.h>
@@ -55,6 +55,101 @@ static void saved_early(void *arg)
     e->hooks->saved(e->hooks->arg, e->index);
 }
 
+/* One save as it goes through its passes: plan, reserve (budget.c), choose
+ * each backup (backup.c), narrow each copy to what changed (skip.c), copy
+ * (transfer_batch.c), then commit or undo. */
+struct save {
+    const struct tms_driver *drv;
+    struct tms_backup_move *const *m;
+    size_t n, n_items, reserved;
+    struct tms_save_plan *p;
+    struct early_hook *early;
+    struct tms_transfer_batch b;
+    struct tms_skip skip;
+    struct tms_save_info *info;
+};
+
+/* A plan per move, and the early hooks where every move may go early. */
+static int plan(struct save *s, const struct tms_backup_hooks *hooks, struct tms_err *err)
+{
+    s->p = calloc(s->n, sizeof *s->p);
+    s->early = hooks && hooks->saved && saves_early(s->m, s->n) ? calloc(s->n, sizeof *s->early) : NULL;
+    if (!s->p) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", s->n);
+    for (size_t i = 0; i < s->n; i++) {
+        struct tms_backup_move *m = s->m[i];
+        s->p[i].m = m;
+        m->copy = m->held, m->copied = 0, m->unchanged = 0, m->whole = 0;
+        s->n_items += m->ranges ? m->n_ranges : 1;
+        if (s->early)
+            s->p[i].early = 1, s->early[i] = (struct early_hook){.hooks = hooks, .index = i, .drv = s->drv,
+                                                                 .plan = &s->p[i], .skip = &s->skip, .info = s->info};
+    }
+    return TMS_OK;
+}
+
+/* Move i's backup: its held one written again, or a new one (of the spill
+ * kind where the budget sent it to disk); the core drops the old one when it
+ * settles if this is another. */
+static int choose(struct save *s, size_t i, struct tms_err *err)
+{
+    struct tms_backup_move *m = s->m[i];
+    int kind = s->p[i].spill ? tms_backup_spill_kind() : m->kind;
+    int rc = tms_backup_for_pause(s->drv, kind, m->device, m->size, m->va, &m->copy, err);
+    if (rc) return rc;
+    /* A new backup copied whole and kept is locked by this copy, not later. */
+    if (m->retain && !m->ranges && m->copy != m->held) tms_backup_will_be_kept(m->copy);
+    /* What a backup recorded describes bytes this save may overwrite. */
+    if (m->copy == m->held && !s->p[i].compare) tms_backup_forget_fingerprints(m->copy);
+    return TMS_OK;
+}
+
+/* Move i's copy queued: whole, reporting when it lands (early), or its
+ * ranges less what skip.c found unchanged. */
+static void queue(struct save *s, size_t i)
+{
+    struct tms_backup_move *m = s->m[i];
+    struct tms_save_plan *p = &s->p[i];
+    if (p->early && m->copy == m->held) {
+        p->n_items = (size_t)tms_transfer_batch_add_whole(&s->b, m->copy, m->device, m->va, m->size, saved_early,
+                                                          &s->early[i], &p->first_item);
+        return;
+    }
+    p->early = 0;
+    const struct tms_range *copy = p->copy ? p->copy : m->ranges;
+    size_t n_copy = p->copy ? p->n_copy : m->n_ranges;
+    tms_transfer_batch_add(&s->b, m->copy, m->device, m->va, m->size, copy, n_copy, NULL, &p->first_item,
+                           &p->n_items);
+}
+
+/* The copies succeeded: each backup holds its move's ranges, with the record
+ * of what they carried, and the budget what each backup holds. */
+static void commit(struct save *s)
+{
+    for (size_t i = 0; i < s->n; i++) {
+        int complete;
+        s->m[i]->copied = tms_transfer_batch_done(&s->b, s->p[i].first_item, s->p[i].n_items, &complete);
+        tms_backup_copied(s->m[i]->copy);
+    }
+    tms_skip_confirm(s->drv, s->p, s->n, &s->skip, s->info);
+    tms_skip_record(s->p, s->n, &s->skip);
+    for (size_t i = 0; i < s->n; i++) {
+        tms_backup_set_ranges(s->m[i]->copy, s->m[i]->ranges, s->m[i]->n_ranges);  /* the backup's from now on */
+        s->m[i]->ranges = NULL;
+    }
+}
+
+/* The save failed: every backup it began to write is dropped, but a whole
+ * copy the hook reported, which stays: the caller may have let its
+ * allocation go, and then the copy is all that holds its bytes. */
+static void undo(struct save *s)
+{
+    for (size_t i = 0; i < s->n; i++) {
+        struct tms_backup_move *m = s->m[i];
+        if (s->p[i].early && m->copy && m->copy == m->held && s->p[i].n_items == 1)
+            tms_transfer_batch_done(&s->b, s->p[i].first_item, 1, &m->whole);
+    }
+}
+
 int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const *m, size_t n, int spill,
                     const struct tms_backup_hooks *hooks, struct tms_save_info *info, struct tms_err *err)
 {
@@ -62,90 +157,49 @@ int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const 
     if (!info) info = &unused;
     *info = (struct tms_save_info){0};
     if (!n) return TMS_OK;
-    struct tms_save_plan *p = calloc(n, sizeof *p);
-    struct early_hook *early = hooks && hooks->saved && saves_early(m, n) ? calloc(n, sizeof *early) : NULL;
-    size_t n_items = 0, reserved = 0;
-    for (size_t i = 0; p && i < n; i++) {
-        p[i].m = m[i];
-        m[i]->copy = m[i]->held, m[i]->copied = 0, m[i]->unchanged = 0, m[i]->whole = 0;
-        n_items += m[i]->ranges ? m[i]->n_ranges : 1;
-        if (early) p[i].early = 1, early[i] = (struct early_hook){.hooks = hooks, .index = i};
-    }
-    struct tms_transfer_batch b;
-    struct tms_skip skip;
-    for (size_t i = 0; early && i < n; i++)
-        early[i].drv = drv, early[i].plan = &p[i], early[i].skip = &skip, early[i].info = info;
-    int rc = p ? tms_budget_reserve(p, n, spill, &reserved, err)
-               : tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", n);
-    if (!rc && (rc = tms_transfer_batch_start(&b, drv, 1, n_items, n, err))) {
-        tms_ledger_copied(reserved);
-        tms_ledger_release(reserved);
+    struct save s = {.drv = drv, .m = m, .n = n, .info = info};
+    int rc = plan(&s, hooks, err);
+    if (!rc) rc = tms_budget_reserve(s.p, n, spill, &s.reserved, err);
+    if (!rc && (rc = tms_transfer_batch_start(&s.b, drv, 1, s.n_items, n, err))) {
+        tms_ledger_copied(s.reserved);
+        tms_ledger_release(s.reserved);
     }
     if (rc) {  /* nothing touched yet: every allocation keeps its backup */
         forget_ranges(m, n);
-        free(early);
-        free(p);
+        free(s.early);
+        free(s.p);
         return rc;
     }
     /* Fingerprinted first, all at once: a chunk that differs from this after
      * its copy was written while it was copied. */
-    tms_skip_fingerprint(drv, p, n, &skip, info);
-    for (size_t i = 0; i < n && !rc && !b.rc; i++) {
-        /* The core drops the old backup when it settles if this is another one. */
-        int kind = p[i].spill ? tms_backup_spill_kind() : m[i]->kind;
-        rc = tms_backup_for_pause(drv, kind, m[i]->device, m[i]->size, m[i]->va, &m[i]->copy, err);
-        /* A new backup copied whole and kept is locked by this copy, not later. */
-        if (!rc && m[i]->retain && !m[i]->ranges && m[i]->copy != m[i]->held) tms_backup_will_be_kept(m[i]->copy);
-        /* What a backup recorded describes bytes this save may overwrite. */
-        if (!rc && m[i]->copy == m[i]->held && !p[i].compare) tms_backup_forget_fingerprints(m[i]->copy);
-        if (!rc) rc = tms_skip_ranges(&p[i], &skip, err);
-        if (!rc && p[i].early && m[i]->copy == m[i]->held) {
-            p[i].n_items = (size_t)tms_transfer_batch_add_whole(&b, m[i]->copy, m[i]->device, m[i]->va, m[i]->size,
-                                                                saved_early, &early[i], &p[i].first_item);
-        } else if (!rc) {
-            p[i].early = 0;
-            const struct tms_range *copy = p[i].copy ? p[i].copy : m[i]->ranges;
-            size_t n_copy = p[i].copy ? p[i].n_copy : m[i]->n_ranges;
-            tms_transfer_batch_add(&b, m[i]->copy, m[i]->device, m[i]->va, m[i]->size, copy, n_copy, NULL,
-                                   &p[i].first_item, &p[i].n_items);
-        }
+    tms_skip_fingerprint(drv, s.p, n, &s.skip, info);
+    for (size_t i = 0; i < n && !rc && !s.b.rc; i++) {
+        rc = choose(&s, i, err);
+        if (!rc) rc = tms_skip_ranges(&s.p[i], &s.skip, err);  /* narrow */
+        if (!rc) queue(&s, i);
     }
-    if (rc || b.rc) tms_transfer_batch_close(&b);  /* a save that failed copies nothing more */
-    else tms_transfer_batch_run(&b);
-    if (!rc && b.rc) {
-        rc = b.rc;
-        if (err) *err = b.err;
+    if (rc || s.b.rc) tms_transfer_batch_close(&s.b);  /* a save that failed copies nothing more */
+    else tms_transfer_batch_run(&s.b);
+    if (!rc && s.b.rc) {
+        rc = s.b.rc;
+        if (err) *err = s.b.err;
     }
-    for (size_t i = 0; i < n && !rc; i++) {
-        int complete;
-        m[i]->copied = tms_transfer_batch_done(&b, p[i].first_item, p[i].n_items, &complete);
-        tms_backup_copied(m[i]->copy);
-    }
-    if (!rc) tms_skip_confirm(drv, p, n, &skip, info);
-    if (!rc) tms_skip_record(p, n, &skip);
-    for (size_t i = 0; i < n && !rc; i++) {
-        tms_backup_set_ranges(m[i]->copy, m[i]->ranges, m[i]->n_ranges);  /* the backup's from now on */
-        m[i]->ranges = NULL;
-    }
-    tms_skip_end(p, n, &skip);
-    /* After a failure a whole copy the hook reported stays: the caller may
-     * have let its allocation go, and then the copy is all that holds its bytes. */
-    for (size_t i = 0; i < n && rc; i++)
-        if (p[i].early && m[i]->copy && m[i]->copy == m[i]->held && p[i].n_items == 1)
-            tms_transfer_batch_done(&b, p[i].first_item, 1, &m[i]->whole);
-    tms_transfer_batch_end(&b);
+    if (!rc) commit(&s);
+    else undo(&s);
+    tms_skip_end(s.p, n, &s.skip);
+    tms_transfer_batch_end(&s.b);
     forget_ranges(m, n);
-    tms_ledger_copied(reserved);  /* what the backups keep is host memory now: no longer in flight */
+    tms_ledger_copied(s.reserved);  /* what the backups keep is host memory now: no longer in flight */
     if (rc) {
-        tms_ledger_release(reserved);  /* hooks are set only where a copy reuses a backup: nothing new is kept */
+        tms_ledger_release(s.reserved);  /* hooks are set only where a copy reuses a backup: nothing new is kept */
         for (size_t i = 0; i < n; i++) {
             if (m[i]->whole) tms_backup_copied(m[i]->copy);
             else tms_backup_move_discard(m[i]);
         }
     } else {
-        tms_budget_settle(p, n);
+        tms_budget_settle(s.p, n);
     }
-    free(early);
-    free(p);
+    free(s.early);
+    free(s.p);
     return rc;
 }

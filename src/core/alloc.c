@@ -305,3 +305,5 @@ int tms_alloc_skips_unchanged(const struct tms_alloc *a)
 {
     return a->backup && (a->skip_unchanged >= 0 ? a->skip_unchanged : tms_core_skip_unchanged());
 }
+
+int tms_alloc_keeps_backup(const struct tms_alloc *a, int retain) { return retain || tms_alloc_skips_unchanged(a); }

@@ -203,6 +203,9 @@ int tms_core_restore_moves(const struct tms_driver *drv, struct tms_move *const 
 uint64_t tms_core_now_ns(void);
 /* Does a pause of a copy only what changed (and keep its backup while active)? */
 int tms_alloc_skips_unchanged(const struct tms_alloc *a);
+/* Is a's backup kept while it is active (retain on, or it skips unchanged memory)?
+ * A pause and a resume ask the same question: the one place it is decided. */
+int tms_alloc_keeps_backup(const struct tms_alloc *a, int retain);
 
 /* Physical memory of one allocation (chunks.c). tag names it in messages. */
 size_t tms_chunk_size(const struct tms_alloc *a, int i);

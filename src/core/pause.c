@@ -100,7 +100,7 @@ static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const s
         struct tms_backup_move *b = &m[i].b;
         int skip = tms_alloc_skips_unchanged(a);
         *b = (struct tms_backup_move){.kind = a->backup_kind, .device = a->device, .va = a->va, .size = a->size,
-                                      .held = b->held, .copy = b->held, .retain = retain || skip,
+                                      .held = b->held, .copy = b->held, .retain = tms_alloc_keeps_backup(a, retain),
                                       .skip_unchanged = skip, .verify = tms_core_verify_restore()};
         if (args->n_skip)
             rc = tms_live_plan(a->backup_kind, a->va, a->size, args->skip, args->n_skip, &b->ranges, &b->n_ranges,

@@ -89,7 +89,7 @@ int tms_core_restore_moves(const struct tms_driver *drv, struct tms_move *const 
         struct tms_backup_move *bm = &m[i]->b;
         *bm = (struct tms_backup_move){.kind = a->backup_kind, .device = a->device, .va = a->va, .size = a->size,
                                        .held = bm->held, .copy = bm->held,
-                                       .retain = retain || tms_alloc_skips_unchanged(a),
+                                       .retain = tms_alloc_keeps_backup(a, retain),
                                        .verify = bm->held && tms_core_verify_restore()};
         b[i] = bm;
     }
