@@ -17,6 +17,7 @@ import time
 
 from . import floor, report
 from .common import MiB, child_env, median, parser, run_row, spin
+from .envs import make_env
 
 ALLOC_BYTES = 2 * MiB
 TITLE = "Pause/resume per allocation vs the driver floor"
@@ -26,9 +27,7 @@ def worker(counts, cycles, warmup, dry_run, floor_lib=None, idle_s=0.0, beside=0
     """Runs in the worker process: {count: point}. With floor_lib, the floor
     holds as many allocations of its own in this process and runs a cycle
     beside each of the library's (floor.Beside), first and second in turn."""
-    from .envs import GpuEnv, HostEnv
-
-    env = HostEnv("torch") if dry_run else GpuEnv("torch")
+    env = make_env("torch", dry_run)
     others = env.alloc_granules("beside", beside) if beside else None
     points = []
     for n in counts:
@@ -99,20 +98,16 @@ def _floor(counts, cycles, warmup, options=()):
 
 
 def _markdown(r):
-    lines = ["Torch hook mode, allocations of 2 MiB, "
-             f"median of {r['cycles']} cycles after {r['warmup']} warm-up, "
+    lines = [f"Torch hook mode, allocations of 2 MiB, median of {r['cycles']} cycles after {r['warmup']} warm-up, "
              f"{r.get('idle_us', 0):g} µs of device idle (a spin) before each timed call"
              + (f", {r['beside']} allocations of another tag live beside the measured one" if r.get("beside") else "")
-             + ". "
-             "`core` is the time the core counts "
-             "(stats pause_ns/resume_ns); `call` is the Python call's wall time; the floor is vmm_floor.c "
-             "(cuMemUnmap+cuMemRelease / cuMemCreate+cuMemMap+cuMemSetAccess per allocation, the same memory "
-             "written between cycles) in the same run. "
-             "`shuffled` is the same floor visiting the allocations in a fixed random order (vmm_floor --shuffle). "
-             "`paired` is the same floor loop on as many allocations of its own inside the worker process, "
-             "one cycle of it beside each cycle of the library, first and second in turn (floor.Paired): "
-             "PyTorch loaded, its primary context, the same idle time before each call. "
-             "Target: call <= 1.2x floor.", ""]
+             + ". `core` is the time the core counts (stats pause_ns/resume_ns); `call` is the Python call's wall "
+             "time; the floor is vmm_floor.c (cuMemUnmap+cuMemRelease / cuMemCreate+cuMemMap+cuMemSetAccess per "
+             "allocation, the same memory written between cycles) in the same run. `shuffled` is the same floor "
+             "visiting the allocations in a fixed random order (vmm_floor --shuffle). `paired` is the same floor loop "
+             "on as many allocations of its own inside the worker process, one cycle of it beside each cycle of the "
+             "library, first and second in turn (floor.Paired): PyTorch loaded, its primary context, the same idle "
+             "time before each call. Target: call <= 1.2x floor.", ""]
     per_op = ["call ms", "core ms", "floor ms", "paired ms", "shuffled ms", "call/floor", "call/paired",
               "µs/alloc (call)"]
     head = ["allocations"] + [f"{op} {c}" if c in ("call ms", "core ms") else c for op in ("pause", "resume")
@@ -149,10 +144,8 @@ def main(argv=None):
                          "before the timed calls (library and paired floor alike)")
     ap.add_argument("--beside", type=int, default=0,
                     help="allocations of 2 MiB in another tag, live while each count is measured")
-    argv = sys.argv[1:] if argv is None else argv
-    args = ap.parse_args(argv)
-    counts = [int(c) for c in (args.counts or ("1,10,100" if args.dry_run else "1,10,100,1000,10000")).split(",")
-              if c]
+    args = ap.parse_args(argv := sys.argv[1:] if argv is None else argv)
+    counts = [int(c) for c in (args.counts or ("1,10,100" if args.dry_run else "1,10,100,1000,10000")).split(",") if c]
     meta = report.collect_meta("alloc_count", argv, args.dry_run)
     r = {"meta": meta, "cycles": args.cycles, "warmup": args.warmup, "idle_us": args.idle_us}
     # A process per count, as the floor frees each shape's reservations before

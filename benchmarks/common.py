@@ -2,6 +2,7 @@
 launching of worker processes (no torch import here)."""
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -10,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -100,10 +102,8 @@ def _json_default(o):
     # numpy / torch scalars and anything else: best effort, never fail a write.
     for attr in ("item", "tolist"):
         if hasattr(o, attr):
-            try:
+            with contextlib.suppress(Exception):
                 return getattr(o, attr)()
-            except Exception:
-                pass
     return repr(o)
 
 
@@ -113,20 +113,13 @@ class Deadline:
     def __init__(self, at: float):
         self.at = at
 
-    def left(self) -> float:
-        return self.at - time.time()
-
     def allows(self, cost_s: float = 0.0) -> bool:
-        return self.left() > cost_s
+        return self.at - time.time() > cost_s
 
 
 def error_record(exc: BaseException) -> dict:
-    import traceback
-
-    return {
-        "error": f"{type(exc).__name__}: {exc}",
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:],
-    }
+    return {"error": f"{type(exc).__name__}: {exc}",
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]}
 
 
 def pyplot():
@@ -223,13 +216,11 @@ def import_library(library):
 # ---- worker processes ------------------------------------------------------------------
 
 def child_env(dry_run=False, clean=False):
-    """A worker's environment: this checkout first on PYTHONPATH, unbuffered output, the
-    preload library off LD_PRELOAD (worker_cmd adds it where it is measured: a torch-mode
-    worker under it would measure something else); clean drops TMS_* and
-    PYTORCH_CUDA_ALLOC_CONF; a dry run gets the host backend."""
-    env = dict(os.environ)
-    if clean:
-        env = {k: v for k, v in env.items() if not k.startswith("TMS_") and k != "PYTORCH_CUDA_ALLOC_CONF"}
+    """A worker's environment: this checkout first on PYTHONPATH, unbuffered output, the preload library off LD_PRELOAD
+    (worker_cmd adds it where it is measured: a torch-mode worker under it would measure something else); clean drops
+    TMS_* and PYTORCH_CUDA_ALLOC_CONF; a dry run gets the host backend."""
+    env = {k: v for k, v in os.environ.items()
+           if not (clean and (k.startswith("TMS_") or k == "PYTORCH_CUDA_ALLOC_CONF"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     kept = [e for e in env.pop("LD_PRELOAD", "").replace(":", " ").split() if "_tms_preload" not in e]
@@ -241,9 +232,8 @@ def child_env(dry_run=False, clean=False):
 
 
 def worker_cmd(suite, result, args, preload=False, library=None):
-    """`python -m benchmarks.worker SUITE RESULT ARGS`, under the library's
-    `run --` (the preload library on LD_PRELOAD) where preload is set, or under
-    configure_subprocess() of the torch_memory_saver in library."""
+    """`python -m benchmarks.worker SUITE RESULT ARGS`, under the library's `run --` (the preload library on LD_PRELOAD)
+    where preload is set, or under configure_subprocess() of the torch_memory_saver in library."""
     cmd = [sys.executable, "-m", "benchmarks.worker", suite, result, json.dumps(args)]
     if library:
         return [sys.executable, "-c", LAUNCH, library] + cmd
@@ -251,9 +241,8 @@ def worker_cmd(suite, result, args, preload=False, library=None):
 
 
 def run_child(cmd, env, timeout=None, echo=None):
-    """Runs cmd in the checkout, each output line passed to echo as it comes (a
-    run cut short still shows where it was); kills it after timeout seconds or
-    when this process is interrupted. Returns (exit status, timed out, last lines)."""
+    """Runs cmd in the checkout, each output line passed to echo as it comes (a run cut short still shows where it was);
+    kills it after timeout seconds or when this process is interrupted. Returns (exit status, timed out, last lines)."""
     echo = echo or (lambda line: print(f"  | {line}", flush=True))
     tail = collections.deque(maxlen=40)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -271,21 +260,17 @@ def run_child(cmd, env, timeout=None, echo=None):
         proc.wait(timeout=None if timeout is None else max(1.0, timeout))
     except subprocess.TimeoutExpired:
         timed_out = True
-        proc.kill()
-        proc.wait()
-    except BaseException:  # interrupted: the worker must not outlive its runner
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
+    finally:  # past its time, or this process interrupted: the worker must not outlive its runner
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
         reader.join(timeout=5)
     return proc.returncode, timed_out, list(tail)
 
 
 def run_row(suite, args, env, row, timeout=600, preload=False, library=None, echo=None):
-    """The suite's worker(**args) in a process of its own: the document it
-    returns; where the worker failed, what it saved (over row's defaults) with an
-    "error" saying how it ended and its "exit_code"."""
+    """The suite's worker(**args) in a process of its own: the document it returns; where the worker failed, what it
+    saved (over row's defaults) with an "error" saying how it ended and its "exit_code"."""
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         rc, timed_out, tail = run_child(worker_cmd(suite, out.name, args, preload, library), env, timeout, echo)
         doc = read_json(out.name)

@@ -8,6 +8,7 @@ Every timing calls the public singleton's pause(tag)/resume(tag); the library's 
 reserved bytes, bytes copied) comes from its stats() and allocations().
 """
 import collections
+import contextlib
 import itertools
 import mmap
 import os
@@ -21,10 +22,6 @@ from .common import GiB, MiB, copy_threads, error_record, fmt_bytes, log, median
 
 FREE_MARGIN = 2 * GiB  # what must stay free on the device beside a measurement
 BLOCK = 8 * MiB  # the library's disk block: its staging slot (transfer.c)
-
-
-def shape_name(count: int, size: int) -> str:
-    return f"{count}x{fmt_bytes(size).replace(' ', '')}"
 
 
 def _alloc_shape(env, tag):
@@ -43,11 +40,10 @@ def _fits(env, nbytes):
 
 
 def _paired_floor(params, shape):
-    """The driver's own loop on as many allocations of the tag's size, cycled in
-    this process beside the library's cycles (floor.Beside): the driver's release
-    or create of a large allocation is fast in one cycle and many times slower in
-    the next, floor and library alike. Inactive without a floor library; with a
-    reason where the tag's sizes differ, the device has no room or a floor call fails."""
+    """The driver's own loop on as many allocations of the tag's size, cycled in this process beside the library's
+    cycles (floor.Beside): the driver's release or create of a large allocation is fast in one cycle and many times
+    slower in the next, floor and library alike. Inactive without a floor library; with a reason where the tag's sizes
+    differ, the device has no room or a floor call fails."""
     lib, sizes = params.get("floor_lib"), shape["reserved_size_histogram"]
     why_not = f"allocation sizes differ ({sizes})" if lib and len(sizes) != 1 else None
     return floor.Beside(lib, shape["allocations"], shape["reserved_size"], why_not)
@@ -63,9 +59,8 @@ def _paired_summary(paired):
 
 
 def _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, paired):
-    """Times pause(tag)/resume(tag) cycles; returns per-cycle lists. One
-    floor cycle (paired, a floor.Beside) runs beside each, before or after it
-    in turn, its times into paired.times."""
+    """Times pause(tag)/resume(tag) cycles; returns per-cycle lists. One floor cycle (paired, a floor.Beside) runs
+    beside each, before or after it in turn, its times into paired.times."""
     pause_s, resume_s, freed = [], [], []
     truncated = False
     last = 0.0
@@ -109,28 +104,13 @@ def _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, paired):
     return pause_s, resume_s, freed, truncated
 
 
-def _timed_cycles(env, tms, tag, block, entry, params, cycles, warmup, deadline):
-    """Discard cycles of tag beside the paired floor where there can be one,
-    their summary into entry; returns the bytes freed per cycle."""
-    paired = _paired_floor(params, entry)
-    try:
-        p, r, freed, truncated = _cycle_discard(env, tms, tag, block, cycles, warmup, deadline, paired)
-    finally:
-        paired.close()
-    entry.update(pause_s=p, resume_s=r, pause_median_s=median(p), resume_median_s=median(r),
-                 pause_min_s=min(p, default=None), resume_min_s=min(r, default=None), cycles=len(p),
-                 truncated=truncated, **_paired_summary(paired))
-    return freed
-
-
 def latency(env, params, deadline):
     """Discard-mode pause/resume latency for each shape (count x size tensors)."""
-    tms = env.tms
     cycles, warmup = int(params["cycles"]), int(params.get("warmup", 1))
     out = {"shapes": [], "cycles_requested": cycles, "warmup": warmup}
     for count, size in params["shapes"]:
         count, size = int(count), int(size)
-        name = shape_name(count, size)
+        name = f"{count}x{fmt_bytes(size).replace(' ', '')}"
         entry = {"shape": name, "tensors": count, "tensor_bytes": size, "total_bytes": count * size}
         out["shapes"].append(entry)
         ok, free = _fits(env, count * size)
@@ -140,23 +120,32 @@ def latency(env, params, deadline):
         if not deadline.allows(5):
             entry["skipped"] = "time budget"
             continue
-        tag = f"lat-{name}"
         try:
-            _latency_shape(env, tms, tag, name, entry, count, size, params, cycles, warmup, deadline)
+            _latency_shape(env, entry, params, cycles, warmup, deadline)
         except Exception as e:  # one shape failing must not lose the others
             entry.update(error_record(e))
             log(f"latency {name}: FAILED: {entry['error']}")
     return out
 
 
-def _latency_shape(env, tms, tag, name, entry, count, size, params, cycles, warmup, deadline):
+def _latency_shape(env, entry, params, cycles, warmup, deadline):
+    """Discard cycles of the entry's shape, beside the paired floor where there can be one: their times, the bytes
+    each pause freed and whether the addresses stayed, into entry."""
+    name, tag = entry["shape"], f"lat-{entry['shape']}"
     t0 = time.perf_counter()
-    block = env.alloc(tag, [size] * count)
+    block = env.alloc(tag, [entry["tensor_bytes"]] * entry["tensors"])
     entry["alloc_s"] = time.perf_counter() - t0
     try:
         entry.update(_alloc_shape(env, tag))
         addrs = env.addresses(block)
-        freed = _timed_cycles(env, tms, tag, block, entry, params, cycles, warmup, deadline)
+        paired = _paired_floor(params, entry)
+        try:
+            p, r, freed, truncated = _cycle_discard(env, env.tms, tag, block, cycles, warmup, deadline, paired)
+        finally:
+            paired.close()
+        entry.update(pause_s=p, resume_s=r, pause_median_s=median(p), resume_median_s=median(r),
+                     pause_min_s=min(p, default=None), resume_min_s=min(r, default=None), cycles=len(p),
+                     truncated=truncated, **_paired_summary(paired))
         entry["freed_bytes"] = freed
         entry["freed_source"] = "torch.cuda.mem_get_info" if env.free_bytes() is not None else "VmRSS (host backend)"
         expected = entry["reserved_bytes"]
@@ -172,15 +161,14 @@ def _latency_shape(env, tms, tag, name, entry, count, size, params, cycles, warm
         env.dispose(block, tag)
 
 
-# name: (cpu_backup_backend, retain_cpu_backup)
-BACKUP_CONFIGS = {"pinned": ("pinned", False), "mmap": ("mmap", False), "mmap_retained": ("mmap", True),
+# name: (cpu_backup_backend, retain_cpu_backup); multi_gpu's --configs too, in this order
+BACKUP_CONFIGS = {"mmap": ("mmap", False), "pinned": ("pinned", False), "mmap_retained": ("mmap", True),
                   "pinned_retained": ("pinned", True)}
 
 
 def backup(env, config, params, deadline):
-    """Backed-up pause/resume of params['bytes'] in params['tensors'] tensors:
-    GB/s per cycle, contents verified after each resume (fresh random data
-    every cycle, so a stale backup cannot pass), host RSS around each cycle."""
+    """Backed-up pause/resume of params['bytes'] in params['tensors'] tensors: GB/s per cycle, contents verified after
+    each resume (fresh random data every cycle, so a stale backup cannot pass), host RSS around each cycle."""
     tms = env.tms
     backend, retain = BACKUP_CONFIGS[config]
     total, ntensors, cycles = int(params["bytes"]), int(params["tensors"]), int(params["cycles"])
@@ -198,10 +186,8 @@ def backup(env, config, params, deadline):
     snap = None
     try:
         out.update(_alloc_shape(env, tag))
-        seed = 1
-        env.fill_random(block, seed)
-        keep = env.can_keep_copy(total)
-        snap = env.snapshot(block, keep)
+        env.fill_random(block, 1)
+        snap = env.snapshot(block, env.can_keep_copy(total))
         out["verify_method"] = snap["kind"]
         recs = []
         last = 0.0
@@ -243,8 +229,7 @@ def backup(env, config, params, deadline):
             log(f"backup {config} cycle {c + 1}: pause {rec['pause_gbps']:.1f} GB/s, resume {rec['resume_gbps']:.1f} "
                 f"GB/s, verified {verified}, RSS {rss_before / GiB:.2f} -> {rss_paused / GiB:.2f} -> "
                 f"{rss_after / GiB:.2f} GiB")
-            seed += 1
-            env.fill_random(block, seed)
+            env.fill_random(block, c + 2)
             snap = env.resnapshot(block, snap)
         out["per_cycle"] = recs
         if recs:
@@ -270,17 +255,14 @@ def _fs_type(path):
     """Filesystem type of the mount holding path (longest matching mount point)."""
     path = os.path.realpath(path)
     best, kind = "", None
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                    best, kind = mnt, parts[2]
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) < 3:
+                continue
+            mnt = parts[1].replace("\\040", " ")
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, kind = mnt, parts[2]
     return kind
 
 
@@ -349,10 +331,8 @@ def _limit(d, total, files, reps):
             reads.append(_io_rate(paths, size, threads, False, direct))
     finally:
         for p in paths:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(p)
-            except OSError:
-                pass
     return {"threads": threads, "block_bytes": BLOCK, "files": files, "bytes": size * files, "o_direct": direct,
             "write_gbps": median(writes), "read_gbps": median(reads), "write_gbps_reps": writes,
             "read_gbps_reps": reads}

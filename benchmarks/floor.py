@@ -1,4 +1,5 @@
 """The raw driver floor: builds benchmarks/vmm_floor.c and runs it for a list of shapes."""
+import ctypes
 import json
 import os
 import shutil
@@ -19,22 +20,19 @@ def _include_dirs():
 
 
 def build(workdir=None, timeout=60, library=False):
-    """Returns (path of the binary, build record). The driver is opened at run
-    time, so only cuda.h is needed: a C compiler with its include dir, or nvcc.
-    library=True builds the shared library Paired loads."""
+    """Returns (path of the binary, build record). The driver is opened at run time, so only cuda.h is needed: a C
+    compiler with its include dir, or nvcc. library=True builds the shared library Paired loads."""
     workdir = workdir or tempfile.mkdtemp(prefix="tms-vmm-floor-")
     exe = os.path.join(workdir, "libvmm_floor.so" if library else "vmm_floor")
     shared = ["-DVMM_FLOOR_LIBRARY", "-shared", "-fPIC"] if library else []
-    attempts = []
-    commands = []
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc:
-        for inc in _include_dirs():
-            commands.append([cc, "-O2", "-std=c11", *shared, f"-I{inc}", "-o", exe, SOURCE, "-ldl"])
+    commands = [[cc, "-O2", "-std=c11", *shared, f"-I{inc}", "-o", exe, SOURCE, "-ldl"]
+                for inc in (_include_dirs() if cc else [])]
     nvcc = shutil.which("nvcc")
     if nvcc:
         nv_shared = ["-DVMM_FLOOR_LIBRARY", "-shared", "-Xcompiler", "-fPIC"] if library else []
         commands.append([nvcc, "-O2", *nv_shared, "-o", exe, SOURCE, "-ldl"])
+    attempts = []
     for cmd in commands:
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -57,29 +55,22 @@ def run(exe, shapes, cycles, warmup, timeout, options=()):
     except ValueError:
         raise RuntimeError(f"vmm_floor exited {p.returncode} without JSON; stdout: {p.stdout[-1500:]!r} "
                            f"stderr: {p.stderr[-1500:]!r}")
-    doc["rc"] = p.returncode
-    doc["command"] = " ".join(cmd)
-    doc["stderr_tail"] = p.stderr[-1500:]
+    doc.update(rc=p.returncode, command=" ".join(cmd), stderr_tail=p.stderr[-1500:])
     return doc
 
 
 class Paired:
-    """One shape of the floor held in this process (the library build()
-    makes with library=True), cycled one cycle at a time beside the library's
-    own cycles: both then see the same driver state and the same idle time.
-    The library holds one shape at a time: a second Paired on the same file
-    replaces the first one's."""
+    """One shape of the floor held in this process (the library build() makes with library=True), cycled one cycle at a
+    time beside the library's own cycles: both then see the same driver state and the same idle time. The library holds
+    one shape at a time: a second Paired on the same file replaces the first one's."""
 
     def __init__(self, library, count, size):
-        import ctypes
-
         self._lib = lib = ctypes.CDLL(library)
         lib.vmm_floor_error.restype = ctypes.c_char_p
         lib.vmm_floor_hold.argtypes = [ctypes.c_long, ctypes.c_ulonglong]
         lib.vmm_floor_cycle.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.POINTER(ctypes.c_double),
                                         ctypes.POINTER(ctypes.c_double)]
         self._times = (ctypes.c_double(), ctypes.c_double())
-        self._ref = ctypes.byref
         if lib.vmm_floor_hold(count, size):
             raise RuntimeError(f"vmm_floor_hold({count}, {size}): {lib.vmm_floor_error().decode()}")
 
@@ -87,7 +78,7 @@ class Paired:
         """Writes the memory, synchronizes, spins idle_s (the device idle), then
         times one pause and one resume loop: (pause seconds, resume seconds)."""
         p, r = self._times
-        if self._lib.vmm_floor_cycle(value & 0xFF, idle_s, self._ref(p), self._ref(r)):
+        if self._lib.vmm_floor_cycle(value & 0xFF, idle_s, ctypes.byref(p), ctypes.byref(r)):
             raise RuntimeError(f"vmm_floor_cycle: {self._lib.vmm_floor_error().decode()}")
         return p.value, r.value
 
@@ -96,11 +87,10 @@ class Paired:
 
 
 class Beside:
-    """A Paired floor that gives way to the library's cycles it runs beside:
-    where it cannot hold its allocations (no room for a second set) or one of
-    its cycles fails, it stops with the reason in .error and drops the times
-    it had (a part of the cycles paired is no pairing); the library's figures
-    still count. The caller keeps the times of the cycles it counts in .times."""
+    """A Paired floor that gives way to the library's cycles it runs beside: where it cannot hold its allocations (no
+    room for a second set) or one of its cycles fails, it stops with the reason in .error and drops the times it had (a
+    part of the cycles paired is no pairing); the library's figures still count. The caller keeps the times of the
+    cycles it counts in .times."""
 
     def __init__(self, library, count, size, why_not=None):
         self.paired, self.error, self.times = None, why_not, []

@@ -21,59 +21,54 @@ which copies each block into a pinned staging slot before its DMA) and pinned de
 --dry-run: two processes on the host backend, 64 MiB each in 8 MiB allocations, a host memcpy standing in for the
 link; the figures mean nothing. Report: multi_gpu_<device>-x<N> (or -<N>procs-on-1).{md,json}.
 """
+import ctypes
 import multiprocessing as mp
 import os
+import resource
 import sys
+import threading
 import time
 
 from . import report
 from .common import GiB, MiB, copy_threads, import_library, parser
+from .cycles import BACKUP_CONFIGS
+from .envs import make_env
 
 TENSOR_MIB = 512
 LINK_REPS = 5
 FILL_REPS = 3
 COPY_REPS = 3
 COPY_BLOCK = 4 * MiB  # the library's block of a copy to the device (src/backup/transfer.c)
-CONFIGS = {"mmap": ("mmap", False), "pinned": ("pinned", False), "mmap_retained": ("mmap", True),
-           "pinned_retained": ("pinned", True)}
 DEFAULT_CONFIGS = "mmap,pinned,mmap_retained"
 DRY_RUN = {"gib": 1 / 16, "tensor_mib": 8, "gpus": 2}
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.mmap.restype, LIBC.memcpy.restype = ctypes.c_void_p, ctypes.c_void_p
+LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+LIBC.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 
 
 def _fill_fresh(nbytes, threads):
     """Fresh anonymous memory (MADV_HUGEPAGE) and the threads that will write it:
     (address, threads, unmap)."""
-    import ctypes
-    import threading
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    addr = libc.mmap(None, nbytes, 3, 0x22, -1, 0)  # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS
+    addr = LIBC.mmap(None, nbytes, 3, 0x22, -1, 0)  # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS
     if not addr or addr == ctypes.c_void_p(-1).value:
         raise OSError(ctypes.get_errno(), "mmap of the fill buffer failed")
-    libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
+    LIBC.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
     part = nbytes // threads
-    work = [threading.Thread(target=libc.memset, args=(ctypes.c_void_p(addr + i * part), 1, ctypes.c_size_t(part)))
+    work = [threading.Thread(target=LIBC.memset, args=(ctypes.c_void_p(addr + i * part), 1, ctypes.c_size_t(part)))
             for i in range(threads)]
-    return addr, work, lambda: libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes))
+    return addr, work, lambda: LIBC.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes))
 
 
 def _copy_out(addr, nbytes, buffers):
     """Threads, one per buffer of 2 * COPY_BLOCK bytes (two slots), each copying
     its share of [addr, addr + nbytes) out in COPY_BLOCK pieces, into its two
     slots in turn."""
-    import ctypes
-    import threading
-
-    libc = ctypes.CDLL(None)
-    libc.memcpy.restype = ctypes.c_void_p
-    libc.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     part = nbytes // len(buffers)
 
     def run(start, pair):
         for i, off in enumerate(range(start, start + part, COPY_BLOCK)):
-            libc.memcpy(pair[i & 1], addr + off, min(COPY_BLOCK, start + part - off))
+            LIBC.memcpy(pair[i & 1], addr + off, min(COPY_BLOCK, start + part - off))
 
     pairs = [(ctypes.addressof(b), ctypes.addressof(b) + COPY_BLOCK) for b in buffers]
     return [threading.Thread(target=run, args=(i * part, pair)) for i, pair in enumerate(pairs)]
@@ -94,8 +89,6 @@ def _link_copies(nbytes, dry_run):
     """[(name, copy)] of the link's two directions: pinned copies of 4 GiB on
     this process's GPU, or (dry run) a host memcpy standing in for them."""
     if dry_run:
-        import ctypes
-
         a, b = ctypes.create_string_buffer(nbytes), ctypes.create_string_buffer(nbytes)
         return nbytes, [("d2h", lambda: ctypes.memmove(b, a, nbytes)), ("h2d", lambda: ctypes.memmove(a, b, nbytes))]
     import torch
@@ -115,12 +108,8 @@ def _link_copies(nbytes, dry_run):
 
 def limits_worker(rank, gpu, gib, dry_run, barrier, results):
     os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    import ctypes
-
-    out = {"rank": rank}
-    threads = copy_threads()
-    nbytes = int(gib * GiB)
-    out["fill"], out["copy"] = [], []
+    out = {"rank": rank, "fill": [], "copy": []}
+    threads, nbytes = copy_threads(), int(gib * GiB)
     for rep in range(FILL_REPS):  # the first touches memory the virtual machine never backed yet
         addr, work, unmap = _fill_fresh(nbytes, threads)
         out["fill"].append(_timed(work, barrier, nbytes))
@@ -143,8 +132,6 @@ def limits_worker(rank, gpu, gib, dry_run, barrier, results):
 
 def _faults():
     """Minor page faults of the process so far."""
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
@@ -162,11 +149,9 @@ def _huge_bytes():
 def backup_worker(rank, gpu, config, gib, cycles, tensor_mib, dry_run, barrier, results):
     os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import_library(None)
-    from .envs import make_env
-
     env = make_env("torch", dry_run)
     tms = env.tms
-    backend, retain = CONFIGS[config]
+    backend, retain = BACKUP_CONFIGS[config]
     tms.retain_cpu_backup = retain
     if bool(tms.retain_cpu_backup) != retain:
         raise RuntimeError(f"retain_cpu_backup = {retain} did not take: reads {tms.retain_cpu_backup!r}")
@@ -201,8 +186,7 @@ def _run(target, args, n, share_gpu=False):
     """Runs target in n processes, rank r on GPU r (every one on GPU 0 with
     share_gpu); returns (their results by rank, their exit codes)."""
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(n)
-    results = ctx.Queue()
+    barrier, results = ctx.Barrier(n), ctx.Queue()
     procs = [ctx.Process(target=target, args=(rank, 0 if share_gpu else rank, *args, barrier, results))
              for rank in range(n)]
     for p in procs:
@@ -249,20 +233,19 @@ def main(argv=None):
     ap.add_argument("--share-gpu", action="store_true",
                     help="every process on GPU 0: the host side (cores, fresh pages) shared as by N GPUs, "
                          "the link shared too")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {','.join(CONFIGS)}")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {','.join(BACKUP_CONFIGS)}")
     ap.add_argument("--tensor-mib", type=float, default=None,
                     help=f"size of each tensor (default {TENSOR_MIB}): small ones make many backups")
     ap.add_argument("--limits-last", action="store_true",
                     help="measure the host limits after the backups, so the first pause is the first touch")
-    argv = sys.argv[1:] if argv is None else argv
-    args = ap.parse_args(argv)
+    args = ap.parse_args(argv := sys.argv[1:] if argv is None else argv)
     dry = DRY_RUN if args.dry_run else {"gib": 24, "tensor_mib": TENSOR_MIB, "gpus": 0}
     gib = dry["gib"] if args.gib is None else args.gib
     tensor_mib = dry["tensor_mib"] if args.tensor_mib is None else args.tensor_mib
     configs = args.configs.split(",")
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = [c for c in configs if c not in BACKUP_CONFIGS]
     if unknown:
-        return f"unknown configuration {unknown[0]!r}: one of {', '.join(CONFIGS)}"
+        return f"unknown configuration {unknown[0]!r}: one of {', '.join(BACKUP_CONFIGS)}"
     meta = report.collect_meta("multi_gpu", argv, args.dry_run)
     if args.dry_run:
         os.environ["TMS_BACKEND"] = "host"  # the spawned processes inherit it
@@ -284,11 +267,9 @@ def main(argv=None):
     rows = []
     for config in configs:
         res, codes = _run(backup_worker, (config, gib, args.cycles, tensor_mib, args.dry_run), n, share_gpu)
-        row = {"config": config, "exit_codes": codes, "cycles": []}
-        if len(res) == n:
-            row["cycles"] = [_cycle(res, c) for c in range(args.cycles)]
-        rows.append(row)
-        print(f"{config}: exit codes {codes}, {len(row['cycles'])} cycles", flush=True)
+        cycles = [_cycle(res, c) for c in range(args.cycles)] if len(res) == n else []
+        rows.append({"config": config, "exit_codes": codes, "cycles": cycles})
+        print(f"{config}: exit codes {codes}, {len(cycles)} cycles", flush=True)
     r["rows"] = rows
     if args.limits_last:
         _limits(r, gib, n, share_gpu, args.dry_run)

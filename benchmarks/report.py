@@ -9,12 +9,10 @@ import datetime
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 
-from .common import (DRY_RUN_OUT, REPO, RESULTS, GiB, error_record, meminfo, proc_field, read_json,
-                     write_json_atomic)
+from .common import (DRY_RUN_OUT, REPO, RESULTS, GiB, error_record, meminfo, proc_field, read_json, write_json_atomic)
 
 SUITES = ("run", "multi_gpu", "alloc_count", "speed", "switch")
 DRY_RUN_DEVICE = "host backend (dry run)"
@@ -29,23 +27,18 @@ def _run_text(cmd, timeout=20):
 
 
 def git_commit():
-    """(commit, dirty). TMS_BENCH_COMMIT names the commit of a copied tree
-    whose git metadata is not its own (a tree copied beside the .git of an
-    earlier copy); whether such a tree is dirty is then unknown (None)."""
+    """(commit, dirty). TMS_BENCH_COMMIT names the commit of a copied tree whose git metadata is not its own (a tree
+    copied beside the .git of an earlier copy); whether such a tree is dirty is then unknown (None)."""
     named = os.environ.get("TMS_BENCH_COMMIT")
     if named:
         return named, None
     commit = _run_text(["git", "-C", REPO, "rev-parse", "HEAD"])
-    dirty = None
     status = _run_text(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"])
-    if status is not None:
-        dirty = any(line and "benchmarks/results" not in line for line in status.splitlines())
+    dirty = None if status is None else any(line and "benchmarks/results" not in line for line in status.splitlines())
     return commit or "unknown", dirty
 
 
 def _nvidia_smi():
-    if not shutil.which("nvidia-smi"):
-        return {}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     index = visible if visible.isdigit() else "0"
     fields = ["name", "driver_version", "memory.total", "pcie.link.gen.max", "pcie.link.width.max"]
@@ -130,11 +123,9 @@ def header(meta, title, extra_rows=()):
 
 
 def write(out, stem, doc, title, body, plots=None, extra_rows=()):
-    """Writes stem.json (doc, which holds "meta") and stem.md (the header, then
-    body(images)); then plots(out, stem) -> {name: PNG file name}, and both again
-    with the images, so that a plot that fails costs no figures; then the index.
+    """Writes stem.json (doc, which holds "meta") and stem.md (the header, then body(images)); then plots(out, stem) ->
+    {name: PNG file name}, and both again with the images, so that a plot that fails costs no figures; then the index.
     Returns the Markdown path."""
-    meta = doc["meta"]
     md_path = os.path.join(out, f"{stem}.md")
     # The plots of the report this one replaces go with it (older reports named one, stem.png).
     before = read_json(os.path.join(out, f"{stem}.json")).get("plots") or {"plot": f"{stem}.png"}
@@ -147,7 +138,7 @@ def write(out, stem, doc, title, body, plots=None, extra_rows=()):
             r = error_record(e)
             text = f"Markdown report failed: {r['error']}\n\n```\n{r['traceback']}\n```\n"
         with open(md_path, "w") as f:
-            f.write(header(meta, title, extra_rows() if callable(extra_rows) else extra_rows) + text)
+            f.write(header(doc["meta"], title, extra_rows() if callable(extra_rows) else extra_rows) + text)
 
     save({})
     if plots:

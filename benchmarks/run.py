@@ -19,8 +19,9 @@ import sys
 import tempfile
 import time
 
-from . import floor, report
+from . import cycles, floor, limits, report
 from .common import (GiB, MiB, Deadline, child_env, error_record, fmt_bytes, log, median, no_gpu, parser, run_row)
+from .envs import make_env
 
 SHAPES = [(1, 8 * GiB), (64, 128 * MiB), (2048, 4 * MiB)]
 PRESETS = {
@@ -46,8 +47,8 @@ STEPS = [Step("limits", "none", "limits", 100, 30), Step("torch", "torch", "late
 GRACE_S = 30  # past a worker's soft deadline before it is killed
 
 
-class Interrupted(Exception):
-    pass
+class Interrupted(BaseException):
+    """SIGTERM, raised as KeyboardInterrupt is: no `except Exception` on the way swallows it."""
 
 
 def _on_signal(signum, frame):
@@ -58,8 +59,6 @@ def _on_signal(signum, frame):
 
 def _section(name):
     """The function that measures a section: fn(env, params, deadline) -> dict."""
-    from . import cycles, limits
-
     kind, _, arg = name.partition(":")
     if kind in ("disk", "backup"):
         return lambda env, params, deadline: getattr(cycles, kind)(env, arg, params, deadline)
@@ -69,8 +68,6 @@ def _section(name):
 def worker(mode, section, deadline, params, dry_run=False, save=None):
     """Runs in a worker process (benchmarks.worker): one section in one hook mode
     ("none": no library)."""
-    from .envs import make_env
-
     deadline = Deadline(deadline)
     result = {"mode": mode, "pid": os.getpid(), "env": None}
     t0 = time.time()
@@ -82,7 +79,7 @@ def worker(mode, section, deadline, params, dry_run=False, save=None):
         rec = error_record(e)
         log(f"cannot set up: {rec['error']}")
         return dict(result, out=dict(rec, error=f"setup failed: {rec['error']}"))
-    log(f"{section}: start ({deadline.left():.0f} s left in this process's budget)")
+    log(f"{section}: start ({deadline.at - time.time():.0f} s left in this process's budget)")
     try:
         out = _section(section)(env, params.get(section.split(":", 1)[0], {}), deadline)
     except Exception as e:
@@ -323,13 +320,12 @@ def write_outputs(results, out, stem):
 # ---- main ------------------------------------------------------------------------------
 
 def main(argv=None):
-    ap = parser("run", __doc__, "no GPU: host backend, tiny sizes, plumbing only")
+    ap = parser("run", __doc__)
     ap.add_argument("--quick", action="store_true", help="fewer cycles (about 3 minutes)")
     ap.add_argument("--budget", type=float, help="wall-clock budget in seconds for all steps")
     ap.add_argument("--force", action="store_true", help="run even where the CUDA driver sees no GPU")
     ap.add_argument("--only", help="comma-separated step names to run (debugging): " + ",".join(s.name for s in STEPS))
-    argv = sys.argv[1:] if argv is None else argv
-    args = ap.parse_args(argv)
+    args = ap.parse_args(argv := sys.argv[1:] if argv is None else argv)
     preset_name = "dry" if args.dry_run else ("quick" if args.quick else "full")
     preset = PRESETS[preset_name]
     budget = args.budget or preset["budget_s"]
@@ -360,8 +356,6 @@ def main(argv=None):
                     if env.get(k) is not None and meta.get(k) is None:
                         meta[k] = env[k]
                 merge(results, step, section)
-            except Interrupted:
-                raise
             except Exception as e:  # the runner's own bug must not lose the other steps
                 results["errors"].append({"where": f"runner/{step.name}", **error_record(e)})
             results["steps"][step.name] = {"wall_s": time.time() - now, "given_s": give}
@@ -382,8 +376,7 @@ def main(argv=None):
             for e in results[key]:
                 log(f"  {key}: {e.get('where')}: {str(e.get(field))[:300]}")
     # The report is written either way; the status says whether everything ran (skips are not failures).
-    measured = [results.get("limits"), *(v for k in ("latency", "backup")
-                                         for v in (results.get(k) or {}).values())]
+    measured = [results.get("limits"), *(v for k in ("latency", "backup") for v in (results.get(k) or {}).values())]
     return 0 if (any(_ok(x) for x in measured) or results["skipped"]) and not results["errors"] else 1
 
 

@@ -17,10 +17,12 @@ bounded, the JSON is rewritten after each step, --deadline skips what would not 
 --dry-run: the host backend, tiny sizes. Report: switch_<device>.{md,json,png}.
 """
 import collections
+import contextlib
 import ctypes as C
 import mmap
 import os
 import pickle
+import resource
 import socket
 import subprocess
 import sys
@@ -28,10 +30,12 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 
-from . import report
+from . import limits, report
 from .common import (GiB, MiB, REPO, Deadline, child_env, fmt_bytes, import_library, log, median, parser, pyplot,
                      save_png, worker_cmd, write_json_atomic)
+from .envs import make_env
 from .speed import LLAMA
 
 TITLE = "The engine switch: a trainer and a rollout trading one GPU"
@@ -125,9 +129,8 @@ class Driver:
             raise RuntimeError(f"{fn}: {self.name(rc)} ({rc})")
 
     def prop(self, exportable):
-        p = _Prop(type=1, handle_types=POSIX_FD if exportable else 0)  # CU_MEM_ALLOCATION_TYPE_PINNED
-        p.loc.type, p.loc.id = 1, self.device  # CU_MEM_LOCATION_TYPE_DEVICE
-        return p
+        # CU_MEM_ALLOCATION_TYPE_PINNED, on CU_MEM_LOCATION_TYPE_DEVICE
+        return _Prop(type=1, handle_types=POSIX_FD if exportable else 0, loc=_Loc(1, self.device))
 
     def mem_info(self):
         free, total = SZ(), SZ()
@@ -155,9 +158,8 @@ class Driver:
 
 
 class Block:
-    """size bytes at one reserved range, backed by handles of chunk bytes each (one
-    handle by default); the range stays reserved until close(), as the library keeps
-    an allocation's. What a failed make() left behind, drop() releases."""
+    """size bytes at one reserved range, backed by handles of chunk bytes each (one handle by default); the range stays
+    reserved until close(), as the library keeps an allocation's. What a failed make() left behind, drop() releases."""
 
     def __init__(self, drv, size, chunk=None, exportable=False):
         g = drv.granularity
@@ -174,8 +176,7 @@ class Block:
         while len(self.handles) < self.size // self.chunk:
             self.handles.append(self.drv.create(self.chunk, self.exportable))
         t1 = time.perf_counter()
-        access = _Access(flags=3)  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        access.loc.type, access.loc.id = 1, self.drv.device
+        access = _Access(_Loc(1, self.drv.device), 3)  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE on the device
         for h in self.handles:
             va = self.va + self.mapped * self.chunk
             self.drv.call("cuMemMap", va, self.chunk, 0, h, 0)
@@ -205,8 +206,6 @@ class Engine:
     """A trainer, a rollout or a probe: the library (this one, or upstream's), timed calls."""
 
     def __init__(self, mode, dry_run, peer=None):
-        from .envs import make_env
-
         self.env, self.dry = make_env(mode, dry_run), dry_run
         self.tms, self.blocks = self.env.tms, {}
         self.ours = hasattr(self.tms, "share")
@@ -229,11 +228,9 @@ class Engine:
 
     def alloc(self, tag, sizes, backup=False):
         """(the env's block, tensors over it): on the host backend, CPU tensors over malloc()'s memory."""
-        import ctypes
-
         block = self.env.alloc(tag, sizes, backup=backup)
         return block, block if not self.dry else [
-            self.torch.frombuffer((ctypes.c_char * n).from_address(p), dtype=self.torch.uint8) for p, n in block]
+            self.torch.frombuffer((C.c_char * n).from_address(p), dtype=self.torch.uint8) for p, n in block]
 
     def info(self):
         return dict(self.env.info(), retain_cpu_backup=getattr(self.tms, "retain_cpu_backup", None))
@@ -263,8 +260,6 @@ class Trainer(Engine):
     def setup(self, shapes, probe_bytes):
         """The floors while the device is idle (pinned copies both ways as the limits
         section measures them; a device copy of the weights' bytes), then the state."""
-        from . import limits
-
         self.nw, wbytes = len(shapes["weights"]), sum(shapes["weights"])
         lim = limits.run(self.env, {"bytes": probe_bytes, "reps": 3}, Deadline(0))  # pinned rows only
         a = self.torch.ones(wbytes, dtype=self.torch.uint8, device=None if self.dry else self.env.device)
@@ -294,8 +289,6 @@ class Trainer(Engine):
         if self.ours:
             payload, how = pickle.dumps([self.tms.share(t) for t in weights]), "share() / open_shared()"
         else:
-            from multiprocessing.reduction import ForkingPickler
-
             import torch.multiprocessing  # noqa: F401 (PyTorch's reductions of CUDA tensors)
             try:
                 payload, how = bytes(ForkingPickler.dumps(weights)), "CUDA IPC (torch.multiprocessing)"
@@ -353,10 +346,9 @@ class Rollout(Engine):
         self.env.sync()
 
     def floor(self, reps, idle_s):
-        """The driver alone on the idle device, in this process: create + map of the
-        rollout's allocations (weights, then KV cache), then unmap + release of all.
-        The weights' allocations as PyTorch's cache makes them, near enough: one per
-        tensor of 1 MiB or more, the smaller ones packed together."""
+        """The driver alone on the idle device, in this process: create + map of the rollout's allocations (weights,
+        then KV cache), then unmap + release of all. The weights' allocations as PyTorch's cache makes them, near
+        enough: one per tensor of 1 MiB or more, the smaller ones packed together."""
         if self.dry:
             return {"skipped": "the host backend has no CUDA driver"}
         drv = Driver(self.torch.cuda.current_device())
@@ -384,13 +376,10 @@ class Rollout(Engine):
 
 
 class Other:
-    """The driver alone (ctypes) in two roles: the other engine, which takes and frees
-    memory (host memory in a dry run) and lends its handles, and the measuring process,
-    which creates right after a free and imports what is lent."""
+    """The driver alone (ctypes) in two roles: the other engine, which takes and frees memory (host memory in a dry run)
+    and lends its handles, and the measuring process, which creates right after a free and imports what is lent."""
 
     def __init__(self, mode, dry_run, peer=None):
-        import resource
-
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # descriptors in flight count against it
         want = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
         if soft != resource.RLIM_INFINITY and soft < want:
@@ -400,9 +389,6 @@ class Other:
         if self.peer:
             self.peer.settimeout(60)
 
-    def _block(self, size, chunk=None, exportable=False):
-        return Block(self.drv, size, chunk, exportable)
-
     def info(self):
         return dict(zip(("free", "total"), self.drv.mem_info() if self.drv else (None, None)))
 
@@ -411,7 +397,7 @@ class Other:
             self.blocks[name] = mmap.mmap(-1, size)
             self.blocks[name].write(b"\x5a" * size)
             return {}
-        b = self._block(size, chunk, exportable)
+        b = Block(self.drv, size, chunk, exportable)
         try:
             b.make()
             b.fill()
@@ -428,7 +414,7 @@ class Other:
         return {"t1": time.monotonic()}
 
     def create(self, n, chunk=None):
-        b = self._block(n, chunk)
+        b = Block(self.drv, n, chunk)
         try:
             t0 = time.monotonic()
             c, m = b.make()
@@ -466,7 +452,7 @@ class Other:
     def receive(self, size, chunk):
         """Imports the descriptors as they come, then maps them; drop_lent() gives back
         what it holds, whatever happened."""
-        self.lent = lent = self._block(size, chunk)
+        self.lent = lent = Block(self.drv, size, chunk)
         while len(lent.handles) < size // chunk:
             msg, fds, _, _ = socket.recv_fds(self.peer, 16, FD_BATCH + 3)
             try:
@@ -590,10 +576,8 @@ class Proc:
         return self.wait(timeout, request)
 
     def quit(self):
-        try:
+        with contextlib.suppress(OSError):
             self.conn.send(("quit", {}))
-        except OSError:
-            pass
 
     def close(self):
         try:
@@ -887,41 +871,38 @@ def _exact(doc):
                for k in ("refresh_exact", "trainer_exact"))
 
 
-def body(doc, sizes, args):
-    def text(images):
-        lines, parts, w, idle = [], doc["switch"], doc.get("wait"), sizes["idle_s"]
-        if parts:
-            first = parts[next(iter(parts))]
-            t, kv, f = first.get("trainer") or {}, first.get("kv") or {}, first.get("driver_floor") or {}
-            lines += ["## The switch", "", (
-                f"Trainer: {fmt_bytes(t.get('bytes'))} in {t.get('tensors')} tensors ({sizes['trainer']['layers']} "
-                "Llama layers), backed up with each library's default kind (this library `mmap`, upstream `pinned`), "
-                f"retain_cpu_backup {(t.get('info') or {}).get('retain_cpu_backup')}. Rollout: the weights "
-                f"({fmt_bytes(t.get('weights_bytes'))}) and a KV cache of {fmt_bytes(kv.get('kv_bytes'))} "
-                f"({args.kv_fraction:g} of the memory free), not backed up. Cycles: {', '.join(sizes['plan'])}; "
-                f"medians. Floors: pinned link {t.get('link_d2h_gbps') or 0:.1f} GB/s to host, "
-                f"{t.get('link_h2d_gbps') or 0:.1f} to device; device copy {t.get('d2d_gbps') or 0:.0f} GB/s; driver "
-                f"create + map: {f.get('skipped') or 'median of 3 runs, each after %g s idle' % idle}. "
-                f"Contents exact in every cycle: {_exact(doc)}."), "", switch_table(parts, idle), ""]
-            for k, p in parts.items():
-                how = next((r["phases"]["refresh"]["how"] for r in p["cycles"][::-1]
-                            if "how" in r["phases"].get("refresh", {})), None)
-                lines.append(f"- {k}: refresh by {how}; {p.get('stopped') or '%d cycles' % len(p['cycles'])}"
-                             + _lending(p))
-            lines += ["", report.table(["target", "value", "wanted"],
-                                       [[k, f"{v:.2f}", want] for k, (v, want) in doc["ratios"].items()], "lrl"), ""]
-        if w:
-            lines += ["## What a create waits for right after another process freed", "",
-                      f"Create + map of N (one handle unless said), right after another process freed M that it held "
-                      f"filled (what was freed before had {sizes['settle_s']:g} s to settle), against the same after "
-                      f"{idle:g} s idle; *nearly full*: that process also holds a ballast leaving 2 GiB beside the "
-                      "larger of N and M. Lending: it exports the handles of 8 GiB, sends the descriptors over a Unix "
-                      "socket and drops its own references; this process imports and maps them.", "",
-                      wait_tables(w, idle), ""] + (["Skipped: " + "; ".join(w["skipped"]), ""] if w["skipped"] else [])
-        errors = [f"{k}: {e}" for k, p in parts.items() for e in p["errors"]] + (w or {}).get("errors", [])
-        lines += ["Errors: " + "; ".join(errors), ""] if errors else []
-        return "\n".join(lines + ([f"![switch]({images['switch']})"] if images.get("switch") else []))
-    return text
+def body(doc, sizes, args, images):
+    lines, parts, w, idle = [], doc["switch"], doc.get("wait"), sizes["idle_s"]
+    if parts:
+        first = parts[next(iter(parts))]
+        t, kv, f = first.get("trainer") or {}, first.get("kv") or {}, first.get("driver_floor") or {}
+        lines += ["## The switch", "", (
+            f"Trainer: {fmt_bytes(t.get('bytes'))} in {t.get('tensors')} tensors ({sizes['trainer']['layers']} "
+            "Llama layers), backed up with each library's default kind (this library `mmap`, upstream `pinned`), "
+            f"retain_cpu_backup {(t.get('info') or {}).get('retain_cpu_backup')}. Rollout: the weights "
+            f"({fmt_bytes(t.get('weights_bytes'))}) and a KV cache of {fmt_bytes(kv.get('kv_bytes'))} "
+            f"({args.kv_fraction:g} of the memory free), not backed up. Cycles: {', '.join(sizes['plan'])}; "
+            f"medians. Floors: pinned link {t.get('link_d2h_gbps') or 0:.1f} GB/s to host, "
+            f"{t.get('link_h2d_gbps') or 0:.1f} to device; device copy {t.get('d2d_gbps') or 0:.0f} GB/s; driver "
+            f"create + map: {f.get('skipped') or 'median of 3 runs, each after %g s idle' % idle}. "
+            f"Contents exact in every cycle: {_exact(doc)}."), "", switch_table(parts, idle), ""]
+        for k, p in parts.items():
+            how = next((r["phases"]["refresh"]["how"] for r in p["cycles"][::-1]
+                        if "how" in r["phases"].get("refresh", {})), None)
+            lines.append(f"- {k}: refresh by {how}; {p.get('stopped') or '%d cycles' % len(p['cycles'])}" + _lending(p))
+        lines += ["", report.table(["target", "value", "wanted"],
+                                   [[k, f"{v:.2f}", want] for k, (v, want) in doc["ratios"].items()], "lrl"), ""]
+    if w:
+        lines += ["## What a create waits for right after another process freed", "",
+                  f"Create + map of N (one handle unless said), right after another process freed M that it held "
+                  f"filled (what was freed before had {sizes['settle_s']:g} s to settle), against the same after "
+                  f"{idle:g} s idle; *nearly full*: that process also holds a ballast leaving 2 GiB beside the "
+                  "larger of N and M. Lending: it exports the handles of 8 GiB, sends the descriptors over a Unix "
+                  "socket and drops its own references; this process imports and maps them.", "",
+                  wait_tables(w, idle), ""] + (["Skipped: " + "; ".join(w["skipped"]), ""] if w["skipped"] else [])
+    errors = [f"{k}: {e}" for k, p in parts.items() for e in p["errors"]] + (w or {}).get("errors", [])
+    lines += ["Errors: " + "; ".join(errors), ""] if errors else []
+    return "\n".join(lines + ([f"![switch]({images['switch']})"] if images.get("switch") else []))
 
 
 def plot(doc, out, stem):
@@ -991,7 +972,7 @@ def main(argv=None):
     doc["ratios"] = ratios(doc)
     info = (doc["switch"].get("ours", {}).get("trainer") or {}).get("info") or {}
     meta.setdefault("device_name", info.get("device_name"))
-    report.publish(args, doc, TITLE, body(doc, sizes, args), plots=lambda o, s: plot(doc, o, s),
+    report.publish(args, doc, TITLE, lambda images: body(doc, sizes, args, images), plots=lambda o, s: plot(doc, o, s),
                    extra_rows=[["torch", info.get("torch_version") or "-"]])
     log(f"{time.time() - start:.0f} s")
     failed = [e for p in doc["switch"].values() for e in p["errors"]] + (doc["wait"] or {}).get("errors", [])

@@ -65,11 +65,10 @@ static const char *err_name(CUresult rc)
     return "CUDA_ERROR_UNKNOWN";
 }
 
-static int resolve(void *lib, getproc_v2_fn v2, getproc_v1_fn v1, const char *name, void *slot)
+static int resolve(getproc_v2_fn v2, getproc_v1_fn v1, const char *name, void *slot)
 {
     void *fn = NULL;
     int status = 0, rc;
-    (void)lib;
     rc = v2 ? v2(name, &fn, ABI_VERSION, 0 /* CU_GET_PROC_ADDRESS_DEFAULT */, &status)
             : v1(name, &fn, ABI_VERSION, 0);
     if (rc != 0 || !fn) {
@@ -100,7 +99,7 @@ static int load_driver(void)
         return -1;
     }
 #define R(field, sym) \
-    if (resolve(lib, v2, v1, sym, &cu.field)) return -1;
+    if (resolve(v2, v1, sym, &cu.field)) return -1;
     R(init, "cuInit")
     R(driver_version, "cuDriverGetVersion")
     R(device_get, "cuDeviceGet")
@@ -377,15 +376,9 @@ static int parse_size(const char *s, unsigned long long *out)
 static int parse_shape(const char *s, struct shape *out)
 {
     const char *x = strpbrk(s, "xX*:");
-    if (!x) return -1;
-    char count_text[32];
-    size_t n = (size_t)(x - s);
-    if (n == 0 || n >= sizeof count_text) return -1;
-    memcpy(count_text, s, n);
-    count_text[n] = '\0';
     char *end = NULL;
-    long count = strtol(count_text, &end, 10);
-    if (*end != '\0' || count <= 0 || count > (1L << 22)) return -1;
+    long count = x ? strtol(s, &end, 10) : 0; /* the count must run up to the x */
+    if (!x || end != x || count <= 0 || count > (1L << 22)) return -1;
     unsigned long long size = 0;
     if (parse_size(x + 1, &size) || size == 0) return -1;
     out->text = s;
