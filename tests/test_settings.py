@@ -225,3 +225,16 @@ def test_a_new_setting_is_one_row_of_the_table(tmp_path):
         proc = subprocess.run([sys.executable, "-c", "import torch_memory_saver"], cwd=tree, env=_env(
             PYTHONPATH=str(tree), **{var: value}), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1 and f"ValueError: torch_memory_saver: {said}" in proc.stderr, proc.stderr
+
+
+def test_python_reads_the_librarys_variables_only_through_the_table():
+    # One reader of TMS_* (the C table, _tms_env.env_choice for a choice asked before the core
+    # loads): a variable read by hand in Python would escape its checks and its documentation.
+    # The command line's own variables (TMS_ENV_ELSEWHERE) are the exception.
+    package = Path(__file__).resolve().parent.parent / "torch_memory_saver"
+    read = re.compile(r"""(?:environ\.get\(|environ\[|getenv\()\s*["'](TMS_[A-Z_]+)["']\s*[),\]]""")
+    elsewhere = {"TMS_DEMO_REEXEC"}
+    found = [f"{p.name}: {name}" for p in sorted(package.glob("*.py")) for m in read.finditer(p.read_text())
+             for name in [m.group(1)] if name not in elsewhere and not re.search(
+                 rf"environ\[[\"']{name}[\"']\]\s*=", p.read_text()[m.start():m.end() + 4])]
+    assert not found, found

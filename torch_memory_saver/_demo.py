@@ -1,5 +1,6 @@
 """The walk-through `python -m torch_memory_saver demo` runs: GPU if present, host backend otherwise."""
 import ctypes
+import importlib
 import os
 import sys
 import time
@@ -117,8 +118,8 @@ def _host_demo(hook_mode):
 def main(hook_mode="preload"):
     if gpu_available():
         return _gpu_demo(hook_mode)
-    asked = os.environ.get("TMS_BACKEND", "")
-    if asked and asked.lower() != "host":
+    asked = importlib.import_module("torch_memory_saver._tms_env").env_choice("backend")
+    if asked and asked != "host":
         # Asked for a GPU backend: running on the host one instead would answer another question.
         print(f"torch_memory_saver demo: TMS_BACKEND={asked} asks for a GPU, but PyTorch sees none here (or is not "
               f"installed); unset TMS_BACKEND, or set TMS_BACKEND=host, to run the demo on the host backend",

@@ -1,6 +1,7 @@
 """The singleton's implementation: the core of its hook mode, the MemPools that keep
 region memory apart in PyTorch's cache, disable()'s scratch pools, CUDA graphs."""
 import contextlib
+import importlib
 import os
 import sys
 import threading
@@ -14,7 +15,8 @@ def _torch_platform():
     torch is imported only where the environment leaves the core nothing else to
     go by (importing it takes seconds)."""
     torch = sys.modules.get("torch")
-    if torch is None and not (os.environ.get("TMS_BACKEND") or os.environ.get("TMS_PLATFORM")):
+    env = importlib.import_module("torch_memory_saver._tms_env")
+    if torch is None and not (env.env_choice("backend") or env.env_choice("platform")):
         try:
             import torch
         except ImportError:

@@ -43,7 +43,7 @@ def warn_unknown_variables():
         if close:
             warnings.warn(f"torch_memory_saver: {name} is not a variable of this library and is ignored; "
                           f"did you mean {close[0]}?", RuntimeWarning, stacklevel=3)
-        elif os.environ.get("TMS_LOG") == "debug":
+        elif env.env_choice("log") == "debug":
             print(f"[torch_memory_saver {os.getpid()}] {name} is not a variable of this library; ignored",
                   file=sys.stderr)
 

@@ -125,7 +125,24 @@ static PyObject *report_fields(PyObject *module, PyObject *unused)
     return out;
 }
 
+PyDoc_STRVAR(env_choice_doc,
+"env_choice($module, name, /)\n--\n\n"
+"The value of setting `name` (a choice of the table: backend, platform, log, ...) as its variable\n"
+"says now, in the table's spelling; its default ('' for none) where it is unset or malformed.");
+
+static PyObject *env_choice(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    const char *name = PyUnicode_AsUTF8AndSize(arg, NULL);
+    if (!name) return NULL;
+    const struct tms_setting_row *r = tms_setting_find(name);
+    if (!r || (r->type != TMS_SETTING_TYPE_choice && r->type != TMS_SETTING_TYPE_choice_anycase))
+        return PyErr_Format(PyExc_ValueError, "torch_memory_saver: no setting %s is a choice", name);
+    return PyUnicode_FromString(tms_setting_text_now((int)(r - tms_setting_rows)));
+}
+
 static PyMethodDef module_methods[] = {
+    {"env_choice", env_choice, METH_O, env_choice_doc},
     {"report_fields", report_fields, METH_NOARGS, report_fields_doc},
     {"names", names, METH_NOARGS, names_doc},
     {"is_known", is_known, METH_O, is_known_doc},

@@ -288,6 +288,20 @@ int tms_setting_error(int id, struct tms_err *err)
     return rc ? rc : tms_fail(err, TMS_E_ARG, 0, "%s is malformed", tms_setting_rows[id].env);
 }
 
+const char *tms_setting_text_now(int id)
+{
+    if (id < 0 || id >= TMS_SETTING_COUNT) return "";
+    const struct tms_setting_row *r = &tms_setting_rows[id];
+    if (r->type != TMS_SETTING_TYPE_choice && r->type != TMS_SETTING_TYPE_choice_anycase) return "";
+    const char *s = r->env ? getenv(r->env) : NULL;
+    struct tms_defaults scratch;
+    struct tms_err err = {0};
+    store_default(r, &scratch);
+    if (s && *s && parsers[r->type](r, s, &scratch, &err) != TMS_OK) return "";
+    const char *text = *(const char **)field(&scratch, r->offset);
+    return text ? text : "";
+}
+
 int tms_env_check(struct tms_err *err)
 {
     pthread_once(&defaults_once, load_all);

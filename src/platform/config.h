@@ -306,6 +306,11 @@ int tms_setting_check_text(const struct tms_setting_row *r, const char *text, st
  * reader that must not go on with the default (the backend TMS_BACKEND names). */
 int tms_setting_error(int id, struct tms_err *err);
 
+/* A choice row's value as its variable says now (not as the process read it at first use):
+ * the table's spelling of it, or its default where it is unset or malformed; "" for a row
+ * that is no choice. For a layer that must ask before the library reads its settings. */
+const char *tms_setting_text_now(int id);
+
 /* ---- the environment as a whole -------------------------------------------------------- */
 
 /* The first malformed variable of the process, for `import torch_memory_saver` to raise
