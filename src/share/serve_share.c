@@ -176,6 +176,7 @@ static int start_locked(uint64_t *id, struct tms_err *err)
 
 int tms_share_serving_here(uint32_t pid, uint64_t socket_id)
 {
+    tms_serve_register_fork();  /* a fork while the lock is held leaves it free in the child */
     tms_serve_lock();
     int here = serving_pid == getpid() && (uint32_t)serving_pid == pid && serving_id == socket_id;
     tms_serve_unlock();

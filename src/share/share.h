@@ -1,4 +1,4 @@
-/* Sharing allocations with other processes of the same user: the handle (wire.h), the sender (serve.c), the receiver (open.c). */
+/* Sharing allocations with other processes of the same user: the handle (wire.h), the sender (serve.c and its protocols, serve_share.c and serve_job.c), the receiver (open.c). */
 #ifndef TMS_SHARE_H
 #define TMS_SHARE_H
 
