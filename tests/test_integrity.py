@@ -23,12 +23,19 @@ def test_a_write_racing_the_copy_is_never_trusted_later(in_child, tmp_path):
 
 
 def test_a_double_fault_keeps_the_good_backup_for_the_next_cycle(in_child):
-    # The restore's copy fails, then the unmap that would pause it again.
-    assert in_child.output(integrity.double_fault, env={"TMS_FAULT": "copy_to_device:1,unmap:2"}) == "done\n"
+    # The restore's copy fails, then the unmap that would pause it again; the pause that keeps
+    # the backup says so on stderr (the library's warning), naming the allocation.
+    child = in_child.run(integrity.double_fault, env={"TMS_FAULT": "copy_to_device:1,unmap:2"})
+    assert (child.returncode, child.stdout) == (0, "done\n"), child.stderr
+    assert "held bytes not its own since a failed resume: its backup was kept" in child.stderr, child.stderr
 
 
-def test_the_native_view_is_read_only_unless_zero_copy(in_child):
+def test_a_native_view_leaves_the_backup_untrusted_and_the_packages_copy_does_not(in_child):
     assert in_child.output(integrity.read_only_native_view) == "done\n"
+
+
+def test_a_last_chunk_that_could_not_be_zeroed_is_never_trusted(in_child):
+    assert in_child.output(integrity.tail_not_zeroed, env={"TMS_FAULT": "fill:3"}) == "done\n"
 
 
 def test_verify_restore_off_restores_unchecked_and_says_so(in_child):

@@ -210,7 +210,7 @@ def test_a_zero_copy_view_makes_every_later_pause_copy_everything(run_py, ok):
             p = core.malloc(4 * CHUNK)
         data = fill(p, 4 * CHUNK)
         tms.pause("w")
-        core.get_cpu_backup(p, 4 * CHUNK, False)   # read to copy: still trusted
+        core.get_cpu_backup(p, 4 * CHUNK, False, True)   # copied out at once (the package's way): still trusted
         tms.resume("w")
         assert tms.pause("w").unchanged_bytes == 4 * CHUNK
         view = core.get_cpu_backup(p, 4 * CHUNK)   # may be written: never trusted again

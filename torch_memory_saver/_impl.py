@@ -47,7 +47,7 @@ def backup_across_pages(core, ptr: int, nbytes: int):
         if row is None or not row["adopted"]:
             return False, None
         n = min(end, row["ptr"] + row["size"]) - at
-        view = core.get_cpu_backup(at, n)
+        view = core.get_cpu_backup(at, n, False, True)  # copied out at once: the backup stays trusted
         if view is None:
             return True, None
         pieces.append(torch.frombuffer(view, dtype=torch.uint8).clone())

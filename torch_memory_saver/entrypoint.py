@@ -252,7 +252,7 @@ class TorchMemorySaver:
             fn, args = core.resume, (tag, measure_free)
         try:
             report = _observe.logged(core, fn, args, op, tag, lambda raw: _report.Report(op, raw), self.progress)
-        except Error as e:  # what the call did before it failed travels with the exception
+        except (Error, DiskBackupDirError) as e:  # what the call did before it failed travels with the exception
             raw = getattr(e, "report_raw", None)
             if raw is not None:
                 e.report = _report.Report(op, raw)
@@ -302,7 +302,7 @@ class TorchMemorySaver:
             return torch.empty(x.shape, dtype=x.dtype)
         span = _share.span_bytes(x)
         try:
-            view = core.get_cpu_backup(x.data_ptr(), span, zero_copy)
+            view = core.get_cpu_backup(x.data_ptr(), span, zero_copy, not zero_copy)
         except ValueError:
             # An expandable segment's pages are allocations of their own: a tensor
             # may span several, each with its own backup.

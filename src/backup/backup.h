@@ -40,6 +40,7 @@ struct tms_backup_move {
     int device;
     tms_va va;
     size_t size;
+    size_t reserved;            /* bytes mapped at va (size rounded up): the most a tail's zeroing may touch */
     struct tms_backup *held;    /* its backup now (a save may write into it again; a restore reads it), or NULL */
     int retain;                 /* its backup is kept while the allocation is active (retain on, or skip_unchanged) */
     /* Save: copy only the chunks whose bytes changed since the backup it

@@ -153,11 +153,12 @@ void tms_backup_will_be_kept(struct tms_backup *b);
 void tms_backup_release_restored(void *backup);
 
 /* ---- fingerprints of what a backup holds (skip.c, verify.c) ---------------------------
- * Zeroes the bytes of the last chunk of the allocation [va, va + size) past
- * its end, where size is not whole chunks: no copy carries them, so that
- * chunk fingerprints alike at its pause and at its resume. 1 if that chunk
- * (or none) may be fingerprinted, 0 where the bytes could not be zeroed. */
-int tms_fp_zero_tail(const struct tms_driver *drv, int device, tms_va va, size_t size);
+ * Zeroes the bytes of move m's last chunk past its end, where its size is not
+ * whole chunks: no copy carries them, so that chunk fingerprints alike at its
+ * pause and at its resume. 1 if that chunk (or none) may be fingerprinted, 0
+ * where the bytes could not be zeroed (no fill, a failed one, or a chunk that
+ * runs past what is mapped). */
+int tms_fp_zero_tail(const struct tms_driver *drv, const struct tms_backup_move *m);
 /* After move m's bytes are back from backup b: fingerprints the chunks b
  * recorded and compares (m->verified, m->bad, m->bad_offset, m->unverified);
  * *ns grows by the time it took. pre: what came back is in place, and the

@@ -56,7 +56,7 @@ static int prepare_upto(struct restore *r, size_t last)
         }
         struct restoring *one = &r->moves[r->next];
         const struct tms_backup_move *m = one->m;
-        if (m->verify && m->held) one->tail_zeroed = tms_fp_zero_tail(one->drv, m->device, m->va, m->size);
+        if (m->verify && m->held) one->tail_zeroed = tms_fp_zero_tail(one->drv, m);
         r->next++;
     }
     return r->stopped;

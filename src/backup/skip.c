@@ -44,14 +44,14 @@ static size_t listed(const struct tms_save_plan *p)
     return count;
 }
 
-int tms_fp_zero_tail(const struct tms_driver *drv, int device, tms_va va, size_t size)
+int tms_fp_zero_tail(const struct tms_driver *drv, const struct tms_backup_move *m)
 {
-    size_t rem = size % TMS_FP_CHUNK;
+    size_t rem = m->size % TMS_FP_CHUNK;
     if (!rem) return 1;
-    if (!drv->fill) return 0;
-    tms_va at = va + size;
+    if (!drv->fill || m->size - rem + TMS_FP_CHUNK > m->reserved) return 0;
+    tms_va at = m->va + m->size;
     size_t len = TMS_FP_CHUNK - rem;
-    return drv->fill(device, &at, &len, 1, 0) == 0;
+    return drv->fill(m->device, &at, &len, 1, 0) == 0;
 }
 
 /* The backup a move reuses recorded fingerprints this save may compare. */
@@ -122,7 +122,11 @@ void tms_skip_fingerprint(const struct tms_driver *drv, struct tms_save_plan *p,
     size_t total = 0;
     for (size_t i = 0; i < n; i++) {
         if (!p[i].fingerprinted) continue;
-        p[i].tail_listed = tms_fp_zero_tail(drv, p[i].m->device, p[i].m->va, p[i].m->size);
+        p[i].tail_listed = tms_fp_zero_tail(drv, p[i].m);
+        if (!p[i].tail_listed && p[i].m->verify && !info->why_not_recorded[0])
+            snprintf(info->why_not_recorded, sizeof info->why_not_recorded,
+                     "the last chunk of 0x%llx (its bytes past the allocation) could not be zeroed to fingerprint it",
+                     (unsigned long long)p[i].m->va);
         total += listed(&p[i]);
     }
     if (!total) return;
@@ -310,6 +314,8 @@ void tms_skip_record(struct tms_save_plan *p, size_t n, const struct tms_skip *s
             b->n_fp = want;
             b->fp_generation = s->generation;
         }
+        /* A last chunk left unlisted was copied all the same: what the backup recorded of it is stale. */
+        if (!p[i].tail_listed && b->size % TMS_FP_CHUNK) b->fp_valid[want - 1] = 0;
         for (size_t k = p[i].fp_first; k < p[i].fp_first + p[i].fp_n; k++) {
             /* A chunk carried while something wrote it holds neither fingerprint's bytes for sure. */
             int trusted = !s->copied[k] || (s->posted[k] && !memcmp(&s->fp[k], &s->post[k], sizeof s->fp[k]));

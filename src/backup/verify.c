@@ -36,7 +36,7 @@ struct listing {
     const struct tms_backup *b;
     tms_va va;
     int tail_ok;
-    size_t n, raced;
+    size_t n, raced, tail;
     tms_va *at;        /* NULL: only count */
     size_t *index;
 };
@@ -45,7 +45,7 @@ static void list_chunk(void *arg, size_t c)
 {
     struct listing *l = arg;
     if ((c + 1) * TMS_FP_CHUNK > l->b->size && !l->tail_ok) {
-        l->raced++;  /* its tail could not be zeroed: not comparable */
+        l->tail++;  /* its bytes past the allocation could not be zeroed: not comparable */
         return;
     }
     if (c >= l->b->n_fp || !l->b->fp_valid[c]) {
@@ -61,7 +61,8 @@ void tms_verify_restored(const struct tms_driver *drv, const struct tms_backup *
 {
     m->verified = 0, m->bad = 0, m->bad_offset = 0, m->unverified = NULL;
     if (__atomic_load_n(&b->viewed, __ATOMIC_ACQUIRE)) {
-        m->unverified = "a writable view of its backup was handed out (get_cpu_backup zero_copy): restored as written";
+        m->unverified = "a view of its backup that can be written was handed out (get_cpu_backup zero_copy=True, or "
+                        "the native call): restored as written";
         return;
     }
     if (!drv->fingerprint) {
@@ -78,7 +79,10 @@ void tms_verify_restored(const struct tms_driver *drv, const struct tms_backup *
     }
     struct listing l = {.b = b, .va = m->va, .tail_ok = tail_zeroed};
     each_held_chunk(b, list_chunk, &l);
-    if (l.raced) m->unverified = "some chunks were written while its pause copied them: restored as copied";
+    if (l.raced)
+        m->unverified = "its pause did not trust some chunks (written while it copied them, or a last chunk whose "
+                        "bytes past the allocation it could not zero): restored as copied";
+    else if (l.tail) m->unverified = "its last chunk's bytes past the allocation could not be zeroed to compare it";
     if (!l.n) return;
     size_t count = l.n;
     l.at = malloc(count * sizeof *l.at);
@@ -87,7 +91,7 @@ void tms_verify_restored(const struct tms_driver *drv, const struct tms_backup *
     if (!l.at || !l.index || !out) {
         m->unverified = "out of host memory to list what to check";
     } else {
-        l.n = 0, l.raced = 0;
+        l.n = 0, l.raced = 0, l.tail = 0;
         each_held_chunk(b, list_chunk, &l);
         uint64_t t0 = now_ns();
         int rc = drv->fingerprint(m->device, l.at, l.n, out);

@@ -52,6 +52,11 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     if (device < -1) return tms_fail(err, TMS_E_ARG, 0, "device %d does not exist (-1: the current one)", device);
     if (size == 0) return *ptr = NULL, TMS_OK;
     const char *tag = tms_core_tag_name(r->tag_id);
+    int restore = r->restore >= 0 ? r->restore : tms_core_restore_mode_default();
+    /* Memory a resume could never fill would stay paused for good: refused where it is asked for. */
+    if (restore != TMS_RESTORE_NONE && !drv->fill)
+        return tms_fail(err, TMS_E_UNSUPPORTED, 0, "allocation in tag '%s' with restore='%s': the %s backend cannot "
+                        "fill device memory (use restore='none')", tag, tms_core_restore_mode_name(restore), drv->name);
     int count = 0;
     if (device < 0 && (rc = drv->current_device(&device)))
         return tms_driver_fail(err, TMS_E_DRIVER, drv, rc, "cannot tell the current device");
@@ -89,7 +94,7 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     a->backup = r->backup || r->disk_backup;
     a->backup_kind = tms_backup_kind_of_region(r->backup_kind, r->disk_backup);
     a->skip_unchanged = r->skip_unchanged;
-    a->restore = r->restore >= 0 ? r->restore : tms_core_restore_mode_default();
+    a->restore = restore;
     /* Exportable from the start: a handle cannot be made shareable later. */
     a->handle_types = defaults->shareable && drv->share_types ? drv->share_types(device) : 0;
     a->handles = a->n_chunks == 1 ? &a->one_handle : calloc(n_chunks, sizeof *a->handles);

@@ -91,6 +91,7 @@ struct tms_move {
     int state;                  /* the state it settles in */
     struct tms_backup_move b;
     size_t skipped;             /* bytes of its backup this call left out (free in the caller's cache) */
+    int wrong;                  /* it held bytes not its own: left so by this resume, or this pause kept its backup */
     struct tms_backup *drop;    /* tms_table_settle: the backup a no longer holds */
 };
 

@@ -100,6 +100,7 @@ static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const s
         struct tms_backup_move *b = &m[i].b;
         int skip = tms_alloc_skips_unchanged(a);
         *b = (struct tms_backup_move){.kind = a->backup_kind, .device = a->device, .va = a->va, .size = a->size,
+                                      .reserved = a->reserved,
                                       .held = b->held, .copy = b->held, .retain = tms_alloc_keeps_backup(a, retain),
                                       .skip_unchanged = skip, .verify = tms_core_verify_restore()};
         if (args->n_skip)
@@ -151,7 +152,13 @@ static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, co
         int one = tms_chunks_unmap(p->drv, a, tag, &one_err);
         if (one == TMS_OK) {
             m[i].state = TMS_PAUSED;
-            a->wrong_bytes = 0;  /* what it held is gone; its backup, kept, is what comes back */
+            if (a->wrong_bytes) {  /* what it held is gone; its backup, kept, is what comes back */
+                m[i].wrong = 1;
+                tms_log_warn("pause: allocation 0x%llx (tag '%s') held bytes not its own since a failed resume: its "
+                             "backup was kept, not overwritten, and comes back at the next resume",
+                             (unsigned long long)a->va, tag);
+            }
+            a->wrong_bytes = 0;
             if (job) unmapped[i] = 1;
             else one = tms_chunks_release(p->drv, a, tag, &one_err);  /* paused all the same: reported, not undone */
         } else if (saves(a) && m[i].b.copy && !tms_backup_kept_while_active(m[i].b.copy, m[i].b.retain)) {

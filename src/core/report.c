@@ -56,8 +56,7 @@ void tms_report_end(const struct tms_driver *drv, const struct tms_op_args *args
             if (!locked) tms_table_lock(), locked = 1;
             hung_up = tms_shares_take_hung_up_locked(m[i].a, pids);
         }
-        if (r && m[i].a->wrong_bytes && m[i].state == TMS_ACTIVE && r->n_wrong++ < TMS_REPORT_PIDS)
-            r->wrong[r->n_wrong - 1] = m[i].a->va;
+        if (r && m[i].wrong && r->n_wrong++ < TMS_REPORT_PIDS) r->wrong[r->n_wrong - 1] = m[i].a->va;
         if (!r || m[i].state == m[i].a->state) continue;  /* left as it was */
         struct tms_op_device *d = report_device(r, m[i].a->device);
         if (!d) continue;

@@ -80,9 +80,9 @@ struct tms_op_report {
     uint64_t verify_ns;       /* a resume's time spent checking what it restored */
     char why_not_skipped[160];  /* "" or why memory that was to skip unchanged chunks was copied whole */
     char why_not_verified[160]; /* "" or why some bytes backed up (pause) or restored (resume) are not checked */
-    /* Allocations a failed resume left mapped and active with bytes that are
-     * not theirs (the unmap that would have paused them again failed too):
-     * their backups hold the truth, and their next pause keeps it. */
+    /* Allocations holding bytes that are not theirs: a failed resume left them
+     * mapped and active so (the unmap that would have paused them again failed
+     * too), or this pause kept their backups (the truth) instead of copying them. */
     size_t n_wrong;
     uint64_t wrong[TMS_REPORT_PIDS];
 };

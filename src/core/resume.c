@@ -32,6 +32,7 @@ static void unrestore(const struct tms_driver *drv, struct tms_move *m, struct t
     }
     m->state = TMS_ACTIVE;
     a->wrong_bytes = 1;
+    m->wrong = 1;
     tms_err_append(err, "allocation 0x%llx (tag '%s') stays mapped and active holding bytes that are not its own, "
                    "its backup kept for its next pause and resume: %s", (unsigned long long)a->va, tag, undo_err.msg);
 }
@@ -88,6 +89,7 @@ int tms_core_restore_moves(const struct tms_driver *drv, struct tms_move *const 
         const struct tms_alloc *a = m[i]->a;
         struct tms_backup_move *bm = &m[i]->b;
         *bm = (struct tms_backup_move){.kind = a->backup_kind, .device = a->device, .va = a->va, .size = a->size,
+                                       .reserved = a->reserved,
                                        .held = bm->held, .copy = bm->held,
                                        .retain = tms_alloc_keeps_backup(a, retain),
                                        .verify = bm->held && tms_core_verify_restore()};
@@ -177,10 +179,18 @@ static int fill_discarded(const struct tms_driver *drv, struct tms_move *m, size
             int device = m[i].a->device, first = 1;
             for (size_t j = 0; j < i && first; j++) first = !(wants_fill(&m[j], mode) && m[j].a->device == device);
             if (!first) continue;
-            int one = va && len ? fill_device(drv, m, n, mode, device, va, len, err)
-                                : tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory listing memory to fill");
+            int one = va && len ? fill_device(drv, m, n, mode, device, va, len, err) : TMS_E_HOST_OOM;
             if (one && !rc) rc = one;
-            if (!va || !len) break;
+            if (va && len) continue;
+            /* No room even to list them: none of them stays active holding bytes it did not ask for. */
+            struct tms_err why = {0};
+            tms_fail(&why, TMS_E_HOST_OOM, 0, "resume: out of host memory listing memory to fill (restore='%s')",
+                     tms_core_restore_mode_name(mode));
+            for (size_t j = 0; j < n; j++)
+                if (wants_fill(&m[j], mode)) unrestore(drv, &m[j], &why);
+            if (err && !err->status) *err = why;
+            else if (err) tms_err_append(err, "%s", why.msg);
+            break;
         }
     }
     free(va);

@@ -28,7 +28,10 @@ static PyObject *py_set_region(PyObject *module, PyObject *args)
     if (skip_obj != Py_None) skip = skip_obj == Py_True;
     if (restore_obj != Py_None && !PyUnicode_Check(restore_obj))
         return tms_py_type_error("region(restore=...)", "a str or None", restore_obj);
-    if (restore_obj != Py_None && tms_core_restore_mode_parse(PyUnicode_AsUTF8AndSize(restore_obj, NULL), &restore)) {
+    Py_ssize_t restore_len = 0;
+    const char *restore_text = restore_obj != Py_None ? PyUnicode_AsUTF8AndSize(restore_obj, &restore_len) : NULL;
+    if (restore_obj != Py_None && (!restore_text || (size_t)restore_len != strlen(restore_text) ||
+                                   tms_core_restore_mode_parse(restore_text, &restore))) {
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_ValueError, "torch_memory_saver: region(restore=%R) must be 'none', 'zero' or 'poison'",
                          restore_obj);

@@ -37,18 +37,21 @@ PyType_Spec tms_py_view_spec = {
 };
 
 PyDoc_STRVAR(get_cpu_backup_doc,
-"get_cpu_backup($module, ptr, nbytes, zero_copy=True, /)\n--\n\n"
+"get_cpu_backup($module, ptr, nbytes, zero_copy=True, copy_out=False, /)\n--\n\n"
 "A memoryview of the host backup of [ptr, ptr+nbytes), or None if the allocation\n"
 "holding ptr has no host copy now. The view keeps the bytes alive. zero_copy: it is\n"
-"writable, so unchanged memory is never again found by comparing with this backup and\n"
-"a resume restores it unchecked; False: it is read-only (the caller copies out of it).");
+"writable (False: read-only). Its bytes can be written through it all the same, so the\n"
+"backup's fingerprints are trusted no more (unchanged memory is not found by comparing\n"
+"with it, and a resume restores it unchecked), but where copy_out says the caller only\n"
+"copies out of it at once and drops it (the package's get_cpu_backup).");
 
 static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
 {
     PyObject *ptr_obj;
     Py_ssize_t nbytes;
-    int zero_copy = 1;
-    if (!PyArg_ParseTuple(args, "O!n|p:get_cpu_backup", &PyLong_Type, &ptr_obj, &nbytes, &zero_copy)) return NULL;
+    int zero_copy = 1, copy_out = 0;
+    if (!PyArg_ParseTuple(args, "O!n|pp:get_cpu_backup", &PyLong_Type, &ptr_obj, &nbytes, &zero_copy, &copy_out))
+        return NULL;
     unsigned long long ptr = PyLong_AsUnsignedLongLong(ptr_obj);  /* checks sign and range */
     if (ptr == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear();
@@ -60,7 +63,7 @@ static PyObject *py_get_cpu_backup(PyObject *module, PyObject *args)
     size_t offset = 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS  /* waits while a pause or resume moves that allocation */
-    rc = tms_core_backup_of(ptr, (size_t)nbytes, zero_copy, &b, &offset, &err);
+    rc = tms_core_backup_of(ptr, (size_t)nbytes, zero_copy || !copy_out, &b, &offset, &err);
     Py_END_ALLOW_THREADS
     if (rc) return tms_py_raise(module, &err);
     if (!b) Py_RETURN_NONE;

@@ -84,6 +84,10 @@ def python_path(mode):
             if p != ptrs["mmap"][0]:
                 tms.free(p)
     assert tms.allocations() == [] and device_free() == total
+    # The backend cannot fill device memory: memory a resume could never zero is refused where it is asked for.
+    with tms.region("zeroed", restore="zero"):
+        expect(NotImplementedError, tms.malloc, MiB, match="the hip backend cannot fill device memory")
+    assert tms.allocations() == [] and device_free() == total
     print("done")
 
 
