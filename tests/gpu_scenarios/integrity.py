@@ -53,7 +53,7 @@ def every_kind(tms, disk_dir):
 
 
 def backup_address(ptr, n):
-    view = core().get_cpu_backup(ptr, n, False)
+    view = core().get_cpu_backup(ptr, n, False, True)  # copied out of (copy_out): the backup stays trusted
     check(view is not None and view.readonly, f"no read-only backup view of 0x{ptr:x}: {view!r}")
     return ctypes.addressof(view.obj), view
 
