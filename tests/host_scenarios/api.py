@@ -5,6 +5,7 @@ sizes and booleans as parsed, the one public exception type, public malloc/free,
 the command line's usage line, no CUDA driver (tests/test_build.py), and a pause or
 resume as one call into the core (tests/test_one_call.py)."""
 import ast
+import ctypes
 import os
 import sys
 
@@ -390,6 +391,25 @@ def free_blocks_asked_only_for_a_backup():
     expect(RuntimeError, native.pause, "backed", broken, match="no snapshot")
     assert states() == [("backed", "active"), ("plain", "active")], states()
     return refused
+
+
+def bad_argument_errors(calls):
+    """[(call, "ExceptionType first line" or "no error")] for each call (a Python
+    expression over tms, torch_memory_saver and t, a tensor over a paused allocation)."""
+    import torch
+
+    with tms.region("w", enable_cpu_backup=True):
+        p = tms.malloc(MiB)
+    t = torch.frombuffer((ctypes.c_char * MiB).from_address(p), dtype=torch.uint8)
+    tms.pause("w")
+    said = []
+    for call in calls:
+        try:
+            eval(call, {"tms": tms, "torch_memory_saver": torch_memory_saver, "t": t})
+            said.append((call, "no error"))
+        except (TypeError, ValueError, AttributeError) as e:
+            said.append((call, f"{type(e).__name__} {str(e).splitlines()[0]}"))
+    return said
 
 
 if __name__ == "__main__":
