@@ -710,8 +710,11 @@ static void test_devices(void)
 }
 
 /* Workers allocate, free, pause and resume their own tags through their own
- * thread-local region while the main thread cycles another tag with backups. */
-enum { WORKERS = 4, WORKER_ITERATIONS = 120, MAIN_CYCLES = 40, LIVE = 3 };
+ * thread-local region while the main thread cycles another tag with backups:
+ * threads_rounds cycles of the main thread, three times as many iterations of
+ * each worker (--threads-rounds N; 40 unless told). */
+enum { WORKERS = 4, LIVE = 3 };
+static int threads_rounds = 40;
 
 struct worker {
     int index;
@@ -735,7 +738,7 @@ static void *worker_main(void *arg)
     void *live[LIVE] = {0};
     size_t sizes[LIVE] = {0};
     uint64_t seeds[LIVE] = {0}, rng = 0x1234567ull + (uint64_t)w->index;
-    for (int it = 0; it < WORKER_ITERATIONS; it++) {
+    for (int it = 0; it < 3 * threads_rounds; it++) {
         int slot = it % LIVE;
         if (live[slot]) {
             CHECK(matches(live[slot], sizes[slot], seeds[slot]));
@@ -782,7 +785,7 @@ static void test_threads(void)
         workers[i].index = i;
         CHECK(pthread_create(&workers[i].thread, NULL, worker_main, &workers[i]) == 0);
     }
-    for (int cycle = 0; cycle < MAIN_CYCLES; cycle++) {
+    for (int cycle = 0; cycle < threads_rounds; cycle++) {
         CHECK_RC(tms_core_pause("main-bk", &err), TMS_OK);
         CHECK(count_rows(r.tag_id, TMS_PAUSED) == N);
         CHECK_RC(tms_core_resume("main-bk", &err), TMS_OK);
@@ -1813,12 +1816,19 @@ static const struct test tests[] = {
     {"topology", test_topology},
 };
 
+/* The scenarios named on the command line (all when none is), past its options. */
 static int selected(const char *name, int argc, char **argv)
 {
-    if (argc < 2) return 1;
-    for (int i = 1; i < argc; i++)
+    int named = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--threads-rounds") == 0) {
+            i++;
+            continue;
+        }
+        named = 1;
         if (strcmp(argv[i], name) == 0) return 1;
-    return 0;
+    }
+    return !named;
 }
 
 /* After every test: nothing left in the table, every emulated byte back. */
@@ -1862,6 +1872,14 @@ int main(int argc, char **argv)
         fprintf(stderr, "cannot load the %s backend: %s\n", backend, err.msg);
         return 2;
     }
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--threads-rounds") == 0) {
+            threads_rounds = i + 1 < argc ? atoi(argv[i + 1]) : 0;
+            if (threads_rounds < 1) {
+                fprintf(stderr, "--threads-rounds wants a count of 1 or more\n");
+                return 2;
+            }
+        }
     setvbuf(stdout, NULL, _IOLBF, 0);
     tms_core_set_retain(0);
     tms_core_set_margin(0);
