@@ -30,12 +30,13 @@ TSAN_ENV = {"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1:report_sign
 
 
 def test_threads_scenarios_under_thread_sanitizer(tsan_build):
-    # Ten of the threads scenario's forty rounds: ThreadSanitizer reports a race from one
-    # pair of accesses that nothing orders, whether or not they happen to overlap, so ten
-    # rounds of every path show what forty do, at a quarter of its cost (each access it
-    # checks costs it tenfold). The plain and ASan builds run all forty under ctest.
-    proc = cbuild.run([tsan_build / "test_core_host", "threads", "nowait", "--threads-rounds", "10"], timeout=300,
-                      env=cbuild.tool_env(**TSAN_ENV))
+    # A quarter of the work the plain and ASan builds do under ctest: ThreadSanitizer
+    # reports a race from one pair of accesses that nothing orders, whether or not they
+    # happen to overlap, so ten of the threads scenario's forty rounds show what forty
+    # do; and as every access costs it tenfold, a pause of 64 MiB still moves for
+    # seconds while nowait's other calls run (256 MiB, under half a second, in the plain build).
+    proc = cbuild.run([tsan_build / "test_core_host", "threads", "nowait", "--threads-rounds", "10", "--nowait-mib", "64"],
+                      timeout=300, env=cbuild.tool_env(**TSAN_ENV))
     assert proc.returncode == 0, cbuild.detail(proc)
     assert "ok   threads" in proc.stdout and "ok   nowait" in proc.stdout, cbuild.detail(proc)
     assert " 0 failed" in proc.stdout, cbuild.detail(proc)

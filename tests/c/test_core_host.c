@@ -838,10 +838,12 @@ static void *backup_main(void *arg)
  * defined outcomes: free returns at once and the pause frees it; a second
  * pause of the tag waits and then finds it paused; get_cpu_backup waits and
  * gets the whole backup. */
+static size_t nowait_mib = 256;  /* --nowait-mib N: the size of the allocation that moves */
+
 static void test_nowait(void)
 {
     struct tms_err err;
-    const size_t big = 256u << 20;
+    const size_t big = nowait_mib << 20;
     struct tms_region rb = region("nowait-big", 1, TMS_BACKUP_MMAP);
     struct tms_region ro = region("nowait-other", 0, TMS_BACKUP_MMAP);
     void *p = alloc_ok(big, 0, &rb);
@@ -1821,7 +1823,7 @@ static int selected(const char *name, int argc, char **argv)
 {
     int named = 0;
     for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--threads-rounds") == 0) {
+        if (strcmp(argv[i], "--threads-rounds") == 0 || strcmp(argv[i], "--nowait-mib") == 0) {
             i++;
             continue;
         }
@@ -1872,14 +1874,17 @@ int main(int argc, char **argv)
         fprintf(stderr, "cannot load the %s backend: %s\n", backend, err.msg);
         return 2;
     }
-    for (int i = 1; i < argc; i++)
-        if (strcmp(argv[i], "--threads-rounds") == 0) {
-            threads_rounds = i + 1 < argc ? atoi(argv[i + 1]) : 0;
-            if (threads_rounds < 1) {
-                fprintf(stderr, "--threads-rounds wants a count of 1 or more\n");
-                return 2;
-            }
+    for (int i = 1; i < argc; i++) {
+        int rounds = strcmp(argv[i], "--threads-rounds") == 0, mib = strcmp(argv[i], "--nowait-mib") == 0;
+        if (!rounds && !mib) continue;
+        int n = i + 1 < argc ? atoi(argv[i + 1]) : 0;
+        if (n < 1 + mib) {  /* nowait samples the first and the last MiB */
+            fprintf(stderr, "%s wants a number of %d or more\n", argv[i], 1 + mib);
+            return 2;
         }
+        if (rounds) threads_rounds = n;
+        else nowait_mib = (size_t)n;
+    }
     setvbuf(stdout, NULL, _IOLBF, 0);
     tms_core_set_retain(0);
     tms_core_set_margin(0);
