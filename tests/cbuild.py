@@ -1,13 +1,15 @@
-"""Compiles the C test programs (tests/c/*.c + the core) straight with the C compiler,
-for the suites that run them under a tool (valgrind, libFuzzer); the core once per
-(compiler, flags) and each program once per test run, shared by the run's workers
-(once_per_run, which the CMake builds of the suites use too). Sources and flags come
-from src/build.txt, as in setup.py and CMakeLists.txt."""
+"""Builds the C test programs once per test run, shared by the run's workers
+(once_per_run): the CMake builds of this tree (cmake_build: plain, and under
+ThreadSanitizer), whose programs ctest, valgrind, the fuzz driver and ThreadSanitizer all
+run, and, for a build no CMake option makes (libFuzzer under clang), a program compiled
+straight with the C compiler (build: the core once per compiler and flags). Sources and
+flags come from src/build.txt, as in setup.py and CMakeLists.txt."""
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -80,6 +82,35 @@ def once_per_run(key, make):
                 raise
             (out / ".built").touch()
     return out
+
+
+# The targets a sanitizer's build makes: what the suites run under it (a plain build
+# makes every target; ctest runs them all).
+SANITIZER_TARGETS = {"thread": ("test_core_host", "fuzz_core", "test_reloc_race")}
+
+
+def cmake_build(sanitize=None, python_modules=True):
+    """The directory of this tree's CMake build (RelWithDebInfo: -O2 -g), plain or under
+    -fsanitize=<sanitize>, made once per test run: every suite that runs a C test program
+    takes it from here, so none is compiled twice. Skips the test where cmake or a C
+    compiler is missing; fails it if the build fails."""
+    for tool in ("cmake", "ctest"):
+        if not shutil.which(tool):
+            pytest.skip(f"{tool} not installed")
+    if not compiler():
+        pytest.skip("no C compiler (cc, or $CC)")
+    options = [f"-DPython3_EXECUTABLE={sys.executable}", f"-DTMS_PYTHON_MODULES={'ON' if python_modules else 'OFF'}"]
+    if sanitize:
+        options.append(f"-DTMS_SANITIZE={sanitize}")
+    targets = SANITIZER_TARGETS.get(sanitize, ())
+
+    def make(d):
+        for cmd in (["cmake", "-S", ROOT, "-B", d, *options],
+                    ["cmake", "--build", d, "-j", "2", *(["--target", *targets] if targets else [])]):
+            proc = run(cmd, timeout=300)
+            assert proc.returncode == 0, f"{shlex.join(map(str, cmd))}\n{detail(proc)}"
+
+    return once_per_run(("cmake", str(ROOT), sanitize, python_modules), make)
 
 
 def _compile_all(commands):

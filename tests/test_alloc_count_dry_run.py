@@ -21,7 +21,9 @@ def test_beside_allocations_live_in_another_tag(tmp_path):
     assert [p["allocations"] for p in r["points"]] == [1, 3]  # the other tag's are not counted
     assert all(len(p["pause"]) == 2 and len(p["resume"]) == 2 for p in r["points"])
     assert [p["tensors"] for p in r["points"]] == [1, 3]
-    assert all(len(p["lookup_s"]) == 3 and all(0 < t < 0.01 for t in p["lookup_s"]) for p in r["points"])
+    # Three timed lookups per count; how long they take is the benchmark's figure, not a
+    # bound for a test on a machine others load.
+    assert all(len(p["lookup_s"]) == 3 and all(t > 0 for t in p["lookup_s"]) for p in r["points"])
     text = report.with_suffix(".md").read_text()
     assert "5 allocations of another tag live beside the measured one" in text
     assert "| 3 | 3 | " in text  # the lookup table's row for 3 allocations

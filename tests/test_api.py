@@ -12,6 +12,7 @@ import pytest
 import torch_memory_saver
 from torch_memory_saver import TorchMemorySaver, configure_subprocess
 from conftest import HOOK_MODES, MiB, REPO, check_ok, child_env
+from host_scenarios import api
 
 # ---- in-process validation (the core is never loaded) ---------------------------
 
@@ -230,14 +231,8 @@ def test_the_backend_name_is_read_in_any_case(run_py, value):
     assert check_ok(run_py("print(core.backend())", backend=value)) == "host\n"
 
 
-def test_errors_give_huge_byte_counts_in_gib_too(run_py):
-    out = check_ok(run_py("""
-        import torch_memory_saver
-        tms.memory_margin_bytes = 15 << 30
-        with tms.region("w"):
-            e = expect(torch_memory_saver.OutOfMemoryError, tms.malloc, 64 << 30)
-        print(e)
-        """, load_core=False))
+def test_errors_give_huge_byte_counts_in_gib_too(in_child):
+    out = in_child(api.huge_byte_count_in_gib)
     assert ("allocation of 68719476736 bytes (64.00 GiB) (tag 'w', device 0) would leave 0 of 17179869184 free bytes "
             "(16.00 GiB), below memory_margin_bytes=16106127360 (15.00 GiB)") in out, out
 

@@ -3,91 +3,93 @@ cycled beside it in the same process (the paired floor): a floor measured in a
 process of its own moves, for one large allocation, from one process to the
 next. No GPU here: the cycles run on the host backend beside a stand-in for
 floor.Paired, and the report is fed made-up figures."""
+import ctypes
 import json
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import run  # noqa: E402
 
-STAND_IN = textwrap.dedent("""
-    import ctypes, json, sys
-    sys.path.insert(0, sys.argv[1])
-    from benchmarks import alloc_count, cycles, floor
+LOG = []  # what the stand-in and the library's pauses did, in order (in the child)
+
+
+class StandIn:
+    """floor.Paired without a GPU: figures made up from the cycle's number."""
+
+    def __init__(self, lib, count, size):
+        if lib == "no room":
+            raise RuntimeError("vmm_floor_hold(%d, %d): out of memory" % (count, size))
+        self.shape, self.fail_at = (count, size), (3 if lib == "fails" else None)
+        # Resident memory of its own, as the floor's device memory: a pause
+        # frees the tag's bytes, not the floor's (past the check's 64 MiB slack).
+        self.held = bytearray(256 << 20)
+        ctypes.memset((ctypes.c_char * len(self.held)).from_buffer(self.held), 1, len(self.held))
+        LOG.append(("hold", count, size))
+
+    def cycle(self, value, idle_s=0.0):
+        if value == self.fail_at:
+            raise RuntimeError("vmm_floor_cycle: device lost")
+        LOG.append(("floor", value))
+        return 0.001 * (value + 1), 0.002 * (value + 1)
+
+    def close(self):
+        self.held = None
+        LOG.append(("close",))
+
+
+def _each_floor(run_one):
+    """{floor library: {"entry"/"point": what run_one returned, "log": LOG}} for a floor
+    that pairs, one that has no room and one that fails mid-way; as JSON has it, as the
+    benchmark's report would."""
+    from benchmarks import floor
+
+    floor.Paired = StandIn
+    out = {}
+    for lib in ("lib.so", "no room", "fails"):
+        del LOG[:]
+        out[lib] = {**run_one(lib), "log": LOG[:]}
+    return json.loads(json.dumps(out))
+
+
+def cycles_beside_a_stand_in():
+    """benchmarks.cycles.latency's cycles, each paired with a stand-in floor's."""
+    from benchmarks import cycles
     from benchmarks.common import Deadline
     from benchmarks.envs import HostEnv
 
-    log = []
-
-    class StandIn:
-        def __init__(self, lib, count, size):
-            if lib == "no room":
-                raise RuntimeError("vmm_floor_hold(%d, %d): out of memory" % (count, size))
-            self.shape, self.fail_at = (count, size), (3 if lib == "fails" else None)
-            # Resident memory of its own, as the floor's device memory: a pause
-            # frees the tag's bytes, not the floor's (past the check's 64 MiB slack).
-            self.held = bytearray(256 << 20)
-            ctypes.memset((ctypes.c_char * len(self.held)).from_buffer(self.held), 1, len(self.held))
-            log.append(("hold", count, size))
-
-        def cycle(self, value, idle_s=0.0):
-            if value == self.fail_at:
-                raise RuntimeError("vmm_floor_cycle: device lost")
-            log.append(("floor", value))
-            return 0.001 * (value + 1), 0.002 * (value + 1)
-
-        def close(self):
-            self.held = None
-            log.append(("close",))
-
-    floor.Paired = StandIn
-""")
-
-CYCLES = STAND_IN + textwrap.dedent("""
     env = HostEnv("torch")
     real_pause = env.tms.pause
-    env.tms.pause = lambda tag: (log.append(("pause",)), real_pause(tag))[1]
-    out = {}
-    for lib in ("lib.so", "no room", "fails"):
-        del log[:]
+    env.tms.pause = lambda tag: (LOG.append(("pause",)), real_pause(tag))[1]
+
+    def one(lib):
         params = {"shapes": [[3, 2 << 20]], "cycles": 4, "warmup": 1, "floor_lib": lib}
         (entry,) = cycles.latency(env, params, Deadline(1e18))["shapes"]
-        out[lib] = {"entry": entry, "log": log[:]}
-    print(json.dumps(out))
-""")
+        return {"entry": entry}
+    return _each_floor(one)
 
 
-# benchmarks.alloc_count's worker pairs its cycles through the same floor.Beside.
-ALLOC_COUNT = STAND_IN + textwrap.dedent("""
+def alloc_count_beside_a_stand_in():
+    """benchmarks.alloc_count's worker pairs its cycles through the same floor.Beside."""
+    from benchmarks import alloc_count
     from torch_memory_saver import torch_memory_saver as tms
+
     real_pause = tms.pause
-    tms.pause = lambda tag: (log.append(("pause",)), real_pause(tag))[1]
-    out = {}
-    for lib in ("lib.so", "no room", "fails"):
-        del log[:]
-        (point,) = alloc_count.worker([2], 4, 1, True, floor_lib=lib)["points"]
-        out[lib] = {"point": point, "log": log[:]}
-    print(json.dumps(out))
-""")
+    tms.pause = lambda tag: (LOG.append(("pause",)), real_pause(tag))[1]
+    return _each_floor(lambda lib: {"point": alloc_count.worker([2], 4, 1, True, floor_lib=lib)["points"][0]})
 
 
-def _run(script):
-    child = subprocess.run([sys.executable, "-c", script, str(REPO_ROOT)], capture_output=True, text=True,
-                           timeout=120, env={"TMS_BACKEND": "host", "PATH": "/usr/bin:/bin"})
-    assert child.returncode == 0, child.stderr[-3000:]
-    return json.loads(child.stdout.splitlines()[-1])
+@pytest.fixture
+def run_cycles(in_child):
+    return lambda: in_child(cycles_beside_a_stand_in, timeout=120)
 
 
-def _run_cycles():
-    return _run(CYCLES)
-
-
-def test_each_library_cycle_runs_beside_one_floor_cycle_before_and_after_in_turn():
-    out = _run_cycles()["lib.so"]
+def test_each_library_cycle_runs_beside_one_floor_cycle_before_and_after_in_turn(run_cycles):
+    out = run_cycles()["lib.so"]
     entry, log = out["entry"], [tuple(x) for x in out["log"]]
     size = entry["reserved_size"]
     assert log[0] == ("hold", entry["allocations"], size) and log[-1] == ("close",)
@@ -103,8 +105,8 @@ def test_each_library_cycle_runs_beside_one_floor_cycle_before_and_after_in_turn
     assert entry["freed_ok"] is True, entry["freed_bytes"]  # the floor's memory, held throughout, is not the tag's
 
 
-def test_without_a_paired_floor_the_library_figures_stay_and_a_note_says_why():
-    out = _run_cycles()
+def test_without_a_paired_floor_the_library_figures_stay_and_a_note_says_why(run_cycles):
+    out = run_cycles()
     for lib, why in (("no room", "no paired floor: vmm_floor_hold("), ("fails", "no paired floor: vmm_floor_cycle: "
                                                                               "device lost")):
         entry = out[lib]["entry"]
@@ -113,8 +115,9 @@ def test_without_a_paired_floor_the_library_figures_stay_and_a_note_says_why():
         assert len(entry["pause_s"]) == 4 and entry["freed_ok"] is True
 
 
-def test_alloc_count_pairs_its_cycles_in_turn_and_drops_a_failed_pairing():
-    out = _run(ALLOC_COUNT)
+def test_alloc_count_pairs_its_cycles_in_turn_and_drops_a_failed_pairing(in_child):
+    # The worker says its progress on stderr, as a benchmark does.
+    out = in_child(alloc_count_beside_a_stand_in, timeout=120, stderr_empty=False)
     point, log = out["lib.so"]["point"], [tuple(x) for x in out["lib.so"]["log"]]
     assert log[0] == ("hold", point["allocations"], 2 << 20) and log[-1] == ("close",)
     assert log[1:-1] == [("floor", 0), ("pause",), ("pause",), ("floor", 1), ("floor", 2), ("pause",), ("pause",),

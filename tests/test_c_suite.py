@@ -2,22 +2,14 @@
 runs ctest, and once more under AddressSanitizer + UndefinedBehaviorSanitizer."""
 import os
 import shlex
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import cbuild
 
-ROOT = Path(__file__).resolve().parent.parent
 JOBS = "2"
-
-
-def _compiler():
-    cc = shlex.split(os.environ.get("CC", "")) or ["cc"]
-    return cc if shutil.which(cc[0]) else None
 
 
 def _env():
@@ -34,21 +26,6 @@ def _run(cmd, cwd=None, env=None, timeout=300):
     return proc.stdout
 
 
-def _require_tools():
-    missing = [tool for tool in ("cmake", "ctest") if not shutil.which(tool)]
-    if missing:
-        pytest.skip(f"{' and '.join(missing)} not installed")
-    if not _compiler():
-        pytest.skip("no C compiler (cc, or $CC)")
-
-
-def _build(build_dir, *options):
-    _require_tools()
-    _run(["cmake", "-S", ROOT, "-B", build_dir, f"-DPython3_EXECUTABLE={sys.executable}", *options])
-    _run(["cmake", "--build", build_dir, "-j", JOBS])
-    return build_dir
-
-
 def _ctest(build_dir, env=None, exclude=None):
     out = _run(["ctest", "--output-on-failure", "-j", JOBS, "--timeout", "120", *(["-E", exclude] if exclude else [])],
                cwd=build_dir, env=env)
@@ -58,8 +35,7 @@ def _ctest(build_dir, env=None, exclude=None):
 
 @pytest.fixture(scope="session")
 def cmake_build():
-    _require_tools()
-    return cbuild.once_per_run(("cmake", str(ROOT)), _build)  # built once for the run's workers
+    return cbuild.cmake_build()  # the plain build valgrind and the fuzz driver run too
 
 
 def test_ctest(cmake_build):
@@ -97,7 +73,7 @@ def _lsan_works(tmp):
     """LeakSanitizer needs ptrace-like access that some containers deny; probe it."""
     probe = tmp / "probe.c"
     probe.write_text("#include <stdlib.h>\nint main(void) { free(malloc(1)); return 0; }\n")
-    build = subprocess.run([*_compiler(), "-fsanitize=address,undefined", str(probe), "-o", str(tmp / "probe")],
+    build = subprocess.run([*cbuild.compiler(), "-fsanitize=address,undefined", str(probe), "-o", str(tmp / "probe")],
                            capture_output=True, text=True)
     if build.returncode != 0:
         pytest.skip(f"the C compiler cannot build with -fsanitize=address,undefined: {build.stderr.strip()[:300]}")
@@ -107,10 +83,10 @@ def _lsan_works(tmp):
 
 
 def test_ctest_address_undefined_sanitizers(tmp_path_factory):
-    _require_tools()
-    tmp = tmp_path_factory.mktemp("cmake-asan")
-    leaks = _lsan_works(tmp)
-    build_dir = _build(tmp / "build", "-DTMS_SANITIZE=address,undefined", "-DTMS_PYTHON_MODULES=OFF")
+    if not cbuild.compiler():
+        pytest.skip("no C compiler (cc, or $CC)")
+    leaks = _lsan_works(tmp_path_factory.mktemp("cmake-asan"))
+    build_dir = cbuild.cmake_build("address,undefined", python_modules=False)
     env = {
         **_env(),
         "ASAN_OPTIONS": f"detect_leaks={int(leaks)}:abort_on_error=0:strict_string_checks=1",

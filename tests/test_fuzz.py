@@ -4,8 +4,8 @@ after every step, that backed-up bytes survive, states and status codes are the
 documented ones, the statistics gauges equal sums over the table, and the
 emulated device's free bytes equal its capacity minus the mapped bytes.
 
-The plain build (any C compiler) always runs: random inputs from a fixed seed,
-a bounded number of them. The libFuzzer build (clang) runs for a bounded time
+The plain build (the CMake build's, which ctest and valgrind run too) always runs:
+random inputs from a fixed seed, a bounded number of them. The libFuzzer build (clang) runs for a bounded time
 where clang's libFuzzer is installed, and is skipped, saying so, where not.
 ctest runs the plain driver too (CMakeLists.txt: fuzz_core, fuzz_core_chunked,
 fuzz_core_faults), under ASan+UBSan in test_c_suite.py.
@@ -31,7 +31,7 @@ MUST_HAPPEN = [
 
 @pytest.fixture(scope="module")
 def fuzz_core():
-    return cbuild.build("fuzz_core", flags=["-O2"])
+    return cbuild.cmake_build() / "fuzz_core"   # the plain CMake build's, as ctest and valgrind run it
 
 
 @pytest.mark.parametrize("chunk", [None, "5MiB"])

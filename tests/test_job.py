@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from conftest import check_ok
+from host_scenarios import job
 
 # Each case waits at most a few seconds for what a member's thread does on its own.
 TIMEOUT = 120
@@ -49,38 +50,12 @@ def test_another_users_flood_does_not_stop_lending(run_scenario, other_uids):
     assert check_ok(run_scenario("job", "flooded_members", attacker, attacker, timeout=TIMEOUT)) == "done\n"
 
 
-def test_the_job_setting(run_py):
-    proc = run_py("""
-        import torch_memory_saver
-        assert tms.job == "from-env"
-        expect(ValueError, setattr, tms, "job", "no spaces", match="is not a job name of 1 to 64")
-        expect(TypeError, setattr, tms, "job", 3, match="job must be a str or None")
-        tms.job = None
-        assert tms.job is None and core.get_job() is None
-        tms.job = f"j-{os.getpid()}"
-        with tms.region("w"):
-            p = tms.malloc(2 * MiB)
-        r = tms.pause("w")
-        assert (r.kept_bytes, r.devices[0].fallback) == (0, None), r  # alone in the job: nothing to keep
-        e = expect(torch_memory_saver.Error, setattr, tms, "job", "k", match="member of job 'j-")
-        tms.job = f"j-{os.getpid()}"  # the same name is fine
-        r = tms.resume("w")
-        assert (r.borrowed_bytes, r.devices[0].fallback) == (0, "no member"), r
-        print("ok")
-        """, env={"TMS_JOB": "from-env"})
-    assert check_ok(proc) == "ok\n"
+def test_the_job_setting(in_child):
+    in_child(job.job_setting, env={"TMS_JOB": "from-env"})
 
 
-def test_a_job_name_takes_no_character_the_variable_refuses(run_py):
-    # C would see "rl" of "rl\0other": the whole value is refused, as TMS_JOB refuses a space.
-    proc = run_py("""
-        expect(ValueError, setattr, tms, "job", "rl\\0other", match="job 'rl\\\\x00other' holds a NUL character")
-        for bad in ("rl other", "rl/x", ".rl", "r\\u00e9", "rl\\n", "x" * 65):
-            expect(ValueError, setattr, tms, "job", bad, match="is not a job name of 1 to 64")
-        assert tms.job is None and core.get_job() is None
-        print("ok")
-        """)
-    assert check_ok(proc) == "ok\n"
+def test_a_job_name_takes_no_character_the_variable_refuses(in_child):
+    in_child(job.job_name_refused)
 
 
 def test_a_malformed_job_variable_is_named_at_import(run_py):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, check_ok, child_env, libcuda_present
+from host_scenarios import api, disk_backup, import_env
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
 
@@ -128,7 +129,7 @@ def test_a_program_importing_the_package_still_gets_the_value_error(run_py):
     assert proc.returncode == 1 and "ValueError: torch_memory_saver: TMS_BACKUP_THREADS='lots'" in proc.stderr
 
 
-def test_every_error_of_a_bad_argument_starts_with_the_librarys_name(run_py):
+def test_every_error_of_a_bad_argument_starts_with_the_librarys_name(in_child):
     # Each call's mistake is in its arguments; what is checked in Python and what in C
     # alike say who is speaking. get_cpu_backup's zero_copy is a bool, as README shows.
     calls = ["tms.free(-1)", "tms.free(1 << 70)", "tms.free('x')", "tms.pause(3)", "tms.resume(['w', 3])",
@@ -136,20 +137,8 @@ def test_every_error_of_a_bad_argument_starts_with_the_librarys_name(run_py):
              "setattr(tms, 'progres', True)", "setattr(tms, 'progress', 'yes')",
              "setattr(torch_memory_saver, 'progres', True)", "tms.get_cpu_backup(t, zero_copy='yes')",
              "tms.get_cpu_backup(t, zero_copy=1)", "tms.region(3).__enter__()", "tms.set_disk_backup_dir(3)"]
-    out = check_ok(run_py(f"""
-        import ctypes, torch, torch_memory_saver
-        with tms.region("w", enable_cpu_backup=True):
-            p = tms.malloc(MiB)
-        t = torch.frombuffer((ctypes.c_char * MiB).from_address(p), dtype=torch.uint8)
-        tms.pause("w")
-        for call in {calls!r}:
-            try:
-                eval(call)
-                print(call, "-> no error")
-            except (TypeError, ValueError, AttributeError) as e:
-                print(call, "->", type(e).__name__, str(e).splitlines()[0])
-        """))
-    said = dict(line.split(" -> ", 1) for line in out.splitlines())
+    said = dict(in_child(api.bad_argument_errors, calls))
+    out = "\n".join(f"{c} -> {e}" for c, e in said.items())
     assert list(said) == calls, out
     assert {c: e for c, e in said.items() if not e.split(" ", 1)[-1].startswith("torch_memory_saver: ")} == {}, out
     assert said["tms.get_cpu_backup(t, zero_copy='yes')"] == \
@@ -167,16 +156,10 @@ def test_a_misspelt_variable_is_named_with_the_one_it_is_close_to(run_py):
     assert proc.returncode == 0 and "TMS_OTHER_TOOL is not a variable of this library; ignored" in proc.stderr
 
 
-def test_every_variable_readme_documents_is_known(run_py):
+def test_every_variable_readme_documents_is_known(in_child):
     # Less a C constant's prefix and the example of a misspelling.
     documented = sorted(set(re.findall(r"`(TMS_[A-Z0-9_]+)", README)) - {"TMS_STATUS_", "TMS_BACKUP_THREAD"})
-    proc = run_py(f"""
-        import torch_memory_saver._tms_env as env
-        unknown = [n for n in {documented!r} if not env.is_known(n)]
-        assert not unknown, unknown
-        assert set({documented!r}) <= set(env.names())
-        """, prelude=False)
-    check_ok(proc)
+    assert in_child(import_env.unknown_variables, documented) == ([], [])
 
 
 # ---- the Makefile -----------------------------------------------------------------------
@@ -367,21 +350,13 @@ def test_readme_names_the_console_command_and_the_group_errors_failures():
     assert "`GroupError.failures`" in README and GroupError("x", failures={1: "Error: no"}).failures == {1: "Error: no"}
 
 
-def test_every_file_of_a_disk_backup_is_one_readme_names(run_py, tmp_path):
+def test_every_file_of_a_disk_backup_is_one_readme_names(in_child, tmp_path):
     bullet = README.split("**Files**:", 1)[1].split("\n- ", 1)[0].split("\n\n", 1)[0]
     patterns = re.findall(r"`(tms-<pid>-[^`]+)`", bullet)
     assert len(patterns) == 2, bullet
     names = [re.escape(p).replace(re.escape("<pid>"), r"\d+").replace(re.escape("<token>"), "[0-9a-f]{16}")
              .replace(re.escape("<random>"), "[0-9a-f]{16}") for p in patterns]
-    out = check_ok(run_py(f"""
-        tms.set_disk_backup_dir({str(tmp_path / "d")!r})
-        with tms.region("w", enable_disk_backup=True):
-            p = tms.malloc(2 * MiB)
-        tms.pause("w")
-        print(" ".join(sorted(os.listdir({str(tmp_path / "d")!r}))))
-        tms.resume("w")
-        """))
-    files = out.split()
+    files = in_child(disk_backup.files_while_paused, str(tmp_path / "d"), "preload")
     assert {next((i for i, rx in enumerate(names) if re.fullmatch(rx, f)), None) for f in files} == {0, 1}, (files, names)
 
 

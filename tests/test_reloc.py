@@ -108,12 +108,11 @@ def test_a_tail_call_never_reaches_an_unloaded_runtime(in_child, libs):
     in_child(reloc.tail_call_after_dlclose, str(libs))
 
 
-# The race under ThreadSanitizer: compiler flags and the options its run needs. The plain
-# build and AddressSanitizer + UndefinedBehaviorSanitizer run it under ctest
-# (test_c_suite.py: reloc_race, for two seconds each).
+# The race under ThreadSanitizer (the CMake build test_concurrency.py runs too): the
+# options its run needs. The plain build and AddressSanitizer + UndefinedBehaviorSanitizer
+# run it under ctest (test_c_suite.py: reloc_race, for two seconds each).
 SANITIZERS = {
-    "thread": (["-fsanitize=thread"],
-               {"TSAN_OPTIONS": f"halt_on_error=1:report_signal_unsafe=0:suppressions={cbuild.C_TESTS / 'tsan.supp'}"}),
+    "thread": {"TSAN_OPTIONS": f"halt_on_error=1:report_signal_unsafe=0:suppressions={cbuild.C_TESTS / 'tsan.supp'}"},
 }
 
 
@@ -123,10 +122,9 @@ def test_passes_survive_a_dlclose_on_another_thread(libs, tmp_path, sanitizer):
     # pass over every loaded object, while another dlcloses them: a pass reads an
     # object's memory only while the loader keeps it mapped, and every copy is patched
     # when its dlopen returns, however often it was loaded before. A second each.
-    flags, env = SANITIZERS[sanitizer]
-    if sanitizer:
-        cbuild.skip_unless_sanitizer_runs(sanitizer, tmp_path)
-    program = cbuild.build("reloc_race", flags=["-O1", *flags])
+    cbuild.skip_unless_sanitizer_runs(sanitizer, tmp_path)
+    program = cbuild.cmake_build(sanitizer) / "test_reloc_race"
+    env = SANITIZERS[sanitizer]
     proc = cbuild.run([program, "--seconds", 1, libs / "libuser_lazy.so"], timeout=120,
                       env=cbuild.tool_env(TMPDIR=tmp_path, **env))
     assert proc.returncode == 0, cbuild.detail(proc)

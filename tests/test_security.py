@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import HOST_SCENARIOS, check_ok, child_env
+from host_scenarios import bad_input
 
 IS_ROOT = os.geteuid() == 0
 
@@ -163,53 +164,16 @@ def test_the_library_stays_mapped_after_its_last_dlclose_while_its_threads_live(
 # ---- input from outside ----------------------------------------------------------------
 
 
-def test_a_tag_that_is_not_utf8_is_refused_where_it_enters(run_py):
-    out = check_ok(run_py("""
-        cdll = tms._impl._binary_wrapper.cdll
-        with tms.region("ok"):
-            p = core.malloc(MiB)
-        assert cdll.tms_set_current_tag(b"\\xff\\xfe") == 6                      # TMS_STATUS_ARG
-        assert b"not valid UTF-8" in cdll.tms_get_last_error()
-        assert cdll.tms_get_current_tag() == b"default"                        # unchanged
-        assert cdll.tms_set_current_tag(b"caf\\xc3\\xa9") == 0 and cdll.tms_get_current_tag() == "café".encode()
-        tms.stats(); tms.allocations(); tms.memory_summary(); tms.paused_tags()  # every reader still works
-        tms.pause("ok"); tms.resume("ok")
-        assert tms.stats()[0]["ok"]["pauses"] == 1
-        print("done")
-    """))
-    assert out == "done\n"
+def test_a_tag_that_is_not_utf8_is_refused_where_it_enters(in_child):
+    in_child(bad_input.tag_not_utf8)
 
 
-def test_cudamalloc_of_null_in_a_region_is_invalid_value_with_nothing_kept(run_py):
-    out = check_ok(run_py("""
-        tms.hook_mode = "preload"
-        core = tms._core
-        hook = ctypes.CDLL(core.library_path())                                 # the preload variant's cudaMalloc
-        with tms.region("r"):
-            assert hook.cudaMalloc(None, ctypes.c_size_t(MiB)) == 1             # cudaErrorInvalidValue
-        assert tms.allocations() == []
-        assert "NULL" in core.last_hook_error()
-        print("done")
-    """, load_core=False))
-    assert out == "done\n"
+def test_cudamalloc_of_null_in_a_region_is_invalid_value_with_nothing_kept(in_child):
+    in_child(bad_input.cudamalloc_of_null)
 
 
-def test_many_distinct_tags_are_reclaimed_and_looked_up_by_name(run_py):
-    # More distinct tags than the table holds at once (65,536), each with an
-    # allocation freed again; one tag keeps its allocation throughout.
-    out = check_ok(run_py("""
-        with tms.region("kept"):
-            kept = core.malloc(MiB)
-        for i in range(70000):
-            core.set_region(True, f"t{i}", False, "mmap")
-            if i % 5000 == 0:
-                core.free(core.malloc(4096))
-        core.set_region(False, "default", False, "mmap")
-        assert [r["tag"] for r in tms.allocations()] == ["kept"]
-        tms.pause("kept"); tms.resume("kept")
-        print("done")
-    """, timeout=120))
-    assert out == "done\n"
+def test_many_distinct_tags_are_reclaimed_and_looked_up_by_name(in_child):
+    in_child(bad_input.many_distinct_tags, timeout=120)
 
 
 @pytest.mark.parametrize("value", [" 1", "+1", "\n1", "1 ", "0x2"])
@@ -224,16 +188,5 @@ def test_a_fault_count_past_the_range_is_refused(run_py):
     assert proc.returncode != 0 and "TMS_FAULT='create:99999999999999999999' is malformed" in proc.stderr, proc.stderr
 
 
-def test_python_arguments_are_value_errors_naming_them(run_py):
-    out = check_ok(run_py("""
-        with tms.region("r"):
-            e = expect(ValueError, tms.malloc, 2 ** 70, match="torch_memory_saver: malloc: nbytes")
-            assert str(2 ** 70) in str(e)
-            expect(ValueError, tms.malloc, -5, match="torch_memory_saver: malloc: nbytes must be >= 0, got -5")
-            expect(ValueError, lambda: tms.malloc(MiB, device=-7), match="device must be >= 0")
-            expect(ValueError, core.malloc, MiB, -7, match="device must be >= 0")
-            expect(ValueError, core.malloc, MiB, 99, match="device 99 does not exist")
-        assert tms.allocations() == []
-        print("done")
-    """))
-    assert out == "done\n"
+def test_python_arguments_are_value_errors_naming_them(in_child):
+    in_child(bad_input.python_arguments)

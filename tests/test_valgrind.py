@@ -21,7 +21,7 @@ CORE_SCENARIOS = ["config", "driver", "basics", "backup_pinned", "backup_mmap", 
                   "free_paused", "retain", "margin_and_oom", "sizes", "tags", "devices"]
 
 CASES = {
-    # id: (program, argv, environment)
+    # id: (program of the plain CMake build, argv, environment)
     "core_host": ("test_core_host", CORE_SCENARIOS, {}),
     # The fault plans CMakeLists.txt runs: error paths are where leaks hide.
     "core_host_faults": ("test_core_host", [],
@@ -45,7 +45,7 @@ def valgrind():
 @pytest.mark.parametrize("case", list(CASES))
 def test_clean_under_valgrind(valgrind, case):
     program, argv, env = CASES[case]
-    binary = cbuild.build(program, flags=["-O1"])
+    binary = cbuild.cmake_build() / program   # the build ctest runs: nothing compiled again
     proc = cbuild.run([*valgrind, binary, *argv], timeout=300, env=cbuild.tool_env(**env))
     assert proc.returncode == 0, cbuild.detail(proc)
     assert " 0 failed" in proc.stdout, cbuild.detail(proc)

@@ -710,8 +710,11 @@ static void test_devices(void)
 }
 
 /* Workers allocate, free, pause and resume their own tags through their own
- * thread-local region while the main thread cycles another tag with backups. */
-enum { WORKERS = 4, WORKER_ITERATIONS = 120, MAIN_CYCLES = 40, LIVE = 3 };
+ * thread-local region while the main thread cycles another tag with backups:
+ * threads_rounds cycles of the main thread, three times as many iterations of
+ * each worker (--threads-rounds N; 40 unless told). */
+enum { WORKERS = 4, LIVE = 3 };
+static int threads_rounds = 40;
 
 struct worker {
     int index;
@@ -735,7 +738,7 @@ static void *worker_main(void *arg)
     void *live[LIVE] = {0};
     size_t sizes[LIVE] = {0};
     uint64_t seeds[LIVE] = {0}, rng = 0x1234567ull + (uint64_t)w->index;
-    for (int it = 0; it < WORKER_ITERATIONS; it++) {
+    for (int it = 0; it < 3 * threads_rounds; it++) {
         int slot = it % LIVE;
         if (live[slot]) {
             CHECK(matches(live[slot], sizes[slot], seeds[slot]));
@@ -765,6 +768,13 @@ static void test_threads(void)
     struct tms_region r = region("main-bk", 1, TMS_BACKUP_MMAP);
     const size_t sizes[] = {1, 4096 + 3, 100000, gran + 1};
     enum { N = sizeof sizes / sizeof *sizes };
+    /* No allocation here reserves more than two granules: under a TMS_CHUNK_BYTES of
+     * that or more each is one chunk of its own size, as without the setting, and the
+     * run would repeat the unchunked one's work. */
+    if (tms_defaults()->chunk_bytes_set && tms_defaults()->chunk_bytes >= 2 * gran) {
+        printf("   (every allocation is one chunk, as without TMS_CHUNK_BYTES: skipped)\n");
+        return;
+    }
     void *p[N];
     for (int i = 0; i < N; i++) {
         p[i] = alloc_ok(sizes[i], 0, &r);
@@ -775,7 +785,7 @@ static void test_threads(void)
         workers[i].index = i;
         CHECK(pthread_create(&workers[i].thread, NULL, worker_main, &workers[i]) == 0);
     }
-    for (int cycle = 0; cycle < MAIN_CYCLES; cycle++) {
+    for (int cycle = 0; cycle < threads_rounds; cycle++) {
         CHECK_RC(tms_core_pause("main-bk", &err), TMS_OK);
         CHECK(count_rows(r.tag_id, TMS_PAUSED) == N);
         CHECK_RC(tms_core_resume("main-bk", &err), TMS_OK);
@@ -828,10 +838,12 @@ static void *backup_main(void *arg)
  * defined outcomes: free returns at once and the pause frees it; a second
  * pause of the tag waits and then finds it paused; get_cpu_backup waits and
  * gets the whole backup. */
+static size_t nowait_mib = 256;  /* --nowait-mib N: the size of the allocation that moves */
+
 static void test_nowait(void)
 {
     struct tms_err err;
-    const size_t big = 256u << 20;
+    const size_t big = nowait_mib << 20;
     struct tms_region rb = region("nowait-big", 1, TMS_BACKUP_MMAP);
     struct tms_region ro = region("nowait-other", 0, TMS_BACKUP_MMAP);
     void *p = alloc_ok(big, 0, &rb);
@@ -1806,12 +1818,19 @@ static const struct test tests[] = {
     {"topology", test_topology},
 };
 
+/* The scenarios named on the command line (all when none is), past its options. */
 static int selected(const char *name, int argc, char **argv)
 {
-    if (argc < 2) return 1;
-    for (int i = 1; i < argc; i++)
+    int named = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--threads-rounds") == 0 || strcmp(argv[i], "--nowait-mib") == 0) {
+            i++;
+            continue;
+        }
+        named = 1;
         if (strcmp(argv[i], name) == 0) return 1;
-    return 0;
+    }
+    return !named;
 }
 
 /* After every test: nothing left in the table, every emulated byte back. */
@@ -1854,6 +1873,17 @@ int main(int argc, char **argv)
     if (tms_driver_select(backend, &err) || tms_driver_get(&drv, &err) || drv->granularity(0, &gran)) {
         fprintf(stderr, "cannot load the %s backend: %s\n", backend, err.msg);
         return 2;
+    }
+    for (int i = 1; i < argc; i++) {
+        int rounds = strcmp(argv[i], "--threads-rounds") == 0, mib = strcmp(argv[i], "--nowait-mib") == 0;
+        if (!rounds && !mib) continue;
+        int n = i + 1 < argc ? atoi(argv[i + 1]) : 0;
+        if (n < 1 + mib) {  /* nowait samples the first and the last MiB */
+            fprintf(stderr, "%s wants a number of %d or more\n", argv[i], 1 + mib);
+            return 2;
+        }
+        if (rounds) threads_rounds = n;
+        else nowait_mib = (size_t)n;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
     tms_core_set_retain(0);

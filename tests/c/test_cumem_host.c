@@ -8,6 +8,7 @@
  * [--walks W] [--seed S] [--race-rounds N] [--shapes 0|1]: W walks of N/W
  * steps each, seeds S to S+W-1. */
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -494,13 +495,29 @@ static void walk(uint64_t seed, int steps)
 /* ---- a pause racing PyTorch growing and shrinking the same tag ----------------------- */
 
 #define RACE_PAGES 8
+/* The pauser's cycles per round of the owner: left to spin, it can take the locks
+ * back as soon as it lets them go and hold the owner off for seconds, its cycles
+ * meanwhile racing nothing new. */
+#define RACE_CYCLES_PER_ROUND 4
 static int race_rounds;
-static int race_done;  /* atomic */
+static int race_round;  /* atomic: the owner's round under way */
+static int race_done;   /* atomic */
 
 static void *race_pauser(void *arg)
 {
     (void)arg;
+    int round = -1, cycles = 0;
     while (!__atomic_load_n(&race_done, __ATOMIC_ACQUIRE)) {
+        int now = __atomic_load_n(&race_round, __ATOMIC_ACQUIRE);
+        if (now != round) {
+            round = now;
+            cycles = 0;
+        }
+        if (cycles == RACE_CYCLES_PER_ROUND) {  /* until the owner's next round */
+            sched_yield();
+            continue;
+        }
+        cycles++;
         struct tms_err err = {0};
         int rc = tms_core_pause("cm_race", &err);
         CHECK(rc == TMS_OK || rc == TMS_E_STATE);
@@ -521,6 +538,7 @@ static void race(void)
     CHECK(pthread_create(&pauser, NULL, race_pauser, NULL) == 0);
     tms_CUmemHandle h[RACE_PAGES];
     for (int round = 0; round < race_rounds; round++) {
+        __atomic_store_n(&race_round, round, __ATOMIC_RELEASE);
         enter_region(t, round % 2);
         grow(base, RACE_PAGES, PAGE, h);
         leave_region();

@@ -2,13 +2,15 @@
 """The Python layer once the core is loaded (tests/test_api.py): hook_mode and the
 settings around first use, argument errors of the native module, the environment's
 sizes and booleans as parsed, the one public exception type, public malloc/free, and
-the command line's usage line, and no CUDA driver (tests/test_build.py)."""
+the command line's usage line, no CUDA driver (tests/test_build.py), and a pause or
+resume as one call into the core (tests/test_one_call.py)."""
 import ast
+import ctypes
 import os
 import sys
 
 import torch_memory_saver
-from _prelude import MiB, core, expect, fill, raw_region, read, row, run_cases, start, tms
+from _prelude import MiB, core, expect, fill, raw_region, read, row, run_cases, start, states, tms
 
 
 def enabled_without_starting_the_core():
@@ -305,6 +307,109 @@ def report_repr():
     assert isinstance(r.devices, dict) and list(r.devices) == [0], r.devices
     assert repr(r).endswith(f", devices={{0: {r.devices[0]!r}}})"), repr(r)
     print("done")
+
+
+def huge_byte_count_in_gib():
+    """The OutOfMemoryError's text for 64 GiB asked with a 15 GiB margin."""
+    tms.memory_margin_bytes = 15 << 30
+    with tms.region("w"):
+        e = expect(torch_memory_saver.OutOfMemoryError, tms.malloc, 64 << 30)
+    return str(e)
+
+
+def one_call_into_the_core():
+    """A pause or resume is one call into the core; the driver's free memory is asked
+    for only where the report is asked for or the call is logged."""
+    import torch_memory_saver._observe as observe
+
+    native = core()
+    calls = []
+    for name in ("pause", "resume", "check_tags", "selects_backup", "mem_get_info", "stats", "allocations"):
+        real = getattr(native, name)
+
+        def counted(*a, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*a)
+        setattr(native, name, counted)
+    with tms.region("w", enable_cpu_backup=True):
+        w = tms.malloc(2 * MiB)
+    data = fill(w, 2 * MiB)
+    calls.clear()
+    r = tms.pause("w")
+    assert calls == ["pause"], calls
+    assert r.devices[0].free_before is None and r.devices[0].free_after is None, r.devices[0]
+    calls.clear()
+    tms.resume("w")
+    assert calls == ["resume"], calls
+    assert read(w, 2 * MiB) == data
+    r = tms.pause("w", measure_free=True)
+    assert r.devices[0].free_after - r.devices[0].free_before == r.released_bytes == 2 * MiB, r.devices[0]
+    back = tms.resume("w", measure_free=True)
+    assert back.devices[0].free_before - back.devices[0].free_after == 2 * MiB, back.devices[0]
+    observe.logger.setLevel("INFO")   # a logged call measures: its line can say what was freed
+    r = tms.pause("w")
+    assert r.devices[0].free_before is not None, r.devices[0]
+    tms.resume("w")
+
+
+def free_blocks_asked_only_for_a_backup():
+    """The native pause asks for the caller's free blocks only if it backs something up,
+    uses what it gets, and asks nothing when the tags are bad; a callable that raises
+    leaves everything as it was. Returns the errors of the bad tags (type, text's start)."""
+    import struct
+
+    native = core()
+    asked, refused = [], []
+
+    def spans():
+        asked.append(1)
+        return None
+    with tms.region("plain"):
+        tms.malloc(2 * MiB)
+    with tms.region("backed", enable_cpu_backup=True):
+        b = tms.malloc(2 * MiB)
+    data = fill(b, 2 * MiB)
+    native.pause("plain", spans)
+    assert asked == [], "asked for free blocks of a pause that backs nothing up"
+    native.pause("backed", spans)
+    assert asked == [1], asked
+    native.resume(["plain", "backed"])
+    assert read(b, 2 * MiB) == data
+    # What the callable returns is used: the whole allocation skipped as free.
+    r = native.pause("backed", lambda: struct.pack("=QQ", b, 2 * MiB))
+    assert r["devices"][0]["skipped_bytes"] == 2 * MiB and r["devices"][0]["copied_bytes"] == 0, r
+    native.resume("backed")
+    # A bad tag is refused before the callable is asked, and nothing moves.
+    for bad in ("", ["backed", "backed"]):
+        e = expect(ValueError, native.pause, bad, spans)
+        refused.append((type(e).__name__, str(e)[:40]))
+    assert asked == [1] and states() == [("backed", "active"), ("plain", "active")], (asked, states())
+
+    # An exception from the callable leaves everything as it was.
+    def broken():
+        raise RuntimeError("no snapshot")
+    expect(RuntimeError, native.pause, "backed", broken, match="no snapshot")
+    assert states() == [("backed", "active"), ("plain", "active")], states()
+    return refused
+
+
+def bad_argument_errors(calls):
+    """[(call, "ExceptionType first line" or "no error")] for each call (a Python
+    expression over tms, torch_memory_saver and t, a tensor over a paused allocation)."""
+    import torch
+
+    with tms.region("w", enable_cpu_backup=True):
+        p = tms.malloc(MiB)
+    t = torch.frombuffer((ctypes.c_char * MiB).from_address(p), dtype=torch.uint8)
+    tms.pause("w")
+    said = []
+    for call in calls:
+        try:
+            eval(call, {"tms": tms, "torch_memory_saver": torch_memory_saver, "t": t})
+            said.append((call, "no error"))
+        except (TypeError, ValueError, AttributeError) as e:
+            said.append((call, f"{type(e).__name__} {str(e).splitlines()[0]}"))
+    return said
 
 
 if __name__ == "__main__":

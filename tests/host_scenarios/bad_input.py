@@ -1,8 +1,9 @@
 # Tests the native module too: its pause/resume, set_region, malloc/free and get_cpu_backup arguments.
 """Bad input gets a clear exception, never a crash or a wrong action
-(tests/test_bad_input.py): tags that are str but not usable, get_cpu_backup of CPU
-tensors over host-backend memory, integers out of range, the "LD_PRELOAD missing"
-message."""
+(tests/test_bad_input.py, and tests/test_security.py for input from outside): tags that
+are str but not usable, get_cpu_backup of CPU tensors over host-backend memory, integers
+out of range, the "LD_PRELOAD missing" message, a tag through the C ABI that is not
+UTF-8, cudaMalloc(NULL), more tags than the table holds, a disk directory with a NUL."""
 import ctypes
 import os
 import sys
@@ -183,6 +184,69 @@ def ensure_hooked():
         print("raised")
     else:
         print(_preload.ensure_hooked(native))
+
+
+def disk_backup_dir_with_nul():
+    """A disk backup directory with an embedded NUL is refused, its name shown escaped."""
+    e = expect(torch_memory_saver.DiskBackupDirError, tms.set_disk_backup_dir, "/tmp/a\0b")
+    assert str(e).startswith("torch_memory_saver: the disk backup directory '/tmp/a\\x00b'"), str(e)
+
+
+def tag_not_utf8():
+    """The C ABI refuses a tag that is not UTF-8 where it enters (TMS_STATUS_ARG), keeps
+    the current tag, and every reader still works afterwards."""
+    start()                                                                 # the C ABI is the running core's
+    cdll = tms._impl._binary_wrapper.cdll
+    with tms.region("ok"):
+        core().malloc(MiB)
+    assert cdll.tms_set_current_tag(b"\xff\xfe") == 6                       # TMS_STATUS_ARG
+    assert b"not valid UTF-8" in cdll.tms_get_last_error()
+    assert cdll.tms_get_current_tag() == b"default"                         # unchanged
+    assert cdll.tms_set_current_tag(b"caf\xc3\xa9") == 0 and cdll.tms_get_current_tag() == "café".encode()
+    for reader in (tms.stats, tms.allocations, tms.memory_summary, tms.paused_tags):
+        reader()                                                            # every reader still works
+    tms.pause("ok")
+    tms.resume("ok")
+    assert tms.stats()[0]["ok"]["pauses"] == 1
+
+
+def cudamalloc_of_null():
+    """The preload variant's cudaMalloc(NULL, n) in a region is cudaErrorInvalidValue,
+    keeps nothing and says NULL."""
+    tms.hook_mode = "preload"
+    hook = ctypes.CDLL(core().library_path())                               # the preload variant's cudaMalloc
+    with tms.region("r"):
+        assert hook.cudaMalloc(None, ctypes.c_size_t(MiB)) == 1              # cudaErrorInvalidValue
+    assert tms.allocations() == []
+    assert "NULL" in core().last_hook_error()
+
+
+def many_distinct_tags():
+    """More distinct tags than the table holds at once (65,536), each with an allocation
+    freed again; one tag keeps its allocation throughout."""
+    native = core()
+    with tms.region("kept"):
+        native.malloc(MiB)
+    for i in range(70000):
+        native.set_region(True, f"t{i}", False, "mmap")
+        if i % 5000 == 0:
+            native.free(native.malloc(4096))
+    native.set_region(False, "default", False, "mmap")
+    assert [r["tag"] for r in tms.allocations()] == ["kept"]
+    tms.pause("kept")
+    tms.resume("kept")
+
+
+def python_arguments():
+    """Python arguments out of range are ValueErrors naming the argument."""
+    with tms.region("r"):
+        e = expect(ValueError, tms.malloc, 2 ** 70, match="torch_memory_saver: malloc: nbytes")
+        assert str(2 ** 70) in str(e)
+        expect(ValueError, tms.malloc, -5, match="torch_memory_saver: malloc: nbytes must be >= 0, got -5")
+        expect(ValueError, lambda: tms.malloc(MiB, device=-7), match="device must be >= 0")
+        expect(ValueError, core().malloc, MiB, -7, match="device must be >= 0")
+        expect(ValueError, core().malloc, MiB, 99, match="device 99 does not exist")
+    assert tms.allocations() == []
 
 
 if __name__ == "__main__":

@@ -374,5 +374,16 @@ def unusable_dir_from_the_environment(d, mode):
     return str(e)
 
 
+def files_while_paused(d, mode):
+    """The names in the backup directory while one disk-backed allocation is paused (README names each)."""
+    begin(d, mode)
+    with tms.region("w", enable_disk_backup=True):
+        tms.malloc(2 * MiB)
+    tms.pause("w")
+    names = sorted(os.listdir(D))
+    tms.resume("w")
+    return names
+
+
 if __name__ == "__main__":
     run_cases(globals(), sys.argv)

@@ -1,6 +1,7 @@
 """A malformed environment fails the import (tests/test_api.py, test_bad_input.py,
 test_host_backend.py, test_compat.py): a ValueError naming the variable and its value, every time the
-import is tried (a failed import is not cached as success).
+import is tried (a failed import is not cached as success). And the variables the
+environment table knows (tests/test_readme_promises.py).
 
 No _prelude here: it imports the package, which is what these cases check."""
 import importlib
@@ -48,6 +49,13 @@ def pause_every_tag():
     import torch_memory_saver
 
     torch_memory_saver.torch_memory_saver.pause()
+
+
+def unknown_variables(names):
+    """Of names, those the environment table does not know (by is_known, and by its list)."""
+    import torch_memory_saver._tms_env as env
+
+    return [n for n in names if not env.is_known(n)], sorted(set(names) - set(env.names()))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import subprocess
 import sys
 import time
 
-from _prelude import MiB, core, fill, read, run_cases, tms
+import torch_memory_saver
+from _prelude import MiB, core, expect, fill, read, run_cases, tms
 from share_peers import job_hash, place
 
 CHUNK = 2 * MiB  # the host backend's granularity: every chunk lends to any allocation
@@ -844,6 +845,35 @@ def bad_lends():
     b.finish()
     close_fakes(servers)
     print("done")
+
+
+def job_setting():
+    """With TMS_JOB=from-env: the setting reads it, refuses a bad name or type, and a
+    member alone in its job keeps nothing and borrows nothing; a member cannot move to
+    another job, though naming its own again is fine."""
+    assert tms.job == "from-env"
+    expect(ValueError, setattr, tms, "job", "no spaces", match="is not a job name of 1 to 64")
+    expect(TypeError, setattr, tms, "job", 3, match="job must be a str or None")
+    tms.job = None
+    assert tms.job is None and core().get_job() is None
+    tms.job = f"j-{os.getpid()}"
+    with tms.region("w"):
+        tms.malloc(2 * MiB)
+    r = tms.pause("w")
+    assert (r.kept_bytes, r.devices[0].fallback) == (0, None), r  # alone in the job: nothing to keep
+    expect(torch_memory_saver.Error, setattr, tms, "job", "k", match="member of job 'j-")
+    tms.job = f"j-{os.getpid()}"  # the same name is fine
+    r = tms.resume("w")
+    assert (r.borrowed_bytes, r.devices[0].fallback) == (0, "no member"), r
+
+
+def job_name_refused():
+    """C would see "rl" of "rl\0other": the whole value is refused, as TMS_JOB refuses a space."""
+    native = core()                  # the core first, as a running process meets the setting
+    expect(ValueError, setattr, tms, "job", "rl\0other", match="job 'rl\\x00other' holds a NUL character")
+    for bad in ("rl other", "rl/x", ".rl", "r\u00e9", "rl\n", "x" * 65):
+        expect(ValueError, setattr, tms, "job", bad, match="is not a job name of 1 to 64")
+    assert tms.job is None and native.get_job() is None
 
 
 if __name__ == "__main__":
