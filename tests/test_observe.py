@@ -199,3 +199,19 @@ def test_demo_on_the_host_backend_times_every_step():
     assert len(rows) == 1 and float(rows[0].rsplit("|", 2)[1]) > 0, proc.stdout
     assert rows[0].startswith("| allocate+touch 256 MiB kv_cache + 256 MiB weights "), rows  # as --help and README say
     assert "weights restored exactly: True" in proc.stdout
+
+
+def test_report_type_declarations_name_every_byte_field():
+    """The TYPE_CHECKING declarations of DeviceReport and Report, written by hand for
+    type checkers, list exactly the byte fields the core declares, in its order."""
+    import ast
+
+    from torch_memory_saver import _report
+
+    tree = ast.parse(open(_report.__file__).read())
+    declared = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in ("DeviceReport", "Report")):
+        block = next(n for n in cls.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+        declared[cls.name] = [s.target.id for s in block.body if isinstance(s, ast.AnnAssign)]
+    want = [name for name, _doc in _report.BYTE_FIELDS]
+    assert declared == {"DeviceReport": want, "Report": want}, (declared, want)

@@ -39,7 +39,7 @@ class DeviceReport:
     "member timed out" (their pids in timed_out), "nothing to lend" or "bad lend" (a
     member lent memory that failed the checks: refused whole)."""
 
-    if TYPE_CHECKING:  # made from BYTE_FIELDS below; tests/test_observe.py checks these match it
+    if TYPE_CHECKING:  # made from BYTE_FIELDS below; a test checks these match it
         released_bytes: int
         mapped_bytes: int
         copied_bytes: int
