@@ -66,21 +66,24 @@ check: test test-packaging
 # download in its cache, outside the tree, for good: make check leaves nothing there.
 deps test test-packaging check: export PIP_NO_CACHE_DIR = 1
 
-# The GPU suite (tests/test_gpu.py) on every GPU the driver sees (or GPUS=0,1): one
-# pytest-xdist worker per GPU, each on its GPU alone, then the tests that need two GPUs
-# at once, without workers (tests/gpus.py). On one GPU, in two calls of about equal
-# time: PART=1, then PART=2. pytest's status 5 (no test selected) is no failure here.
+# The GPU suite (tests/test_gpu.py) on every GPU the driver sees (or GPUS=0,1), in one
+# call: PER_GPU pytest-xdist workers per GPU (a scenario is mostly Python and CUDA
+# starting, so a few share a GPU well), then, without workers, the tests that need every
+# GPU or a GPU alone (tests/gpus.py). PART=1 and PART=2 split it in two halves where a
+# call is short. pytest's status 5 (no test selected) is no failure here.
 GPUS ?= $(shell $(PYTHON) tests/gpus.py)
+PER_GPU ?= 4
 GPU_PART_1 = test_scenario or test_exit_states or test_compat or test_c_program
 GPU_K_1 = -k "$(GPU_PART_1)"
 GPU_K_2 = -k "not ($(GPU_PART_1))"
 comma := ,
 test-gpu: deps build
 	@test -n "$(GPUS)" || { echo "make test-gpu: the CUDA driver sees no GPU"; exit 1; }
-	@rc=0; export TMS_TEST_GPUS=$(GPUS); \
-	$(PYTHON) -m pytest -q $$($(PYTHON) -c "import xdist; print('-n $(words $(subst $(comma), ,$(GPUS))) --dist loadgroup')" \
-	    2>/dev/null) -m "not two_gpus" $(GPU_K_$(PART)) $(PYTEST_ARGS) tests/test_gpu.py || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
-	$(PYTHON) -m pytest -q -m two_gpus $(GPU_K_$(PART)) $(PYTEST_ARGS) tests/test_gpu.py \
+	@rc=0; export TMS_TEST_GPUS=$(GPUS) TMS_TEST_PER_GPU=$(PER_GPU); \
+	$(PYTHON) -m pytest -q $$($(PYTHON) -c "import xdist; print('-n', $(words $(subst $(comma), ,$(GPUS))) * $(PER_GPU), \
+	    '--dist loadgroup')" 2>/dev/null) -m "not two_gpus and not whole_gpu" $(GPU_K_$(PART)) $(PYTEST_ARGS) \
+	    tests/test_gpu.py || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
+	$(PYTHON) -m pytest -q -m "two_gpus or whole_gpu" $(GPU_K_$(PART)) $(PYTEST_ARGS) tests/test_gpu.py \
 	    || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; exit $$rc
 
 # What make test's walks, fuzzing and races do, for minutes rather than seconds, under

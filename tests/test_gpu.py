@@ -174,7 +174,7 @@ def test_budget_two_processes_as_a_group(hook_mode):
     "tags_independent",
     "disable_in_region",
     "cuda_graph",
-    "memory_margin_oom",
+    pytest.param("memory_margin_oom", marks=pytest.mark.whole_gpu),
     "pause_during_kernel",
     "free_while_paused",
     "soak",
@@ -182,7 +182,7 @@ def test_budget_two_processes_as_a_group(hook_mode):
     "stats_match",
     "nothing_waits",
     "skip_unchanged",
-    "integrity",
+    pytest.param("integrity", marks=pytest.mark.whole_gpu),
 ])
 def test_scenario(scenario, hook_mode):
     check_passed(run_scenario(scenario, hook_mode))
@@ -259,6 +259,7 @@ def test_share_ipc(hook_mode):
 # Lending within a job: two processes on one GPU and one outside the job; B's resume maps
 # A's memory, every byte exact, and the device's free memory is back once all have exited.
 # "off": the same steps without a job.
+@pytest.mark.whole_gpu  # checks that the device's free memory comes back
 @pytest.mark.parametrize("hook_mode", GPU_MODES)
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_job_lends_between_two_processes(mode, hook_mode):
