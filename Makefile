@@ -72,7 +72,7 @@ deps test test-packaging check: export PIP_NO_CACHE_DIR = 1
 # GPU or a GPU alone (tests/gpus.py). PART=1 and PART=2 split it in two halves where a
 # call is short. pytest's status 5 (no test selected) is no failure here.
 GPUS ?= $(shell $(PYTHON) tests/gpus.py)
-PER_GPU ?= 4
+PER_GPU ?= 6
 GPU_PART_1 = test_scenario or test_exit_states or test_compat or test_c_program
 GPU_K_1 = -k "$(GPU_PART_1)"
 GPU_K_2 = -k "not ($(GPU_PART_1))"

@@ -1,7 +1,7 @@
 """Two processes sharing the GPU and one host backup budget, paused and resumed as a
 gloo group (torch_memory_saver.distributed).
 
-Each process backs up 8 GiB; with a budget of 8 GiB and spilling on, one process's
+Each process backs up 2 GiB; with a budget of 2 GiB and spilling on, one process's
 backup goes to host memory and the other's to disk; every byte is exact after the
 group resume. The same run without a budget puts both in host memory; the times of
 both runs are printed side by side.
@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from _common import GiB, begin, check, say
 
 TENSORS = 16
+SIZE = 2 * GiB  # each process's backed-up bytes, and the budget: room for one of the two
 
 
 def child(rank, hook_mode, port, env, out):
@@ -32,7 +33,7 @@ def child(rank, hook_mode, port, env, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     tms.set_disk_backup_dir(env["TEST_DISK_DIR"])
     with tms.region(tag="w", enable_cpu_backup=True):
-        block = [torch.empty(8 * GiB // TENSORS, dtype=torch.uint8, device="cuda") for _ in range(TENSORS)]
+        block = [torch.empty(SIZE // TENSORS, dtype=torch.uint8, device="cuda") for _ in range(TENSORS)]
     for t in block:
         t.random_(0, 256)
     want = [t.cpu() for t in block]
@@ -76,17 +77,17 @@ def group_run(hook_mode, env):
 def main(hook_mode):
     begin("budget_group", hook_mode)
     name = f"gpu-test-{uuid.uuid4().hex[:12]}"
-    limited = group_run(hook_mode, {"TMS_HOST_BACKUP_LIMIT": "8GiB", "TMS_SPILL_TO_DISK": "1",
+    limited = group_run(hook_mode, {"TMS_HOST_BACKUP_LIMIT": f"{SIZE // GiB}GiB", "TMS_SPILL_TO_DISK": "1",
                                     "TMS_HOST_BACKUP_LIMIT_NAME": name})
     free = group_run(hook_mode, {"TMS_HOST_BACKUP_LIMIT_NAME": name + "-none"})
-    for label, run in (("budget 8 GiB, spill on", limited), ("no budget", free)):
+    for label, run in ((f"budget {SIZE // GiB} GiB, spill on", limited), ("no budget", free)):
         for r in run:
             say(f"{label}: rank {r['rank']}: {r['ram'] / GiB:.2f} GiB in RAM, {r['disk'] / GiB:.2f} GiB on disk, "
                 f"pause {r['pause_s']:.2f} s, resume {r['resume_s']:.2f} s, exact {r['exact']}")
         check(all(r["exact"] for r in run) and all(r["reports"] == 2 for r in run), f"{label}: {run}")
-    check(sorted((r["ram"], r["disk"]) for r in limited) == [(0, 8 * GiB), (8 * GiB, 0)],
+    check(sorted((r["ram"], r["disk"]) for r in limited) == [(0, SIZE), (SIZE, 0)],
           f"with the budget, one process in RAM and the other on disk: {limited}")
-    check(all((r["ram"], r["disk"]) == (8 * GiB, 0) for r in free), f"without a budget, both in RAM: {free}")
+    check(all((r["ram"], r["disk"]) == (SIZE, 0) for r in free), f"without a budget, both in RAM: {free}")
     print("OK")
 
 

@@ -13,7 +13,7 @@ import torch
 
 import torch_memory_saver
 from _common import (GiB, MiB, begin, check, check_equal, check_released, check_taken, core, expect_error,
-                     random_tensor, say, tag_bytes)
+                     mapped_bytes, random_tensor, say, tag_bytes)
 
 SIZE = 96 * MiB + 4096  # a size that is not whole chunks: the last one's tail is zeroed on both sides
 
@@ -64,10 +64,10 @@ def flip(address):
 
 
 def refused(tms, tag, ptr):
-    free = torch.cuda.mem_get_info()[0]
+    mapped = mapped_bytes()
     e = expect_error(torch_memory_saver.IntegrityError, lambda: tms.resume(tag), f"'{tag}'", hex(ptr), "offset 0x")
     check(tms.is_paused(tag), f"tag {tag!r} is not paused after the refused resume")
-    check(torch.cuda.mem_get_info()[0] >= free, "the refused resume kept device memory")
+    check(mapped_bytes() == mapped, f"the refused resume kept device memory: {mapped_bytes() - mapped} bytes more mapped")
     return e
 
 

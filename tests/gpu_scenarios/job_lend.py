@@ -52,7 +52,6 @@ class Member:
         self.proc = subprocess.Popen([sys.executable, __file__, hook_mode, "member"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
         self.pid = self.proc.pid
-        self.ask("ready")
 
     def ask(self, *request):
         send(self.proc.stdin, request)
@@ -152,6 +151,8 @@ def main(hook_mode, mode="on"):
     free0 = device_free()  # this process's context included, before and after alike
     a, b = Member("A", hook_mode, job), Member("B", hook_mode, job)
     outsider = Member("outsider", hook_mode, None)
+    for m in (a, b, outsider):  # started together: each imports torch and makes its context at once
+        m.ask("ready")
     a.ask("alloc", "w", 64 * MiB, True)
     a.ask("alloc", "kv", KV, False)
     b.ask("alloc", "w", WEIGHTS, True)
