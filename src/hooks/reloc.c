@@ -1,5 +1,6 @@
 /* Preload mode without LD_PRELOAD: the hooks installed by rewriting the GOT entries of loaded objects. */
 #include "hooks/reloc.h"
+#include "hooks/elf_symbols.h"
 
 #include <dlfcn.h>
 #include <elf.h>
@@ -327,17 +328,25 @@ static void *resolve_for(const struct plan *p, const char *name)
 }
 
 /* An object that defines an allocator target itself is the runtime (or a
- * copy of it linked in): its own references are left alone. */
-static const char *defined_target(const struct plan *p)
+ * copy of it linked in): its own references are left alone. With a GNU hash
+ * table its own symbols answer; dlsym would search its whole scope. */
+static const char *defined_target(const struct plan *p, const uint32_t *gnu_hash, const ElfW(Sym) *symtab,
+                                  const char *strtab)
 {
     size_t count = __atomic_load_n(&target_count, __ATOMIC_ACQUIRE);
     for (size_t i = 0; i < count; i++) {
         if (is_loader_hook(targets[i].hook)) continue;
+        if (gnu_hash) {
+            if (tms_elf_own_definition(gnu_hash, symtab, strtab, targets[i].name)) return targets[i].name;
+            continue;
+        }
         void *s = dlsym(p->handle, targets[i].name);
         if (s && inside(&p->o, (uintptr_t)s)) return targets[i].name;
     }
     return NULL;
 }
+
+static int is_target_name(const char *name) { return target_index(name) >= 0; }
 
 static void plan_relocs(struct plan *p, const ElfW(Rela) *rel, size_t n, const ElfW(Sym) *symtab, const char *strtab)
 {
@@ -394,10 +403,13 @@ static void plan_object(struct plan *p)
     const ElfW(Sym) *symtab = NULL;
     const char *strtab = NULL;
     const ElfW(Rela) *jmprel = NULL, *rela = NULL;
-    size_t jmprel_bytes = 0, rela_bytes = 0;
+    const uint32_t *gnu_hash = NULL;
+    size_t jmprel_bytes = 0, rela_bytes = 0, relative = 0;
     int pltrel_is_rela = 1;
     for (const ElfW(Dyn) *d = (const ElfW(Dyn) *)o->dynamic; d->d_tag != DT_NULL; d++) {
         switch (d->d_tag) {
+        case DT_RELACOUNT: relative = d->d_un.d_val; break;
+        case DT_GNU_HASH: gnu_hash = (const uint32_t *)dyn_addr(o->base, d->d_un.d_ptr); break;
         case DT_SYMTAB: symtab = (const ElfW(Sym) *)dyn_addr(o->base, d->d_un.d_ptr); break;
         case DT_STRTAB: strtab = (const char *)dyn_addr(o->base, d->d_un.d_ptr); break;
         case DT_JMPREL: jmprel = (const ElfW(Rela) *)dyn_addr(o->base, d->d_un.d_ptr); break;
@@ -408,9 +420,19 @@ static void plan_object(struct plan *p)
         }
     }
     if (!symtab || !strtab) return;
-    if ((p->defines = defined_target(p))) return;
+    if (gnu_hash && (!readable_in(o, (uintptr_t)gnu_hash, 4 * sizeof *gnu_hash) ||
+                     !readable_in(o, (uintptr_t)symtab, tms_elf_first_hashed(gnu_hash) * sizeof *symtab)))
+        gnu_hash = NULL;  /* not what a linker writes: the slow way, through the loader */
+    if ((p->defines = defined_target(p, gnu_hash, symtab, strtab))) return;
+    /* Every symbol an object imports lies below the first hashed one: one that
+     * imports no target has no entry to patch, whatever its relocations. */
+    if (gnu_hash && !tms_elf_count_imports(gnu_hash, symtab, strtab, is_target_name)) return;
     if (jmprel && pltrel_is_rela) plan_relocs(p, jmprel, jmprel_bytes / sizeof *jmprel, symtab, strtab);
-    if (rela) plan_relocs(p, rela, rela_bytes / sizeof *rela, symtab, strtab);
+    /* The linker puts the relative relocations, which name no symbol, first and
+     * counts them: a large library has hundreds of thousands, read for nothing. */
+    size_t n_rela = rela_bytes / sizeof *rela;
+    if (relative > n_rela) relative = n_rela;
+    if (rela) plan_relocs(p, rela + relative, n_rela - relative, symtab, strtab);
 }
 
 struct object_list {
