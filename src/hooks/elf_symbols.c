@@ -34,11 +34,16 @@ const ElfW(Sym) *tms_elf_own_definition(const uint32_t *gnu_hash, const ElfW(Sym
     }
 }
 
-size_t tms_elf_count_imports(const uint32_t *gnu_hash, const ElfW(Sym) *symtab, const char *strtab,
-                             int (*is_wanted)(const char *name))
+size_t tms_elf_imports(const uint32_t *gnu_hash, const ElfW(Sym) *symtab, const char *strtab,
+                       int (*index_of)(const char *name), struct tms_elf_import *out, size_t cap)
 {
     size_t n = 0;
-    for (uint32_t i = 1; i < tms_elf_first_hashed(gnu_hash); i++)
-        if (symtab[i].st_shndx == SHN_UNDEF && is_wanted(strtab + symtab[i].st_name)) n++;
+    for (uint32_t i = 1; i < tms_elf_first_hashed(gnu_hash); i++) {
+        if (symtab[i].st_shndx != SHN_UNDEF) continue;
+        int wanted = index_of(strtab + symtab[i].st_name);
+        if (wanted < 0) continue;
+        if (n < cap) out[n] = (struct tms_elf_import){i, wanted};
+        n++;
+    }
     return n;
 }

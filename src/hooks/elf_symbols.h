@@ -14,8 +14,15 @@ static inline uint32_t tms_elf_first_hashed(const uint32_t *gnu_hash) { return g
 const ElfW(Sym) *tms_elf_own_definition(const uint32_t *gnu_hash, const ElfW(Sym) *symtab, const char *strtab,
                                         const char *name);
 
-/* How many of the symbols below tms_elf_first_hashed() is_wanted accepts by name. */
-size_t tms_elf_count_imports(const uint32_t *gnu_hash, const ElfW(Sym) *symtab, const char *strtab,
-                             int (*is_wanted)(const char *name));
+struct tms_elf_import {
+    uint32_t symbol;  /* its index in the symbol table */
+    int wanted;       /* what index_of answered for its name */
+};
+
+/* The imported symbols (below tms_elf_first_hashed()) for whose names index_of
+ * answers >= 0, up to cap of them in out; returns how many there are, which
+ * may exceed cap. */
+size_t tms_elf_imports(const uint32_t *gnu_hash, const ElfW(Sym) *symtab, const char *strtab,
+                       int (*index_of)(const char *name), struct tms_elf_import *out, size_t cap);
 
 #endif

@@ -346,14 +346,25 @@ static const char *defined_target(const struct plan *p, const uint32_t *gnu_hash
     return NULL;
 }
 
-static int is_target_name(const char *name) { return target_index(name) >= 0; }
+/* The target a relocation names: through the object's imports where they are
+ * known (n_imports >= 0), which keeps the symbol table out of the loop. */
+static int reloc_target(const ElfW(Rela) *r, const ElfW(Sym) *symtab, const char *strtab,
+                        const struct tms_elf_import *imports, long n_imports)
+{
+    if (n_imports < 0) return target_index(strtab + symtab[ELF64_R_SYM(r->r_info)].st_name);
+    uint32_t sym = (uint32_t)ELF64_R_SYM(r->r_info);
+    for (long k = 0; k < n_imports; k++)
+        if (imports[k].symbol == sym) return imports[k].wanted;
+    return -1;
+}
 
-static void plan_relocs(struct plan *p, const ElfW(Rela) *rel, size_t n, const ElfW(Sym) *symtab, const char *strtab)
+static void plan_relocs(struct plan *p, const ElfW(Rela) *rel, size_t n, const ElfW(Sym) *symtab, const char *strtab,
+                        const struct tms_elf_import *imports, long n_imports)
 {
     for (size_t i = 0; i < n; i++) {
         unsigned long type = ELF64_R_TYPE(rel[i].r_info);
         if (type != RELOC_JUMP_SLOT && type != RELOC_GLOB_DAT) continue;
-        int t = target_index(strtab + symtab[ELF64_R_SYM(rel[i].r_info)].st_name);
+        int t = reloc_target(&rel[i], symtab, strtab, imports, n_imports);
         if (t < 0) continue;
         void **slot = (void **)(p->o.base + rel[i].r_offset);
         if (!readable_in(&p->o, (uintptr_t)slot, sizeof *slot)) continue;  /* a malformed entry: not in the object */
@@ -424,15 +435,23 @@ static void plan_object(struct plan *p)
                      !readable_in(o, (uintptr_t)symtab, tms_elf_first_hashed(gnu_hash) * sizeof *symtab)))
         gnu_hash = NULL;  /* not what a linker writes: the slow way, through the loader */
     if ((p->defines = defined_target(p, gnu_hash, symtab, strtab))) return;
-    /* Every symbol an object imports lies below the first hashed one: one that
-     * imports no target has no entry to patch, whatever its relocations. */
-    if (gnu_hash && !tms_elf_count_imports(gnu_hash, symtab, strtab, is_target_name)) return;
-    if (jmprel && pltrel_is_rela) plan_relocs(p, jmprel, jmprel_bytes / sizeof *jmprel, symtab, strtab);
+    /* Every symbol an object imports lies below the first hashed one: an object
+     * importing no target has no entry to patch, and one that does is matched by
+     * symbol index, relocation by relocation. */
+    struct tms_elf_import imports[2 * MAX_TARGETS];
+    long n_imports = -1;
+    if (gnu_hash) {
+        size_t n = tms_elf_imports(gnu_hash, symtab, strtab, target_index, imports, sizeof imports / sizeof *imports);
+        if (!n) return;
+        if (n <= sizeof imports / sizeof *imports) n_imports = (long)n;
+    }
+    if (jmprel && pltrel_is_rela)
+        plan_relocs(p, jmprel, jmprel_bytes / sizeof *jmprel, symtab, strtab, imports, n_imports);
     /* The linker puts the relative relocations, which name no symbol, first and
      * counts them: a large library has hundreds of thousands, read for nothing. */
     size_t n_rela = rela_bytes / sizeof *rela;
     if (relative > n_rela) relative = n_rela;
-    if (rela) plan_relocs(p, rela + relative, n_rela - relative, symtab, strtab);
+    if (rela) plan_relocs(p, rela + relative, n_rela - relative, symtab, strtab, imports, n_imports);
 }
 
 struct object_list {
