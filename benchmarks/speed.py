@@ -16,6 +16,7 @@ cache's resume beside the same bytes in 512 MiB tensors. Millisecond rows are me
 process. Contents are compared after every resume. --dry-run: the host backend, this library only, tiny sizes, N 3.
 Report: speed_<device>.{md,json,png}.
 """
+import concurrent.futures
 import fcntl
 import inspect
 import os
@@ -24,11 +25,10 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 from . import floor, report
-from .common import GiB, MiB, REPO, Deadline, child_env, import_library, log, median, parser, pyplot, run_row, save_png
+from .common import GiB, MiB, REPO, Deadline, child_env, import_library, median, parser, pyplot, run_row, save_png
 
 TITLE = "Side by side with the upstream library: the rows where it used to lead"
 WORKERS = (("torch", False), ("preload", False), ("preload", True))  # (hook mode, preload-init)
@@ -92,12 +92,6 @@ def _plain_alloc(env, sizes):
     return [env.torch.empty(n, dtype=env.torch.uint8, device=env.device) for n in sizes]
 
 
-def _floor_times(beside):
-    """The paired floor's cycles kept (floor.Beside), or why there are none."""
-    times = beside.times
-    return {"pause_s": [t[0] for t in times], "resume_s": [t[1] for t in times]} if times else {"error": beside.error}
-
-
 def _latency(env, tms, shapes, cycles, floor_lib):
     """Discard pause and resume of each shape, the driver's own loop on as many allocations cycled beside each cycle,
     before or after it in turn (floor.Beside: the same process, driver state and idle time)."""
@@ -119,7 +113,7 @@ def _latency(env, tms, shapes, cycles, floor_lib):
         env.dispose(block, tag)
         rows.append({"tensors": count, "tensor_bytes": size, "pause_s": statistics.median(pauses),
                      "resume_s": statistics.median(resumes), "pauses_s": pauses, "resumes_s": resumes,
-                     "floor": _floor_times(beside)})
+                     "floor": {"times": beside.times, "error": beside.error}})
     return rows
 
 
@@ -154,7 +148,7 @@ def _alloc(env, tms, sizes, cycles, floor_lib):
             out.setdefault(way, []).extend([(a, fill)] if c else [])
         beside.times += [f] if c and f else []
     beside.close()
-    return dict(out, floor=_floor_times(beside))
+    return dict(out, floor={"times": beside.times, "error": beside.error})
 
 
 def _cycle(env, tms, tag, block, snap):
@@ -376,13 +370,9 @@ def first_regions(library, args, modes):
     """{(mode, init): worker documents} of cycles - 1 workers per mode doing only the first region, all started
     together and measuring one at a time once all are ready: a process has one first region, and workers one after
     the other would spend most of the run importing PyTorch."""
-    docs, folder = [], tempfile.mkdtemp(prefix="tms-speed-turn-")
-    jobs = [threading.Thread(target=lambda m=m: docs.append(run_one(library, *m, args, turn=(folder, len(jobs)))))
-            for m in modes for _ in range(args.cycles - 1)]
-    for j in jobs:
-        j.start()
-    for j in jobs:
-        j.join()
+    jobs, folder = [m for m in modes for _ in range(args.cycles - 1)], tempfile.mkdtemp(prefix="tms-speed-turn-")
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(jobs))) as pool:
+        docs = list(pool.map(lambda m: run_one(library, *m, args, turn=(folder, len(jobs))), jobs))
     shutil.rmtree(folder, ignore_errors=True)
     return {m: [d for d in docs if (d["mode"], d["init"]) == m] for m in modes}
 
@@ -478,8 +468,8 @@ def figures(doc):
 
 def _floor_rows(f, row, fl, ops):
     """The paired floor of a row (its ops' medians, ms) and the row over it, where the floor ran."""
-    for op in ops if fl.get("pause_s") else ():
-        name, ms = row.replace("%s", op), median(fl[f"{op}_s"]) * 1e3
+    for op in ops if fl["times"] else ():
+        name, ms = row.replace("%s", op), median(t[op == "resume"] for t in fl["times"]) * 1e3
         f[f"driver floor: {'unmap + release' if op == 'pause' else 'create + map'}, as {name} (ms)"] = ms
         f[f"{name} over its floor"] = f[f"{name} (ms)"] / ms if ms else None
 
