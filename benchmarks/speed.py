@@ -4,17 +4,16 @@ benchmarks speed [--upstream DIR] [--before DIR] [--gib G] [--gap S] [--cycles N
 Each library (this checkout; --upstream: the torch_memory_saver unpacked in DIR; --before: an earlier checkout,
 built in place) runs in three fresh workers: torch mode, preload mode (under its own configure_subprocess()) and
 preload mode with TMS_INIT_ENABLE=1 TMS_INIT_ENABLE_CPU_BACKUP=1 (how slime and AReaL run); a fourth measures the
-link. Rows: the first backed-up region and pause (1 GiB, beside plain PyTorch), a process can do it once: medians
-over N processes, the N - 1 more doing only that, started together and measuring one at a time once all are ready;
-allocate + fill of 16 x 512 MiB in a backed-up region, in one without backup and with plain PyTorch, in turns (a
-process past its first region, memory given back between); discard pause and resume (1 x 8 GiB, 64 x 128 MiB,
-medians of 11); `mmap` and `pinned` backups and retained ones (G GiB in 16 tensors: the first cycle, N right after a
-resume, one after S s idle); skip_unchanged (ours: nothing, 1 % of the chunks, all changed); checked restores (ours:
-verify_restore on and off in turns; 100 GiB discarded, restored as none, zero, poison); a Llama-shaped model's and KV
-cache's resume beside the same bytes in 512 MiB tensors. Millisecond rows are medians of N cycles (--cycles, default
-9) or more; the discard and allocation rows have the driver's own calls (vmm_floor.c) cycled beside them in the same
-process. Contents are compared after every resume. --dry-run: the host backend, this library only, tiny sizes, N 3.
-Report: speed_<device>.{md,json,png}.
+link. Rows: the first backed-up region and pause (1 GiB, beside plain PyTorch; once a process, so N - 1 more
+workers do only that, started together, measuring one at a time once all are ready); allocate + fill of 16 x 512 MiB
+in a backed-up region, one without backup and plain PyTorch, in turns, given back between; discard pause and resume
+(1 x 8 GiB, 64 x 128 MiB, medians of 11); `mmap` and `pinned` backups and retained ones (G GiB in 16 tensors: the
+first cycle, N right after a resume, one after S s idle); skip_unchanged (ours: nothing, 1 % of the chunks, all
+changed); checked restores (ours: verify_restore on and off in turns; 100 GiB discarded, restored as none, zero,
+poison); a Llama-shaped model's and KV cache's resume beside the same bytes in 512 MiB tensors. Millisecond rows:
+medians of N (--cycles, default 9) or more; the driver's own calls (vmm_floor.c) cycled beside the discard and
+allocation rows. Contents are compared after every resume. --dry-run: the host backend, this library only, tiny
+sizes, N 3. Report: speed_<device>.{md,json,png}.
 """
 import concurrent.futures
 import fcntl
@@ -118,17 +117,21 @@ def _latency(env, tms, shapes, cycles, floor_lib):
 
 
 def _give_back(env, tms, block, tag):
-    """Frees a block to the driver. PyTorch keeps a region's freed segments cached in the tag's MemPool and neither
-    library has a call that drops one, so the pools the library keeps for the tag are dropped (PyTorch then frees
-    their segments through it), inside a region of another tag: upstream's torch mode frees only inside one."""
+    """Frees a block to the driver. PyTorch keeps a region's freed segments in the tag's MemPool and neither library
+    has a call that drops one, so the library's pools of the tag are dropped: PyTorch then frees their segments
+    through the library. Not inside a region (PyTorch asserts while a pool is in use), but with the C ABI's region
+    flag that frameworks set (upstream's torch mode frees only inside a region)."""
     if env.kind == "host" or tag is None:
         env.dispose(block, tag, pause=False)
         return env.kind == "host" or env.torch.cuda.empty_cache()
     block.clear()
-    pools = tms._impl._pools if hasattr(tms._impl, "_pools") else tms._impl._mem_pools  # ours, upstream's
-    with tms.region(tag="give-back"):
-        for key in [k for k in pools if k[0] == tag]:
-            del pools[key]
+    impl = tms._impl
+    pools, cdll = impl._pools if hasattr(impl, "_pools") else impl._mem_pools, impl._binary_wrapper.cdll  # ours, theirs
+    was = cdll.tms_get_interesting_region()
+    cdll.tms_set_interesting_region(True)
+    for key in [k for k in pools if k[0] == tag]:
+        del pools[key]
+    cdll.tms_set_interesting_region(was)
     env.sync()
 
 
@@ -137,7 +140,10 @@ def _alloc(env, tms, sizes, cycles, floor_lib):
     each cycle, each block given back to the driver before the next; the first cycle is a warm-up (so none is the
     process's first region). Beside them the driver's create + map of as many handles (the paired floor's resume)."""
     out, beside = {"tensors": len(sizes), "tensor_bytes": sizes[0]}, floor.Beside(floor_lib, len(sizes), sizes[0])
+    free = env.free_bytes()
     for c in range(cycles + 1):
+        if free and env.free_bytes() < free - 2 * GiB:  # a library that kept what it was given back
+            raise RuntimeError(f"{(free - env.free_bytes()) / GiB:.1f} GiB not given back after {c} cycles")
         f = beside.cycle(c)
         for way, tag in (("backed", "alloc-backed"), ("region", "alloc"), ("plain", None)):
             block = []
@@ -282,7 +288,7 @@ def _model(env, tms, model, kv, bulk_tensor, cycles):
     bulk = env.alloc("bulk", [total // n] * n, backup=True)
     env.fill_random(bulk, 6)
     bsnap = env.snapshot(bulk, False)
-    bulk_rows = [_cycle(env, tms, "bulk", bulk, bsnap) for _ in range(cycles)]
+    bulk_rows = [_cycle(env, tms, "bulk", bulk, bsnap) for _ in range(3)]  # GB/s rows only; upstream's are slow
     env.dispose(bulk, "bulk")
     return {"weights_bytes": total, "tensors": len(model), "allocations": allocations, "kv_bytes": sum(kv),
             "cycles": rows, "bulk_bytes": total // n * n, "bulk_tensors": n,
@@ -293,11 +299,9 @@ def _model(env, tms, model, kv, bulk_tensor, cycles):
 def _take_turn(turn):
     """A first-region-only worker's turn: once the others it started with are ready too (none still importing), the
     lock that lets one measure at a time, held until this process has exited."""
-    folder, n = turn
+    (folder, n), until = turn, time.time() + 60  # a worker that does not come holds the others a minute at most
     open(os.path.join(folder, f"ready-{os.getpid()}"), "w").close()
-    for _ in range(6000):  # at most a minute for a worker that does not come
-        if sum(f.startswith("ready-") for f in os.listdir(folder)) >= n:
-            break
+    while sum(f.startswith("ready-") for f in os.listdir(folder)) < n and time.time() < until:
         time.sleep(0.01)
     fcntl.flock(os.open(os.path.join(folder, "lock"), os.O_CREAT | os.O_RDWR), fcntl.LOCK_EX)
     time.sleep(0.2)  # the driver tidies up after the process that measured before
@@ -367,14 +371,16 @@ def run_one(library, mode, init, args, floor_lib=None, turn=None, timeout=600):
 
 
 def first_regions(library, args, modes):
-    """{(mode, init): worker documents} of cycles - 1 workers per mode doing only the first region, all started
-    together and measuring one at a time once all are ready: a process has one first region, and workers one after
-    the other would spend most of the run importing PyTorch."""
+    """{(mode, init): (first_region sections, errors or None)} of cycles - 1 workers per mode doing only that, all
+    started together and measuring one at a time once all are ready: a process has one first region, and workers one
+    after the other would spend most of the run importing PyTorch."""
     jobs, folder = [m for m in modes for _ in range(args.cycles - 1)], tempfile.mkdtemp(prefix="tms-speed-turn-")
     with concurrent.futures.ThreadPoolExecutor(max(1, len(jobs))) as pool:
         docs = list(pool.map(lambda m: run_one(library, *m, args, turn=(folder, len(jobs))), jobs))
     shutil.rmtree(folder, ignore_errors=True)
-    return {m: [d for d in docs if (d["mode"], d["init"]) == m] for m in modes}
+    ds = {m: [d for d in docs if (d["mode"], d["init"]) == m] for m in modes}
+    return {m: ([d["sections"]["first_region"] for d in ds[m] if "first_region" in d["sections"]],
+                [d["errors"] for d in ds[m] if d["errors"]]) for m in modes}
 
 
 def _label(library, args):
@@ -405,7 +411,8 @@ def figures(doc):
         s, key, f = w["sections"], (w["label"], w["mode"], w["init"]), {}
         frs = [fr for fr in [s.get("first_region")] + w.get("first_regions", []) if fr]  # one a process
         if frs:
-            f["first region, allocate + fill, over plain (ms)"] = median(r["region_s"] - r["plain_s"] for r in frs) * 1e3
+            f["first region, allocate + fill, over plain (ms)"] = median(r["region_s"] - r["plain_s"]
+                                                                         for r in frs) * 1e3
             f["first backed-up pause (ms)"] = median(r["first_pause_s"] for r in frs) * 1e3
         al = s.get("alloc")
         if al:
@@ -414,12 +421,13 @@ def figures(doc):
                 f[f"allocate + fill {name}, {what} (ms)"] = median(a + b for a, b in al[way]) * 1e3
             for way, what in (("backed", "backed-up region"), ("region", "region without backup")):
                 f[f"allocate {name} alone, {what} (ms)"] = median(a for a, _ in al[way]) * 1e3
-            _floor_rows(f, f"allocate {name} alone", al["floor"], ["resume"])
+            _floor_rows(f, al["floor"], "resume", name, [f"allocate {name} alone, {w}" for w in ("backed-up region",
+                                                                                               "region without backup")])
         for r in s.get("latency", []):
             name = f"{r['tensors']} x {r['tensor_bytes'] // MiB} MiB"
             for op in ("pause", "resume"):
                 f[f"discard {op}, {name} (ms)"] = r[f"{op}_s"] * 1e3
-            _floor_rows(f, f"discard %s, {name}", r["floor"], ["pause", "resume"])
+                _floor_rows(f, r["floor"], op, name, [f"discard {op}, {name}"])
         for kind, k in s.get("kinds", {}).items():
             f[f"{kind} pause, first (GB/s)"] = _gbps(k["bytes"], k["pause_s"][0])
             f[f"{kind} pause, again (GB/s)"] = _gbps(k["bytes"], k["pause_s"][-1])
@@ -466,12 +474,12 @@ def figures(doc):
     return rows
 
 
-def _floor_rows(f, row, fl, ops):
-    """The paired floor of a row (its ops' medians, ms) and the row over it, where the floor ran."""
-    for op in ops if fl["times"] else ():
-        name, ms = row.replace("%s", op), median(t[op == "resume"] for t in fl["times"]) * 1e3
-        f[f"driver floor: {'unmap + release' if op == 'pause' else 'create + map'}, as {name} (ms)"] = ms
-        f[f"{name} over its floor"] = f[f"{name} (ms)"] / ms if ms else None
+def _floor_rows(f, fl, op, shape, rows):
+    """The paired floor's median of op (ms) as a row, and each of rows over it, where the floor ran."""
+    ms = median(t[op == "resume"] for t in fl["times"]) * 1e3 if fl["times"] else None
+    if ms:
+        f[f"driver floor: {'unmap + release' if op == 'pause' else 'create + map'} {shape} (ms)"] = ms
+        f.update({f"{r} over its floor": f[f"{r} (ms)"] / ms for r in rows})
 
 
 def table(doc):
@@ -541,11 +549,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.dry_run:
         args.gap, args.cycles = min(args.gap, 0.1), min(args.cycles, 3)
-    meta, start, tmp, floor_lib = report.collect_meta("speed", argv, args.dry_run), time.time(), tempfile.mkdtemp(), None
+    meta, start, tmp = report.collect_meta("speed", argv, args.dry_run), time.time(), tempfile.mkdtemp()
     try:  # the driver's own calls, cycled beside the library's in each worker (floor.Paired)
         floor_lib = None if args.dry_run else floor.build(tmp, library=True)[0]
     except (RuntimeError, OSError) as e:
-        meta["floor_error"] = str(e)[:2000]
+        floor_lib, meta["floor_error"] = None, str(e)[:2000]
     # The upstream library has no host backend: a dry run measures this one (and --before).
     libraries = [REPO] + [os.path.abspath(d) for d in (None if args.dry_run else args.upstream, args.before) if d]
     workers = [] if args.dry_run else [run_one(None, "torch", False, args)]
@@ -555,11 +563,9 @@ def main(argv=None):
         more = first_regions(library, args, modes) if "first_region" in (args.sections or "first_region") else {}
         for m in modes:
             workers.append(run_one(library, *m, args, floor_lib))
-            docs = more.get(m, [])
-            workers[-1]["first_regions"] = [d["sections"]["first_region"] for d in docs if "first_region" in d["sections"]]
-            failed = [d["errors"] for d in docs if d["errors"]]
-            if failed:
-                workers[-1]["errors"]["first-region processes"] = f"{len(failed)} of {len(docs)}: {failed[0]}"[:2000]
+            workers[-1]["first_regions"], failed = more.get(m, ([], []))
+            if failed:  # upstream's torch mode exits 1 at its teardown: one line for them all
+                workers[-1]["errors"]["first-region workers"] = f"{len(failed)} failed: {failed[0]}"[:2000]
     shutil.rmtree(tmp, ignore_errors=True)
     meta["wall_s"] = time.time() - start
     for w in workers:

@@ -2,20 +2,18 @@
 benchmarks switch [--upstream DIR] [--gib G] [--kv-fraction F] [--cycles N] [--part all|switch|wait] [--deadline S]
 [--out DIR] [--dry-run]`.
 
-*switch*: the trainer's bf16 weights, fp32 gradients and Adam moments of a Llama-shaped
-model (G GiB) in one backed-up tag; the rollout's weights and a KV cache (F of the free
-memory), not backed up. A cycle: (1) the rollout resumes its weights; (2) it receives the
-trainer's (ours: share()/open_shared(); upstream: CUDA IPC), copies and closes them; (3) the
-trainer pauses; (4) the rollout resumes its KV cache; (5) it pauses both; (6) the trainer
-resumes. Each phase is timed in its process, beside its floor from the same run (pinned
-copies, a device copy, the driver's own create + map or unmap + release on an idle
-device); cycles where (4) and (6) follow the other's pause at once alternate with cycles
+*switch*: the trainer's bf16 weights, fp32 gradients and Adam moments of a Llama-shaped model (G GiB) in one backed-up
+tag; the rollout's weights and a KV cache (F of the free memory), not backed up. A cycle: (1) the rollout resumes its
+weights; (2) it receives the trainer's (ours: share()/open_shared(); upstream: CUDA IPC), copies and closes them; (3)
+the trainer pauses; (4) the rollout resumes its KV cache; (5) it pauses both; (6) the trainer resumes. Each phase is
+timed in its process, beside its floor from the same run (pinned copies, a device copy, the driver's own create + map or
+unmap + release on an idle device); cycles where (4) and (6) follow the other's pause at once alternate with cycles
 after 2 s idle, and each of the first kind is followed by a *no gap* one: the rollout resumes and pauses while the
-trainer is active (so in a job too its memory goes back to the driver), the trainer pauses, and (4) follows at once,
-no training step between; --also "TMS_JOB=..." runs the same in a job beside it. *wait*: create + map of N GiB right after another process freed M, against
-after 2 s idle, nearly full or empty, the driver alone and through this library; lending
-handles between processes; whether an imported handle exports again. Every wait is
-bounded, the JSON is rewritten after each step, --deadline skips what would not fit.
+trainer is active (so in a job too its memory goes back to the driver), the trainer pauses, and (4) follows at once, no
+training step between; --also "TMS_JOB=..." runs the same in a job beside it. *wait*: create + map of N GiB right after
+another process freed M, against after 2 s idle, nearly full or empty, the driver alone and through this library;
+lending handles between processes; whether an imported handle exports again. Every wait is bounded, the JSON is
+rewritten after each step, --deadline skips what would not fit.
 --dry-run: the host backend, tiny sizes. Report: switch_<device>.{md,json,png}.
 """
 import collections
@@ -73,7 +71,7 @@ def _sizes(args):
                 "plan": ["warm", "after", "nogap", "idle"], "idle_s": 0.05, "settle_s": 0.05}
     return {"trainer": _state(args.gib * GiB, LLAMA), "probe": 4 * GiB, "kv_dry": None,
             "wait": [n * GiB for n in (1, 8, 32, 64)], "idle_s": IDLE_S, "settle_s": SETTLE_S,
-            "plan": ["warm"] + [k for c in range(args.cycles) for k in (("after", "nogap") if c % 2 == 0 else ("idle",))]}
+            "plan": ["warm"] + [k for c in range(args.cycles) for k in (["idle"] if c % 2 else ["after", "nogap"])]}
 
 
 # ---- the CUDA driver's VMM calls through ctypes, no library and no PyTorch between ----
@@ -621,7 +619,7 @@ def _ms(x):
 
 
 def _lending(part):
-    """What a job lent in the last cycle right after and the last with no gap, phase by phase (nothing without a job)."""
+    """What a job lent in the last cycles right after and with no gap, phase by phase (nothing without a job)."""
     last = {r["kind"]: r["phases"] for r in part.get("cycles", []) if r["kind"] in ("after", "nogap")}
     said = [f"{kind} {name} {k.split('_')[0]} {v[k] / GiB:.2f} GiB" for kind, phases in last.items()
             for name, v in phases.items() for k in LENDING if v.get(k)]
