@@ -60,16 +60,12 @@ def _timed(sync, fn):
 
 
 def _first_region(env, tms, size, init):
-    """Plain allocation + fill, then the same in the first backed-up region; then that
-    tag's first pause and resume. In preload-init mode every allocation is backed up
-    already: the first pause is of all of them."""
-    out = {"bytes": size}
-    plain = []
+    """Plain allocation + fill, then the same in the first backed-up region; then that tag's first pause and resume. In
+    preload-init mode every allocation is backed up already: the first pause is of all of them."""
+    out, plain, block = {"bytes": size}, [], []
     out["plain_s"] = _timed(env.sync, lambda: (plain.extend(_plain_alloc(env, [size])), env.fill_random(plain, 1)))
-    block = []
     if init:
-        out["region_s"] = out["plain_s"]  # the plain allocation is the backed-up one here
-        block = plain
+        out["region_s"], block = out["plain_s"], plain  # the plain allocation is the backed-up one here
         pause, resume = (lambda: tms.pause()), (lambda: tms.resume())
     else:
         out["region_s"] = _timed(env.sync, lambda: (block.extend(env.alloc("first", [size], backup=True)),
@@ -77,8 +73,7 @@ def _first_region(env, tms, size, init):
         plain.clear()
         pause, resume = (lambda: tms.pause("first")), (lambda: tms.resume("first"))
     snap = env.snapshot(block, False)
-    out["first_pause_s"] = _timed(env.sync, pause)
-    out["first_resume_s"] = _timed(env.sync, resume)
+    out["first_pause_s"], out["first_resume_s"] = _timed(env.sync, pause), _timed(env.sync, resume)
     out["exact"] = bool(env.verify(block, snap))
     if not init:
         env.dispose(block, "first")
@@ -96,18 +91,15 @@ def _latency(env, tms, shapes, cycles, floor_lib):
     before or after it in turn (floor.Beside: the same process, driver state and idle time)."""
     rows = []
     for count, size in shapes:
-        tag = f"lat{count}"
+        tag, pauses, resumes, beside = f"lat{count}", [], [], floor.Beside(floor_lib, count, size)
         block = env.alloc(tag, [size] * count)
-        pauses, resumes, beside = [], [], floor.Beside(floor_lib, count, size)
         for c in range(cycles + 1):
             f = beside.cycle(c) if c % 2 else None
             p = _timed(env.sync, lambda: tms.pause(tag))
             r = _timed(env.sync, lambda: tms.resume(tag))
             f = beside.cycle(c) if c % 2 == 0 else f
             if c:  # the first is a warm-up
-                pauses.append(p)
-                resumes.append(r)
-                beside.times += [f] if f else []
+                pauses, resumes, beside.times = pauses + [p], resumes + [r], beside.times + ([f] if f else [])
         beside.close()
         env.dispose(block, tag)
         rows.append({"tensors": count, "tensor_bytes": size, "pause_s": statistics.median(pauses),
@@ -158,18 +150,22 @@ def _alloc(env, tms, sizes, cycles, floor_lib):
 
 
 def _cycle(env, tms, tag, block, snap):
-    p = _timed(env.sync, lambda: tms.pause(tag))
-    r = _timed(env.sync, lambda: tms.resume(tag))
+    p, r = _timed(env.sync, lambda: tms.pause(tag)), _timed(env.sync, lambda: tms.resume(tag))
     return p, r, bool(env.verify(block, snap))
+
+
+def _filled(env, tag, sizes, seed, **kw):
+    """A backed-up block of random contents, and its checksums."""
+    block = env.alloc(tag, sizes, backup=True, **kw)
+    env.fill_random(block, seed)
+    return block, env.snapshot(block, False)
 
 
 def _kinds(env, tms, total):
     out = {}
     for kind in ("mmap", "pinned"):
         tag = f"kind-{kind}"
-        block = env.alloc(tag, [total // 16] * 16, backup=True, backend=kind)
-        env.fill_random(block, 3)
-        snap = env.snapshot(block, False)
+        block, snap = _filled(env, tag, [total // 16] * 16, 3, backend=kind)
         cycles = [_cycle(env, tms, tag, block, snap) for _ in range(2)]
         env.dispose(block, tag)
         out[kind] = {"bytes": total // 16 * 16, "pause_s": [c[0] for c in cycles], "resume_s": [c[1] for c in cycles],
@@ -178,11 +174,8 @@ def _kinds(env, tms, total):
 
 
 def _retained(env, tms, total, gap_s, cycles):
-    tms.retain_cpu_backup = True
-    tag = "retained"
-    block = env.alloc(tag, [total // 16] * 16, backup=True)
-    env.fill_random(block, 4)
-    snap = env.snapshot(block, False)
+    tms.retain_cpu_backup, tag = True, "retained"
+    block, snap = _filled(env, tag, [total // 16] * 16, 4)
     first = _cycle(env, tms, tag, block, snap)
     no_gap = [_cycle(env, tms, tag, block, snap) for _ in range(cycles)]  # each pause right after a resume
     time.sleep(gap_s)  # an idle gap: the library may finish background work (a benchmark, not a test)
@@ -199,9 +192,8 @@ def _skip(env, tms, total, cycles):
     of the 2 MiB chunks and every byte changed since the last; (seconds, copied, fingerprint s) each."""
     if "skip_unchanged" not in inspect.signature(tms.region).parameters:
         return None
-    block, rnd, n = env.alloc("skip", [total // 16] * 16, backup=True, skip=True), random.Random(7), total // (2 * MiB)
-    env.fill_random(block, 7)
-    out, snap = {"bytes": total // 16 * 16, "exact": True}, env.snapshot(block, False)
+    (block, snap), rnd, n = _filled(env, "skip", [total // 16] * 16, 7, skip=True), random.Random(7), total // (2 * MiB)
+    out = {"bytes": total // 16 * 16, "exact": True}
     _cycle(env, tms, "skip", block, snap)  # the first pause copies all and records
     for case, change in (("unchanged", None), ("1 % changed", lambda c: env.poke(block, [
             rnd.randrange(n) * 2 * MiB for _ in range(max(1, n // 100))])), ("all changed", lambda c: env.fill_random(block, c))):
@@ -227,28 +219,22 @@ def _integrity(env, tms, total, big, cycles, gap_s):
     beside a plain device fill of the same tensors."""
     if "restore" not in inspect.signature(tms.region).parameters:
         return None
-    tag = "verify"
-    tms.retain_cpu_backup = True
-    block = env.alloc(tag, [total // 16] * 16, backup=True)
-    env.fill_random(block, 8)
-    snap = env.snapshot(block, False)
-    out = {"bytes": total // 16 * 16, "exact": True, "on": {"pause_s": [], "resume_s": [], "verified": []},
-           "off": {"pause_s": [], "resume_s": [], "verified": []}}
+    tag, tms.retain_cpu_backup = "verify", True
+    block, snap = _filled(env, tag, [total // 16] * 16, 8)
+    out = {"bytes": total // 16 * 16, "exact": True, **{k: {"pause_s": [], "resume_s": [], "verified": []}
+                                                        for k in ("on", "off")}}
     _cycle(env, tms, tag, block, snap)  # the first pause makes the backups
     for _ in range(cycles):
         for setting in ("on", "off"):
             tms.verify_restore = setting == "on"
-            r = []
-            p = _timed(env.sync, lambda: tms.pause(tag))
-            t = _timed(env.sync, lambda: r.append(tms.resume(tag)))
-            out[setting]["pause_s"].append(p)
-            out[setting]["resume_s"].append(t)
-            out[setting]["verified"].append(r[0].verified_bytes)
+            r, o = [], out[setting]
+            o["pause_s"].append(_timed(env.sync, lambda: tms.pause(tag)))
+            o["resume_s"].append(_timed(env.sync, lambda: r.append(tms.resume(tag))))
+            o["verified"].append(r[0].verified_bytes)
             out["exact"] &= bool(env.verify(block, snap))
     tms.verify_restore = True
     env.dispose(block, tag)
-    tms.retain_cpu_backup = False
-    piece = min(2 * GiB, big)
+    tms.retain_cpu_backup, piece = False, min(2 * GiB, big)
     n = max(1, big // piece)
     out["fill_bytes"] = n * piece
     for mode in ("none", "zero", "poison"):
@@ -269,11 +255,7 @@ def _integrity(env, tms, total, big, cycles, gap_s):
 
 
 def _model(env, tms, model, kv, bulk_tensor, cycles):
-    weights = env.alloc("model", model, backup=True)
-    cache = env.alloc("kv", kv)
-    env.fill_random(weights, 5)
-    snap = env.snapshot(weights, False)
-    rows = []
+    (weights, snap), cache, rows = _filled(env, "model", model, 5), env.alloc("kv", kv), []
     for _ in range(cycles):
         pause = _timed(env.sync, lambda: (tms.pause("model"), tms.pause("kv")))
         resume_model = _timed(env.sync, lambda: tms.resume("model"))
@@ -285,9 +267,7 @@ def _model(env, tms, model, kv, bulk_tensor, cycles):
     env.dispose(weights, "model")
     total = sum(model)
     n = max(1, total // bulk_tensor)
-    bulk = env.alloc("bulk", [total // n] * n, backup=True)
-    env.fill_random(bulk, 6)
-    bsnap = env.snapshot(bulk, False)
+    bulk, bsnap = _filled(env, "bulk", [total // n] * n, 6)
     bulk_rows = [_cycle(env, tms, "bulk", bulk, bsnap) for _ in range(3)]  # GB/s rows only; upstream's are slow
     env.dispose(bulk, "bulk")
     return {"weights_bytes": total, "tensors": len(model), "allocations": allocations, "kv_bytes": sum(kv),
@@ -414,15 +394,14 @@ def figures(doc):
             f["first region, allocate + fill, over plain (ms)"] = median(r["region_s"] - r["plain_s"]
                                                                          for r in frs) * 1e3
             f["first backed-up pause (ms)"] = median(r["first_pause_s"] for r in frs) * 1e3
-        al = s.get("alloc")
+        al, ways = s.get("alloc"), {"backed": "backed-up region", "region": "region without backup", "plain": "plain"}
         if al:
-            name = f"{al['tensors']} x {al['tensor_bytes'] // MiB} MiB"
-            for way, what in (("backed", "backed-up region"), ("region", "region without backup"), ("plain", "plain")):
+            name, alone = f"{al['tensors']} x {al['tensor_bytes'] // MiB} MiB", ("backed", "region")
+            for way, what in ways.items():
                 f[f"allocate + fill {name}, {what} (ms)"] = median(a + b for a, b in al[way]) * 1e3
-            for way, what in (("backed", "backed-up region"), ("region", "region without backup")):
-                f[f"allocate {name} alone, {what} (ms)"] = median(a for a, _ in al[way]) * 1e3
-            _floor_rows(f, al["floor"], "resume", name, [f"allocate {name} alone, {w}" for w in ("backed-up region",
-                                                                                               "region without backup")])
+            for way in alone:
+                f[f"allocate {name} alone, {ways[way]} (ms)"] = median(a for a, _ in al[way]) * 1e3
+            _floor_rows(f, al["floor"], "resume", name, [f"allocate {name} alone, {ways[w]}" for w in alone])
         for r in s.get("latency", []):
             name = f"{r['tensors']} x {r['tensor_bytes'] // MiB} MiB"
             for op in ("pause", "resume"):
