@@ -376,10 +376,8 @@ def _gbps(n, s):
     return n / s / 1e9 if s else None
 
 
-def _fmt(x, unit=""):
-    if x is None:
-        return "-"
-    return f"{x:.3f}{unit}" if unit == " s" else f"{x:.1f}{unit}" if unit == " GB/s" else f"{x:.2f}{unit}"
+def _fmt(x):
+    return "-" if x is None else f"{x:.2f}"
 
 
 def figures(doc):

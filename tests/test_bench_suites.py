@@ -201,7 +201,7 @@ def test_every_suite_shares_the_command_line_and_the_writer():
 
 def test_benchmarks_stay_within_their_line_budget():
     files = [p for p in (REPO_ROOT / "benchmarks").iterdir() if p.is_file() and p.suffix in (".py", ".c")]
-    assert sum(len(p.read_text().splitlines()) for p in files) <= 4500
+    assert sum(len(p.read_text().splitlines()) for p in files) <= 4600
 
 
 def test_a_new_report_takes_the_plots_of_the_one_it_replaces(tmp_path):
