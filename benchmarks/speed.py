@@ -356,7 +356,7 @@ def first_regions(library, args, modes):
     after the other would spend most of the run importing PyTorch."""
     jobs, folder = [m for m in modes for _ in range(args.cycles - 1)], tempfile.mkdtemp(prefix="tms-speed-turn-")
     with concurrent.futures.ThreadPoolExecutor(max(1, len(jobs))) as pool:
-        docs = list(pool.map(lambda m: run_one(library, *m, args, turn=(folder, len(jobs))), jobs))
+        docs = list(pool.map(lambda m: run_one(library, *m, args, turn=(folder, len(jobs)), timeout=240), jobs))
     shutil.rmtree(folder, ignore_errors=True)
     ds = {m: [d for d in docs if (d["mode"], d["init"]) == m] for m in modes}
     return {m: ([d["sections"]["first_region"] for d in ds[m] if "first_region" in d["sections"]],
