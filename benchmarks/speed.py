@@ -59,7 +59,7 @@ def _timed(sync, fn):
     return time.perf_counter() - t0
 
 
-def _first_region(env, tms, size, init):
+def _first_region(env, tms, size, init, dispose=True):
     """Plain allocation + fill, then the same in the first backed-up region; then that tag's first pause and resume. In
     preload-init mode every allocation is backed up already: the first pause is of all of them."""
     out, plain, block = {"bytes": size}, [], []
@@ -75,7 +75,7 @@ def _first_region(env, tms, size, init):
     snap = env.snapshot(block, False)
     out["first_pause_s"], out["first_resume_s"] = _timed(env.sync, pause), _timed(env.sync, resume)
     out["exact"] = bool(env.verify(block, snap))
-    if not init:
+    if dispose and not init:
         env.dispose(block, "first")
     return out, block
 
@@ -307,7 +307,7 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None, sections=N
         return out
     out["loaded_from"] = import_library(library)  # imported by make_env: this checks which one
     tms = env.tms
-    steps = [("first_region", lambda: _first_region(env, tms, sizes["first"], init)[0])]
+    steps = [("first_region", lambda: _first_region(env, tms, sizes["first"], init, not turn)[0])]
     if turn:
         _take_turn(turn)
     elif not init:  # the rest would pause the whole process's memory in preload-init mode
@@ -316,8 +316,7 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None, sections=N
                   ("kinds", lambda: _kinds(env, tms, sizes["backup"])),
                   ("retained", lambda: _retained(env, tms, sizes["backup"], gap_s, cycles)),
                   ("skip", lambda: _skip(env, tms, sizes["backup"], cycles)),
-                  ("integrity", lambda: _integrity(env, tms, sizes["backup"], sizes["fill"], sizes["cycles"],
-                                                   min(gap_s, 1.0))),
+                  ("integrity", lambda: _integrity(env, tms, sizes["backup"], sizes["fill"], cycles, min(gap_s, 1.0))),
                   ("model", lambda: _model(env, tms, sizes["model"], sizes["kv"], sizes["bulk_tensor"], cycles))]
     for name, fn in steps:
         if sections and name not in sections:
@@ -328,6 +327,8 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None, sections=N
             out["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
         if save:
             save(out)
+    if turn and save:  # saved: its teardown is no part of what it measures, and the next one's turn waits for it
+        os._exit(0)
     return out
 
 
