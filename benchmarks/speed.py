@@ -311,13 +311,14 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None, sections=N
     if turn:
         _take_turn(turn)
     elif not init:  # the rest would pause the whole process's memory in preload-init mode
-        steps += [("alloc", lambda: _alloc(env, tms, sizes["alloc"], cycles, floor_lib)),
-                  ("latency", lambda: _latency(env, tms, sizes["latency"], sizes["cycles"], floor_lib)),
+        steps += [("latency", lambda: _latency(env, tms, sizes["latency"], sizes["cycles"], floor_lib)),
                   ("kinds", lambda: _kinds(env, tms, sizes["backup"])),
                   ("retained", lambda: _retained(env, tms, sizes["backup"], gap_s, cycles)),
                   ("skip", lambda: _skip(env, tms, sizes["backup"], cycles)),
                   ("integrity", lambda: _integrity(env, tms, sizes["backup"], sizes["fill"], cycles, min(gap_s, 1.0))),
-                  ("model", lambda: _model(env, tms, sizes["model"], sizes["kv"], sizes["bulk_tensor"], cycles))]
+                  ("model", lambda: _model(env, tms, sizes["model"], sizes["kv"], sizes["bulk_tensor"], cycles)),
+                  # last: what it drops of the libraries' pools could end the process for the rows after it
+                  ("alloc", lambda: _alloc(env, tms, sizes["alloc"], cycles, floor_lib))]
     for name, fn in steps:
         if sections and name not in sections:
             continue
