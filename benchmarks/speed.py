@@ -1,25 +1,33 @@
 """The `speed` suite: the rows a user compares with the upstream library, side by side with it in one run: `python -m
-benchmarks speed [--upstream DIR] [--before DIR] [--gib G] [--gap S] [--out DIR] [--dry-run]`.
+benchmarks speed [--upstream DIR] [--before DIR] [--gib G] [--gap S] [--cycles N] [--out DIR] [--dry-run]`.
 
 Each library (this checkout; --upstream: the torch_memory_saver unpacked in DIR; --before: an earlier checkout,
 built in place) runs in three fresh workers: torch mode, preload mode (under its own configure_subprocess()) and
 preload mode with TMS_INIT_ENABLE=1 TMS_INIT_ENABLE_CPU_BACKUP=1 (how slime and AReaL run); a fourth measures the
-link. Rows: the first backed-up region and pause (1 GiB, beside plain PyTorch); discard pause and resume (1 x 8 GiB,
-64 x 128 MiB, medians of 11); `mmap` and `pinned` backups and retained ones (G GiB in 16 tensors: the first cycle,
-seven right after a resume, one after S s idle); skip_unchanged (ours: nothing, 1 % of the chunks, all changed);
-checked restores (ours: verify_restore on and off in turns; 100 GiB discarded, restored as none, zero, poison); a
-Llama-shaped model's and KV cache's resume beside the same bytes in 512 MiB tensors. Contents are compared after
-every resume. --dry-run: the host backend, this library only, tiny sizes. Report: speed_<device>.{md,json,png}.
+link. Rows: the first backed-up region and pause (1 GiB, beside plain PyTorch; once a process, so N - 1 more
+workers do only that, started together, measuring one at a time once all are ready); allocate + fill of 16 x 512 MiB
+in a backed-up region, one without backup and plain PyTorch, in turns, given back between; discard pause and resume
+(1 x 8 GiB, 64 x 128 MiB, medians of 11); `mmap` and `pinned` backups and retained ones (G GiB in 16 tensors: the
+first cycle, N right after a resume, one after S s idle); skip_unchanged (ours: nothing, 1 % of the chunks, all
+changed); checked restores (ours: verify_restore on and off in turns; 100 GiB discarded, restored as none, zero,
+poison); a Llama-shaped model's and KV cache's resume beside the same bytes in 512 MiB tensors. Millisecond rows:
+medians of N (--cycles, default 9) or more; the driver's own calls (vmm_floor.c) cycled beside the discard and
+allocation rows. Contents are compared after every resume. --dry-run: the host backend, this library only, tiny
+sizes, N 3. Report: speed_<device>.{md,json,png}.
 """
+import concurrent.futures
+import fcntl
 import inspect
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
-from . import report
-from .common import GiB, MiB, REPO, Deadline, child_env, import_library, parser, pyplot, run_row, save_png
+from . import floor, report
+from .common import GiB, MiB, REPO, Deadline, child_env, import_library, median, parser, pyplot, run_row, save_png
 
 TITLE = "Side by side with the upstream library: the rows where it used to lead"
 WORKERS = (("torch", False), ("preload", False), ("preload", True))  # (hook mode, preload-init)
@@ -30,7 +38,7 @@ def _sizes(dry_run, gib):
     if dry_run:
         return {"first": 8 * MiB, "latency": [(1, 64 * MiB), (8, 8 * MiB)], "backup": 64 * MiB,
                 "model": [1 * MiB + 4096 * k for k in range(24)], "kv": [2 * MiB] * 8, "bulk_tensor": 16 * MiB,
-                "cycles": 3, "fill": 64 * MiB}
+                "cycles": 3, "fill": 64 * MiB, "alloc": [4 * MiB] * 4}
     h, i, layers, v = LLAMA["hidden"], LLAMA["intermediate"], LLAMA["layers"], LLAMA["vocab"]
     kv = LLAMA["kv_heads"] * LLAMA["head_dim"]
     per_layer = [h * h, h * kv, h * kv, h * h, h * i, h * i, i * h, h, h]  # q k v o gate up down, two norms
@@ -38,7 +46,7 @@ def _sizes(dry_run, gib):
     cache = [8192 * kv * 2] * (2 * layers)  # a static cache of 8192 tokens, k and v per layer
     return {"first": GiB, "latency": [(1, 8 * GiB), (64, 128 * MiB)], "backup": int(gib * GiB), "model": model,
             "kv": cache, "bulk_tensor": 512 * MiB, "cycles": 11,  # the driver's own times spread: medians of 11
-            "fill": 100 * GiB}
+            "fill": 100 * GiB, "alloc": [512 * MiB] * 16}
 
 
 # ---- the worker's side ---------------------------------------------------------------
@@ -51,17 +59,13 @@ def _timed(sync, fn):
     return time.perf_counter() - t0
 
 
-def _first_region(env, tms, size, init):
-    """Plain allocation + fill, then the same in the first backed-up region; then that
-    tag's first pause and resume. In preload-init mode every allocation is backed up
-    already: the first pause is of all of them."""
-    out = {"bytes": size}
-    plain = []
-    out["plain_s"] = _timed(env.sync, lambda: (plain.extend(_plain_alloc(env, size)), env.fill_random(plain, 1)))
-    block = []
+def _first_region(env, tms, size, init, dispose=True):
+    """Plain allocation + fill, then the same in the first backed-up region; then that tag's first pause and resume. In
+    preload-init mode every allocation is backed up already: the first pause is of all of them."""
+    out, plain, block = {"bytes": size}, [], []
+    out["plain_s"] = _timed(env.sync, lambda: (plain.extend(_plain_alloc(env, [size])), env.fill_random(plain, 1)))
     if init:
-        out["region_s"] = out["plain_s"]  # the plain allocation is the backed-up one here
-        block = plain
+        out["region_s"], block = out["plain_s"], plain  # the plain allocation is the backed-up one here
         pause, resume = (lambda: tms.pause()), (lambda: tms.resume())
     else:
         out["region_s"] = _timed(env.sync, lambda: (block.extend(env.alloc("first", [size], backup=True)),
@@ -69,51 +73,99 @@ def _first_region(env, tms, size, init):
         plain.clear()
         pause, resume = (lambda: tms.pause("first")), (lambda: tms.resume("first"))
     snap = env.snapshot(block, False)
-    out["first_pause_s"] = _timed(env.sync, pause)
-    out["first_resume_s"] = _timed(env.sync, resume)
+    out["first_pause_s"], out["first_resume_s"] = _timed(env.sync, pause), _timed(env.sync, resume)
     out["exact"] = bool(env.verify(block, snap))
-    if not init:
+    if dispose and not init:
         env.dispose(block, "first")
     return out, block
 
 
-def _plain_alloc(env, size):
+def _plain_alloc(env, sizes):
     if env.kind == "host":  # the dry run's stand-in: memory of a region without backup
-        return env.alloc("plain", [size])
-    return [env.torch.empty(size, dtype=env.torch.uint8, device=env.device)]
+        return env.alloc("plain", sizes)
+    return [env.torch.empty(n, dtype=env.torch.uint8, device=env.device) for n in sizes]
 
 
-def _latency(env, tms, shapes, cycles):
+def _latency(env, tms, shapes, cycles, floor_lib):
+    """Discard pause and resume of each shape, the driver's own loop on as many allocations cycled beside each cycle,
+    before or after it in turn (floor.Beside: the same process, driver state and idle time)."""
     rows = []
     for count, size in shapes:
-        tag = f"lat{count}"
+        tag, pauses, resumes, beside = f"lat{count}", [], [], floor.Beside(floor_lib, count, size)
         block = env.alloc(tag, [size] * count)
-        pauses, resumes = [], []
         for c in range(cycles + 1):
+            f = beside.cycle(c) if c % 2 else None
             p = _timed(env.sync, lambda: tms.pause(tag))
             r = _timed(env.sync, lambda: tms.resume(tag))
+            f = beside.cycle(c) if c % 2 == 0 else f
             if c:  # the first is a warm-up
-                pauses.append(p)
-                resumes.append(r)
+                pauses, resumes, beside.times = pauses + [p], resumes + [r], beside.times + ([f] if f else [])
+        beside.close()
         env.dispose(block, tag)
         rows.append({"tensors": count, "tensor_bytes": size, "pause_s": statistics.median(pauses),
-                     "resume_s": statistics.median(resumes), "pauses_s": pauses, "resumes_s": resumes})
+                     "resume_s": statistics.median(resumes), "pauses_s": pauses, "resumes_s": resumes,
+                     "floor": {"times": beside.times, "error": beside.error}})
     return rows
 
 
+def _give_back(env, tms, block, tag):
+    """Frees a block to the driver. PyTorch keeps a region's freed segments in the tag's MemPool and neither library
+    has a call that drops one, so the library's pools of the tag are dropped: PyTorch then frees their segments
+    through the library. Not inside a region (PyTorch asserts while a pool is in use), but with the C ABI's region
+    flag that frameworks set (upstream's torch mode frees only inside a region)."""
+    if env.kind == "host" or tag is None:
+        env.dispose(block, tag, pause=False)
+        return env.kind == "host" or env.torch.cuda.empty_cache()
+    block.clear()
+    impl = tms._impl
+    pools, cdll = impl._pools if hasattr(impl, "_pools") else impl._mem_pools, impl._binary_wrapper.cdll  # ours, theirs
+    was = cdll.tms_get_interesting_region()
+    cdll.tms_set_interesting_region(True)
+    for key in [k for k in pools if k[0] == tag]:
+        del pools[key]
+    cdll.tms_set_interesting_region(was)
+    env.sync()
+
+
+def _alloc(env, tms, sizes, cycles, floor_lib):
+    """Allocate + fill of `sizes` in a backed-up region, in a region without backup and with plain PyTorch, in turns
+    each cycle, each block given back to the driver before the next; the first cycle is a warm-up (so none is the
+    process's first region). Beside them the driver's create + map of as many handles (the paired floor's resume)."""
+    out, beside = {"tensors": len(sizes), "tensor_bytes": sizes[0]}, floor.Beside(floor_lib, len(sizes), sizes[0])
+    free = env.free_bytes()
+    for c in range(cycles + 1):
+        if free and env.free_bytes() < free - 2 * GiB:  # a library that kept what it was given back
+            raise RuntimeError(f"{(free - env.free_bytes()) / GiB:.1f} GiB not given back after {c} cycles")
+        f = beside.cycle(c)
+        for way, tag in (("backed", "alloc-backed"), ("region", "alloc"), ("plain", None)):
+            block = []
+            a = _timed(env.sync, lambda: block.extend(
+                _plain_alloc(env, sizes) if tag is None else env.alloc(tag, sizes, backup=way == "backed")))
+            fill = _timed(env.sync, lambda: env.memset(block, c))
+            _give_back(env, tms, block, tag)
+            out.setdefault(way, []).extend([(a, fill)] if c else [])
+        beside.times += [f] if c and f else []
+    beside.close()
+    return dict(out, floor={"times": beside.times, "error": beside.error})
+
+
 def _cycle(env, tms, tag, block, snap):
-    p = _timed(env.sync, lambda: tms.pause(tag))
-    r = _timed(env.sync, lambda: tms.resume(tag))
+    p, r = _timed(env.sync, lambda: tms.pause(tag)), _timed(env.sync, lambda: tms.resume(tag))
     return p, r, bool(env.verify(block, snap))
+
+
+def _filled(env, tag, sizes, seed, **kw):
+    """A backed-up block of random contents, and its checksums."""
+    block = env.alloc(tag, sizes, backup=True, **kw)
+    env.fill_random(block, seed)
+    return block, env.snapshot(block, False)
 
 
 def _kinds(env, tms, total):
     out = {}
     for kind in ("mmap", "pinned"):
         tag = f"kind-{kind}"
-        block = env.alloc(tag, [total // 16] * 16, backup=True, backend=kind)
-        env.fill_random(block, 3)
-        snap = env.snapshot(block, False)
+        block, snap = _filled(env, tag, [total // 16] * 16, 3, backend=kind)
         cycles = [_cycle(env, tms, tag, block, snap) for _ in range(2)]
         env.dispose(block, tag)
         out[kind] = {"bytes": total // 16 * 16, "pause_s": [c[0] for c in cycles], "resume_s": [c[1] for c in cycles],
@@ -121,14 +173,11 @@ def _kinds(env, tms, total):
     return out
 
 
-def _retained(env, tms, total, gap_s):
-    tms.retain_cpu_backup = True
-    tag = "retained"
-    block = env.alloc(tag, [total // 16] * 16, backup=True)
-    env.fill_random(block, 4)
-    snap = env.snapshot(block, False)
+def _retained(env, tms, total, gap_s, cycles):
+    tms.retain_cpu_backup, tag = True, "retained"
+    block, snap = _filled(env, tag, [total // 16] * 16, 4)
     first = _cycle(env, tms, tag, block, snap)
-    no_gap = [_cycle(env, tms, tag, block, snap) for _ in range(7)]  # each pause right after a resume
+    no_gap = [_cycle(env, tms, tag, block, snap) for _ in range(cycles)]  # each pause right after a resume
     time.sleep(gap_s)  # an idle gap: the library may finish background work (a benchmark, not a test)
     gap = _cycle(env, tms, tag, block, snap)
     env.dispose(block, tag)
@@ -143,9 +192,8 @@ def _skip(env, tms, total, cycles):
     of the 2 MiB chunks and every byte changed since the last; (seconds, copied, fingerprint s) each."""
     if "skip_unchanged" not in inspect.signature(tms.region).parameters:
         return None
-    block, rnd, n = env.alloc("skip", [total // 16] * 16, backup=True, skip=True), random.Random(7), total // (2 * MiB)
-    env.fill_random(block, 7)
-    out, snap = {"bytes": total // 16 * 16, "exact": True}, env.snapshot(block, False)
+    (block, snap), rnd, n = _filled(env, "skip", [total // 16] * 16, 7, skip=True), random.Random(7), total // (2 * MiB)
+    out = {"bytes": total // 16 * 16, "exact": True}
     _cycle(env, tms, "skip", block, snap)  # the first pause copies all and records
     for case, change in (("unchanged", None), ("1 % changed", lambda c: env.poke(block, [
             rnd.randrange(n) * 2 * MiB for _ in range(max(1, n // 100))])), ("all changed", lambda c: env.fill_random(block, c))):
@@ -171,28 +219,22 @@ def _integrity(env, tms, total, big, cycles, gap_s):
     beside a plain device fill of the same tensors."""
     if "restore" not in inspect.signature(tms.region).parameters:
         return None
-    tag = "verify"
-    tms.retain_cpu_backup = True
-    block = env.alloc(tag, [total // 16] * 16, backup=True)
-    env.fill_random(block, 8)
-    snap = env.snapshot(block, False)
-    out = {"bytes": total // 16 * 16, "exact": True, "on": {"pause_s": [], "resume_s": [], "verified": []},
-           "off": {"pause_s": [], "resume_s": [], "verified": []}}
+    tag, tms.retain_cpu_backup = "verify", True
+    block, snap = _filled(env, tag, [total // 16] * 16, 8)
+    out = {"bytes": total // 16 * 16, "exact": True, **{k: {"pause_s": [], "resume_s": [], "verified": []}
+                                                        for k in ("on", "off")}}
     _cycle(env, tms, tag, block, snap)  # the first pause makes the backups
     for _ in range(cycles):
         for setting in ("on", "off"):
             tms.verify_restore = setting == "on"
-            r = []
-            p = _timed(env.sync, lambda: tms.pause(tag))
-            t = _timed(env.sync, lambda: r.append(tms.resume(tag)))
-            out[setting]["pause_s"].append(p)
-            out[setting]["resume_s"].append(t)
-            out[setting]["verified"].append(r[0].verified_bytes)
+            r, o = [], out[setting]
+            o["pause_s"].append(_timed(env.sync, lambda: tms.pause(tag)))
+            o["resume_s"].append(_timed(env.sync, lambda: r.append(tms.resume(tag))))
+            o["verified"].append(r[0].verified_bytes)
             out["exact"] &= bool(env.verify(block, snap))
     tms.verify_restore = True
     env.dispose(block, tag)
-    tms.retain_cpu_backup = False
-    piece = min(2 * GiB, big)
+    tms.retain_cpu_backup, piece = False, min(2 * GiB, big)
     n = max(1, big // piece)
     out["fill_bytes"] = n * piece
     for mode in ("none", "zero", "poison"):
@@ -213,11 +255,7 @@ def _integrity(env, tms, total, big, cycles, gap_s):
 
 
 def _model(env, tms, model, kv, bulk_tensor, cycles):
-    weights = env.alloc("model", model, backup=True)
-    cache = env.alloc("kv", kv)
-    env.fill_random(weights, 5)
-    snap = env.snapshot(weights, False)
-    rows = []
+    (weights, snap), cache, rows = _filled(env, "model", model, 5), env.alloc("kv", kv), []
     for _ in range(cycles):
         pause = _timed(env.sync, lambda: (tms.pause("model"), tms.pause("kv")))
         resume_model = _timed(env.sync, lambda: tms.resume("model"))
@@ -229,10 +267,8 @@ def _model(env, tms, model, kv, bulk_tensor, cycles):
     env.dispose(weights, "model")
     total = sum(model)
     n = max(1, total // bulk_tensor)
-    bulk = env.alloc("bulk", [total // n] * n, backup=True)
-    env.fill_random(bulk, 6)
-    bsnap = env.snapshot(bulk, False)
-    bulk_rows = [_cycle(env, tms, "bulk", bulk, bsnap) for _ in range(cycles)]
+    bulk, bsnap = _filled(env, "bulk", [total // n] * n, 6)
+    bulk_rows = [_cycle(env, tms, "bulk", bulk, bsnap) for _ in range(3)]  # GB/s rows only; upstream's are slow
     env.dispose(bulk, "bulk")
     return {"weights_bytes": total, "tensors": len(model), "allocations": allocations, "kv_bytes": sum(kv),
             "cycles": rows, "bulk_bytes": total // n * n, "bulk_tensors": n,
@@ -240,8 +276,21 @@ def _model(env, tms, model, kv, bulk_tensor, cycles):
             "exact": all(r["exact"] for r in rows) and all(c[2] for c in bulk_rows)}
 
 
-def worker(library, mode, init, gib, gap_s, dry_run=False, save=None, sections=None):
-    """One process: every row for one library in one hook mode (library None: the link only)."""
+def _take_turn(turn):
+    """A first-region-only worker's turn: once the others it started with are ready too (none still importing), the
+    lock that lets one measure at a time, held until this process has exited."""
+    (folder, n), until = turn, time.time() + 60  # a worker that does not come holds the others a minute at most
+    open(os.path.join(folder, f"ready-{os.getpid()}"), "w").close()
+    while sum(f.startswith("ready-") for f in os.listdir(folder)) < n and time.time() < until:
+        time.sleep(0.01)
+    fcntl.flock(os.open(os.path.join(folder, "lock"), os.O_CREAT | os.O_RDWR), fcntl.LOCK_EX)
+    time.sleep(0.2)  # the driver tidies up after the process that measured before
+
+
+def worker(library, mode, init, gib, gap_s, dry_run=False, save=None, sections=None, cycles=9, floor_lib=None,
+           turn=None):
+    """One process: every row for one library in one hook mode (library None: the link only; turn: the first region
+    only, in its turn)."""
     if library:
         sys.path.insert(0, library)
     from .envs import make_env
@@ -258,15 +307,18 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None, sections=N
         return out
     out["loaded_from"] = import_library(library)  # imported by make_env: this checks which one
     tms = env.tms
-    steps = [("first_region", lambda: _first_region(env, tms, sizes["first"], init)[0])]
-    if not init:  # the rest would pause the whole process's memory in preload-init mode
-        steps += [("latency", lambda: _latency(env, tms, sizes["latency"], sizes["cycles"])),
+    steps = [("first_region", lambda: _first_region(env, tms, sizes["first"], init, not turn)[0])]
+    if turn:
+        _take_turn(turn)
+    elif not init:  # the rest would pause the whole process's memory in preload-init mode
+        steps += [("latency", lambda: _latency(env, tms, sizes["latency"], sizes["cycles"], floor_lib)),
                   ("kinds", lambda: _kinds(env, tms, sizes["backup"])),
-                  ("retained", lambda: _retained(env, tms, sizes["backup"], gap_s)),
-                  ("skip", lambda: _skip(env, tms, sizes["backup"], 5)),
-                  ("integrity", lambda: _integrity(env, tms, sizes["backup"], sizes["fill"], sizes["cycles"],
-                                                   min(gap_s, 1.0))),
-                  ("model", lambda: _model(env, tms, sizes["model"], sizes["kv"], sizes["bulk_tensor"], 3))]
+                  ("retained", lambda: _retained(env, tms, sizes["backup"], gap_s, cycles)),
+                  ("skip", lambda: _skip(env, tms, sizes["backup"], cycles)),
+                  ("integrity", lambda: _integrity(env, tms, sizes["backup"], sizes["fill"], cycles, min(gap_s, 1.0))),
+                  ("model", lambda: _model(env, tms, sizes["model"], sizes["kv"], sizes["bulk_tensor"], cycles)),
+                  # last: what it drops of the libraries' pools could end the process for the rows after it
+                  ("alloc", lambda: _alloc(env, tms, sizes["alloc"], cycles, floor_lib))]
     for name, fn in steps:
         if sections and name not in sections:
             continue
@@ -276,18 +328,21 @@ def worker(library, mode, init, gib, gap_s, dry_run=False, save=None, sections=N
             out["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
         if save:
             save(out)
+    if turn and save:  # saved: its teardown is no part of what it measures, and the next one's turn waits for it
+        os._exit(0)
     return out
 
 
 # ---- the runner's side ---------------------------------------------------------------
 
-def run_one(library, mode, init, args, timeout=600):
+def run_one(library, mode, init, args, floor_lib=None, turn=None, timeout=600):
     env = child_env(args.dry_run, clean=True)  # this checkout's benchmarks; the worker puts library first
     if init:
         env.update(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
     wargs = {"library": library, "mode": mode, "init": init, "gib": args.gib, "gap_s": args.gap,
-             "dry_run": args.dry_run, "sections": args.sections.split(",") if args.sections else None}
-    label = f"{_label(library, args)} {mode}{' init' if init else ''}"
+             "dry_run": args.dry_run, "sections": args.sections.split(",") if args.sections else None,
+             "cycles": args.cycles, "floor_lib": floor_lib, "turn": turn}
+    label = f"{_label(library, args)} {mode}{' init' if init else ''}{' first region' if turn else ''}"
     doc = run_row("speed", wargs, env, {"library": library, "mode": mode, "init": init, "sections": {}, "errors": {}},
                   timeout, library=library if mode == "preload" and library and not args.dry_run else None,
                   echo=lambda line: print(f"  [{label}] {line}", flush=True))
@@ -295,6 +350,19 @@ def run_one(library, mode, init, args, timeout=600):
         doc["errors"]["process"] = doc.pop("error")
     doc["exit_code"] = doc.get("exit_code", 0)
     return doc
+
+
+def first_regions(library, args, modes):
+    """{(mode, init): (first_region sections, errors or None)} of cycles - 1 workers per mode doing only that, all
+    started together and measuring one at a time once all are ready: a process has one first region, and workers one
+    after the other would spend most of the run importing PyTorch."""
+    jobs, folder = [m for m in modes for _ in range(args.cycles - 1)], tempfile.mkdtemp(prefix="tms-speed-turn-")
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(jobs))) as pool:
+        docs = list(pool.map(lambda m: run_one(library, *m, args, turn=(folder, len(jobs)), timeout=240), jobs))
+    shutil.rmtree(folder, ignore_errors=True)
+    ds = {m: [d for d in docs if (d["mode"], d["init"]) == m] for m in modes}
+    return {m: ([d["sections"]["first_region"] for d in ds[m] if "first_region" in d["sections"]],
+                [d["errors"] for d in ds[m] if d["errors"]]) for m in modes}
 
 
 def _label(library, args):
@@ -310,10 +378,8 @@ def _gbps(n, s):
     return n / s / 1e9 if s else None
 
 
-def _fmt(x, unit=""):
-    if x is None:
-        return "-"
-    return f"{x:.3f}{unit}" if unit == " s" else f"{x:.1f}{unit}" if unit == " GB/s" else f"{x:.2f}{unit}"
+def _fmt(x):
+    return "-" if x is None else f"{x:.2f}"
 
 
 def figures(doc):
@@ -323,14 +389,24 @@ def figures(doc):
         if not w.get("library"):
             continue
         s, key, f = w["sections"], (w["label"], w["mode"], w["init"]), {}
-        fr = s.get("first_region")
-        if fr:
-            f["first region, allocate + fill, over plain (ms)"] = (fr["region_s"] - fr["plain_s"]) * 1e3
-            f["first backed-up pause (ms)"] = fr["first_pause_s"] * 1e3
+        frs = [fr for fr in [s.get("first_region")] + w.get("first_regions", []) if fr]  # one a process
+        if frs:
+            f["first region, allocate + fill, over plain (ms)"] = median(r["region_s"] - r["plain_s"]
+                                                                         for r in frs) * 1e3
+            f["first backed-up pause (ms)"] = median(r["first_pause_s"] for r in frs) * 1e3
+        al, ways = s.get("alloc"), {"backed": "backed-up region", "region": "region without backup", "plain": "plain"}
+        if al:
+            name, alone = f"{al['tensors']} x {al['tensor_bytes'] // MiB} MiB", ("backed", "region")
+            for way, what in ways.items():
+                f[f"allocate + fill {name}, {what} (ms)"] = median(a + b for a, b in al[way]) * 1e3
+            for way in alone:
+                f[f"allocate {name} alone, {ways[way]} (ms)"] = median(a for a, _ in al[way]) * 1e3
+            _floor_rows(f, al["floor"], "resume", name, [f"allocate {name} alone, {ways[w]}" for w in alone])
         for r in s.get("latency", []):
             name = f"{r['tensors']} x {r['tensor_bytes'] // MiB} MiB"
-            f[f"discard pause, {name} (ms)"] = r["pause_s"] * 1e3
-            f[f"discard resume, {name} (ms)"] = r["resume_s"] * 1e3
+            for op in ("pause", "resume"):
+                f[f"discard {op}, {name} (ms)"] = r[f"{op}_s"] * 1e3
+                _floor_rows(f, r["floor"], op, name, [f"discard {op}, {name}"])
         for kind, k in s.get("kinds", {}).items():
             f[f"{kind} pause, first (GB/s)"] = _gbps(k["bytes"], k["pause_s"][0])
             f[f"{kind} pause, again (GB/s)"] = _gbps(k["bytes"], k["pause_s"][-1])
@@ -377,7 +453,12 @@ def figures(doc):
     return rows
 
 
-LOWER_IS_BETTER = ("(ms)",)
+def _floor_rows(f, fl, op, shape, rows):
+    """The paired floor's median of op (ms) as a row, and each of rows over it, where the floor ran."""
+    ms = median(t[op == "resume"] for t in fl["times"]) * 1e3 if fl["times"] else None
+    if ms:
+        f[f"driver floor: {'unmap + release' if op == 'pause' else 'create + map'} {shape} (ms)"] = ms
+        f.update({f"{r} over its floor": f[f"{r} (ms)"] / ms for r in rows})
 
 
 def table(doc):
@@ -439,21 +520,33 @@ def main(argv=None):
     ap.add_argument("--before", metavar="DIR", help="also run an earlier checkout of this library (built) in DIR")
     ap.add_argument("--gib", type=float, default=8.0, help="backed-up bytes of the kinds and retained rows")
     ap.add_argument("--gap", type=float, default=8.0, help="idle seconds before the retained row's last pause")
-    ap.add_argument("--sections", metavar="A,B", help="only these sections (first_region, latency, kinds, retained, "
-                    "skip, integrity, model)")
+    ap.add_argument("--sections", metavar="A,B", help="only these sections (first_region, alloc, latency, kinds, "
+                    "retained, skip, integrity, model)")
+    ap.add_argument("--cycles", type=int, default=9, help="cycles (and first-region processes) of the millisecond rows "
+                    "that have no count of their own (default 9; a dry run's at most 3)")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     if args.dry_run:
-        args.gap = min(args.gap, 0.1)
-    meta = report.collect_meta("speed", argv, args.dry_run)
+        args.gap, args.cycles = min(args.gap, 0.1), min(args.cycles, 3)
+    meta, start, tmp = report.collect_meta("speed", argv, args.dry_run), time.time(), tempfile.mkdtemp()
+    try:  # the driver's own calls, cycled beside the library's in each worker (floor.Paired)
+        floor_lib = None if args.dry_run else floor.build(tmp, library=True)[0]
+    except (RuntimeError, OSError) as e:
+        floor_lib, meta["floor_error"] = None, str(e)[:2000]
     # The upstream library has no host backend: a dry run measures this one (and --before).
     libraries = [REPO] + [os.path.abspath(d) for d in (None if args.dry_run else args.upstream, args.before) if d]
     workers = [] if args.dry_run else [run_one(None, "torch", False, args)]
+    # TMS_INIT_ENABLE routes cudaMalloc: nothing of it on the host backend
+    modes = [(mode, init) for mode, init in WORKERS if not (args.dry_run and init)]
     for library in libraries:
-        for mode, init in WORKERS:
-            if args.dry_run and init:
-                continue  # TMS_INIT_ENABLE routes cudaMalloc: nothing of it on the host backend
-            workers.append(run_one(library, mode, init, args))
+        more = first_regions(library, args, modes) if "first_region" in (args.sections or "first_region") else {}
+        for m in modes:
+            workers.append(run_one(library, *m, args, floor_lib))
+            workers[-1]["first_regions"], failed = more.get(m, ([], []))
+            if failed:  # upstream's torch mode exits 1 at its teardown: one line for them all
+                workers[-1]["errors"]["first-region workers"] = f"{len(failed)} failed: {failed[0]}"[:2000]
+    shutil.rmtree(tmp, ignore_errors=True)
+    meta["wall_s"] = time.time() - start
     for w in workers:
         w["label"] = _label(w.get("library"), args) if w.get("library") else "link"
     if not args.dry_run:
@@ -467,8 +560,11 @@ def main(argv=None):
         backed = _sizes(args.dry_run, args.gib)["backup"]
         lines = [f"Workers: {', '.join(sorted({w['label'] for w in workers}))}; backed-up rows {backed / GiB:g} GiB in "
                  f"16 tensors; retained gap {args.gap:g} s; link (pinned copies) {_fmt(doc['link']['d2h'])} GB/s to "
-                 f"host, {_fmt(doc['link']['h2d'])} to device. Contents exact in every row: "
-                 f"{all(_exact(w) for w in workers)}.", "", table(doc), ""]
+                 f"host, {_fmt(doc['link']['h2d'])} to device. Millisecond rows: medians of {args.cycles} cycles (the "
+                 f"discard rows' of {_sizes(args.dry_run, args.gib)['cycles']}), the first region's of as many "
+                 "processes; *driver floor*: vmm_floor.c's loop on as many allocations, cycled beside the row in its "
+                 f"worker{'' if floor_lib else ' (none: %s)' % (meta.get('floor_error') or 'a dry run')[:300]}. "
+                 f"Contents exact in every row: {all(_exact(w) for w in workers)}.", "", table(doc), ""]
         if errors:
             lines += ["Errors: " + "; ".join(f"{k}: {v}" for k, v in errors.items()), ""]
         lines += [f"![backups]({images['backups']})" if images.get("backups") else ""]

@@ -2,18 +2,18 @@
 benchmarks switch [--upstream DIR] [--gib G] [--kv-fraction F] [--cycles N] [--part all|switch|wait] [--deadline S]
 [--out DIR] [--dry-run]`.
 
-*switch*: the trainer's bf16 weights, fp32 gradients and Adam moments of a Llama-shaped
-model (G GiB) in one backed-up tag; the rollout's weights and a KV cache (F of the free
-memory), not backed up. A cycle: (1) the rollout resumes its weights; (2) it receives the
-trainer's (ours: share()/open_shared(); upstream: CUDA IPC), copies and closes them; (3) the
-trainer pauses; (4) the rollout resumes its KV cache; (5) it pauses both; (6) the trainer
-resumes. Each phase is timed in its process, beside its floor from the same run (pinned
-copies, a device copy, the driver's own create + map or unmap + release on an idle
-device); cycles where (4) and (6) follow the other's pause at once alternate with cycles
-after 2 s idle. *wait*: create + map of N GiB right after another process freed M, against
-after 2 s idle, nearly full or empty, the driver alone and through this library; lending
-handles between processes; whether an imported handle exports again. Every wait is
-bounded, the JSON is rewritten after each step, --deadline skips what would not fit.
+*switch*: the trainer's bf16 weights, fp32 gradients and Adam moments of a Llama-shaped model (G GiB) in one backed-up
+tag; the rollout's weights and a KV cache (F of the free memory), not backed up. A cycle: (1) the rollout resumes its
+weights; (2) it receives the trainer's (ours: share()/open_shared(); upstream: CUDA IPC), copies and closes them; (3)
+the trainer pauses; (4) the rollout resumes its KV cache; (5) it pauses both; (6) the trainer resumes. Each phase is
+timed in its process, beside its floor from the same run (pinned copies, a device copy, the driver's own create + map or
+unmap + release on an idle device); cycles where (4) and (6) follow the other's pause at once alternate with cycles
+after 2 s idle, and each of the first kind is followed by a *no gap* one: the rollout resumes and pauses while the
+trainer is active (so in a job too its memory goes back to the driver), the trainer pauses, and (4) follows at once, no
+training step between; --also "TMS_JOB=..." runs the same in a job beside it. *wait*: create + map of N GiB right after
+another process freed M, against after 2 s idle, nearly full or empty, the driver alone and through this library;
+lending handles between processes; whether an imported handle exports again. Every wait is bounded, the JSON is
+rewritten after each step, --deadline skips what would not fit.
 --dry-run: the host backend, tiny sizes. Report: switch_<device>.{md,json,png}.
 """
 import collections
@@ -45,6 +45,7 @@ PHASES = {"weights_resume": ("1 rollout resumes its weights", "driver create + m
           "kv_resume": ("4 rollout resumes its KV cache", "driver create + map, idle device"),
           "rollout_pause": ("5 rollout pauses weights and KV cache", "driver unmap + release"),
           "trainer_resume": ("6 trainer resumes (restored)", "pinned copy to device")}
+NOGAP = "4 KV resume right after the rollout's own pause and the trainer's, no gap"
 IDLE_S = 2.0    # the idle gap the targets name
 SETTLE_S = 2.0  # before the other process frees: what earlier rows freed is clean by then
 FD_BATCH = 250  # descriptors per message (the kernel takes at most 253)
@@ -67,10 +68,10 @@ def _sizes(args):
     if args.dry_run:
         cfg = dict(LLAMA, hidden=128, intermediate=256, vocab=512, kv_heads=2, head_dim=32)
         return {"trainer": _state(4 * MiB, cfg), "probe": 8 * MiB, "kv_dry": 8 * MiB, "wait": [2 * MiB, 8 * MiB],
-                "plan": ["warm", "after", "idle"], "idle_s": 0.05, "settle_s": 0.05}
+                "plan": ["warm", "after", "nogap", "idle"], "idle_s": 0.05, "settle_s": 0.05}
     return {"trainer": _state(args.gib * GiB, LLAMA), "probe": 4 * GiB, "kv_dry": None,
             "wait": [n * GiB for n in (1, 8, 32, 64)], "idle_s": IDLE_S, "settle_s": SETTLE_S,
-            "plan": ["warm"] + ["after" if c % 2 == 0 else "idle" for c in range(args.cycles)]}
+            "plan": ["warm"] + [k for c in range(args.cycles) for k in (["idle"] if c % 2 else ["after", "nogap"])]}
 
 
 # ---- the CUDA driver's VMM calls through ctypes, no library and no PyTorch between ----
@@ -618,10 +619,11 @@ def _ms(x):
 
 
 def _lending(part):
-    """What a job lent in the last cycle, phase by phase (nothing without a job)."""
-    said = [f"{name} {k.split('_')[0]} {v[k] / GiB:.2f} GiB" for name, v in
-            (part["cycles"][-1]["phases"] if part.get("cycles") else {}).items() for k in LENDING if v.get(k)]
-    return "; last cycle: " + ", ".join(said) if said else ""
+    """What a job lent in the last cycles right after and with no gap, phase by phase (nothing without a job)."""
+    last = {r["kind"]: r["phases"] for r in part.get("cycles", []) if r["kind"] in ("after", "nogap")}
+    said = [f"{kind} {name} {k.split('_')[0]} {v[k] / GiB:.2f} GiB" for kind, phases in last.items()
+            for name, v in phases.items() for k in LENDING if v.get(k)]
+    return "; last cycles: " + ", ".join(said) if said else ""
 
 
 def cycle(tr, ro, c, kind, idle_s):
@@ -635,6 +637,14 @@ def cycle(tr, ro, c, kind, idle_s):
             ph[name] = {"error": str(e)}
         return ph[name]
 
+    if kind == "nogap":  # a job's pause keeps nothing while no member has paused memory
+        ro.call("resume")
+        step("rollout_pause", ro, "pause")  # the trainer active: in a job too, the rollout's memory goes to the driver
+        step("trainer_pause", tr, "pause")
+        step("kv_resume", ro, "resume", tag="kv")
+        ro.call("pause", tag="kv")
+        out["trainer_exact"] = tr.call("resume").get("exact")
+        return out
     sums = tr.call("train", seed=c + 2)
     step("weights_resume", ro, "resume", tag="weights")
     try:
@@ -820,10 +830,11 @@ def switch_table(parts, idle_s):
     head = ["phase", "floor", "floor ms"] + [f"{k} ms{w}" for k in labels for w in ("", f", {idle_s:g} s idle")] + \
         [f"{labels[0]} ÷ floor"] + (["ours ÷ upstream"] if "upstream" in parts else [])
     rows = []
-    for name, (label, what) in list(PHASES.items()) + [("switch", ("whole switch, (1) to (6)", "sum of the floors"))]:
-        floor = _floor_sum(parts[labels[0]]) if name == "switch" else floors.get(name)
-        vals = [(_switch(parts[k]), None) if name == "switch" else
-                (_phase(parts[k], name), _phase(parts[k], name, "idle")) for k in labels]
+    for name, (label, what) in list(PHASES.items()) + [("switch", ("whole switch, (1) to (6)", "sum of the floors")),
+                                                       ("nogap", (NOGAP, PHASES["kv_resume"][1]))]:
+        floor = _floor_sum(parts[labels[0]]) if name == "switch" else floors.get(name.replace("nogap", "kv_resume"))
+        vals = [(_switch(parts[k]), None) if name == "switch" else (_phase(parts[k], "kv_resume", "nogap"), None)
+                if name == "nogap" else (_phase(parts[k], name), _phase(parts[k], name, "idle")) for k in labels]
         rows.append([label, what, _ms(floor)] + [_ms(v) for pair in vals for v in pair] + [_x(_div(vals[0][0], floor))]
                     + ([_x(_div(vals[0][0], vals[labels.index("upstream")][0]))] if "upstream" in parts else []))
     return report.table(head, rows, "ll" + "r" * (len(head) - 2))
@@ -838,6 +849,9 @@ def ratios(doc):
             out[f"{k}: {what} right after the {by} pause ÷ after 2 s idle"] = (
                 _div(_phase(p, name), _phase(p, name, "idle")), "≤ 1.2")
         out[f"{k}: whole switch ÷ sum of its floors"] = (_div(_switch(p), _floor_sum(p)), "≤ 1.2")
+    for k in (k for k in parts if "," in k):  # --also: in a job, never slower than without
+        out[f"{k}: {NOGAP} ÷ ours'"] = (_div(_phase(parts[k], "kv_resume", "nogap"),
+                                            _phase(parts["ours"], "kv_resume", "nogap")), "≤ 1")
     for k in (k for k in parts if "upstream" in parts and k != "upstream"):
         out[f"whole switch, {k} ÷ upstream"] = (_div(_switch(parts[k]), _switch(parts["upstream"])), "< 1")
     return {k: v for k, v in out.items() if v[0] is not None}

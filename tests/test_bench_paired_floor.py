@@ -83,6 +83,24 @@ def alloc_count_beside_a_stand_in():
     return _each_floor(lambda lib: {"point": alloc_count.worker([2], 4, 1, True, floor_lib=lib)["points"][0]})
 
 
+def speed_beside_a_stand_in():
+    """benchmarks.speed's discard and allocation cycles through the same floor.Beside, and the rows made of them."""
+    from benchmarks import speed
+    from benchmarks.envs import HostEnv
+
+    env = HostEnv("torch")
+    real_pause = env.tms.pause
+    env.tms.pause = lambda tag: (LOG.append(("pause",)), real_pause(tag))[1]
+
+    def one(lib):
+        (lat,), alloc = speed._latency(env, env.tms, [(3, 2 << 20)], 4, lib), speed._alloc(env, env.tms, [2 << 20] * 2,
+                                                                                           4, lib)
+        worker = {"library": lib, "label": "ours", "mode": "torch", "init": False,
+                  "sections": {"latency": [lat], "alloc": alloc}}
+        return {"lat": lat, "alloc": alloc, "rows": speed.figures({"workers": [worker]})[("ours", "torch", False)]}
+    return _each_floor(one)
+
+
 @pytest.fixture
 def run_cycles(in_child):
     return lambda: in_child(cycles_beside_a_stand_in, timeout=120)
@@ -165,3 +183,25 @@ def test_report_without_a_paired_floor_says_why():
     assert row["paired floor ms"] == "-" and row["ratio"] == "-"
     assert row["fastest cycle × paired floor's pause / resume"] == "- / -"
     assert row["note"] == "addresses kept: yes; no paired floor: vmm_floor_hold(1, 8589934592): out of memory"
+
+
+def test_speed_pairs_its_discard_and_allocation_cycles_and_reports_the_floor_beside_them(in_child):
+    out = in_child(speed_beside_a_stand_in, timeout=120)
+    got, log = out["lib.so"], [tuple(x) for x in out["lib.so"]["log"]]
+    assert log == [("hold", 3, 2 << 20), ("pause",), ("floor", 0), ("floor", 1), ("pause",), ("pause",), ("floor", 2),
+                   ("floor", 3), ("pause",), ("pause",), ("floor", 4), ("close",), ("hold", 2, 2 << 20)] + \
+        [("floor", c) for c in range(5)] + [("close",)]
+    times = [[0.001 * (c + 1), 0.002 * (c + 1)] for c in range(1, 5)]  # the warm-up cycle's dropped
+    assert got["lat"]["floor"] == {"times": times, "error": None} and got["alloc"]["floor"]["times"] == times
+    assert [len(got["alloc"][k]) for k in ("backed", "region", "plain")] == [4, 4, 4]
+    rows = got["rows"]
+    assert rows["driver floor: unmap + release 3 x 2 MiB (ms)"] == pytest.approx(3.5)
+    assert rows["driver floor: create + map 3 x 2 MiB (ms)"] == pytest.approx(7.0)
+    assert rows["driver floor: create + map 2 x 2 MiB (ms)"] == pytest.approx(7.0)
+    assert rows["discard pause, 3 x 2 MiB over its floor"] == pytest.approx(rows["discard pause, 3 x 2 MiB (ms)"] / 3.5)
+    assert rows["allocate 2 x 2 MiB alone, backed-up region over its floor"] == pytest.approx(
+        rows["allocate 2 x 2 MiB alone, backed-up region (ms)"] / 7.0)
+    for lib, why in (("no room", "vmm_floor_hold(3, 2097152): out of memory"), ("fails", "vmm_floor_cycle: device lost")):
+        assert out[lib]["lat"]["floor"] == {"times": [], "error": why}
+        assert not any(k.startswith("driver floor") for k in out[lib]["rows"]) and "discard pause, 3 x 2 MiB (ms)" in \
+            out[lib]["rows"]
