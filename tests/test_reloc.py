@@ -72,6 +72,10 @@ def test_a_statically_linked_runtime_is_named(in_child, libs):
     assert "libstatic_runtime.so defines cudaMalloc itself" in child.stderr, child.stderr
 
 
+def test_the_torch_variants_ipc_hooks_installed_beside_the_caller_route_region_memory(in_child, libs):
+    in_child(reloc.ipc_hooks_later, str(libs))
+
+
 def test_reloc_hooks_off_leaves_objects_alone(in_child, libs):
     in_child(reloc.hooks_off, str(libs), env={"TMS_RELOC_HOOKS": "0"})
 

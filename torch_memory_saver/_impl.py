@@ -96,8 +96,13 @@ class _Impl:
 
     def _route_ipc(self):
         """PyTorch's CUDA tensor sharing reaches our memory through the runtime's IPC
-        calls: hooked here (torch mode; preload mode's hooks include them), and its
-        handles marked so receivers load this package first."""
+        calls: hooked here (torch mode, beside the caller: a share waits for it;
+        preload mode's hooks include them), and its handles marked so receivers
+        load this package first."""
+        if self.hook_mode == "torch":
+            _share.install_ipc_hooks_later(self.core)
+            _share.mark_storage_sharing()
+            return
         try:
             self.core.install_ipc_hooks()
         except NotImplementedError:

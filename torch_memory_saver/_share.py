@@ -3,7 +3,7 @@ open_shared), and PyTorch's own CUDA tensor sharing (torch.multiprocessing)
 through the runtime's IPC calls, which the native hooks serve for our memory."""
 import dataclasses
 import weakref
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from . import _library
 
@@ -118,6 +118,31 @@ def is_our_handle(data) -> bool:
     return data[2:10] == MAGIC if len(data) == _HANDLE_BYTES + 2 else data[:8] == MAGIC
 
 
+# The native module whose IPC hooks are being installed beside the caller
+# (install_ipc_hooks_later), until a share has waited for them.
+_ipc_installing: Any = None
+
+
+def install_ipc_hooks_later(core):
+    """Starts the walk that installs the IPC hooks on a thread of its own; the
+    first share through PyTorch's reductions waits for it."""
+    global _ipc_installing
+    core.install_ipc_hooks_later()
+    _ipc_installing = core
+
+
+def _wait_for_ipc_hooks():
+    global _ipc_installing
+    core = _ipc_installing
+    if core is None:
+        return
+    try:
+        core.install_ipc_hooks()
+    except NotImplementedError:
+        pass  # TMS_RELOC_HOOKS=0: PyTorch's own IPC call answers, as without the library
+    _ipc_installing = None
+
+
 def mark_storage_sharing():
     """Wraps UntypedStorage._share_cuda_ (what torch.multiprocessing's reductions
     call) so handles of our memory travel as _HandleBytes. Once per process."""
@@ -129,6 +154,7 @@ def mark_storage_sharing():
         return
 
     def _share_cuda_(self, *args, **kwargs):
+        _wait_for_ipc_hooks()
         out = original(self, *args, **kwargs)
         if len(out) > 1 and is_our_handle(out[1]):
             out = (out[0], _HandleBytes(out[1]), *out[2:])

@@ -90,10 +90,21 @@ static PyObject *py_install_ipc_hooks(PyObject *module, PyObject *unused)
     (void)unused;
     struct tms_err err = {0};
     int rc;
-    Py_BEGIN_ALLOW_THREADS  /* walks every object's relocations */
+    Py_BEGIN_ALLOW_THREADS  /* walks every object's relocations, or waits for the walk begun later */
     rc = tms_variant_install_ipc_hooks(&err);
     Py_END_ALLOW_THREADS
     if (rc) return tms_py_raise(module, &err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(install_ipc_hooks_later_doc,
+"install_ipc_hooks_later($module, /)\n--\n\n"
+"Start install_ipc_hooks() on a thread of its own and return at once; install_ipc_hooks()\n"
+"waits for it. Errors are logged at debug level: the next install_ipc_hooks() raises them.");
+static PyObject *py_install_ipc_hooks_later(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    tms_variant_install_ipc_hooks_later();
     Py_RETURN_NONE;
 }
 
@@ -103,5 +114,6 @@ PyMethodDef tms_py_share_methods[] = {
     {"close_shared", py_close_shared, METH_VARARGS, close_shared_doc},
     {"open_shared_count", py_open_shared_count, METH_NOARGS, open_shared_count_doc},
     {"install_ipc_hooks", py_install_ipc_hooks, METH_NOARGS, install_ipc_hooks_doc},
+    {"install_ipc_hooks_later", py_install_ipc_hooks_later, METH_NOARGS, install_ipc_hooks_later_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -10,6 +10,7 @@
 #include "hooks/hook_preload.h"
 #include "hooks/ipc.h"
 #include "hooks/reloc.h"
+#include "platform/log.h"
 #include "hooks/variant.h"
 
 typedef int (*malloc_fn)(void **, size_t);
@@ -139,4 +140,11 @@ int tms_variant_install_ipc_hooks(struct tms_err *err)
 {
     const char *winner;
     return tms_variant_preload_active(&winner) ? TMS_OK : tms_variant_install_relocation(err);
+}
+
+/* The region that asks has installed the allocator hooks already: nothing is left to run beside it. */
+void tms_variant_install_ipc_hooks_later(void)
+{
+    struct tms_err err = {0};
+    if (tms_variant_install_ipc_hooks(&err)) TMS_DEBUG("IPC hooks not installed: %s", err.msg);
 }

@@ -5,6 +5,7 @@
 #include "hooks/hook.h"
 #include "hooks/hook_forward.h"
 #include "hooks/ipc.h"
+#include "hooks/ipc_later.h"
 #include "hooks/reloc.h"
 #include "hooks/variant.h"
 #include "platform/error.h"
@@ -52,8 +53,12 @@ void tms_variant_relocation_report(char *patched, size_t patched_n, char *static
     if (static_n) static_runtime[0] = '\0';
 }
 
-int tms_variant_install_ipc_hooks(struct tms_err *err)
+static int install_ipc_hooks_now(struct tms_err *err)
 {
     const struct tms_reloc_target hooks[] = {TMS_IPC_RELOC_TARGETS};
     return tms_reloc_install(hooks, sizeof hooks / sizeof *hooks, err);
 }
+
+int tms_variant_install_ipc_hooks(struct tms_err *err) { return tms_ipc_hooks_install(install_ipc_hooks_now, err); }
+
+void tms_variant_install_ipc_hooks_later(void) { tms_ipc_hooks_install_later(install_ipc_hooks_now); }

@@ -35,5 +35,8 @@ void tms_variant_relocation_report(char *patched, size_t patched_n, char *static
  * relocation hooks (which include them); the torch variant patches their GOT entries.
  * Idempotent. */
 int tms_variant_install_ipc_hooks(struct tms_err *err);
+/* The same beside the caller where it takes long (the torch variant's walk of every
+ * object), and tms_variant_install_ipc_hooks then waits for it; errors are logged. */
+void tms_variant_install_ipc_hooks_later(void);
 
 #endif

@@ -13,6 +13,7 @@
  */
 enum tms_fork_rank {
     TMS_FORK_CUMEM,     /* hooks/cumem.c: cumem_lock, held while the wrappers call the core */
+    TMS_FORK_IPC_LATER, /* hooks/ipc_later.c: later_lock, held while the IPC hooks' install is joined */
     TMS_FORK_RELOC,     /* hooks/reloc.c: its locks made anew in the child */
     TMS_FORK_SHARE_OPEN,   /* share/open.c: open_lock; the child lets go of what its parent opened */
     TMS_FORK_SHARE_JOB,    /* share/job.c: job_lock; the child is in no job and borrows nothing */

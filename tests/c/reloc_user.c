@@ -7,6 +7,7 @@
 
 int cudaMalloc(void **ptr, size_t size);
 int cudaFree(void *ptr);
+int cudaIpcGetMemHandle(void *handle, void *ptr);
 int hipMalloc(void **ptr, size_t size);
 int hipFree(void *ptr);
 
@@ -17,6 +18,9 @@ void *user_alloc(size_t size)
 }
 
 int user_free(void *ptr) { return cudaFree(ptr); }
+
+/* PyTorch's CUDA IPC, as libc10_cuda calls it: through the GOT. */
+int user_ipc_get(void *handle, void *ptr) { return cudaIpcGetMemHandle(handle, ptr); }
 
 void *user_hip_alloc(size_t size)
 {

@@ -298,3 +298,39 @@ def protection_changed_during_pass(d, change):
 
 if __name__ == "__main__":
     run_cases(globals(), sys.argv)
+
+
+def ipc_hooks_later(d):
+    """The torch variant's IPC hooks installed beside the caller: install_ipc_hooks()
+    waits for that walk, after which a library's cudaIpcGetMemHandle of region memory
+    is the library's handle and of other memory the runtime's; a child forked after it
+    installs again without waiting for a thread it does not have."""
+    global D, STUB
+    D = d
+    tms.hook_mode = "torch"
+    start()
+    STUB = ctypes.CDLL(os.path.join(D, "libcudart_stub.so"))
+    lib = ctypes.CDLL(os.path.join(D, "libuser_now.so"))
+    lib.user_ipc_get.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    handle = ctypes.create_string_buffer(64)
+    with tms.region("ipc"):
+        p = core().malloc(2 * MiB)
+    assert lib.user_ipc_get(handle, p) == 0 and handle.raw == b"\xab" * 64 and STUB.stub_ipc_gets() == 1
+    core().install_ipc_hooks_later()
+    core().install_ipc_hooks_later()   # once: the second asks nothing
+    core().install_ipc_hooks()         # waits for the walk begun beside
+    assert lib.user_ipc_get(handle, p) == 0 and handle.raw[:8] == b"TMSSHR01", handle.raw[:8]
+    assert STUB.stub_ipc_gets() == 1, "region memory's handle came from the runtime"
+    other = ctypes.create_string_buffer(4096)
+    assert lib.user_ipc_get(handle, ctypes.addressof(other)) == 0 and handle.raw == b"\xab" * 64
+    assert STUB.stub_ipc_gets() == 2, "other memory's handle did not come from the runtime"
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            core().install_ipc_hooks()
+            code = 0 if lib.user_ipc_get(handle, ctypes.addressof(other)) == 0 else 2
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0, "the forked child could not install the hooks"
+    core().free(p)
