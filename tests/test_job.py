@@ -50,6 +50,11 @@ def test_another_users_flood_does_not_stop_lending(run_scenario, other_uids):
     assert check_ok(run_scenario("job", "flooded_members", attacker, attacker, timeout=TIMEOUT)) == "done\n"
 
 
+def test_a_flood_of_a_members_share_socket_leaves_its_job_socket_answering(run_scenario):
+    # Another listener of the same process, flooded by this user: every resume still borrows.
+    assert check_ok(run_scenario("job", "share_socket_flooded", timeout=TIMEOUT)) == "done\n"
+
+
 def test_the_job_setting(in_child):
     in_child(job.job_setting, env={"TMS_JOB": "from-env"})
 
