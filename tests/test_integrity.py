@@ -1,8 +1,10 @@
 """Checked restores and restore modes on the host backend (tests/host_scenarios/integrity.py):
 a byte changed in a host or disk backup while paused is found by the resume, which raises
-and leaves the allocation paused with its backup; a write racing a pause's copy is never
-trusted later; a double fault leaves no backup overwritten; zero and poison restores. The
-GPU cases are test_gpu.py's test_scenario[integrity-*]."""
+and leaves the allocation paused with its backup; a backup spilled to disk and a restore onto
+memory lent in a job are checked too; a write racing a pause's copy, or made through a
+zero-copy view, is never trusted and the report says so; a double fault leaves no backup
+overwritten; TMS_VERIFY_RESTORE; zero and poison restores, in a job too. The GPU cases are
+test_gpu.py's test_scenario[integrity-*]."""
 import uuid
 
 import pytest

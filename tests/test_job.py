@@ -2,7 +2,8 @@
 processes keep what the others will ask for, a resume maps another member's chunks
 (restored byte-exact for a backed-up tag), outsiders get nothing, killed and stopped
 members leave no chunk behind and hold nobody up, another user can neither take the
-job's names nor flood its sockets, and a forged lend is refused (tests/host_scenarios/
+job's names nor flood its sockets, this user's flood of a member's share socket leaves its
+job socket answering, and a forged lend is refused (tests/host_scenarios/
 job.py). The GPU case is test_gpu.py's test_job_lends_between_two_processes."""
 import importlib.util
 import uuid

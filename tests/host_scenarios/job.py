@@ -727,8 +727,9 @@ def share_socket_flooded():
     full: the listener spent its refusals and rests) while another member resumes and
     pauses ten times, each call waiting the default TMS_JOB_WAIT_MS (20 ms) for the
     members: the job socket, polled by the same thread, answers every call, so each
-    resume borrows all it needs and nobody times out. (Listeners that rested together
-    left the job socket unpolled for most of each 100 ms window.)"""
+    resume borrows all it needs and nobody times out. (Had the listeners one refusal
+    window, the job socket would rest with the share socket for most of each window,
+    and the calls would time out.)"""
     a, b = Member(J, wait_ms=20), Member(J, wait_ms=20)
     p = b.alloc("w", 8 * MiB, backup=True)
     data = b.ask("fill", p, 8 * MiB)

@@ -216,4 +216,5 @@ def squatter(victim, job_hash_hex, count, place_dir, uid, gid):
 
 
 if __name__ == "__main__":
-    {"flooder": flooder, "presser": presser, "taker": taker, "hoarder": hoarder, "squatter": squatter}[sys.argv[1]](*sys.argv[2:])
+    peers = {"flooder": flooder, "presser": presser, "taker": taker, "hoarder": hoarder, "squatter": squatter}
+    peers[sys.argv[1]](*sys.argv[2:])
