@@ -2,7 +2,8 @@
 processes keep what the others will ask for, a resume maps another member's chunks
 (restored byte-exact for a backed-up tag), outsiders get nothing, killed and stopped
 members leave no chunk behind and hold nobody up, another user can neither take the
-job's names nor flood its sockets, and a forged lend is refused (tests/host_scenarios/
+job's names nor flood its sockets, this user's flood of a member's share socket leaves its
+job socket answering, and a forged lend is refused (tests/host_scenarios/
 job.py). The GPU case is test_gpu.py's test_job_lends_between_two_processes."""
 import importlib.util
 import uuid
@@ -48,6 +49,11 @@ def test_another_users_flood_does_not_stop_lending(run_scenario, other_uids):
     # Its connects reach no socket of the member: every resume borrows all it needs.
     _, attacker = other_uids
     assert check_ok(run_scenario("job", "flooded_members", attacker, attacker, timeout=TIMEOUT)) == "done\n"
+
+
+def test_a_flood_of_a_members_share_socket_leaves_its_job_socket_answering(run_scenario):
+    # Another listener of the same process, flooded by this user: every resume still borrows.
+    assert check_ok(run_scenario("job", "share_socket_flooded", timeout=TIMEOUT)) == "done\n"
 
 
 def test_the_job_setting(in_child):

@@ -305,5 +305,128 @@ def unconfirmed_memory_is_never_lent():
     print("done")
 
 
+def spilled_backup_verified():
+    """A host backup budget (TMS_HOST_BACKUP_LIMIT=4MiB, TMS_SPILL_TO_DISK=1) that holds the
+    2 MiB backup of a tag but not its 6 MiB one: that one spills to disk, and the resume
+    checks both, the spilled one's bytes as the disk gave them back."""
+    with tms.region("b", enable_cpu_backup=True):
+        small, big = tms.malloc(2 * MiB), tms.malloc(6 * MiB)
+    data = {p: fill(p, n) for p, n in ((small, 2 * MiB), (big, 6 * MiB))}
+    r = tms.pause("b")
+    assert r.why_not_verified is None, r.as_dict()
+    kept = [(row(p)["has_cpu_backup"], row(p)["has_disk_backup"]) for p in (small, big)]
+    assert kept == [(True, False), (False, True)], kept   # the 6 MiB one spilled
+    r = tms.resume("b")
+    assert all(read(p, len(d)) == d for p, d in data.items())
+    assert (r.verified_bytes, r.copied_bytes, r.why_not_verified) == (8 * MiB, 8 * MiB, None), r.as_dict()
+    assert tms.stats()[0]["b"]["bytes_verified"] == 8 * MiB
+    print("done")
+
+
+def verify_from_the_environment():
+    """TMS_VERIFY_RESTORE=0 in the environment turns checking off before anything is set:
+    the pause records nothing and the resume checks nothing, both saying why; =1 checks
+    every byte."""
+    on = {"0": False, "1": True}[os.environ["TMS_VERIFY_RESTORE"]]
+    assert tms.verify_restore is on
+    size = 4 * MiB + 4096
+    with tms.region("e", enable_cpu_backup=True):
+        p = tms.malloc(size)
+    data = fill(p, size)
+    why = None if on else "verify_restore is off"
+    r = tms.pause("e")
+    assert r.why_not_verified == why, r.as_dict()
+    r = tms.resume("e")
+    assert read(p, size) == data
+    assert (r.verified_bytes, r.copied_bytes, r.why_not_verified) == (size if on else 0, size, why), r.as_dict()
+    assert tms.stats()[0]["e"]["bytes_verified"] == (size if on else 0)
+    print("done")
+
+
+def written_through_the_packages_zero_copy_view():
+    """The package's get_cpu_backup(x, zero_copy=True) aliases the backup: bytes written
+    through it while paused come back at the resume, unchecked for that allocation (the
+    report says why) and never refused, while the tag's other allocation is checked; the
+    mark goes with that backup, so the next cycle checks both again."""
+    import torch
+
+    size = 2 * CHUNK
+    with tms.region("z", enable_cpu_backup=True):
+        p, q = tms.malloc(size), tms.malloc(size)
+    t = torch.frombuffer((ctypes.c_char * size).from_address(p), dtype=torch.uint8)
+    data = {p: fill(p, size), q: fill(q, size)}
+    tms.pause("z")
+    host = tms.get_cpu_backup(t, zero_copy=True)
+    assert host.numpy().tobytes() == data[p]
+    host[CHUNK + 7] ^= 0xFF                        # written through the view, in the backup
+    host[0] = 1
+    del host
+    r = tms.resume("z")
+    written = bytes([1]) + data[p][1:CHUNK + 7] + bytes([data[p][CHUNK + 7] ^ 0xFF]) + data[p][CHUNK + 8:]
+    assert read(p, size) == written and read(q, size) == data[q]
+    assert (r.verified_bytes, r.copied_bytes) == (size, 2 * size), r.as_dict()   # q's, not p's
+    assert "get_cpu_backup zero_copy=True" in r.why_not_verified and "restored as written" in r.why_not_verified, \
+        r.as_dict()
+    tms.pause("z")
+    r = tms.resume("z")
+    assert read(p, size) == written and (r.verified_bytes, r.why_not_verified) == (2 * size, None), r.as_dict()
+    print("done")
+
+
+def restore_onto_lent_memory_verified():
+    """In a job, a backed-up tag resumed onto memory another member kept and lends it: the
+    resume checks every byte it restored there, as on the driver's memory."""
+    import job
+
+    tms.job = job.J
+    with tms.region("w", enable_cpu_backup=True):
+        p = tms.malloc(8 * MiB)
+    data = fill(p, 8 * MiB)
+    tms.pause("w")                                 # a member with paused memory: the other keeps for it
+    lender = job.Member(job.J)
+    lender.alloc("kv", 8 * MiB)
+    assert job.device(lender.pause("kv"))["kept_bytes"] == 8 * MiB
+    lent = job.made_by(lender.pid)
+    r = tms.resume("w")
+    assert (r.borrowed_bytes, r.lenders) == (8 * MiB, {lender.pid: 8 * MiB}), r.as_dict()
+    assert job.mapped_in(os.getpid(), p, 8 * MiB) <= lent and read(p, 8 * MiB) == data
+    assert (r.verified_bytes, r.copied_bytes, r.why_not_verified) == (8 * MiB, 8 * MiB, None), r.as_dict()
+    tms.pause("w")
+    lender.finish()
+    print("done")
+
+
+def zero_and_poison_over_lent_memory():
+    """In a job, tags paused without backup resume onto another member's kept memory, which
+    holds its bytes: restore="zero" and "poison" show only 0 or 0xFF there, never the
+    member's bytes; restore="none" (the control) shows them."""
+    import job
+
+    tms.job = job.J
+    size = 2 * CHUNK
+    ptrs = {}
+    for mode in ("zero", "poison", "none"):
+        with tms.region(mode, restore=mode):
+            ptrs[mode] = tms.malloc(size)
+        fill(ptrs[mode], size)
+    tms.pause()
+    lender = job.Member(job.J)
+    kv = lender.alloc("kv", 3 * size)
+    theirs = lender.ask("fill", kv, 3 * size)
+    assert job.device(lender.pause("kv"))["kept_bytes"] == 3 * size
+    lent = job.made_by(lender.pid)
+    r = tms.resume()
+    assert (r.borrowed_bytes, r.lenders) == (3 * size, {lender.pid: 3 * size}), r.as_dict()
+    for mode, p in ptrs.items():
+        assert job.mapped_in(os.getpid(), p, size) <= lent, mode
+    assert set(read(ptrs["zero"], size)) == {0} and set(read(ptrs["poison"], size)) == {0xFF}
+    their_chunks = {theirs[i:i + CHUNK] for i in range(0, 3 * size, CHUNK)}
+    got = read(ptrs["none"], size)
+    assert {got[:CHUNK], got[CHUNK:]} <= their_chunks   # what "zero" and "poison" were filled over
+    tms.pause()
+    lender.finish()
+    print("done")
+
+
 if __name__ == "__main__":
     run_cases(globals(), sys.argv)

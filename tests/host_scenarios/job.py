@@ -722,6 +722,49 @@ def flooded_members(uid, gid):
     print("done")
 
 
+def share_socket_flooded():
+    """A process of this user keeps a lending member's share socket flooded (its backlog
+    full: the listener spent its refusals and rests) while another member resumes and
+    pauses ten times, each call waiting the default TMS_JOB_WAIT_MS (20 ms) for the
+    members: the job socket, polled by the same thread, answers every call, so each
+    resume borrows all it needs and nobody times out. (Had the listeners one refusal
+    window, the job socket would rest with the share socket for most of each window,
+    and the calls would time out.)"""
+    a, b = Member(J, wait_ms=20), Member(J, wait_ms=20)
+    p = b.alloc("w", 8 * MiB, backup=True)
+    data = b.ask("fill", p, 8 * MiB)
+    b.pause()
+    a.alloc("kv", 8 * MiB)
+    a.ask("share", a.alloc("s", CHUNK))  # its share socket listens
+    assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
+    (share_socket,) = [os.path.join(place(), n) for n in os.listdir(place()) if n.startswith(f"s-{a.pid}-")]
+    press = subprocess.Popen([sys.executable, PEERS, "presser", share_socket], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert press.stdout.readline() == "pressing\n"
+    assert press.stdout.readline() == "pressed\n"  # the share socket's backlog is full
+
+    def pressed():
+        press.stdin.write("count\n")
+        press.stdin.flush()
+        return [int(x) for x in press.stdout.readline().split()]
+
+    before = pressed()
+    rounds = []
+    for _ in range(10):
+        r, q = device(b.resume()), device(b.pause())
+        rounds.append((r["borrowed_bytes"], r["lenders"], r["fallback"], r["timed_out"], q["timed_out"]))
+    after = pressed()
+    press.stdin.close()
+    assert press.wait(timeout=60) == 0
+    assert rounds == [(8 * MiB, {a.pid: 8 * MiB}, None, [], [])] * 10, rounds
+    # The flood went on through the rounds: connects got through, and found the backlog full again.
+    assert after[0] > before[0] and after[1] > before[1], (before, after)
+    b.resume()
+    assert b.ask("read", p, 8 * MiB) == data
+    check_exit_frees((a, b), made_by(a.pid))
+    print("done")
+
+
 def fake_members(count, answer=None):
     """count listening sockets under the names of members of job J on device 0, in the
     place and (for a library that looked there) in the abstract namespace, served by a

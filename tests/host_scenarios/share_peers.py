@@ -93,6 +93,37 @@ def flooder(name, mode, amount, *user):
         print(f"{connected} {time.monotonic() - start}", flush=True)
 
 
+def presser(name):
+    """A process of this user that keeps one listening socket's backlog full: it connects
+    and hangs up, and where the backlog is full (the listener rests: it refused its
+    window's budget) it waits a millisecond rather than spin, so it takes little of the
+    CPUs it shares with the processes it floods. It says "pressed" once it first found
+    the backlog full; for each line on its stdin it says how many connects returned and
+    how many found the backlog full so far; it ends when its stdin closes."""
+    import select
+    import socket
+
+    target, connected, full = address(name), 0, 0
+    print("pressing", flush=True)
+    while True:
+        if select.select([sys.stdin], [], [], 0)[0]:
+            if not sys.stdin.readline():
+                return
+            print(connected, full, flush=True)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.setblocking(False)
+        try:
+            s.connect(target)
+            connected += 1
+        except BlockingIOError:
+            full += 1
+            if full == 1:
+                print("pressed", flush=True)
+            time.sleep(0.001)
+        finally:
+            s.close()
+
+
 def taker(handle_hex, then):
     """A receiver of this user that skips the library: it asks with the handle's token, keeps
     the descriptor it gets, maps it and hangs up without saying it let go. Then it stays
@@ -185,4 +216,5 @@ def squatter(victim, job_hash_hex, count, place_dir, uid, gid):
 
 
 if __name__ == "__main__":
-    {"flooder": flooder, "taker": taker, "hoarder": hoarder, "squatter": squatter}[sys.argv[1]](*sys.argv[2:])
+    peers = {"flooder": flooder, "presser": presser, "taker": taker, "hoarder": hoarder, "squatter": squatter}
+    peers[sys.argv[1]](*sys.argv[2:])
