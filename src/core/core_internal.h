@@ -1,6 +1,6 @@
 /* Inside the core: the allocation record and the move record, and what the table (table.c), tags
  * (tags.c), statistics (stats.c), allocation (alloc.c), claim and settle (claim.c), the
- * pause/resume state machine (pause.c) and the memory operations (extents.c) share. */
+ * pause/resume state machine (pause.c) and the memory operations (chunks.c) share. */
 #ifndef TMS_CORE_INTERNAL_H
 #define TMS_CORE_INTERNAL_H
 
@@ -57,7 +57,7 @@ struct tms_alloc {
      * segment's cuMemExportToShareableHandle): held until freed, as no
      * receiver tells when it lets go. */
     int exported_by_owner;
-    /* Its physical memory (extents.c): extents back to back from its start,
+    /* Its physical memory (chunks.c): extents back to back from its start,
      * each saying where it came from; a plain allocation's are n_chunks of
      * its own. None while paused. ext points at one_ext while one fits. */
     struct tms_extent *ext;
@@ -194,7 +194,7 @@ int tms_alloc_skips_unchanged(const struct tms_alloc *a);
  * A pause and a resume ask the same question: the one place it is decided. */
 int tms_alloc_keeps_backup(const struct tms_alloc *a, int retain);
 
-/* Physical memory of one allocation (extents.c): its extents, one path
+/* Physical memory of one allocation (chunks.c): its extents, one path
  * each way whatever they came from. tag names it in messages. */
 size_t tms_chunk_size(const struct tms_alloc *a, int i);
 /* Room for n extents in a->ext (kept); TMS_E_HOST_OOM. */

@@ -52,7 +52,7 @@ void tms_core_share_gone(uint64_t va, const unsigned char *token, int pid, uint3
 void tms_core_share_reap(void);
 void tms_core_share_set_reaper(void (*fn)(void));
 
-/* ---- where an allocation's memory comes from (extents.c; the provider: share/) ----
+/* ---- where an allocation's memory comes from (chunks.c; the provider: share/) ----
  * An allocation's physical memory is a list of extents back to back from its
  * start. Each names where its memory came from and how it goes back, as
  * mimalloc's mi_memid_t does: the core makes, maps, exports and releases its

@@ -72,16 +72,12 @@ void tms_lend_plan(const struct tms_driver *drv, struct tms_move *const *m, size
         if (it->n_planned && tms_extents_reserve(a, it->n_planned) == TMS_OK) {
             memcpy(a->ext, it->planned, (size_t)it->n_planned * sizeof *a->ext);
             a->n_ext = it->n_planned;
-        } else if (it->n_planned) {  /* no room to record it: it goes straight back */
-            struct tms_give g = {.owner = a, .device = a->device, .keep = TMS_KEEP_ALL, .ext = it->planned,
-                                 .n_ext = it->n_planned};
-            tms_extents_give(&g, 1);
-            for (int e = 0; e < it->n_planned; e++) {
-                int rc = it->planned[e].from.kind == TMS_MEM_OWN ? drv->release(it->planned[e].handle) : 0;
-                if (rc && !drv->is_shutdown(rc))
-                    tms_log_warn("releasing memory planned for 0x%llx failed: %s (%d)", (unsigned long long)a->va,
-                                 drv->code_name(rc), rc);
-            }
+        } else if (it->n_planned) {  /* no room to record it: it goes straight back, as a plan never mapped */
+            struct tms_extent *own = a->ext;
+            int own_cap = a->ext_cap;
+            a->ext = it->planned, a->ext_cap = a->n_ext = it->n_planned;
+            tms_lend_unplan(drv, a);
+            a->ext = own, a->ext_cap = own_cap;
         }
         free(it->planned);
     }
@@ -94,12 +90,7 @@ void tms_lend_unplan(const struct tms_driver *drv, struct tms_alloc *a)
     if (!a->n_ext) return;
     struct tms_give g = {.owner = a, .device = a->device, .keep = TMS_KEEP_ALL, .ext = a->ext, .n_ext = a->n_ext};
     tms_extents_give(&g, 1);
-    for (int i = 0; i < a->n_ext; i++) {
-        if (a->ext[i].from.kind != TMS_MEM_OWN) continue;
-        int rc = drv->release(a->ext[i].handle);
-        if (rc && !drv->is_shutdown(rc))
-            tms_log_warn("releasing memory of 0x%llx planned for a resume failed: %s (%d)", (unsigned long long)a->va,
-                         drv->code_name(rc), rc);
-    }
-    a->n_ext = 0;
+    struct tms_err err = {0};
+    if (tms_extents_release(drv, a, tms_core_tag_name(a->tag_id), &err))  /* what the provider did not keep */
+        tms_log_warn("releasing memory planned for a resume: %s", err.msg);
 }
