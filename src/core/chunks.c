@@ -25,10 +25,10 @@ int tms_extents_lendable(const struct tms_driver *drv, const struct tms_alloc *a
 int tms_extents_reserve(struct tms_alloc *a, int n)
 {
     if (n <= a->ext_cap) return TMS_OK;
-    if (a->ext == &a->one_ext) a->ext = NULL, a->ext_cap = 0;
-    struct tms_extent *more = realloc(a->ext, (size_t)n * sizeof *more);
+    int inline_one = a->ext == &a->one_ext;
+    struct tms_extent *more = realloc(inline_one ? NULL : a->ext, (size_t)n * sizeof *more);
     if (!more) return TMS_E_HOST_OOM;
-    if (!a->ext && a->n_ext) memcpy(more, &a->one_ext, sizeof *more);  /* it lived in one_ext */
+    if (inline_one && a->n_ext) memcpy(more, &a->one_ext, sizeof *more);  /* it lived in one_ext */
     a->ext = more;
     a->ext_cap = n;
     return TMS_OK;

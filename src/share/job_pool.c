@@ -1,8 +1,8 @@
 /* The job's memory: own physical handles a pause did not release, idle until a member borrows them or the bound passes, lent until they come back; and the records of memory members lent. */
 #include "share/job_internal.h"
 
-#include <fcntl.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,7 +32,7 @@ struct kept {
 };
 
 /* A piece members lent, mapped here (or planned): what its extent's id names. */
-struct borrowed {
+struct lent_piece {
     uint64_t id;
     int device;
     struct tms_job_piece p;
@@ -43,7 +43,7 @@ struct borrowed {
 static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct kept *pool;           /* guarded by kept_lock */
 static size_t n_pool, cap_pool;     /* guarded by kept_lock */
-static struct borrowed *lent_here;  /* guarded by kept_lock */
+static struct lent_piece *lent_here;  /* guarded by kept_lock */
 static size_t n_lent_here, cap_lent_here;  /* guarded by kept_lock */
 static uint64_t last_key, last_batch, last_id;  /* guarded by kept_lock */
 static size_t pool_entries;         /* atomic: n_pool + n_lent_here, read without the lock */
@@ -218,12 +218,12 @@ uint64_t tms_job_borrowed_add(int device, const struct tms_job_piece *p)
     lock();
     if (n_lent_here == cap_lent_here) {
         size_t grown = cap_lent_here ? cap_lent_here * 2 : 64;
-        struct borrowed *more = realloc(lent_here, grown * sizeof *more);
+        struct lent_piece *more = realloc(lent_here, grown * sizeof *more);
         if (more) lent_here = more, cap_lent_here = grown;
     }
     if (n_lent_here < cap_lent_here) {
         id = ++last_id;
-        lent_here[n_lent_here++] = (struct borrowed){.id = id, .device = device, .p = *p};
+        lent_here[n_lent_here++] = (struct lent_piece){.id = id, .device = device, .p = *p};
         count_entries_locked();
         __atomic_add_fetch(&borrowed[slot(device)], p->len, __ATOMIC_RELAXED);
     }
