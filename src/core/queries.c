@@ -60,7 +60,7 @@ static struct tms_alloc_info info_of_locked(const struct tms_alloc *a)
         .restore = a->restore,
         .ptr = a->va, .size = a->size, .reserved = a->reserved, .device = a->device,
         .tag_id = a->tag_id, .state = state, .backup = a->backup, .backup_kind = a->backup_kind,
-        .has_host_copy = a->host_copy != NULL, .n_chunks = a->n_ext && !a->moving ? a->n_ext : a->n_chunks,
+        .has_host_copy = a->host_copy != NULL, .n_chunks = !a->moving && a->n_ext ? a->n_ext : a->n_chunks,
         .adopted = a->adopted,
         .host_copy_pinned = a->host_copy && tms_backup_pinned(a->host_copy),
         .backup_to_file = a->backup && !tms_backup_kind_is_host(a->host_copy && !a->moving ? tms_backup_kind(a->host_copy)

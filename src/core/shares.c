@@ -35,12 +35,13 @@ static int plain(const struct tms_alloc *a)
     return 1;
 }
 
-/* Handles a share of a carries: its extents while mapped, else its chunks. */
-static int handle_count(const struct tms_alloc *a) { return a->n_ext ? a->n_ext : a->n_chunks; }
+/* Handles a share of a carries: its extents while mapped, else its chunks.
+ * A moving allocation's extents are its mover's (written outside the lock). */
+static int handle_count(const struct tms_alloc *a) { return !a->moving && a->n_ext ? a->n_ext : a->n_chunks; }
 
 static void fill_info(const struct tms_alloc *a, struct tms_share_info *out)
 {
-    int by_chunk = !a->n_ext || plain(a);
+    int by_chunk = a->moving || !a->n_ext || plain(a);
     *out = (struct tms_share_info){.va = a->va, .size = a->size, .reserved = a->reserved,
                                    .chunk = by_chunk ? a->chunk : 0, .n_chunks = handle_count(a),
                                    .device = a->device, .tag_id = a->tag_id};
@@ -112,10 +113,10 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
                       "memory, more than the %d one share carries", (unsigned long long)va, handle_count(a),
                       TMS_SHARE_MAX_CHUNKS);
     if (!rc) {
+        fill_info(a, out);
+        memcpy(ext, a->ext, (size_t)a->n_ext * sizeof *ext);
         /* Moving: a pause waits and a free is deferred while the handles are exported. */
         a->moving = 1;
-        memcpy(ext, a->ext, (size_t)a->n_ext * sizeof *ext);
-        fill_info(a, out);
     }
     tms_table_unlock();
     if (rc) return rc;
