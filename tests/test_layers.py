@@ -379,6 +379,24 @@ def test_the_core_reaches_backups_through_one_entry_each_way():
     assert "core/pause.c" in backup_users and "core/resume.c" in backup_users
 
 
+def test_the_core_knows_the_job_only_as_its_provider():
+    """The job is one unit of share/ that the core reaches through struct tms_provider's two
+    entries (give after an unmap, provide before a map): at most two files of core/ name
+    the job, and no core file holds a descriptor, a socket or a lender's pid (an extent's
+    provenance is opaque to it)."""
+    files = sources(SRC)
+    naming = sorted(rel for rel, text in files.items() if rel.startswith("core/") and re.search(r"job", text, re.I))
+    assert len(naming) <= 2, f"core files that name the job: {naming}"
+    for rel, text in files.items():
+        if rel.startswith("core/"):
+            code = code_of(text)
+            assert not re.search(r"\b(?:via|lender|shared_on)\b", code), f"{rel} holds a lent piece's socket facts"
+    extent = re.search(r"struct tms_extent \{(.*?)\};", files["core/core_share.h"], re.S).group(1)
+    assert not re.search(r"\bfd\b", code_of(extent)), "an extent carries a descriptor"
+    provider = re.search(r"struct tms_provider \{(.*?)\};", files["core/core_share.h"], re.S).group(1)
+    assert re.findall(r"\(\*(\w+)\)", code_of(provider)) == ["give", "provide"]
+
+
 
 def test_design_md_states_the_same_table():
     text = (REPO / "docs" / "design.md").read_text(encoding="utf-8")

@@ -97,8 +97,9 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     a->restore = restore;
     /* Exportable from the start: a handle cannot be made shareable later. */
     a->handle_types = defaults->shareable && drv->share_types ? drv->share_types(device) : 0;
-    a->handles = a->n_chunks == 1 ? &a->one_handle : calloc(n_chunks, sizeof *a->handles);
-    if (!a->handles) {
+    a->ext = &a->one_ext;
+    a->ext_cap = 1;
+    if (tms_extents_reserve(a, a->n_chunks)) {
         free(a);
         return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory for %zu chunk handles", n_chunks);
     }
@@ -108,7 +109,7 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
         return tms_driver_fail(err, tms_driver_status(drv, rc), drv, rc,
                                "address reserve of %zu bytes (tag '%s', device %d) failed", reserved, tag, device);
     }
-    if ((rc = tms_chunks_map(drv, a, tag, err))) {
+    if ((rc = tms_extents_map(drv, a, tag, err))) {
         int urc = drv->unreserve(a->va, reserved);
         if (urc) tms_driver_fail_append(err, drv, urc, "undoing it, address free failed");
         tms_alloc_destroy(a);
@@ -119,7 +120,7 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
     tms_table_unlock();
     if (rc) {
         tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory growing the allocation table");
-        if (tms_chunks_unmap(drv, a, tag, err) == TMS_OK) (void)tms_chunks_release(drv, a, tag, err);
+        if (tms_extents_unmap(drv, a, tag, err) == TMS_OK) (void)tms_extents_release(drv, a, tag, err);
         int urc = drv->unreserve(a->va, reserved);
         if (urc) tms_driver_fail_append(err, drv, urc, "undoing it, address free failed");
         tms_alloc_destroy(a);
@@ -136,9 +137,8 @@ int tms_core_alloc(size_t size, int device, const struct tms_region *r, void **p
 
 void tms_alloc_destroy(struct tms_alloc *a)
 {
-    tms_pool_forget(a);  /* memory it kept for the job, if paused */
-    free(a->ext);
-    if (a->handles != &a->one_handle) free(a->handles);
+    tms_extents_forget(a);  /* memory a provider kept for it, if paused */
+    if (a->ext != &a->one_ext) free(a->ext);
     tms_backup_unref(a->host_copy);
     free(a);
 }
@@ -182,7 +182,7 @@ int tms_alloc_release_detached(const struct tms_driver *drv, struct tms_alloc *a
                             "synchronize of device %d before freeing 0x%llx (%zu bytes) failed", a->device,
                             (unsigned long long)va, a->size);
         else
-            rc = tms_chunks_unmap(drv, a, tag, err);
+            rc = tms_extents_unmap(drv, a, tag, err);
         if (rc) {
             a->free_requested = 0;
             tms_table_lock();
@@ -192,7 +192,7 @@ int tms_alloc_release_detached(const struct tms_driver *drv, struct tms_alloc *a
             return rc;
         }
         struct tms_err release_err = {0};
-        if (tms_chunks_release(drv, a, tag, &release_err))  /* a leaked handle must not fail the free */
+        if (tms_extents_release(drv, a, tag, &release_err))  /* a leaked handle must not fail the free */
             tms_log_warn("free of 0x%llx: %s", (unsigned long long)va, release_err.msg);
     }
     TMS_DEBUG("free 0x%llx size %zu device %d tag '%s' (%s)", (unsigned long long)va, a->size, a->device, tag,
@@ -254,9 +254,10 @@ int tms_core_adopt(uint64_t va, size_t size, int device, tms_phys handle, uint64
         .tag_id = r->tag_id, .state = TMS_ACTIVE, .backup = r->backup || r->disk_backup,
         .backup_kind = tms_backup_kind_of_region(r->backup_kind, r->disk_backup), .adopted = 1,
         .skip_unchanged = r->skip_unchanged, .restore = r->restore >= 0 ? r->restore : tms_core_restore_mode_default(),
-        .owner_handle = owner_handle, .handle_types = handle_types, .one_handle = handle,
+        .owner_handle = owner_handle, .handle_types = handle_types, .n_ext = 1, .ext_cap = 1,
+        .one_ext = {.handle = handle, .len = size, .size = size, .from = {.kind = TMS_MEM_OWN}},
     };
-    a->handles = &a->one_handle;
+    a->ext = &a->one_ext;
     tms_table_lock();
     if (tms_table_find_locked(va)) {
         rc = tms_fail(err, TMS_E_STATE, 0, "adopting 0x%llx (%zu bytes): the table already holds an allocation there",
@@ -297,7 +298,7 @@ int tms_core_disown(uint64_t va, size_t max_size, tms_phys *handle, uint64_t *ow
         return tms_fail(err, TMS_E_ARG, 0, "0x%llx: unmap of %zu bytes covers part of an adopted allocation of %zu",
                         (unsigned long long)va, max_size, found_size);
     if (!a) return tms_fail(err, TMS_E_NOT_FOUND, 0, "0x%llx: no adopted allocation starts there", (unsigned long long)va);
-    *handle = a->state == TMS_ACTIVE ? a->one_handle : 0;
+    *handle = a->state == TMS_ACTIVE ? a->ext[0].handle : 0;
     *owner_handle = a->owner_handle;
     *size = a->size;
     TMS_DEBUG("disown 0x%llx size %zu tag '%s' (%s)", (unsigned long long)va, a->size, tms_core_tag_name(a->tag_id),

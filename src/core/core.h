@@ -239,18 +239,16 @@ int tms_core_disown(uint64_t va, size_t max_size, uint64_t *handle, uint64_t *ow
 int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, uint64_t *handle);
 
 /* ---- sharing and lending, as the faces and hooks see them ---------------------------
- * The share handles, the sender's and receivers' protocol and the job's
- * members are share/'s (share/share.h, share/job.h); what the core does for
- * them is in core/core_share.h, which only share/ and the core include. */
+ * The share handles, the sender's and receivers' protocol and the lending
+ * between processes are share/'s (share/share.h and its neighbours); what the
+ * core does for them is in core/core_share.h, which only share/ and the core
+ * include. */
 /* The owner of the allocation adopted at va under owner_handle is exporting
  * its handle itself (delta 1, before the export: *handle gets the handle to
  * export, read under the same lock; -1 undoes it if the export failed): from
  * then on a pause of it is refused until it is freed. TMS_E_STATE while
  * paused, TMS_E_NOT_FOUND if no allocation was adopted there under that handle. */
 int tms_core_mark_exported(uint64_t va, uint64_t owner_handle, int delta, uint64_t *handle, struct tms_err *err);
-/* Bytes on device this process keeps idle for the job, has lent to other
- * members, and maps from memory other members lent. */
-void tms_core_job_memory(int device, size_t *kept, size_t *lent, size_t *borrowed);
 
 /* ---- process-wide settings -------------------------------------------------------- */
 

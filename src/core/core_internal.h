@@ -1,6 +1,6 @@
 /* Inside the core: the allocation record and the move record, and what the table (table.c), tags
  * (tags.c), statistics (stats.c), allocation (alloc.c), claim and settle (claim.c), the
- * pause/resume state machine (pause.c) and the chunk operations (chunks.c) share. */
+ * pause/resume state machine (pause.c) and the memory operations (chunks.c) share. */
 #ifndef TMS_CORE_INTERNAL_H
 #define TMS_CORE_INTERNAL_H
 
@@ -57,29 +57,15 @@ struct tms_alloc {
      * segment's cuMemExportToShareableHandle): held until freed, as no
      * receiver tells when it lets go. */
     int exported_by_owner;
-    tms_phys *handles;       /* n_chunks entries; points at one_handle when n_chunks == 1 */
-    tms_phys one_handle;
-    /* Lending within a job (lend.c): set, the allocation's memory is these
-     * extents instead of handles[] (memory members lent, or its own in
-     * another layout); while a resume moves it, the memory planned for it. */
+    /* Its physical memory (chunks.c): extents back to back from its start,
+     * each saying where it came from; a plain allocation's are n_chunks of
+     * its own. None while paused. ext points at one_ext while one fits. */
     struct tms_extent *ext;
-    int n_ext;
+    int n_ext, ext_cap;
+    struct tms_extent one_ext;
     struct tms_backup *host_copy;  /* paused with backup, or retained after resume */
     struct tms_alloc *next;        /* hash chain */
     struct tms_alloc *tag_prev, *tag_next;  /* its tag's list (table.c) */
-};
-
-/* A piece of an allocation's physical memory when it is not its plain
- * chunks: extents lie back to back from the allocation's start. */
-struct tms_extent {
-    tms_phys handle;
-    size_t len;      /* bytes of the allocation it backs */
-    size_t size;     /* the handle's size: a borrowed one may be longer than len (only a prefix is mapped) */
-    uint64_t key;    /* borrowed: the lender's name for it; 0: this process made it */
-    uint64_t via;    /* borrowed: the job layer's connection it came over */
-    int lender;      /* borrowed: the lender's pid */
-    int fd;          /* borrowed: the descriptor it came as (tms_job_piece.fd), -1 if not kept; closed when returned */
-    int shared_on;   /* borrowed: a process other than its lender was sent it (a share): returned spent */
 };
 
 /* One allocation in a pause or resume. The mover fills it outside the table
@@ -208,61 +194,43 @@ int tms_alloc_skips_unchanged(const struct tms_alloc *a);
  * A pause and a resume ask the same question: the one place it is decided. */
 int tms_alloc_keeps_backup(const struct tms_alloc *a, int retain);
 
-/* Physical memory of one allocation (chunks.c). tag names it in messages. */
+/* Physical memory of one allocation (chunks.c): its extents, one path
+ * each way whatever they came from. tag names it in messages. */
 size_t tms_chunk_size(const struct tms_alloc *a, int i);
-/* Creates and maps every chunk; on failure leaves none created or mapped. */
-int tms_chunks_map(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
-/* Unmaps every chunk; if one fails, those already unmapped are mapped back so
- * the allocation stays whole. pre: no work in flight touches it. */
-int tms_chunks_unmap(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
-/* Releases the handles of an unmapped allocation. A failure leaks a handle
- * and changes nothing else: it is reported, not undone. */
-int tms_chunks_release(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
+/* Room for n extents in a->ext (kept); TMS_E_HOST_OOM. */
+int tms_extents_reserve(struct tms_alloc *a, int n);
+/* Maps the extents a->ext lists (a plan, maybe none) in order, after creating
+ * the rest in chunks of a->chunk; on failure leaves nothing mapped, created
+ * nothing, and the plan as it was. */
+int tms_extents_map(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
+/* Unmaps every extent; if one fails, those already unmapped are mapped back
+ * so the allocation stays whole. pre: no work in flight touches it. */
+int tms_extents_unmap(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
+/* Lets go of the memory of an unmapped allocation: what a provider gave goes
+ * back to it, the rest is released; a->n_ext becomes 0. A failure leaks a
+ * handle and changes nothing else: it is reported, not undone. */
+int tms_extents_release(const struct tms_driver *drv, struct tms_alloc *a, const char *tag, struct tms_err *err);
+/* Hands the provider the unmapped memory of items[0..n) (sorted by device)
+ * before it is released (tms_extents_release releases what it leaves). */
+void tms_extents_give(struct tms_give *items, size_t n);
+/* Whether a provider is set (and memory may come from it or go to it). */
+const struct tms_provider *tms_extents_provider(void);
+/* Whether the memory of a may be kept and lent to, or come from, other
+ * processes: its own, exportable, of an allocation the core made. */
+int tms_extents_lendable(const struct tms_driver *drv, const struct tms_alloc *a);
+/* A freed allocation: what a provider keeps for it is its no more. */
+void tms_extents_forget(struct tms_alloc *a);
 
-/* ---- memory kept for the job (pool.c) ----------------------------------------
- * Its own lock, a leaf: never taken with the table lock held, no driver
- * call under it. */
-const struct tms_job_ops *tms_pool_ops(void);
-/* Whether anything is kept or lent now (no lock). */
-int tms_pool_any(void);
-/* Keeps an own exportable handle of the paused allocation owner (its
- * order-th piece), idle for the job until the bound; TMS_E_HOST_OOM: not
- * kept, the caller releases it. */
-int tms_pool_keep(int device, tms_phys handle, size_t size, const struct tms_alloc *owner, int order);
-/* owner resumes: its idle kept handles back as extents, in order (*ext
- * malloc'd, NULL if none); those lent out stay the job's. Returns their bytes. */
-size_t tms_pool_take(const struct tms_alloc *owner, struct tms_extent **ext, int *n_ext);
-/* owner is freed: its idle handles released, those lent out the job's. */
-void tms_pool_forget(const struct tms_alloc *owner);
-/* Releases the borrowed extents of e[0..n) (of device), then tells each
- * lender; *bytes grows by theirs. Those shared on go back spent: a receiver
- * may still map them, and their lender must not use them again. Returns the
- * first release failure's code. */
-int tms_pool_return_borrowed(const struct tms_driver *drv, int device, const struct tms_extent *e, int n,
-                             size_t *bytes);
-/* bytes of borrowed memory were mapped on device. */
-void tms_pool_count_borrowed(int device, size_t bytes);
-/* The driver is out of memory for size bytes on device: memory kept for the
- * job there is released, this process's first, then the members' (asked, in
- * a job). 1 if any was, and a create is worth trying again. */
-int tms_pool_make_room(int device, size_t size);
-/* Whether a handle of size bytes may serve a need of want (whole, or a prefix wasting at most an eighth). */
-int tms_pool_fits(size_t size, size_t want);
-
-/* ---- lending: what a pause keeps, where a resume's memory comes from (lend.c) ---- */
-/* 1 while the process is in a job. */
-int tms_lend_on(void);
-/* After a pause unmapped m[i] (unmapped[i] set): borrowed memory goes back to
- * its lenders, own memory is kept for the other members as far as they will
- * ask for it (asked per device), the rest released. Failures of releases are
- * reported (first in *rc, err), not undone. */
+/* ---- memory from the provider for a pause and a resume (lend.c) ------------------- */
+/* After a pause unmapped m[i] (unmapped[i] set): the provider takes borrowed
+ * memory back and keeps own memory as the others will ask for it; the rest
+ * is released. Failures of releases are reported (first in *rc, err), not undone. */
 void tms_lend_let_go(const struct tms_driver *drv, struct tms_move *m, size_t n, const unsigned char *unmapped,
                      const struct tms_op_args *args, int *rc, struct tms_err *err);
-/* Before a resume maps m[0..n): each allocation's own kept memory taken back,
- * then what the members lend, as its plan (a->ext); the driver makes the rest
- * when it is mapped. */
+/* Before a resume maps m[0..n): each lendable allocation's memory planned by
+ * the provider (a->ext); the driver makes the rest when it is mapped. */
 void tms_lend_plan(const struct tms_driver *drv, struct tms_move *const *m, size_t n, const struct tms_op_args *args);
-/* A plan that was not mapped: own memory kept again, borrowed memory returned. */
+/* A plan that was not mapped: given back to the provider, which keeps it again. */
 void tms_lend_unplan(const struct tms_driver *drv, struct tms_alloc *a);
 
 /* The report's row of device (NULL without a report, or past TMS_REPORT_DEVICES). */

@@ -47,10 +47,10 @@ static void release_saved(void *arg, size_t i)
     struct tms_move *m = p->saved[i];
     struct early *e = &p->early[i];
     const char *tag = tms_core_tag_name(m->a->tag_id);
-    if ((e->rc = tms_chunks_unmap(p->drv, m->a, tag, &e->err)) != TMS_OK) return;
+    if ((e->rc = tms_extents_unmap(p->drv, m->a, tag, &e->err)) != TMS_OK) return;
     e->released = 1;
     m->state = TMS_PAUSED;
-    e->rc = tms_chunks_release(p->drv, m->a, tag, &e->err);
+    e->rc = tms_extents_release(p->drv, m->a, tag, &e->err);
 }
 
 /* After a failed save: each allocation let go is mapped again and its whole
@@ -126,17 +126,15 @@ static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const s
     return rc;
 }
 
-/* Unmaps and releases each allocation not let go yet; one whose unmap fails
- * stays active and whole (and keeps its new copy only as a retained one).
- * In a job, every unmap comes first and the memory is let go after, some of
- * it kept for the other members (lend.c); else each is released as it is
- * unmapped. */
+/* Unmaps each allocation not let go yet, then lets their memory go: the
+ * provider, if any, takes what is its and keeps what the others will ask
+ * for (lend.c), the rest is released. One whose unmap fails stays active and
+ * whole (and keeps its new copy only as a retained one). */
 static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, const struct tms_op_args *args,
                      struct tms_err *err)
 {
-    int rc = TMS_OK, job = tms_lend_on();
-    unsigned char *unmapped = job ? calloc(n ? n : 1, 1) : NULL;
-    if (job && !unmapped) job = 0;  /* without the list, released as without a job */
+    int rc = TMS_OK;
+    unsigned char *unmapped = calloc(n ? n : 1, 1);  /* without the list, each is released as it is unmapped */
     for (size_t i = 0, j = 0; i < n; i++) {
         const struct early *e = p->early && saves(m[i].a) ? &p->early[j++] : NULL;
         if (e && e->released) {
@@ -149,7 +147,7 @@ static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, co
         struct tms_alloc *a = m[i].a;
         const char *tag = tms_core_tag_name(a->tag_id);
         struct tms_err one_err = {0};
-        int one = tms_chunks_unmap(p->drv, a, tag, &one_err);
+        int one = tms_extents_unmap(p->drv, a, tag, &one_err);
         if (one == TMS_OK) {
             m[i].state = TMS_PAUSED;
             if (a->wrong_bytes) {  /* what it held is gone; its backup, kept, is what comes back */
@@ -159,8 +157,8 @@ static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, co
                              (unsigned long long)a->va, tag);
             }
             a->wrong_bytes = 0;
-            if (job) unmapped[i] = 1;
-            else one = tms_chunks_release(p->drv, a, tag, &one_err);  /* paused all the same: reported, not undone */
+            if (unmapped) unmapped[i] = 1;
+            else one = tms_extents_release(p->drv, a, tag, &one_err);  /* paused all the same: reported, not undone */
         } else if (saves(a) && m[i].b.copy && !tms_backup_kept_while_active(m[i].b.copy, m[i].b.retain)) {
             tms_backup_move_discard(&m[i].b);  /* still active: the device holds the bytes */
         }
@@ -169,7 +167,7 @@ static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, co
             if (err) *err = one_err;
         }
     }
-    if (job) tms_lend_let_go(p->drv, m, n, unmapped, args, &rc, err);
+    if (unmapped) tms_lend_let_go(p->drv, m, n, unmapped, args, &rc, err);
     free(unmapped);
     return rc;
 }
@@ -183,7 +181,6 @@ int tms_core_pause_moves(const char *const *tags, size_t n_tags, const struct tm
     struct tms_move *m;
     size_t n;
     tms_core_share_reap();
-    (void)tms_core_job_expire();  /* memory kept for the job past its bound goes first */
     if ((rc = tms_table_claim(tags, n_tags, TMS_ACTIVE, &m, &n, err)) || n == 0) return rc;
     tms_report_begin(drv, args, m, n);
     int retain = tms_core_retain();  /* once: the backups are planned and kept by the same answer */

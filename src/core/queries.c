@@ -13,7 +13,7 @@ int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, tms_phys *handle)
     const struct tms_alloc *owner = tms_table_owner_locked(ptr);
     if (owner && owner->adopted) {
         *owner_handle = owner->owner_handle;
-        *handle = owner->state == TMS_ACTIVE && !owner->moving ? owner->one_handle : 0;
+        *handle = owner->state == TMS_ACTIVE && !owner->moving ? owner->ext[0].handle : 0;
         rc = TMS_OK;
     }
     tms_table_unlock();
@@ -60,7 +60,7 @@ static struct tms_alloc_info info_of_locked(const struct tms_alloc *a)
         .restore = a->restore,
         .ptr = a->va, .size = a->size, .reserved = a->reserved, .device = a->device,
         .tag_id = a->tag_id, .state = state, .backup = a->backup, .backup_kind = a->backup_kind,
-        .has_host_copy = a->host_copy != NULL, .n_chunks = a->ext && !a->moving ? a->n_ext : a->n_chunks,
+        .has_host_copy = a->host_copy != NULL, .n_chunks = !a->moving && a->n_ext ? a->n_ext : a->n_chunks,
         .adopted = a->adopted,
         .host_copy_pinned = a->host_copy && tms_backup_pinned(a->host_copy),
         .backup_to_file = a->backup && !tms_backup_kind_is_host(a->host_copy && !a->moving ? tms_backup_kind(a->host_copy)
@@ -148,4 +148,17 @@ int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *e
     *rows = out;
     *count = n;
     return TMS_OK;
+}
+
+size_t tms_core_paused_lendable(int device)
+{
+    size_t paused = 0;
+    tms_table_lock();
+    TMS_FOR_EACH_ALLOC(a) {
+        /* What a resume will ask others for (tms_extents_lendable): a resume in flight has asked already. */
+        if (a->device == device && a->state == TMS_PAUSED && !a->moving && !a->adopted && a->handle_types)
+            paused += a->reserved;
+    }
+    tms_table_unlock();
+    return paused;
 }

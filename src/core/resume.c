@@ -24,9 +24,9 @@ static void unrestore(const struct tms_driver *drv, struct tms_move *m, struct t
     const char *tag = tms_core_tag_name(a->tag_id);
     struct tms_err undo_err = {0};
     m->b.copy = m->b.held;
-    if (tms_chunks_unmap(drv, a, tag, &undo_err) == TMS_OK) {
+    if (tms_extents_unmap(drv, a, tag, &undo_err) == TMS_OK) {
         m->state = TMS_PAUSED;
-        if (tms_chunks_release(drv, a, tag, &undo_err))
+        if (tms_extents_release(drv, a, tag, &undo_err))
             tms_log_warn("after a failed restore of 0x%llx: %s", (unsigned long long)a->va, undo_err.msg);
         return;
     }
@@ -75,7 +75,7 @@ static int map_before_restore(void *arg, size_t i)
 {
     struct resume_maps *r = arg;
     struct tms_alloc *a = r->m[i]->a;
-    if ((r->rc = tms_chunks_map(r->drv, a, tms_core_tag_name(a->tag_id), &r->err))) return r->rc;
+    if ((r->rc = tms_extents_map(r->drv, a, tms_core_tag_name(a->tag_id), &r->err))) return r->rc;
     r->mapped = i + 1;
     return TMS_OK;
 }
@@ -211,8 +211,8 @@ int tms_core_resume_moves(const char *const *tags, size_t n_tags, const struct t
     int retain = tms_core_retain();
     struct tms_move **order = calloc(n, sizeof *order);
     for (size_t i = 0; order && i < n; i++) order[i] = &m[i];
-    /* In a job: each allocation's memory planned first, from what this process
-     * kept and what the other members lend (lend.c); its map uses the plan. */
+    /* Each allocation's memory planned first, from what the provider keeps or
+     * gets from other processes (lend.c); its map uses the plan. */
     if (order) tms_lend_plan(drv, order, n, args);
     uint64_t verify_ns = 0;
     rc = order ? tms_core_restore_moves(drv, order, n, retain, &verify_ns, err)
@@ -222,7 +222,7 @@ int tms_core_resume_moves(const char *const *tags, size_t n_tags, const struct t
     if (!rc) rc = filled;
     if (args->report) args->report->verify_ns = verify_ns;
     for (size_t i = 0; i < n; i++)
-        if (m[i].state == TMS_PAUSED && m[i].a->ext) tms_lend_unplan(drv, m[i].a);  /* never mapped */
+        if (m[i].state == TMS_PAUSED && m[i].a->n_ext) tms_lend_unplan(drv, m[i].a);  /* never mapped */
     for (size_t i = 0; i < n; i++)
         if (m[i].b.copy && m[i].b.retain) tms_backup_kept(m[i].b.copy, 1);
     uint64_t ns = tms_core_now_ns() - start;

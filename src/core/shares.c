@@ -1,6 +1,4 @@
 /* Allocations shared with other processes: the token a handle carries, the handles exported to a receiver, who maps what, and who hung up without letting go. */
-#include <errno.h>
-#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
@@ -26,16 +24,28 @@ static int token_unset(const unsigned char *token)
     return memcmp(token, zero, sizeof zero) == 0;
 }
 
-static int handle_count(const struct tms_alloc *a) { return a->ext ? a->n_ext : a->n_chunks; }
+/* Its extents are its plain chunks, all its own: described as chunks, as
+ * before any lending; else handle by handle, with each one's length. */
+static int plain(const struct tms_alloc *a)
+{
+    if (a->n_ext != a->n_chunks) return 0;
+    for (int i = 0; i < a->n_ext; i++)
+        if (a->ext[i].from.kind != TMS_MEM_OWN || a->ext[i].len != tms_chunk_size(a, i) || a->ext[i].size != a->ext[i].len)
+            return 0;
+    return 1;
+}
 
-/* Memory mapped from extents (a job lent some) is described handle by
- * handle: chunk 0 and each handle's mapped length. */
+/* Handles a share of a carries: its extents while mapped, else its chunks.
+ * A moving allocation's extents are its mover's (written outside the lock). */
+static int handle_count(const struct tms_alloc *a) { return !a->moving && a->n_ext ? a->n_ext : a->n_chunks; }
+
 static void fill_info(const struct tms_alloc *a, struct tms_share_info *out)
 {
+    int by_chunk = a->moving || !a->n_ext || plain(a);
     *out = (struct tms_share_info){.va = a->va, .size = a->size, .reserved = a->reserved,
-                                   .chunk = a->ext ? 0 : a->chunk, .n_chunks = handle_count(a),
+                                   .chunk = by_chunk ? a->chunk : 0, .n_chunks = handle_count(a),
                                    .device = a->device, .tag_id = a->tag_id};
-    for (int i = 0; a->ext && i < a->n_ext && i < TMS_SHARE_MAX_CHUNKS; i++) out->lens[i] = a->ext[i].len;
+    for (int i = 0; !by_chunk && i < a->n_ext && i < TMS_SHARE_MAX_CHUNKS; i++) out->lens[i] = a->ext[i].len;
     memcpy(out->token, a->share_token, sizeof out->token);
 }
 
@@ -59,7 +69,7 @@ int tms_core_share_find(uint64_t ptr, struct tms_share_info *out, struct tms_err
                       (unsigned long long)a->va, tms_core_tag_name(a->tag_id), a->device);
     else if (handle_count(a) > TMS_SHARE_MAX_CHUNKS)
         rc = tms_fail(err, TMS_E_UNSUPPORTED, 0, "share: allocation 0x%llx has %d chunks, more than the %d one share "
-                      "carries (TMS_CHUNK_BYTES, or memory a job lent in pieces)", (unsigned long long)a->va,
+                      "carries (TMS_CHUNK_BYTES, or memory lent in pieces)", (unsigned long long)a->va,
                       handle_count(a), TMS_SHARE_MAX_CHUNKS);
     if (!rc) {
         if (token_unset(a->share_token)) memcpy(a->share_token, fresh, sizeof fresh);
@@ -81,14 +91,13 @@ static void finish_free(struct tms_alloc *a)
 }
 
 int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int *fds, struct tms_share_info *out,
-                          struct tms_err *err)
+                          tms_lent_fd_fn lent_fd, struct tms_err *err)
 {
     const struct tms_driver *drv;
     int rc = tms_driver_get(&drv, err);
     if (rc) return rc;
     if (!drv->export_fd) return tms_fail(err, TMS_E_UNSUPPORTED, 0, "share: the %s backend cannot export memory", drv->name);
-    tms_phys handles[TMS_SHARE_MAX_CHUNKS];
-    int lent_fds[TMS_SHARE_MAX_CHUNKS];  /* memory a job lent: the descriptor it came as (-2: not kept); -1: its own */
+    struct tms_extent ext[TMS_SHARE_MAX_CHUNKS];
     tms_table_lock();
     struct tms_alloc *a;
     /* A pause or resume in flight settles first; then the state decides. */
@@ -100,40 +109,34 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
         rc = tms_fail(err, TMS_E_STATE, 0, "the shared allocation 0x%llx (tag '%s') is paused: resume it first",
                       (unsigned long long)va, tms_core_tag_name(a->tag_id));
     else if (handle_count(a) > TMS_SHARE_MAX_CHUNKS)
-        rc = tms_fail(err, TMS_E_UNSUPPORTED, 0, "the shared allocation 0x%llx is mapped from %d pieces of memory a "
-                      "job lent, more than the %d one share carries", (unsigned long long)va, handle_count(a),
+        rc = tms_fail(err, TMS_E_UNSUPPORTED, 0, "the shared allocation 0x%llx is mapped from %d pieces of lent "
+                      "memory, more than the %d one share carries", (unsigned long long)va, handle_count(a),
                       TMS_SHARE_MAX_CHUNKS);
     if (!rc) {
+        fill_info(a, out);
+        memcpy(ext, a->ext, (size_t)a->n_ext * sizeof *ext);
         /* Moving: a pause waits and a free is deferred while the handles are exported. */
         a->moving = 1;
-        for (int i = 0; i < handle_count(a); i++) {
-            handles[i] = a->ext ? a->ext[i].handle : a->handles[i];
-            lent_fds[i] = !a->ext || !a->ext[i].key ? -1 : a->ext[i].fd >= 0 ? a->ext[i].fd : -2;
-            /* Its lender must never use it again once another process may map it. */
-            if (a->ext && a->ext[i].key && pid != a->ext[i].lender) a->ext[i].shared_on = 1;
-        }
-        fill_info(a, out);
     }
     tms_table_unlock();
     if (rc) return rc;
+    /* Lent memory's provider hears of the receiver first: its lender must
+     * never use that memory again once another process may map it. */
+    for (int i = 0; i < out->n_chunks; i++)
+        if (ext[i].from.kind == TMS_MEM_LENT && lent_fd) (void)lent_fd(ext[i].from.id, pid, NULL, NULL);
     int exported = 0;
     for (; exported < out->n_chunks; exported++) {
-        /* The driver does not export an imported handle again: what a job lent goes on as it came. */
-        if (lent_fds[exported] == -2) {
-            rc = tms_fail(err, TMS_E_UNSUPPORTED, 0, "share of allocation 0x%llx (chunk %d of %d): it is memory a job "
-                          "lent, whose descriptor this process did not keep (it keeps at most %zu, a quarter of its "
-                          "descriptor limit: raise `ulimit -n`)", (unsigned long long)va, exported + 1, out->n_chunks,
-                          tms_core_job_fd_cap());
+        if (ext[exported].from.kind == TMS_MEM_LENT) {
+            /* The driver does not export an imported handle again: lent memory goes on as it came. */
+            struct tms_err why = {0};
+            rc = lent_fd ? lent_fd(ext[exported].from.id, pid, &fds[exported], &why)
+                         : tms_fail(&why, TMS_E_UNSUPPORTED, 0, "it is lent memory, and nothing here passes it on");
+            if (!rc) continue;
+            rc = tms_fail(err, rc, 0, "share of allocation 0x%llx (chunk %d of %d): %s", (unsigned long long)va,
+                          exported + 1, out->n_chunks, why.msg);
             break;
         }
-        if (lent_fds[exported] >= 0) {
-            if ((fds[exported] = fcntl(lent_fds[exported], F_DUPFD_CLOEXEC, 0)) >= 0) continue;
-            rc = tms_fail(err, TMS_E_IO, errno, "share of allocation 0x%llx (chunk %d of %d, memory a job lent): "
-                          "dup of its descriptor failed (errno %d)", (unsigned long long)va, exported + 1,
-                          out->n_chunks, errno);
-            break;
-        }
-        int drc = drv->export_fd(handles[exported], &fds[exported]);
+        int drc = drv->export_fd(ext[exported].handle, &fds[exported]);
         if (drc) {
             rc = tms_driver_fail(err, TMS_E_DRIVER, drv, drc, "export of allocation 0x%llx (chunk %d of %d) failed",
                                  (unsigned long long)va, exported + 1, out->n_chunks);
@@ -173,7 +176,7 @@ int tms_core_mark_exported(uint64_t va, uint64_t owner_handle, int delta, uint64
         rc = tms_fail(err, TMS_E_STATE, 0, "export: allocation 0x%llx (tag '%s') is paused: resume it first",
                       (unsigned long long)va, tms_core_tag_name(a->tag_id));
     else if (delta > 0)
-        a->exported_by_owner++, *handle = a->one_handle;
+        a->exported_by_owner++, *handle = a->ext[0].handle;
     else if (a->exported_by_owner > 0)
         a->exported_by_owner--;
     tms_table_unlock();

@@ -2,7 +2,6 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <unistd.h>
 
 #include "core/core.h"
 #include "core/core_internal.h"
@@ -197,9 +196,6 @@ static void fork_child(void)
     for (size_t b = 0; b < bucket_count; b++) {
         for (struct tms_alloc **link = &buckets[b]; *link;) {
             struct tms_alloc *a = *link;
-            /* A lender's memory is not the child's: its copy of each kept descriptor would hold that memory alive. */
-            for (int i = 0; i < a->n_ext; i++)
-                if (a->ext[i].key && a->ext[i].fd >= 0) close(a->ext[i].fd), a->ext[i].fd = -1;
             /* The parent's receivers hold the parent's memory, not the child's. */
             a->share_holders = 0;
             a->share_hung_up = 0;
@@ -209,8 +205,7 @@ static void fork_child(void)
                 continue;
             }
             tms_table_unlink_locked(link);
-            if (a->handles != &a->one_handle) free(a->handles);
-            free(a->ext);
+            if (a->ext != &a->one_ext) free(a->ext);
             free(a);  /* its backup's pinned pages belong to the parent's driver state */
         }
     }

@@ -101,7 +101,7 @@ static PyObject *py_job_memory(PyObject *module, PyObject *args)
     if (device < 0) return PyErr_Format(PyExc_ValueError, "torch_memory_saver: device must be >= 0, got %d", device);
     size_t kept, lent, borrowed;
     Py_BEGIN_ALLOW_THREADS
-    tms_core_job_memory(device, &kept, &lent, &borrowed);
+    tms_job_memory(device, &kept, &lent, &borrowed);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(nnn)", (Py_ssize_t)kept, (Py_ssize_t)lent, (Py_ssize_t)borrowed);
 }

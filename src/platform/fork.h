@@ -19,7 +19,7 @@ enum tms_fork_rank {
     TMS_FORK_SHARE_JOB,    /* share/job.c: job_lock; the child is in no job and borrows nothing */
     TMS_FORK_SHARE_SERVE,  /* share/serve.c: serve_lock */
     TMS_FORK_TABLE,     /* core/table.c: table_lock */
-    TMS_FORK_POOL,      /* core/pool.c: kept_lock; the child keeps no memory for the job */
+    TMS_FORK_POOL,      /* share/job_pool.c: kept_lock; the child keeps no memory for the job and no lent descriptor */
     TMS_FORK_TRANSFER,  /* backup/transfer.c: the copy workers forgotten in the child */
     TMS_FORK_RETAINED,  /* backup/retained.c: pin_lock */
     TMS_FORK_LEDGER,    /* backup/ledger.c: ledger_lock */

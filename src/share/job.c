@@ -13,12 +13,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core/core_share.h"
 #include "platform/config.h"
 #include "platform/driver.h"
 #include "platform/fork.h"
 #include "platform/log.h"
 #include "platform/os.h"
+#include "share/job_internal.h"
 #include "share/place.h"
 #include "share/wire.h"
 
@@ -116,7 +116,6 @@ int tms_job_set_name(const char *name, struct tms_err *err)
     if (!name) name = "";
     int rc = *name ? tms_setting_check_text(&tms_setting_rows[TMS_SETTING_job], name, err) : TMS_OK;
     if (rc) return rc;
-    tms_job_register();
     lock();
     if (joined && strcmp(name, name_locked()) != 0)
         rc = tms_fail(err, TMS_E_STATE, 0,
@@ -422,7 +421,7 @@ static void fill_request(struct tms_job_request *req, int op, const struct askin
     snprintf(req->device, sizeof req->device, "%s", a->identity);
 }
 
-static int job_on(void)
+int tms_job_on(void)
 {
     lock();
     int on = name_locked()[0] != '\0';
@@ -447,7 +446,7 @@ static int add_demand(void *ctx, const struct member *m, const struct tms_job_st
  * the resume that follows, wherever that resume's memory comes from. The
  * bound gives it back later, and a member out of memory asks for it first.
  * The members are asked together, within one bound. */
-static size_t keep(int device, size_t releasable, struct tms_job_note *note)
+size_t tms_job_ask_keep(int device, size_t releasable, struct tms_job_note *note)
 {
     struct asking a;
     struct tms_err err = {0};
@@ -470,7 +469,7 @@ static size_t keep(int device, size_t releasable, struct tms_job_note *note)
 
 /* The driver is out of memory here: the members release what they keep idle
  * on the device, up to bytes in all, asked in turn within one bound. */
-static size_t release(int device, size_t bytes)
+size_t tms_job_ask_release(int device, size_t bytes)
 {
     struct asking a;
     struct tms_err err = {0};
@@ -639,7 +638,7 @@ static size_t borrow_once(struct borrowing *b, struct member *m, int *full)
                                     .fd = -1};
     }
     for (size_t i = 0; ok && i < imported; i++)
-        if (tms_core_job_keep_fd()) b->out[b->got + i].fd = fds[i], fds[i] = -1;  /* the piece keeps it */
+        if (tms_job_keep_fd()) b->out[b->got + i].fd = fds[i], fds[i] = -1;  /* the piece keeps it */
     for (int i = 0; i < n_fds; i++)
         if (fds[i] >= 0) close(fds[i]);
     if (!ok) {
@@ -696,8 +695,8 @@ static int borrow_from(void *ctx, const struct member *answered, const struct tm
 /* Borrows what the allocations still need: every member is asked how much it
  * keeps idle at once, and those that keep some are asked for it as their
  * answers come, all within the call's one bound. */
-static int borrow(int device, const size_t *needs, size_t n, struct tms_job_piece **pieces, size_t *n_pieces,
-                  struct tms_job_note *note)
+int tms_job_borrow(int device, const size_t *needs, size_t n, struct tms_job_piece **pieces, size_t *n_pieces,
+                   struct tms_job_note *note)
 {
     struct asking a;
     struct tms_err err = {0};
@@ -729,7 +728,7 @@ static int borrow(int device, const size_t *needs, size_t n, struct tms_job_piec
     return TMS_OK;
 }
 
-static void returned(uint64_t via, const uint64_t *keys, size_t n, int spent)
+void tms_job_send_returned(uint64_t via, const uint64_t *keys, size_t n, int spent)
 {
     lock();
     for (size_t i = 0; i < n_conns; i++) {
@@ -750,11 +749,3 @@ static void returned(uint64_t via, const uint64_t *keys, size_t n, int spent)
     }
     unlock();
 }
-
-static void wake(void) { tms_share_serve_wake(); }
-
-static const struct tms_job_ops job_ops = {
-    .on = job_on, .keep = keep, .borrow = borrow, .returned = returned, .wake = wake, .release = release,
-};
-
-void tms_job_register(void) { tms_core_job_set_ops(&job_ops); }

@@ -8,10 +8,15 @@
 
 #define TMS_JOB_NAME_MAX 64  /* the job row's longest name (platform/config.h) */
 
-/* Hands the core its ways to the other members (core.h: struct tms_job_ops).
+/* Makes the job the core's provider of memory (core_share.h: struct
+ * tms_provider): what a pause gives and a resume is provided go through it.
  * Once per process, before its first pause or resume; TMS_JOB names the job
  * until tms_job_set_name says otherwise. */
 void tms_job_register(void);
+
+/* Bytes on device this process keeps idle for the job, has lent to other
+ * members, and maps from memory other members lent. */
+void tms_job_memory(int device, size_t *kept, size_t *lent, size_t *borrowed);
 
 /* The job this process is in ("" for none) into buf. */
 void tms_job_get_name(char *buf, size_t size);

@@ -16,6 +16,7 @@
 #include "platform/fork.h"
 #include "platform/log.h"
 #include "platform/os.h"
+#include "share/job_internal.h"
 #include "share/place.h"
 #include "share/serve.h"
 #include "share/wire.h"
@@ -283,7 +284,7 @@ static void *serve(void *arg)
     memcpy(known, protocols, sizeof known);
     pthread_mutex_unlock(&conns_lock);
     for (;;) {
-        int expire_ms = tms_core_job_expire();  /* memory kept for the job past its bound goes back */
+        int expire_ms = tms_job_expire();  /* memory kept for the job past its bound goes back: its one expiry */
         pthread_mutex_lock(&conns_lock);
         if (poll_cap < n_conns + n_listeners + 2) {
             size_t want = n_conns + LISTENERS_MAX + 16;

@@ -36,7 +36,7 @@ struct tms_serve_conn {
     int fd;          /* the socket (ASKING, HOLDING), the process's pidfd (HUNG_UP) */
     const struct tms_serve_protocol *protocol;  /* what it holds from, once it holds */
     int listener;    /* the listener it came through */
-    uint64_t batch;  /* a job's: the lend it holds (tms_core_job_lend) */
+    uint64_t batch;  /* a job's: the lend it holds (tms_job_lend) */
     int pid;         /* SO_PEERCRED's: 0 where its process is outside this PID namespace */
     int state;       /* enum tms_serve_state */
     int ready;       /* ASKING: it is being answered, or its request was there when accepted */

@@ -4,7 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "core/core_share.h"
+#include "share/job_internal.h"
 #include "platform/log.h"
 #include "share/serve.h"
 #include "share/wire.h"
@@ -25,8 +25,8 @@ static struct tms_serve_outcome answer_job(int fd, int pid, const struct tms_ser
     if (ours && (req->op == TMS_JOB_STATUS || (req->op == TMS_JOB_RELEASE && req->n_needs == 1))) {
         struct tms_job_status_reply reply = {0};
         size_t demand = 0, idle = 0;
-        if (req->op == TMS_JOB_STATUS) tms_core_job_status(l->device, &demand, &idle);
-        else demand = tms_core_job_release(l->device, req->needs[0]);
+        if (req->op == TMS_JOB_STATUS) tms_job_status(l->device, &demand, &idle);
+        else demand = tms_job_pool_release(l->device, req->needs[0]);
         reply.demand = demand;
         reply.idle = idle;
         (void)tms_share_send(fd, &reply, sizeof reply, NULL, 0, 0);
@@ -44,7 +44,7 @@ static struct tms_serve_outcome answer_job(int fd, int pid, const struct tms_ser
     size_t k = 0;
     uint64_t batch = 0;
     struct tms_err err = {0};
-    reply.status = tms_core_job_lend(l->device, req->needs, req->n_needs, pid, lent, fds, &k, &batch, &err);
+    reply.status = tms_job_lend(l->device, req->needs, req->n_needs, pid, lent, fds, &k, &batch, &err);
     reply.n = (uint32_t)k;
     for (size_t i = 0; i < k; i++) {
         reply.pieces[i].need = (uint32_t)lent[i].need;
@@ -58,7 +58,7 @@ static struct tms_serve_outcome answer_job(int fd, int pid, const struct tms_ser
     out.refused = reply.status != TMS_OK;
     if (!k) return out;
     if (sent) {
-        (void)tms_core_job_returned(batch, NULL, 0, 0);  /* nothing reached it */
+        (void)tms_job_returned(batch, NULL, 0, 0);  /* nothing reached it */
         return out;
     }
     TMS_DEBUG("lent %zu kept handles on device %d to pid %d", k, l->device, pid);
@@ -72,7 +72,7 @@ static struct tms_serve_outcome answer_job(int fd, int pid, const struct tms_ser
 static size_t still_lent(uint64_t batch)
 {
     const uint64_t none = 0;
-    return tms_core_job_returned(batch, &none, 1, 0);
+    return tms_job_returned(batch, &none, 1, 0);
 }
 
 /* A borrower's socket is readable: it returned pieces (and hangs up once
@@ -88,7 +88,7 @@ static void borrower_spoke_locked(struct tms_serve_conn *c)
     size_t head = offsetof(struct tms_job_returned, keys);
     if (n >= (ssize_t)head && memcmp(msg.magic, TMS_JOB_RETURNED, sizeof msg.magic) == 0 &&
         msg.n <= TMS_JOB_MAX_PIECES && (size_t)n == head + msg.n * sizeof msg.keys[0]) {
-        if (tms_core_job_returned(c->batch, msg.keys, msg.n, (msg.flags & TMS_JOB_RETURNED_SPENT) != 0) == 0)
+        if (tms_job_returned(c->batch, msg.keys, msg.n, (msg.flags & TMS_JOB_RETURNED_SPENT) != 0) == 0)
             tms_serve_close_conn(c);
         return;
     }
@@ -99,7 +99,7 @@ static void borrower_spoke_locked(struct tms_serve_conn *c)
     int pidfd = -1, ended = tms_serve_peer_ended(c->fd, c->pid, &pidfd);
     tms_serve_close_conn(c);
     if (ended == 1) {  /* it may have shared the memory on: never used again */
-        (void)tms_core_job_returned(c->batch, NULL, 0, 1);
+        (void)tms_job_returned(c->batch, NULL, 0, 1);
         return;
     }
     TMS_DEBUG("job: pid %d hung up on borrowed memory without returning it", c->pid);
@@ -111,14 +111,14 @@ static void borrower_spoke_locked(struct tms_serve_conn *c)
 /* A borrower that hung up has ended: it may have shared the memory on, so it is never used again. */
 static void borrower_ended_locked(struct tms_serve_conn *c)
 {
-    (void)tms_core_job_returned(c->batch, NULL, 0, 1);
+    (void)tms_job_returned(c->batch, NULL, 0, 1);
     tms_serve_close_conn(c);
 }
 
 static void lend_unheld_locked(const struct tms_serve_outcome *out, int pid)
 {
     (void)pid;
-    (void)tms_core_job_returned(out->batch, NULL, 0, 1);
+    (void)tms_job_returned(out->batch, NULL, 0, 1);
 }
 
 static const struct tms_serve_protocol job_protocol = {

@@ -12,6 +12,7 @@
 #include "platform/driver.h"
 #include "platform/log.h"
 #include "platform/os.h"
+#include "share/job_internal.h"
 #include "share/place.h"
 #include "share/serve.h"
 #include "share/wire.h"
@@ -39,7 +40,7 @@ static struct tms_serve_outcome answer_share(int fd, int pid, const struct tms_s
     struct tms_share_info info;
     struct tms_err err = {0};
     int fds[TMS_SHARE_MAX_CHUNKS];
-    int rc = tms_core_share_attach(req.va, req.token, pid, fds, &info, &err);
+    int rc = tms_core_share_attach(req.va, req.token, pid, fds, &info, tms_job_lent_fd, &err);
     if (rc) {
         reply.status = rc;
         snprintf(reply.message, sizeof reply.message, "%s", err.msg);

@@ -66,6 +66,7 @@ struct tms_share_reply {
 #define TMS_JOB_MAGIC "TMSJOB01"
 #define TMS_JOB_IDENTITY_MAX 95   /* a device's identity (driver.h's device_identity) */
 #define TMS_JOB_MAX_NEEDS 256     /* allocations one borrow asks for */
+#define TMS_JOB_MAX_PIECES 250    /* handles one lend carries (descriptors in one message: the kernel takes 253) */
 
 /* STATUS: what the member has paused and keeps idle (a status reply). BORROW:
  * kept memory for the needs (a lend reply). RELEASE: the asker's driver ran

@@ -1,13 +1,16 @@
-/* Memory kept for the job: own physical handles a pause did not release, idle until a member borrows them or the bound passes, lent until they come back; and borrowed memory given back. */
+/* The job's memory: own physical handles a pause did not release, idle until a member borrows them or the bound passes, lent until they come back; and the records of memory members lent. */
+#include "share/job_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "core/core.h"
-#include "core/core_internal.h"
 #include "platform/config.h"
+#include "platform/driver.h"
 #include "platform/fork.h"
 #include "platform/log.h"
 #include "platform/os.h"
@@ -22,10 +25,17 @@ struct kept {
     uint64_t key;                   /* this process's name for it, never 0 */
     uint64_t batch;                 /* LENT: the lend it went out with */
     int borrower;                   /* LENT: the borrower's pid */
-    const struct tms_alloc *owner;  /* the paused allocation it backed; NULL once that took other memory or was freed */
+    const void *owner;              /* the paused allocation it backed; NULL once that took other memory or was freed */
     int order;                      /* its place in the owner's memory */
     uint64_t idle_until_ns;         /* IDLE: released to the driver then */
-    int spent;                      /* IDLE: returned spent (tms_core_job_returned): released, never lent again */
+    int spent;                      /* IDLE: returned spent (tms_job_returned): released, never lent again */
+};
+
+/* A piece members lent, mapped here (or planned): what its extent's id names. */
+struct lent_piece {
+    uint64_t id;
+    int device;
+    struct tms_job_piece p;
 };
 
 /* A leaf lock: nothing else is taken under it, and no driver call runs
@@ -33,21 +43,27 @@ struct kept {
 static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct kept *pool;           /* guarded by kept_lock */
 static size_t n_pool, cap_pool;     /* guarded by kept_lock */
-static uint64_t last_key, last_batch;  /* guarded by kept_lock */
-static size_t pool_entries;         /* atomic: n_pool, read without the lock */
+static struct lent_piece *lent_here;  /* guarded by kept_lock */
+static size_t n_lent_here, cap_lent_here;  /* guarded by kept_lock */
+static uint64_t last_key, last_batch, last_id;  /* guarded by kept_lock */
+static size_t pool_entries;         /* atomic: n_pool + n_lent_here, read without the lock */
 static size_t borrowed[TMS_STATS_DEVICES];  /* atomic: bytes mapped here from memory members lent */
-static size_t kept_fds;                     /* atomic: descriptors borrowed pieces keep (tms_core_job_keep_fd) */
-static const struct tms_job_ops *job_ops;   /* atomic: set by the job layer */
+static size_t kept_fds;                     /* atomic: descriptors borrowed pieces keep (tms_job_keep_fd) */
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
 static void fork_prepare(void) { pthread_mutex_lock(&kept_lock); }
 static void fork_parent(void) { pthread_mutex_unlock(&kept_lock); }
-/* The child is in no job: what its parent kept or lent is the parent's. */
+/* The child is in no job: what its parent kept or lent is the parent's. A
+ * lender's memory is not the child's either: its copy of each descriptor a
+ * borrowed piece keeps would hold that memory alive, so it is closed (the
+ * record stays: the child's allocations still name it). */
 static void fork_child(void)
 {
     n_pool = 0;
-    __atomic_store_n(&kept_fds, 0, __ATOMIC_RELAXED);  /* the table's fork handler closes the child's copies */
-    __atomic_store_n(&pool_entries, 0, __ATOMIC_RELAXED);
+    for (size_t i = 0; i < n_lent_here; i++)
+        if (lent_here[i].p.fd >= 0) close(lent_here[i].p.fd), lent_here[i].p.fd = -1;
+    __atomic_store_n(&kept_fds, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool_entries, n_lent_here, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&kept_lock);
 }
 static void register_fork(void)
@@ -74,11 +90,9 @@ static void lock(void)
 }
 static void unlock(void) { pthread_mutex_unlock(&kept_lock); }
 
-void tms_core_job_set_ops(const struct tms_job_ops *ops) { __atomic_store_n(&job_ops, ops, __ATOMIC_RELEASE); }
+int tms_job_pool_any(void) { return __atomic_load_n(&pool_entries, __ATOMIC_RELAXED) != 0; }
 
-const struct tms_job_ops *tms_pool_ops(void) { return __atomic_load_n(&job_ops, __ATOMIC_ACQUIRE); }
-
-int tms_pool_any(void) { return __atomic_load_n(&pool_entries, __ATOMIC_RELAXED) != 0; }
+static void count_entries_locked(void) { __atomic_store_n(&pool_entries, n_pool + n_lent_here, __ATOMIC_RELAXED); }
 
 static uint64_t now_ns(void)
 {
@@ -94,10 +108,10 @@ static uint64_t hold_ns(void) { return (uint64_t)tms_defaults()->job_hold_ms * 1
 static void remove_at_locked(size_t i)
 {
     pool[i] = pool[--n_pool];
-    __atomic_store_n(&pool_entries, n_pool, __ATOMIC_RELAXED);
+    count_entries_locked();
 }
 
-int tms_pool_keep(int device, tms_phys handle, size_t size, const struct tms_alloc *owner, int order)
+int tms_job_pool_keep(int device, uint64_t handle, size_t size, const void *owner, int order)
 {
     uint64_t until = now_ns() + hold_ns();
     lock();
@@ -113,7 +127,7 @@ int tms_pool_keep(int device, tms_phys handle, size_t size, const struct tms_all
     }
     pool[n_pool++] = (struct kept){.handle = handle, .size = size, .device = device, .state = IDLE,
                                    .key = ++last_key, .owner = owner, .order = order, .idle_until_ns = until};
-    __atomic_store_n(&pool_entries, n_pool, __ATOMIC_RELAXED);
+    count_entries_locked();
     unlock();
     return TMS_OK;
 }
@@ -124,11 +138,11 @@ static int by_order(const void *x, const void *y)
     return (a->order > b->order) - (a->order < b->order);
 }
 
-size_t tms_pool_take(const struct tms_alloc *owner, struct tms_extent **ext, int *n_ext)
+size_t tms_job_pool_take(const void *owner, struct tms_extent **ext, int *n_ext)
 {
     *ext = NULL;
     *n_ext = 0;
-    if (!tms_pool_any()) return 0;
+    if (!tms_job_pool_any()) return 0;
     lock();
     size_t mine = 0;
     for (size_t i = 0; i < n_pool; i++) mine += pool[i].owner == owner && pool[i].state == IDLE;
@@ -156,7 +170,8 @@ size_t tms_pool_take(const struct tms_alloc *owner, struct tms_extent **ext, int
     }
     qsort(taken, k, sizeof *taken, by_order);
     for (size_t i = 0; i < k; i++) {
-        out[i] = (struct tms_extent){.handle = taken[i].handle, .len = taken[i].size, .size = taken[i].size, .fd = -1};
+        out[i] = (struct tms_extent){.handle = taken[i].handle, .len = taken[i].size, .size = taken[i].size,
+                                     .from = {.kind = TMS_MEM_OWN}};
         bytes += taken[i].size;
     }
     free(taken);
@@ -165,10 +180,10 @@ size_t tms_pool_take(const struct tms_alloc *owner, struct tms_extent **ext, int
     return bytes;
 }
 
-void tms_pool_forget(const struct tms_alloc *owner)
+void tms_job_pool_forget(const void *owner)
 {
     const struct tms_driver *drv;
-    if (!tms_pool_any() || tms_driver_get(&drv, NULL)) return;
+    if (!tms_job_pool_any() || tms_driver_get(&drv, NULL)) return;
     tms_phys *drop = NULL;
     size_t n_drop = 0;
     lock();
@@ -195,75 +210,88 @@ void tms_pool_forget(const struct tms_alloc *owner)
     free(drop);
 }
 
-/* Gives back what a member lent: each imported handle released here first,
- * then its lender told (it may lend the memory again only once nothing here
- * maps it). */
-int tms_pool_return_borrowed(const struct tms_driver *drv, int device, const struct tms_extent *e, int n,
-                             size_t *bytes)
+/* ---- memory members lent, as this process maps it --------------------------------------- */
+
+uint64_t tms_job_borrowed_add(int device, const struct tms_job_piece *p)
 {
-    int first = 0;
-    size_t done = 0;
-    for (int i = 0; i < n; i++) {
-        if (!e[i].key) continue;
-        if (e[i].fd >= 0) {
-            close(e[i].fd);
-            __atomic_sub_fetch(&kept_fds, 1, __ATOMIC_RELAXED);
-        }
-        int rc = drv->release(e[i].handle);
-        if (rc && !drv->is_shutdown(rc) && !first) first = rc;
-        done += e[i].len;
+    uint64_t id = 0;
+    lock();
+    if (n_lent_here == cap_lent_here) {
+        size_t grown = cap_lent_here ? cap_lent_here * 2 : 64;
+        struct lent_piece *more = realloc(lent_here, grown * sizeof *more);
+        if (more) lent_here = more, cap_lent_here = grown;
     }
-    __atomic_sub_fetch(&borrowed[slot(device)], done, __ATOMIC_RELAXED);
-    if (bytes) *bytes += done;
-    const struct tms_job_ops *ops = tms_pool_ops();
-    uint64_t keys[TMS_JOB_MAX_PIECES];
-    /* One message per connection and spent-ness: extents that came over one lie together. */
-    for (int i = 0; ops && i < n; i++) {
-        if (!e[i].key) continue;
-        int seen = 0, spent = e[i].shared_on != 0;
-        for (int j = 0; j < i && !seen; j++) seen = e[j].key && e[j].via == e[i].via && (e[j].shared_on != 0) == spent;
-        if (seen) continue;
-        size_t k = 0;
-        for (int j = i; j < n; j++) {
-            if (!e[j].key || e[j].via != e[i].via || (e[j].shared_on != 0) != spent) continue;
-            keys[k++] = e[j].key;
-            if (k == TMS_JOB_MAX_PIECES) ops->returned(e[i].via, keys, k, spent), k = 0;
-        }
-        if (k) ops->returned(e[i].via, keys, k, spent);
+    if (n_lent_here < cap_lent_here) {
+        id = ++last_id;
+        lent_here[n_lent_here++] = (struct lent_piece){.id = id, .device = device, .p = *p};
+        count_entries_locked();
+        __atomic_add_fetch(&borrowed[slot(device)], p->len, __ATOMIC_RELAXED);
     }
-    return first;
+    unlock();
+    return id;
+}
+
+int tms_job_borrowed_drop(uint64_t id, struct tms_job_piece *out)
+{
+    int found = 0;
+    lock();
+    for (size_t i = 0; i < n_lent_here && !found; i++) {
+        if (lent_here[i].id != id) continue;
+        found = 1;
+        *out = lent_here[i].p;
+        __atomic_sub_fetch(&borrowed[slot(lent_here[i].device)], out->len, __ATOMIC_RELAXED);
+        if (out->fd >= 0) __atomic_sub_fetch(&kept_fds, 1, __ATOMIC_RELAXED);
+        lent_here[i] = lent_here[--n_lent_here];
+        count_entries_locked();
+    }
+    unlock();
+    return found;
+}
+
+int tms_job_lent_fd(uint64_t id, int pid, int *fd, struct tms_err *err)
+{
+    int kept = -2;
+    lock();
+    for (size_t i = 0; i < n_lent_here; i++) {
+        struct tms_job_piece *p = &lent_here[i].p;
+        if (lent_here[i].id != id) continue;
+        /* Its lender must never use it again once another process may map it. */
+        if (!fd && pid != p->lender) p->shared_on = 1;
+        /* A copy under the lock: a return closes the piece's descriptor under it too. */
+        if (fd) kept = p->fd >= 0 ? fcntl(p->fd, F_DUPFD_CLOEXEC, 0) : -1;
+        if (fd && kept < 0 && p->fd >= 0) kept = -3 - errno;
+        break;
+    }
+    unlock();
+    if (!fd) return TMS_OK;
+    if (kept >= 0) {
+        *fd = kept;
+        return TMS_OK;
+    }
+    if (kept <= -3)
+        return tms_fail(err, TMS_E_IO, -3 - kept, "memory a job lent: dup of its descriptor failed (errno %d)",
+                        -3 - kept);
+    return tms_fail(err, TMS_E_UNSUPPORTED, 0, "it is memory a job lent, whose descriptor this process did not keep "
+                    "(it keeps at most %zu, a quarter of its descriptor limit: raise `ulimit -n`)",
+                    tms_os_fd_budget(TMS_OS_FDS_BORROWED));
 }
 
 /* A descriptor per borrowed piece adds up (4,096 for 8 GiB of 2 MiB handles):
  * its share of the descriptor budget leaves the process's own files room. */
-size_t tms_core_job_fd_cap(void) { return tms_os_fd_budget(TMS_OS_FDS_BORROWED); }
-
-int tms_core_job_keep_fd(void)
+int tms_job_keep_fd(void)
 {
-    size_t limit = tms_core_job_fd_cap(), n = __atomic_load_n(&kept_fds, __ATOMIC_RELAXED);
+    size_t limit = tms_os_fd_budget(TMS_OS_FDS_BORROWED), n = __atomic_load_n(&kept_fds, __ATOMIC_RELAXED);
     do {
         if (n >= limit) return 0;
     } while (!__atomic_compare_exchange_n(&kept_fds, &n, n + 1, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
     return 1;
 }
 
-void tms_pool_count_borrowed(int device, size_t bytes)
-{
-    __atomic_add_fetch(&borrowed[slot(device)], bytes, __ATOMIC_RELAXED);
-}
-
 /* ---- the member side: what the job's thread asks ------------------------------------ */
 
-void tms_core_job_status(int device, size_t *demand, size_t *idle)
+void tms_job_status(int device, size_t *demand, size_t *idle)
 {
-    size_t paused = 0, kept = 0;
-    tms_table_lock();
-    TMS_FOR_EACH_ALLOC(a) {
-        /* Memory a resume will ask the job for (lend.c's lendable ones): a resume in flight has asked already. */
-        if (a->device == device && a->state == TMS_PAUSED && !a->moving && !a->adopted && a->handle_types)
-            paused += a->reserved;
-    }
-    tms_table_unlock();
+    size_t paused = tms_core_paused_lendable(device), kept = 0;
     lock();
     for (size_t i = 0; i < n_pool; i++)
         kept += pool[i].device == device && pool[i].state == IDLE && !pool[i].spent ? pool[i].size : 0;
@@ -274,7 +302,7 @@ void tms_core_job_status(int device, size_t *demand, size_t *idle)
 
 /* Whether a handle of size bytes serves a need of want bytes: the driver
  * maps a handle whole, never a part of one, so it must not be larger. */
-int tms_pool_fits(size_t size, size_t want) { return want && size <= want; }
+int tms_job_pool_fits(size_t size, size_t want) { return want && size <= want; }
 
 /* The idle handle on device for a need of want bytes: the largest that fits; SIZE_MAX if none. */
 static size_t pick_locked(int device, size_t want)
@@ -282,13 +310,13 @@ static size_t pick_locked(int device, size_t want)
     size_t best = SIZE_MAX;
     for (size_t i = 0; i < n_pool; i++) {
         const struct kept *k = &pool[i];
-        if (k->device != device || k->state != IDLE || k->spent || !tms_pool_fits(k->size, want)) continue;
+        if (k->device != device || k->state != IDLE || k->spent || !tms_job_pool_fits(k->size, want)) continue;
         if (best == SIZE_MAX || k->size > pool[best].size) best = i;
     }
     return best;
 }
 
-int tms_core_job_lend(int device, const uint64_t *needs, size_t n, int pid, struct tms_job_lent *out, int *fds,
+int tms_job_lend(int device, const uint64_t *needs, size_t n, int pid, struct tms_job_lent *out, int *fds,
                       size_t *n_out, uint64_t *batch, struct tms_err *err)
 {
     const struct tms_driver *drv;
@@ -323,7 +351,7 @@ int tms_core_job_lend(int device, const uint64_t *needs, size_t n, int pid, stru
         int drc = drv->export_fd(handles[i], &fds[sent]);
         if (drc) {
             TMS_DEBUG("lend: export of a kept handle failed: %s (%d)", drv->code_name(drc), drc);
-            (void)tms_core_job_returned(b, &keys[i], 1, 0);
+            (void)tms_job_returned(b, &keys[i], 1, 0);
             continue;
         }
         out[sent++] = out[i];
@@ -333,7 +361,7 @@ int tms_core_job_lend(int device, const uint64_t *needs, size_t n, int pid, stru
     return TMS_OK;
 }
 
-size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n, int spent)
+size_t tms_job_returned(uint64_t batch, const uint64_t *keys, size_t n, int spent)
 {
     uint64_t until = now_ns() + hold_ns();
     size_t left = 0;
@@ -356,10 +384,10 @@ size_t tms_core_job_returned(uint64_t batch, const uint64_t *keys, size_t n, int
     return left;
 }
 
-size_t tms_core_job_release(int device, size_t bytes)
+size_t tms_job_pool_release(int device, size_t bytes)
 {
     const struct tms_driver *drv;
-    if (!tms_pool_any() || tms_driver_get(&drv, NULL)) return 0;
+    if (!tms_job_pool_any() || tms_driver_get(&drv, NULL)) return 0;
     tms_phys drop[64];
     size_t n_drop = 0, freed = 0;
     lock();
@@ -378,19 +406,9 @@ size_t tms_core_job_release(int device, size_t bytes)
     return freed;
 }
 
-int tms_pool_make_room(int device, size_t size)
+int tms_job_expire(void)
 {
-    const struct tms_job_ops *ops = tms_pool_ops();
-    int on = ops && ops->on();
-    if (!on && !tms_pool_any()) return 0;
-    size_t freed = tms_core_job_release(device, size);
-    if (freed < size && on) freed += ops->release(device, size - freed);
-    return freed > 0;
-}
-
-int tms_core_job_expire(void)
-{
-    if (!tms_pool_any()) return -1;
+    if (!tms_job_pool_any()) return -1;
     const struct tms_driver *drv;
     if (tms_driver_get(&drv, NULL)) return -1;
     uint64_t now = now_ns(), next = UINT64_MAX;
@@ -415,7 +433,7 @@ int tms_core_job_expire(void)
     return ms > 60000 ? 60000 : (int)ms;
 }
 
-void tms_core_job_memory(int device, size_t *kept, size_t *lent, size_t *borrowed_out)
+void tms_job_memory(int device, size_t *kept, size_t *lent, size_t *borrowed_out)
 {
     size_t idle = 0, out = 0;
     lock();
