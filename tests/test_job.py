@@ -56,6 +56,13 @@ def test_a_flood_of_a_members_share_socket_leaves_its_job_socket_answering(run_s
     assert check_ok(run_scenario("job", "share_socket_flooded", timeout=TIMEOUT)) == "done\n"
 
 
+def test_idle_connections_of_one_listener_leave_the_other_room_at_a_low_limit(run_scenario):
+    # The smallest cap on kept connections (RLIMIT_NOFILE 64): idle ones of the share socket
+    # cannot take the places the job socket needs.
+    assert check_ok(run_scenario("job", "idle_connections_of_the_share_socket_leave_the_job_socket_room",
+                                 timeout=TIMEOUT)) == "done\n"
+
+
 def test_the_job_setting(in_child):
     in_child(job.job_setting, env={"TMS_JOB": "from-env"})
 

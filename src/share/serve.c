@@ -127,12 +127,18 @@ static void refuse_asking(int fd, int share)
 /* Accepts what waits on listener l, within the caps: another user's
  * connection is closed at once; a peer process holds at most half of the
  * descriptors the thread keeps; one of this user's that has not asked yet
- * takes a place only within ASKING_MAX and ASKING_PER_PEER of the listener
+ * takes a place only within the listener's share of them and ASKING_PER_PEER
  * (the oldest of those that have not asked makes room for a new one). */
 static void accept_some_locked(size_t l, uint64_t now)
 {
     int lfd = listeners[l].fd, share = listeners[l].device < 0;
     size_t cap = tms_os_fd_budget(TMS_OS_FDS_HELD), peer_cap = cap / HELD_PEER_SHARE;
+    /* Connections that have not asked share half of the cap among the listeners:
+     * however small the descriptor limit, one listener's idle ones leave every
+     * other listener, and those who asked, room. */
+    size_t asking_max = cap / (HELD_PEER_SHARE * (n_listeners ? n_listeners : 1));
+    asking_max = asking_max > ASKING_MAX ? ASKING_MAX : asking_max ? asking_max : 1;
+    size_t asking_per_peer = asking_max < ASKING_PER_PEER ? asking_max : ASKING_PER_PEER;
     for (int k = 0; k < ACCEPTS_PER_WAKE && now >= listeners[l].resume_ms; k++) {
         int fd = tms_os_accept(lfd);
         if (fd < 0) {
@@ -177,12 +183,12 @@ static void accept_some_locked(size_t l, uint64_t now)
             refused_locked(l, now);
             continue;
         }
-        if (!ready && asking_of_peer >= ASKING_PER_PEER) {
+        if (!ready && asking_of_peer >= asking_per_peer) {
             refuse_asking(fd, share);
             refused_locked(l, now);
             continue;
         }
-        if (!ready && asking >= ASKING_MAX) {
+        if (!ready && asking >= asking_max) {
             refuse_asking(conns[oldest].fd, share);
             conns[oldest].fd = -1;
             conns[oldest].state = TMS_CONN_DONE;

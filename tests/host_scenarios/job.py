@@ -765,6 +765,50 @@ def share_socket_flooded():
     print("done")
 
 
+def idle_connections_of_the_share_socket_leave_the_job_socket_room():
+    """At the smallest descriptor limit (the sender keeps 16 connections), four
+    processes of this user hold four idle connections each to a lending member's share
+    socket: those that have not asked take at most their listener's share of the 16, so
+    the member's job socket still takes the borrower's requests and every resume
+    borrows all it needs."""
+    a, b = Member(J, nofile=64), Member(J)
+    p = b.alloc("w", 8 * MiB, backup=True)
+    data = b.ask("fill", p, 8 * MiB)
+    b.pause()
+    a.alloc("kv", 8 * MiB)
+    a.ask("share", a.alloc("s", CHUNK))  # its share socket listens
+    assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
+
+    def sockets_of_a():
+        fds = os.listdir(f"/proc/{a.pid}/fd")
+        return sum(os.readlink(f"/proc/{a.pid}/fd/{fd}").startswith("socket:") for fd in fds if fd.isdigit())
+
+    base = sockets_of_a()
+    (share_socket,) = [os.path.join(place(), n) for n in os.listdir(place()) if n.startswith(f"s-{a.pid}-")]
+    floods = []
+    for _ in range(4):
+        f = subprocess.Popen([sys.executable, PEERS, "flooder", share_socket, "idle", "4"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        assert f.stdout.readline() == "flooding\n"
+        assert f.stdout.readline() == "held 4\n"
+        floods.append(f)
+    deadline = time.monotonic() + 30
+    while sockets_of_a() < base + 4:  # the sender took idle connections in: the flood is on
+        assert time.monotonic() < deadline, "the sender took none of the idle connections in"
+    rounds = []
+    for _ in range(3):
+        r, q = device(b.resume()), device(b.pause())
+        rounds.append((r["borrowed_bytes"], r["fallback"], r["timed_out"], q["timed_out"]))
+    for f in floods:
+        f.stdin.close()
+        assert f.wait(timeout=60) == 0
+    assert rounds == [(8 * MiB, None, [], [])] * 3, rounds
+    b.resume()
+    assert b.ask("read", p, 8 * MiB) == data
+    check_exit_frees((a, b), made_by(a.pid))
+    print("done")
+
+
 def fake_members(count, answer=None):
     """count listening sockets under the names of members of job J on device 0, in the
     place and (for a library that looked there) in the abstract namespace, served by a
