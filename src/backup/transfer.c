@@ -454,10 +454,9 @@ static int pool_start(const struct tms_driver *drv, int device, int warming, str
 
 /* ---- the warm-up, on a thread of its own ---------------------------------------- */
 
-/* Pinning the staging (and loading the fingerprint kernel) takes long enough
- * to matter to the caller's first region, so it runs beside the caller; a copy
- * that comes first takes the pool's lock and starts the pool itself, or waits
- * for the warm-up to end. */
+/* Pinning the staging takes long enough to matter to the caller's first
+ * region, so it runs beside the caller; a copy that comes first takes the
+ * pool's lock and starts the pool itself, or waits for the warm-up to end. */
 static pthread_mutex_t warm_lock = PTHREAD_MUTEX_INITIALIZER;
 static int warm_requested;       /* atomic; set under warm_lock */
 static int warm_thread_started;  /* guarded by warm_lock */
@@ -474,10 +473,6 @@ static void *warm_main(void *arg)
     pthread_sigmask(SIG_BLOCK, &all, NULL);
     struct tms_err err = {0};
     if (pool_start(warm_drv, warm_device, 1, &err)) TMS_DEBUG("copy workers not warmed up: %s", err.msg);
-    /* A backed-up pause fingerprints what it copies: its first one finds the kernel loaded. */
-    int rc = warm_drv->fingerprint_load && !__atomic_load_n(&warm_cancel, __ATOMIC_ACQUIRE)
-                 ? warm_drv->fingerprint_load(warm_device) : 0;
-    if (rc) TMS_DEBUG("fingerprint kernel not loaded ahead: %s (%d)", warm_drv->code_name(rc), rc);
     return NULL;
 }
 

@@ -111,9 +111,6 @@ struct tms_driver {
      * whose kernel cannot be loaded here returns that code every time.
      * pre: the chunks are mapped and nothing writes them. */
     int (*fingerprint)(int device, const tms_va *chunks, size_t n, struct tms_fp *out);
-    /* Loads what fingerprint needs on device ahead of its first use (a
-     * module from PTX takes milliseconds); NULL where there is nothing to load. */
-    int (*fingerprint_load)(int device);
     /* Sets the n ranges [va[i], va[i] + len[i]) on device to byte, and waits
      * until they are: queued on a stream of its own, so one wait serves them
      * all (a resume that zeroes or poisons many allocations). pre: mapped,

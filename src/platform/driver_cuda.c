@@ -498,11 +498,6 @@ static int cuda_fingerprint(int device, const tms_va *chunks, size_t n, struct t
     return rc;
 }
 
-static int cuda_fingerprint_load(int device)
-{
-    return cuda_fingerprint(device, NULL, 0, NULL);  /* no chunk: the module, the key and the lists */
-}
-
 /* ---- filling device memory ------------------------------------------------------------
  * One stream per device, made on first use, on which every range is queued
  * before one wait: a resume that zeroes many allocations waits once. */
@@ -556,7 +551,6 @@ const struct tms_driver tms_driver_cuda = {
     .is_shutdown = cuda_is_shutdown,
     .code_name = cuda_code_name,
     .default_chunk_bytes = cuda_default_chunk_bytes,
-    .fingerprint_load = cuda_fingerprint_load,
     .device_count = cuda_device_count,
     .current_device = cuda_current_device,
     .granularity = cuda_granularity,
