@@ -215,3 +215,7 @@ def test_report_type_declarations_name_every_byte_field():
         declared[cls.name] = [s.target.id for s in block.body if isinstance(s, ast.AnnAssign)]
     want = [name for name, _doc in _report.BYTE_FIELDS]
     assert declared == {"DeviceReport": want, "Report": want}, (declared, want)
+
+
+def test_a_resume_reports_what_it_mapped_and_both_levels_carry_every_field(in_child):
+    in_child(observe.report_fields_on_both_levels)

@@ -218,3 +218,23 @@ def interrupt_mid_call(op, progress):
 
 if __name__ == "__main__":
     run_cases(globals(), sys.argv)
+
+
+def report_fields_on_both_levels():
+    """A resume reports what it mapped as mapped_bytes (and, as README says, in
+    released_bytes too; a pause maps nothing); Report has the job's fields as sums
+    (reused_bytes, lenders) and DeviceReport the call's fingerprint time and why nothing
+    was skipped."""
+    start()
+    with tms.region("r", enable_cpu_backup=True):
+        p = core().malloc(4 * MiB)
+    data = fill(p, 4 * MiB)
+    r = tms.pause("r")
+    assert (r.released_bytes, r.mapped_bytes, r.copied_bytes) == (4 * MiB, 0, 4 * MiB), r.as_dict()
+    r = tms.resume("r")
+    assert (r.released_bytes, r.mapped_bytes, r.reused_bytes, r.lenders) == (4 * MiB, 4 * MiB, 0, {}), r.as_dict()
+    (d,) = r.devices.values()
+    assert (d.mapped_bytes, d.reused_bytes, d.lenders) == (4 * MiB, 0, {}), d
+    assert d.fingerprint_seconds == r.fingerprint_seconds and d.why_not_skipped == r.why_not_skipped, d
+    assert read(p, 4 * MiB) == data
+    core().free(p)
