@@ -55,6 +55,13 @@ static void saved_early(void *arg)
     e->hooks->saved(e->hooks->arg, e->index);
 }
 
+/* A fingerprinted move's copies still to land: the last one records what they
+ * carried (skip.c) while the copies of the other moves go on. */
+struct landing {
+    struct save *s;
+    size_t index, left;
+};
+
 /* One save as it goes through its passes: plan, reserve (budget.c), choose
  * each backup (backup.c), narrow each copy to what changed (skip.c), copy
  * (transfer_batch.c), then commit or undo. */
@@ -64,15 +71,24 @@ struct save {
     size_t n, n_items, reserved;
     struct tms_save_plan *p;
     struct early_hook *early;
+    struct landing *landing;  /* per move; NULL: each is recorded at commit */
     struct tms_transfer_batch b;
     struct tms_skip skip;
     struct tms_save_info *info;
 };
 
+static void landed(void *arg)
+{
+    struct landing *l = arg;
+    if (--l->left) return;
+    tms_skip_confirm(l->s->drv, &l->s->p[l->index], 1, &l->s->skip, l->s->info);
+}
+
 /* A plan per move, and the early hooks where every move may go early. */
 static int plan(struct save *s, const struct tms_backup_hooks *hooks, struct tms_err *err)
 {
     s->p = calloc(s->n, sizeof *s->p);
+    s->landing = s->n > 1 ? calloc(s->n, sizeof *s->landing) : NULL;  /* one move has nothing to overlap */
     s->early = hooks && hooks->saved && saves_early(s->m, s->n) ? calloc(s->n, sizeof *s->early) : NULL;
     if (!s->p) return tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning %zu backups", s->n);
     for (size_t i = 0; i < s->n; i++) {
@@ -119,6 +135,10 @@ static void queue(struct save *s, size_t i)
     size_t n_copy = p->copy ? p->n_copy : m->n_ranges;
     tms_transfer_batch_add(&s->b, m->copy, m->device, m->va, m->size, copy, n_copy, NULL, &p->first_item,
                            &p->n_items);
+    if (s->landing && p->fingerprinted && p->n_items) {
+        s->landing[i] = (struct landing){.s = s, .index = i, .left = p->n_items};
+        tms_transfer_batch_on_backed_up(&s->b, p->first_item, p->n_items, landed, &s->landing[i]);
+    }
 }
 
 /* The copies succeeded: each backup holds its move's ranges, with the record
@@ -167,6 +187,7 @@ int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const 
     if (rc) {  /* nothing touched yet: every allocation keeps its backup */
         forget_ranges(m, n);
         free(s.early);
+        free(s.landing);
         free(s.p);
         return rc;
     }
@@ -200,6 +221,7 @@ int tms_backup_save(const struct tms_driver *drv, struct tms_backup_move *const 
         tms_budget_settle(s.p, n);
     }
     free(s.early);
+    free(s.landing);
     free(s.p);
     return rc;
 }

@@ -82,6 +82,10 @@ int tms_transfer_batch_start(struct tms_transfer_batch *b, const struct tms_driv
 void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
                             size_t size, const struct tms_range *ranges, size_t n_ranges,
                             const struct tms_restore_opts *restore, size_t *first, size_t *n);
+/* A pause's items [first, first + n) call backed_up(arg) each, in the caller's
+ * thread, once that item is all in its backup (struct tms_transfer). */
+void tms_transfer_batch_on_backed_up(struct tms_transfer_batch *b, size_t first, size_t n, void (*backed_up)(void *arg),
+                                     void *arg);
 /* A pause's copy of a whole allocation (one item) that calls backed_up(arg)
  * once all of it is in the backup (struct tms_transfer); 0 where it found no
  * room for the item (b->rc says why). */

@@ -73,6 +73,13 @@ void tms_transfer_batch_add(struct tms_transfer_batch *b, struct tms_backup *bac
     opened(b, backup);
 }
 
+void tms_transfer_batch_on_backed_up(struct tms_transfer_batch *b, size_t first, size_t n, void (*backed_up)(void *arg),
+                                     void *arg)
+{
+    for (size_t k = first; k < first + n && k < b->count; k++)
+        b->items[k].backed_up = backed_up, b->items[k].backed_up_arg = arg;
+}
+
 int tms_transfer_batch_add_whole(struct tms_transfer_batch *b, struct tms_backup *backup, int device, tms_va va,
                                   size_t size, void (*backed_up)(void *arg), void *arg, size_t *first)
 {
