@@ -1,15 +1,19 @@
-/* Inside the job, what its files share (job.c, job_pool.c, job_lend.c, serve_job.c): asking the members, the memory kept for them, the records of memory they lent. */
+/* Inside the job, what its files share (job.c, job_ask.c, job_borrow.c, job_pool.c, job_lend.c, serve_job.c): the members and the sockets to them, asking them, the memory kept for them, the records of memory they lent. */
 #ifndef TMS_SHARE_JOB_INTERNAL_H
 #define TMS_SHARE_JOB_INTERNAL_H
 
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "core/core_share.h"
 #include "platform/error.h"
+#include "platform/os.h"
+#include "share/job.h"
 #include "share/wire.h"
 
-/* A handle another member lent, imported here (job.c's borrow). */
+/* A handle another member lent, imported here (job_borrow.c). */
 struct tms_job_piece {
     size_t need;           /* index of the need it serves */
     uint64_t handle;       /* imported: a handle of this process's backend */
@@ -27,26 +31,107 @@ struct tms_job_note {
     int members;           /* members asked */
     int timed_out;         /* of them, those that did not answer within the bound */
     int timed_out_pids[TMS_REPORT_PIDS];
-    int bad;               /* of them, those whose lend failed the checks (job.c) */
+    int bad;               /* of them, those whose lend failed the checks (job_borrow.c) */
 };
 
-/* ---- asking the members (job.c), each within the call's one bound --------------------- */
+/* ---- the members and the sockets to them (job.c) ----------------------------------------
+ * job.c's job_lock guards the name, this process's sockets and every
+ * connection to another member; the other files reach them only through
+ * these calls, each holding the lock only within itself, so no caller waits
+ * under it. */
 /* 1 while the process is in a job. */
 int tms_job_on(void);
-/* A pause is about to release `releasable` bytes it could lend on device
- * (joining the job there first): how many of them to keep. */
-size_t tms_job_ask_keep(int device, size_t releasable, struct tms_job_note *note);
-/* A resume needs needs[i] more bytes for n allocations on device: the
- * members' lent handles, imported (*pieces: malloc'd, the caller's). */
-int tms_job_borrow(int device, const size_t *needs, size_t n, struct tms_job_piece **pieces, size_t *n_pieces,
-                   struct tms_job_note *note);
-/* The driver is out of memory on device: the members release up to bytes of
- * what they keep idle there. Returns the bytes they released. */
-size_t tms_job_ask_release(int device, size_t bytes);
+/* What a pause or resume asks the members with: the job, the device, the
+ * place, and the one deadline of the whole call. */
+struct tms_job_asking {
+    char job[TMS_JOB_NAME_MAX + 1];
+    char identity[TMS_JOB_IDENTITY_MAX + 1];
+    char prefix[32];
+    char path[PATH_MAX];
+    int dir;
+    uint64_t deadline;
+};
+/* Another member's socket: its name, and once connected the socket and the
+ * pid its credentials give. */
+struct tms_job_member {
+    char name[TMS_OS_SOCKET_NAME_MAX];
+    int fd;
+    int pid;
+};
+/* The monotonic clock in milliseconds, what deadlines are counted in. */
+uint64_t tms_job_now_ms(void);
+/* The device's identity, the place and this process's socket for the device,
+ * made if it has none yet (from then on the others find it), into *a; the
+ * call's deadline starts now. */
+int tms_job_join_device(int device, struct tms_job_asking *a, struct tms_err *err);
+/* The names of the other members' sockets on the device, into m (malloc'd,
+ * the caller's to free); how many. The place holds only the user's sockets. */
+size_t tms_job_list_members(const struct tms_job_asking *a, struct tms_job_member **m);
+/* A new socket to a member, listed (pending) from the start, so a fork at any
+ * moment finds it; -1 if none. */
+int tms_job_open_conn(void);
+/* Closes the listed socket fd and forgets it. */
+void tms_job_close_conn(int fd);
+/* Whether any of the files ids[0..n) (those with is_file[i]) came here in an
+ * earlier lend that is still held. */
+int tms_job_conn_holds_file(const int *is_file, const struct tms_os_id *ids, size_t n);
+/* The lend r came over the listed socket fd from lender: the socket is kept
+ * as its claim, with the identities of the files it lent (ids[i] where
+ * is_file[i]). Returns this process's name for the connection (the pieces' via). */
+uint64_t tms_job_conn_claim(int fd, int lender, const struct tms_job_lend_reply *r, const int *is_file,
+                            const struct tms_os_id *ids);
+/* Tells a lender over fd that keys[0..n) (n 0: all it lent) are released here
+ * (spent: see wire.h). A full socket drops it. */
+void tms_job_send_returned_on(int fd, const uint64_t *keys, size_t n, int spent);
 /* The borrowed handles keys[0..n) that came over via are released here:
  * their lender is told (spent: they were shared on, and another process may
  * still map them); the connection closes once nothing of its lend is left. */
 void tms_job_send_returned(uint64_t via, const uint64_t *keys, size_t n, int spent);
+
+/* ---- asking the members (job_ask.c), each within the call's one bound -------------------- */
+/* How asking one member went: asked (its socket open), timed out, or gone. */
+enum { TMS_MEMBER_ASKED, TMS_MEMBER_TIMED_OUT, TMS_MEMBER_GONE };
+/* Notes that member pid did not answer within the bound. */
+void tms_job_note_timeout(struct tms_job_note *note, int pid);
+/* The request op of a's job about a's device, its head filled, its needs none. */
+void tms_job_fill_request(struct tms_job_request *req, int op, const struct tms_job_asking *a);
+/* Connects to member m (a socket listed as the job's, into m->fd) and checks
+ * it runs as this user: TMS_MEMBER_ASKED; TMS_MEMBER_GONE: nobody listens there
+ * (its process ended: the name is removed) or it is not a member after all;
+ * TMS_MEMBER_TIMED_OUT: its backlog is full. */
+int tms_job_connect_member(const struct tms_job_asking *a, struct tms_job_member *m);
+/* Sends req (len bytes) to m; TMS_MEMBER_ASKED, else m's socket is closed. */
+int tms_job_send_request(struct tms_job_member *m, const struct tms_job_request *req, size_t len);
+/* Connects to the members listed and sends each req: those asked keep their
+ * socket (m[i].fd), the others are noted (timed out) or dropped. How many
+ * were asked (at most 32), first in m. */
+size_t tms_job_ask_members(const struct tms_job_asking *a, struct tms_job_member *m, size_t n,
+                           const struct tms_job_request *req, size_t len, struct tms_job_note *note);
+/* Waits until deadline for an answer on fd, with at most max_fds
+ * descriptors; its length (0: hung up, -1: none in time or an error,
+ * *timed_out says). */
+ssize_t tms_job_take_answer(int fd, uint64_t deadline, void *buf, size_t len, int *fds, int max_fds, int *n_fds,
+                            int *timed_out);
+/* Takes the status replies of the n members asked as they come, until the
+ * call's deadline: each one that answered goes to take (which returns 1 once
+ * it needs no more); those that did not answer in time are noted timed out.
+ * Every member's socket is closed on return. */
+void tms_job_take_statuses(const struct tms_job_asking *a, struct tms_job_member *m, size_t n,
+                           struct tms_job_note *note,
+                           int (*take)(void *ctx, const struct tms_job_member *m, const struct tms_job_status_reply *r),
+                           void *ctx);
+/* A pause is about to release `releasable` bytes it could lend on device
+ * (joining the job there first): how many of them to keep. */
+size_t tms_job_ask_keep(int device, size_t releasable, struct tms_job_note *note);
+/* The driver is out of memory on device: the members release up to bytes of
+ * what they keep idle there. Returns the bytes they released. */
+size_t tms_job_ask_release(int device, size_t bytes);
+
+/* ---- borrowing from the members (job_borrow.c) -------------------------------------------- */
+/* A resume needs needs[i] more bytes for n allocations on device: the
+ * members' lent handles, imported (*pieces: malloc'd, the caller's). */
+int tms_job_borrow(int device, const size_t *needs, size_t n, struct tms_job_piece **pieces, size_t *n_pieces,
+                   struct tms_job_note *note);
 
 /* ---- own memory kept for the members (job_pool.c) -------------------------------------
  * Its lock is a leaf: nothing else is taken under it, and no driver call runs

@@ -58,7 +58,7 @@ struct tms_share_reply {
     uint64_t lens[TMS_SHARE_MAX_CHUNKS];
 };
 
-/* ---- lending within a job (job.c asks, serve_job.c answers) ------------------------
+/* ---- lending within a job (job_ask.c asks, serve_job.c answers) --------------------
  * A member's socket is named from the job and the device in the user's
  * place ("j-<hash>-<pid>-<id>"), so the members of a job find each other
  * there and no other user can; a request names the job and the device again,
