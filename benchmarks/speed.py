@@ -36,9 +36,9 @@ LLAMA = {"hidden": 2048, "intermediate": 8192, "layers": 16, "vocab": 128256, "k
 
 def _sizes(dry_run, gib):
     if dry_run:
-        return {"first": 8 * MiB, "latency": [(1, 64 * MiB), (8, 8 * MiB)], "backup": 64 * MiB,
+        return {"first": 8 * MiB, "latency": [(1, 64 * MiB), (8, 8 * MiB)], "backup": 32 * MiB,
                 "model": [1 * MiB + 4096 * k for k in range(24)], "kv": [2 * MiB] * 8, "bulk_tensor": 16 * MiB,
-                "cycles": 3, "fill": 64 * MiB, "alloc": [4 * MiB] * 4}
+                "cycles": 3, "fill": 16 * MiB, "alloc": [4 * MiB] * 4}
     h, i, layers, v = LLAMA["hidden"], LLAMA["intermediate"], LLAMA["layers"], LLAMA["vocab"]
     kv = LLAMA["kv_heads"] * LLAMA["head_dim"]
     per_layer = [h * h, h * kv, h * kv, h * h, h * i, h * i, i * h, h, h]  # q k v o gate up down, two norms
@@ -356,7 +356,8 @@ def first_regions(library, args, modes):
     """{(mode, init): (first_region sections, errors or None)} of cycles - 1 workers per mode doing only that, all
     started together and measuring one at a time once all are ready: a process has one first region, and workers one
     after the other would spend most of the run importing PyTorch."""
-    jobs, folder = [m for m in modes for _ in range(args.cycles - 1)], tempfile.mkdtemp(prefix="tms-speed-turn-")
+    extra = 1 if args.dry_run else args.cycles - 1  # a dry run checks the mechanism: one is enough
+    jobs, folder = [m for m in modes for _ in range(extra)], tempfile.mkdtemp(prefix="tms-speed-turn-")
     with concurrent.futures.ThreadPoolExecutor(max(1, len(jobs))) as pool:
         docs = list(pool.map(lambda m: run_one(library, *m, args, turn=(folder, len(jobs)), timeout=240), jobs))
     shutil.rmtree(folder, ignore_errors=True)

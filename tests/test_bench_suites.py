@@ -37,7 +37,7 @@ CHECKS = {
                          for w in d["workers"]]
                         == [(m, False, 0, ["alloc", "first_region", "integrity", "kinds", "latency", "model", "retained",
                                            "skip"], {}) for m in ("torch", "preload")]
-                        and all(len(w["first_regions"]) == 2 and all(len(w["sections"]["alloc"][k]) == 3
+                        and all(len(w["first_regions"]) == 1 and all(len(w["sections"]["alloc"][k]) == 3
                                                                      for k in ("backed", "region", "plain"))
                                 for w in d["workers"])
                         and d["workers"][0]["sections"]["model"]["tensors"] == 24
