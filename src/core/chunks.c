@@ -17,7 +17,7 @@ size_t tms_chunk_size(const struct tms_alloc *a, int i)
     return a->reserved - start < a->chunk ? a->reserved - start : a->chunk;
 }
 
-int tms_extents_lendable(const struct tms_driver *drv, const struct tms_alloc *a)
+int tms_extents_exchangeable(const struct tms_driver *drv, const struct tms_alloc *a)
 {
     return !a->adopted && a->handle_types && drv->export_fd && drv->import_fd && drv->device_identity;
 }

@@ -238,9 +238,9 @@ int tms_core_disown(uint64_t va, size_t max_size, uint64_t *handle, uint64_t *ow
  * physical handle now; 0 while paused or moving). TMS_E_NOT_FOUND if none. */
 int tms_core_adopted_at(uint64_t ptr, uint64_t *owner_handle, uint64_t *handle);
 
-/* ---- sharing and lending, as the faces and hooks see them ---------------------------
- * The share handles, the sender's and receivers' protocol and the lending
- * between processes are share/'s (share/share.h and its neighbours); what the
+/* ---- sharing, as the faces and hooks see them ------------------------------------
+ * The share handles, the sender's and receivers' protocol and the memory
+ * exchanged between processes are share/'s (share/share.h and its neighbours); what the
  * core does for them is in core/core_share.h, which only share/ and the core
  * include. */
 /* The owner of the allocation adopted at va under owner_handle is exporting

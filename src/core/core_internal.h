@@ -217,21 +217,21 @@ void tms_extents_give(struct tms_give *items, size_t n);
 const struct tms_provider *tms_extents_provider(void);
 /* Whether the memory of a may be kept and lent to, or come from, other
  * processes: its own, exportable, of an allocation the core made. */
-int tms_extents_lendable(const struct tms_driver *drv, const struct tms_alloc *a);
+int tms_extents_exchangeable(const struct tms_driver *drv, const struct tms_alloc *a);
 /* A freed allocation: what a provider keeps for it is its no more. */
 void tms_extents_forget(struct tms_alloc *a);
 
-/* ---- memory from the provider for a pause and a resume (lend.c) ------------------- */
-/* After a pause unmapped m[i] (unmapped[i] set): the provider takes borrowed
- * memory back and keeps own memory as the others will ask for it; the rest
+/* ---- memory from the provider for a pause and a resume (provide.c) ------------------- */
+/* After a pause unmapped m[i] (unmapped[i] set): the provider takes back the
+ * memory that came from it and keeps own memory as the others will ask for it; the rest
  * is released. Failures of releases are reported (first in *rc, err), not undone. */
-void tms_lend_let_go(const struct tms_driver *drv, struct tms_move *m, size_t n, const unsigned char *unmapped,
+void tms_provide_let_go(const struct tms_driver *drv, struct tms_move *m, size_t n, const unsigned char *unmapped,
                      const struct tms_op_args *args, int *rc, struct tms_err *err);
-/* Before a resume maps m[0..n): each lendable allocation's memory planned by
+/* Before a resume maps m[0..n): each exchangeable allocation's memory planned by
  * the provider (a->ext); the driver makes the rest when it is mapped. */
-void tms_lend_plan(const struct tms_driver *drv, struct tms_move *const *m, size_t n, const struct tms_op_args *args);
+void tms_extents_plan(const struct tms_driver *drv, struct tms_move *const *m, size_t n, const struct tms_op_args *args);
 /* A plan that was not mapped: given back to the provider, which keeps it again. */
-void tms_lend_unplan(const struct tms_driver *drv, struct tms_alloc *a);
+void tms_extents_unplan(const struct tms_driver *drv, struct tms_alloc *a);
 
 /* The report's row of device (NULL without a report, or past TMS_REPORT_DEVICES). */
 struct tms_op_device *tms_report_device(const struct tms_op_args *args, int device);

@@ -1,4 +1,4 @@
-/* The core's side of sharing and lending, for share/ alone: the tokens and descriptors of shared allocations, and the provider an allocation's memory may come from. */
+/* The core's side of sharing and of the memory provider, for share/ alone: the tokens and descriptors of shared allocations, and the provider an allocation's memory may come from. */
 #ifndef TMS_CORE_SHARE_H
 #define TMS_CORE_SHARE_H
 
@@ -82,7 +82,7 @@ struct tms_give {
     const void *owner;            /* the allocation: a name the provider keeps its memory under */
     int device;
     int keep;                     /* TMS_KEEP_*: none; as much as the others will ask for (a pause of
-                                   * lendable memory); all (a plan never mapped: it was kept before) */
+                                   * exchangeable memory); all (a plan never mapped: it was kept before) */
     int paused;                   /* a pause let it go: the others hear of this process, whatever it keeps */
     int gone;                     /* freed: nothing kept under owner is its any more */
     struct tms_extent *ext;       /* its extents: each the provider takes it marks TMS_MEM_NONE */
@@ -116,6 +116,6 @@ void tms_core_set_provider(const struct tms_provider *p);
 
 /* Bytes of the allocations paused on device, not moving, made exportable by
  * the core (not adopted): what their resumes may ask other processes for. */
-size_t tms_core_paused_lendable(int device);
+size_t tms_core_paused_demand(int device);
 
 #endif

@@ -128,7 +128,7 @@ static int backup_all(struct pause_run *p, struct tms_move *m, size_t n, const s
 
 /* Unmaps each allocation not let go yet, then lets their memory go: the
  * provider, if any, takes what is its and keeps what the others will ask
- * for (lend.c), the rest is released. One whose unmap fails stays active and
+ * for (provide.c), the rest is released. One whose unmap fails stays active and
  * whole (and keeps its new copy only as a retained one). */
 static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, const struct tms_op_args *args,
                      struct tms_err *err)
@@ -167,7 +167,7 @@ static int unmap_all(const struct pause_run *p, struct tms_move *m, size_t n, co
             if (err) *err = one_err;
         }
     }
-    if (unmapped) tms_lend_let_go(p->drv, m, n, unmapped, args, &rc, err);
+    if (unmapped) tms_provide_let_go(p->drv, m, n, unmapped, args, &rc, err);
     free(unmapped);
     return rc;
 }

@@ -150,12 +150,12 @@ int tms_core_stats(struct tms_stats_row **rows, size_t *count, struct tms_err *e
     return TMS_OK;
 }
 
-size_t tms_core_paused_lendable(int device)
+size_t tms_core_paused_demand(int device)
 {
     size_t paused = 0;
     tms_table_lock();
     TMS_FOR_EACH_ALLOC(a) {
-        /* What a resume will ask others for (tms_extents_lendable): a resume in flight has asked already. */
+        /* What a resume will ask the provider for (tms_extents_exchangeable): a resume in flight has asked already. */
         if (a->device == device && a->state == TMS_PAUSED && !a->moving && !a->adopted && a->handle_types)
             paused += a->reserved;
     }

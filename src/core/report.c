@@ -1,4 +1,4 @@
-/* What a pause or resume did, per device: allocations it changed, bytes released or mapped, copied and skipped, free memory around it, memory receivers may still map, memory kept for, and borrowed from, other processes. */
+/* What a pause or resume did, per device: allocations it changed, bytes released or mapped, copied and skipped, free memory around it, memory receivers may still map, memory kept for, and taken from, other processes. */
 #include "core/core_internal.h"
 
 #include <stdio.h>

@@ -212,8 +212,8 @@ int tms_core_resume_moves(const char *const *tags, size_t n_tags, const struct t
     struct tms_move **order = calloc(n, sizeof *order);
     for (size_t i = 0; order && i < n; i++) order[i] = &m[i];
     /* Each allocation's memory planned first, from what the provider keeps or
-     * gets from other processes (lend.c); its map uses the plan. */
-    if (order) tms_lend_plan(drv, order, n, args);
+     * gets from other processes (provide.c); its map uses the plan. */
+    if (order) tms_extents_plan(drv, order, n, args);
     uint64_t verify_ns = 0;
     rc = order ? tms_core_restore_moves(drv, order, n, retain, &verify_ns, err)
                : tms_fail(err, TMS_E_HOST_OOM, 0, "out of host memory planning the resume of %zu allocations", n);
@@ -222,7 +222,7 @@ int tms_core_resume_moves(const char *const *tags, size_t n_tags, const struct t
     if (!rc) rc = filled;
     if (args->report) args->report->verify_ns = verify_ns;
     for (size_t i = 0; i < n; i++)
-        if (m[i].state == TMS_PAUSED && m[i].a->n_ext) tms_lend_unplan(drv, m[i].a);  /* never mapped */
+        if (m[i].state == TMS_PAUSED && m[i].a->n_ext) tms_extents_unplan(drv, m[i].a);  /* never mapped */
     for (size_t i = 0; i < n; i++)
         if (m[i].b.copy && m[i].b.retain) tms_backup_kept(m[i].b.copy, 1);
     uint64_t ns = tms_core_now_ns() - start;

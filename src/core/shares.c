@@ -25,7 +25,7 @@ static int token_unset(const unsigned char *token)
 }
 
 /* Its extents are its plain chunks, all its own: described as chunks, as
- * before any lending; else handle by handle, with each one's length. */
+ * before any came from a provider; else handle by handle, with each one's length. */
 static int plain(const struct tms_alloc *a)
 {
     if (a->n_ext != a->n_chunks) return 0;
@@ -120,8 +120,8 @@ int tms_core_share_attach(uint64_t va, const unsigned char *token, int pid, int 
     }
     tms_table_unlock();
     if (rc) return rc;
-    /* Lent memory's provider hears of the receiver first: its lender must
-     * never use that memory again once another process may map it. */
+    /* The provider of memory that came from it hears of the receiver first:
+     * nobody may use that memory again once another process may map it. */
     for (int i = 0; i < out->n_chunks; i++)
         if (ext[i].from.kind == TMS_MEM_LENT && lent_fd) (void)lent_fd(ext[i].from.id, pid, NULL, NULL);
     int exported = 0;

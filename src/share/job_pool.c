@@ -291,7 +291,7 @@ int tms_job_keep_fd(void)
 
 void tms_job_status(int device, size_t *demand, size_t *idle)
 {
-    size_t paused = tms_core_paused_lendable(device), kept = 0;
+    size_t paused = tms_core_paused_demand(device), kept = 0;
     lock();
     for (size_t i = 0; i < n_pool; i++)
         kept += pool[i].device == device && pool[i].state == IDLE && !pool[i].spent ? pool[i].size : 0;

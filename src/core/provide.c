@@ -17,7 +17,7 @@ static int receivers_may_map(const struct tms_alloc *a)
     return marked;
 }
 
-void tms_lend_let_go(const struct tms_driver *drv, struct tms_move *m, size_t n, const unsigned char *unmapped,
+void tms_provide_let_go(const struct tms_driver *drv, struct tms_move *m, size_t n, const unsigned char *unmapped,
                      const struct tms_op_args *args, int *rc, struct tms_err *err)
 {
     struct tms_give *items = tms_extents_provider() ? calloc(n ? n : 1, sizeof *items) : NULL;
@@ -26,7 +26,7 @@ void tms_lend_let_go(const struct tms_driver *drv, struct tms_move *m, size_t n,
     for (size_t i = 0; items && i < n; i++) {
         struct tms_alloc *a = m[i].a;
         if (!unmapped[i]) continue;
-        int keep = tms_extents_lendable(drv, a) && !receivers_may_map(a);
+        int keep = tms_extents_exchangeable(drv, a) && !receivers_may_map(a);
         items[k++] = (struct tms_give){.owner = a, .device = a->device, .paused = 1,
                                        .keep = keep ? TMS_KEEP_ASKED : TMS_KEEP_NONE,
                                        .ext = a->ext, .n_ext = a->n_ext,
@@ -51,7 +51,7 @@ void tms_lend_let_go(const struct tms_driver *drv, struct tms_move *m, size_t n,
     free(items);
 }
 
-void tms_lend_plan(const struct tms_driver *drv, struct tms_move *const *m, size_t n, const struct tms_op_args *args)
+void tms_extents_plan(const struct tms_driver *drv, struct tms_move *const *m, size_t n, const struct tms_op_args *args)
 {
     const struct tms_provider *p = tms_extents_provider();
     struct tms_provide *items = p ? calloc(n ? n : 1, sizeof *items) : NULL;
@@ -60,7 +60,7 @@ void tms_lend_plan(const struct tms_driver *drv, struct tms_move *const *m, size
     size_t k = 0;
     for (size_t i = 0; of && i < n; i++) {
         struct tms_alloc *a = m[i]->a;
-        if (a->n_ext || !tms_extents_lendable(drv, a)) continue;
+        if (a->n_ext || !tms_extents_exchangeable(drv, a)) continue;
         of[k] = a;
         items[k++] = (struct tms_provide){.owner = a, .device = a->device, .need = a->reserved,
                                           .report = tms_report_device(args, a->device)};
@@ -76,7 +76,7 @@ void tms_lend_plan(const struct tms_driver *drv, struct tms_move *const *m, size
             struct tms_extent *own = a->ext;
             int own_cap = a->ext_cap;
             a->ext = it->planned, a->ext_cap = a->n_ext = it->n_planned;
-            tms_lend_unplan(drv, a);
+            tms_extents_unplan(drv, a);
             a->ext = own, a->ext_cap = own_cap;
         }
         free(it->planned);
@@ -85,7 +85,7 @@ void tms_lend_plan(const struct tms_driver *drv, struct tms_move *const *m, size
     free(items);
 }
 
-void tms_lend_unplan(const struct tms_driver *drv, struct tms_alloc *a)
+void tms_extents_unplan(const struct tms_driver *drv, struct tms_alloc *a)
 {
     if (!a->n_ext) return;
     struct tms_give g = {.owner = a, .device = a->device, .keep = TMS_KEEP_ALL, .ext = a->ext, .n_ext = a->n_ext};
