@@ -722,6 +722,19 @@ def flooded_members(uid, gid):
     print("done")
 
 
+def lender_with_a_share_socket(a, b):
+    """B's backed-up 8 MiB paused, A's 8 MiB kept for B and A's share socket listening:
+    (a, b, B's pointer, its bytes, the path of A's share socket)."""
+    p = b.alloc("w", 8 * MiB, backup=True)
+    data = b.ask("fill", p, 8 * MiB)
+    b.pause()
+    a.alloc("kv", 8 * MiB)
+    a.ask("share", a.alloc("s", CHUNK))  # its share socket listens
+    assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
+    (share_socket,) = [os.path.join(place(), n) for n in os.listdir(place()) if n.startswith(f"s-{a.pid}-")]
+    return a, b, p, data, share_socket
+
+
 def share_socket_flooded():
     """A process of this user keeps a lending member's share socket flooded (its backlog
     full: the listener spent its refusals and rests) while another member resumes and
@@ -730,14 +743,7 @@ def share_socket_flooded():
     resume borrows all it needs and nobody times out. (Had the listeners one refusal
     window, the job socket would rest with the share socket for most of each window,
     and the calls would time out.)"""
-    a, b = Member(J, wait_ms=20), Member(J, wait_ms=20)
-    p = b.alloc("w", 8 * MiB, backup=True)
-    data = b.ask("fill", p, 8 * MiB)
-    b.pause()
-    a.alloc("kv", 8 * MiB)
-    a.ask("share", a.alloc("s", CHUNK))  # its share socket listens
-    assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
-    (share_socket,) = [os.path.join(place(), n) for n in os.listdir(place()) if n.startswith(f"s-{a.pid}-")]
+    a, b, p, data, share_socket = lender_with_a_share_socket(Member(J, wait_ms=20), Member(J, wait_ms=20))
     press = subprocess.Popen([sys.executable, PEERS, "presser", share_socket], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     assert press.stdout.readline() == "pressing\n"
@@ -771,20 +777,18 @@ def idle_connections_of_the_share_socket_leave_the_job_socket_room():
     socket: those that have not asked take at most their listener's share of the 16, so
     the member's job socket still takes the borrower's requests and every resume
     borrows all it needs."""
-    a, b = Member(J, nofile=64), Member(J)
-    p = b.alloc("w", 8 * MiB, backup=True)
-    data = b.ask("fill", p, 8 * MiB)
-    b.pause()
-    a.alloc("kv", 8 * MiB)
-    a.ask("share", a.alloc("s", CHUNK))  # its share socket listens
-    assert device(a.pause("kv"))["kept_bytes"] == 8 * MiB
+    a, b, p, data, share_socket = lender_with_a_share_socket(Member(J, nofile=64), Member(J))
 
     def sockets_of_a():
-        fds = os.listdir(f"/proc/{a.pid}/fd")
-        return sum(os.readlink(f"/proc/{a.pid}/fd/{fd}").startswith("socket:") for fd in fds if fd.isdigit())
+        n = 0
+        for fd in os.listdir(f"/proc/{a.pid}/fd"):
+            try:  # A's sender closes what it refuses while this looks
+                n += os.readlink(f"/proc/{a.pid}/fd/{fd}").startswith("socket:")
+            except FileNotFoundError:
+                pass
+        return n
 
     base = sockets_of_a()
-    (share_socket,) = [os.path.join(place(), n) for n in os.listdir(place()) if n.startswith(f"s-{a.pid}-")]
     floods = []
     for _ in range(4):
         f = subprocess.Popen([sys.executable, PEERS, "flooder", share_socket, "idle", "4"], stdin=subprocess.PIPE,
